@@ -1,0 +1,181 @@
+"""The store contract shared by the in-process tiered store and the daemon client.
+
+Two levels:
+
+* ``KVStoreBase`` works on chunk keys (``ChunkKey``) inside a ``Namespace``. The in-process
+  ``kvstore.store.ChunkStore`` and the remote ``kvstore.client.KVStoreClient`` both implement
+  it, so a connector can take either.
+* ``PrefixStore`` wraps any ``KVStoreBase`` with one namespace and speaks token ids: it turns a
+  prompt into chained chunk keys and (de)concatenates chunk tensors.
+
+Shapes: one chunk's KV is ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` in the
+namespace's dtype (see ``kvstore.layout``).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kvstore.keys import ChunkKey, Namespace
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """Result of a lookup: how many *leading* chunks of a prefix are stored, and where.
+
+    Attributes:
+        num_hit_chunks: leading chunks present (a lookup stops at the first missing chunk).
+        chunk_size: tokens per chunk.
+        tiers: tier name (``"gpu"``, ``"cpu"``, ``"disk"``, or ``"remote"``) of each hit chunk,
+            ``len(tiers) == num_hit_chunks``.
+        num_requested_chunks: chunks asked about.
+    """
+
+    num_hit_chunks: int
+    chunk_size: int
+    tiers: tuple[str, ...] = ()
+    num_requested_chunks: int = 0
+
+    @property
+    def num_hit_tokens(self) -> int:
+        return self.num_hit_chunks * self.chunk_size
+
+    @property
+    def hits_by_tier(self) -> dict[str, int]:
+        """Hit chunks per tier name."""
+        return dict(Counter(self.tiers))
+
+
+class KVStoreBase(ABC):
+    """Key-level store surface. Implementations are thread-safe.
+
+    Every method takes the ``Namespace`` the keys belong to; chunks of one namespace are never
+    visible through another (the namespace id is the first 16 bytes of every storage key).
+    """
+
+    @abstractmethod
+    def lookup_keys(self, ns: Namespace, keys: Sequence[ChunkKey]) -> LookupResult:
+        """Count the leading keys present. No side effects: no recency update, no pin.
+
+        The result is a hint: a chunk may be evicted before a later ``get_chunks``.
+        """
+
+    @abstractmethod
+    def get_chunks(self, ns: Namespace, keys: Sequence[ChunkKey]) -> list[torch.Tensor | None]:
+        """Read chunks. Each entry is a CPU (or store-device) tensor
+        ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` owned by the caller, or ``None``
+        for a miss (absent, evicted since lookup, or corrupt). Counts as an access (recency,
+        frequency) and may promote a chunk to a faster tier.
+        """
+
+    @abstractmethod
+    def put_chunks(self, ns: Namespace, keys: Sequence[ChunkKey],
+                   kvs: Sequence[torch.Tensor]) -> int:
+        """Store chunks; keys already present are skipped. Returns the number newly stored.
+
+        Raises:
+            ValueError: a tensor's shape or dtype does not match ``ns.layout`` (message names
+                expected and got), or ``len(keys) != len(kvs)``. Nothing is stored then.
+        """
+
+    @abstractmethod
+    def exists(self, ns: Namespace, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Presence of each key (no side effects)."""
+
+    @abstractmethod
+    def remove(self, ns: Namespace, keys: Sequence[ChunkKey]) -> int:
+        """Delete chunks from every tier. Returns the number removed. Pinned chunks are removed
+        once their last reader is done."""
+
+    @abstractmethod
+    def clear(self, ns: Namespace | None = None) -> int:
+        """Delete every chunk of ``ns`` (all namespaces if None). Returns the number removed."""
+
+    @abstractmethod
+    def pin(self, ns: Namespace, keys: Sequence[ChunkKey], lease_s: float | None = None) -> int:
+        """Pin chunks so no eviction policy evicts them (a ref count: two pins need two unpins).
+        With ``lease_s`` the pin expires by itself after that many seconds. Returns the number
+        of keys pinned (present ones)."""
+
+    @abstractmethod
+    def unpin(self, ns: Namespace, keys: Sequence[ChunkKey]) -> int:
+        """Drop one pin per key. Returns the number of keys unpinned."""
+
+    @abstractmethod
+    def stats(self) -> dict:
+        """JSON-able figures: per tier bytes used/capacity, chunk counts, hits, evictions..."""
+
+    def close(self) -> None:
+        """Release resources (flush disk writes). Idempotent."""
+
+
+class PrefixStore:
+    """Token-level view of a ``KVStoreBase`` for one namespace.
+
+    ``put(tokens, kv)`` stores the full chunks of ``kv`` (``kv.shape[2]`` tokens, the KV of
+    ``tokens[:kv.shape[2]]``); ``lookup(tokens)`` says how many leading tokens are stored;
+    ``get(tokens, n)`` returns their KV ``[num_layers, 2, n, num_kv_heads, head_dim]``.
+    """
+
+    def __init__(self, backend: KVStoreBase, ns: Namespace):
+        self.backend = backend
+        self.ns = ns
+        self.chunk_size = ns.layout.chunk_size
+
+    def keys(self, tokens: Sequence[int] | np.ndarray | torch.Tensor) -> list[ChunkKey]:
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.cpu().numpy()
+        return self.ns.chunk_keys(tokens)
+
+    def lookup(self, tokens) -> LookupResult:
+        """Leading tokens available (a multiple of chunk_size). No side effects."""
+        return self.backend.lookup_keys(self.ns, self.keys(tokens))
+
+    def get(self, tokens, num_tokens: int) -> torch.Tensor | None:
+        """KV of ``tokens[:num_tokens]`` (``num_tokens`` a multiple of chunk_size), or None if any
+        chunk is missing.
+
+        Raises:
+            ValueError: num_tokens not a multiple of chunk_size or beyond the full chunks.
+        """
+        if num_tokens % self.chunk_size or num_tokens > len(tokens):
+            raise ValueError(f"num_tokens={num_tokens} must be a multiple of chunk_size="
+                             f"{self.chunk_size} and <= len(tokens)={len(tokens)}")
+        keys = self.keys(tokens[:num_tokens])
+        if not keys:
+            return torch.empty(self.ns.layout.shape(0), dtype=self.ns.layout.torch_dtype)
+        chunks = self.backend.get_chunks(self.ns, keys)
+        if any(c is None for c in chunks):
+            return None
+        return torch.cat(chunks, dim=2)
+
+    def put(self, tokens, kv: torch.Tensor) -> int:
+        """Store the full chunks of ``kv`` ``[num_layers, 2, T, num_kv_heads, head_dim]``,
+        ``T <= len(tokens)``. Returns the number of chunks newly stored.
+
+        Raises:
+            ValueError: wrong shape/dtype or T > len(tokens).
+        """
+        lay = self.ns.layout
+        if kv.dim() != 5 or kv.shape[2] > len(tokens):
+            raise ValueError(f"KV shape mismatch: expected {list(lay.shape(len(tokens)))}-like "
+                             f"with at most {len(tokens)} tokens, got {list(kv.shape)}")
+        lay.validate(kv[:, :, :0], 0)
+        n = kv.shape[2] // self.chunk_size
+        keys = self.keys(tokens[:n * self.chunk_size])
+        kvs = [kv[:, :, i * self.chunk_size:(i + 1) * self.chunk_size] for i in range(n)]
+        return self.backend.put_chunks(self.ns, keys, kvs) if keys else 0
+
+    def remove(self, tokens) -> int:
+        return self.backend.remove(self.ns, self.keys(tokens))
+
+    def pin(self, tokens, lease_s: float | None = None) -> int:
+        return self.backend.pin(self.ns, self.keys(tokens), lease_s)
+
+    def unpin(self, tokens) -> int:
+        return self.backend.unpin(self.ns, self.keys(tokens))

@@ -1,0 +1,157 @@
+"""Chunk keys: a chained prefix hash of token ids, seeded by a namespace digest.
+
+Scheme (stable across processes, platforms and restarts; no environment setting):
+
+    seed     = H(b"kvstore-ns-v1" || canonical JSON of the namespace)       (namespace digest)
+    hash(-1) = seed
+    hash(i)  = H(hash(i-1) || uint32-LE token ids of chunk i)
+
+so ``hash(i)`` names chunk ``i`` *together with every token before it*. ``H`` is sha256 by
+default (collision resistant: keys are shared between tenants), ``blake2b`` (32-byte digest)
+on request, or ``xxh3_128`` for trusted single-tenant use only. Only full chunks get keys.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import xxhash
+
+from kvstore.layout import KVLayout
+
+HASH_ALGOS = ("sha256", "blake2b", "xxh3_128")
+
+
+def _hasher(algo: str) -> Callable[[bytes], bytes]:
+    if algo == "sha256":
+        return lambda b: hashlib.sha256(b).digest()
+    if algo == "blake2b":
+        return lambda b: hashlib.blake2b(b, digest_size=32).digest()
+    if algo == "xxh3_128":
+        return lambda b: xxhash.xxh3_128_digest(b)
+    raise ValueError(f"unknown hash algorithm {algo!r}; choose one of {HASH_ALGOS}")
+
+
+def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as uint32 little-endian bytes (4 bytes per token).
+
+    Raises:
+        ValueError: a token id is negative or does not fit in 32 bits.
+    """
+    arr = np.asarray(tokens, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
+    if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
+        raise ValueError("token ids must be in [0, 2**32)")
+    return arr.astype("<u4").tobytes()
+
+
+def chain_hashes(seed: bytes, tokens: Sequence[int] | np.ndarray, unit: int,
+                 algo: str = "sha256") -> list[bytes]:
+    """Chained hashes of each full ``unit``-token slice of ``tokens``.
+
+    ``out[i] = H(out[i-1] || tokens[i*unit:(i+1)*unit])`` with ``out[-1] = seed``.
+    Used for store chunks (unit = chunk_size) and the engine's block hashes (unit = block_size).
+    """
+    if unit <= 0:
+        raise ValueError(f"unit must be positive, got {unit}")
+    h = _hasher(algo)
+    raw = tokens_to_bytes(tokens)
+    step = 4 * unit
+    out: list[bytes] = []
+    prev = seed
+    for i in range(len(raw) // step):
+        prev = h(prev + raw[i * step:(i + 1) * step])
+        out.append(prev)
+    return out
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """What a chunk's KV depends on besides its tokens.
+
+    Two namespaces with any field different never share a key.
+
+    Attributes:
+        model_id: model name or path-independent identity (e.g. ``"HuggingFaceTB/SmolLM2-135M-Instruct"``).
+        revision: weights revision (a file digest or tag).
+        layout: KV layout (layers, heads, head_dim, dtype, chunk_size).
+        cache_salt: optional tenant salt; tenants with different salts never share chunks.
+        hash_algo: ``"sha256"`` (default), ``"blake2b"`` or ``"xxh3_128"``.
+    """
+
+    model_id: str
+    layout: KVLayout
+    revision: str = ""
+    cache_salt: str = ""
+    hash_algo: str = "sha256"
+
+    def __post_init__(self) -> None:
+        _hasher(self.hash_algo)  # validates
+
+    def to_dict(self) -> dict:
+        return {"model_id": self.model_id, "revision": self.revision,
+                "layout": self.layout.to_dict(), "cache_salt": self.cache_salt,
+                "hash_algo": self.hash_algo}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Namespace":
+        return cls(model_id=str(d["model_id"]), layout=KVLayout.from_dict(d["layout"]),
+                   revision=str(d.get("revision", "")), cache_salt=str(d.get("cache_salt", "")),
+                   hash_algo=str(d.get("hash_algo", "sha256")))
+
+    @property
+    def digest(self) -> bytes:
+        """32-byte seed of the hash chain (always sha256 of the canonical JSON)."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(b"kvstore-ns-v1" + blob).digest()
+
+    @property
+    def ns_id(self) -> bytes:
+        """16-byte namespace id, the prefix of every storage key of this namespace."""
+        return self.digest[:16]
+
+    def chunk_keys(self, tokens: Sequence[int] | np.ndarray) -> list["ChunkKey"]:
+        """Keys of the full chunks of ``tokens`` (``len(tokens) // chunk_size`` keys)."""
+        hashes = chain_hashes(self.digest, tokens, self.layout.chunk_size, self.hash_algo)
+        ns = self.ns_id
+        return [ChunkKey(ns, h) for h in hashes]
+
+
+@dataclass(frozen=True, order=True)
+class ChunkKey:
+    """Key of one stored chunk: namespace id + chained prefix hash.
+
+    Attributes:
+        ns_id: 16-byte namespace id (``Namespace.ns_id``).
+        prefix_hash: 32 bytes (sha256/blake2b) or 16 bytes (xxh3_128).
+
+    ``bytes(key)`` (= ns_id || prefix_hash) is the storage key on disk and on the wire.
+    """
+
+    ns_id: bytes
+    prefix_hash: bytes = field(compare=True)
+
+    def __post_init__(self) -> None:
+        if len(self.ns_id) != 16:
+            raise ValueError(f"ns_id must be 16 bytes, got {len(self.ns_id)}")
+        if len(self.prefix_hash) not in (16, 32):
+            raise ValueError(f"prefix_hash must be 16 or 32 bytes, got {len(self.prefix_hash)}")
+
+    def __bytes__(self) -> bytes:
+        return self.ns_id + self.prefix_hash
+
+    @classmethod
+    def from_bytes(cls, b: bytes) -> "ChunkKey":
+        if len(b) not in (32, 48):
+            raise ValueError(f"a chunk key is 32 or 48 bytes, got {len(b)}")
+        return cls(bytes(b[:16]), bytes(b[16:]))
+
+    def hex(self) -> str:
+        return bytes(self).hex()
+
+    def __repr__(self) -> str:
+        return f"ChunkKey({self.ns_id.hex()[:8]}:{self.prefix_hash.hex()[:12]})"
