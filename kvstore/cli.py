@@ -1,0 +1,200 @@
+"""``kvstore`` command line: ``serve``, ``stats URL``, ``clear URL``, ``inspect DISK_PATH``.
+
+Exit codes: 0 success, 1 runtime failure (server unreachable, error answer), 2 bad usage or
+configuration.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from typing import Any, Sequence
+
+from kvstore.units import format_size
+
+log = logging.getLogger("kvstore.cli")
+
+
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="run the shared KV-cache daemon",
+                       description="Flags override KVSTORE_* environment variables, which "
+                                   "override the --config file.")
+    p.add_argument("--config", help="YAML or TOML settings file (also $KVSTORE_CONFIG)")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="TCP port (default 8500; 0 = any free port)")
+    p.add_argument("--cpu-bytes", help="CPU tier capacity, e.g. 8GiB (default 1GiB)")
+    p.add_argument("--gpu-bytes", help="GPU tier capacity (default 0: no GPU tier)")
+    p.add_argument("--device", help="device of the GPU tier (default cuda)")
+    p.add_argument("--disk-path", help="lmdb directory of the disk tier")
+    p.add_argument("--disk-bytes", help="disk tier capacity (default 0: no disk tier)")
+    p.add_argument("--policy", help="eviction policy of every tier: lru, lfu, fifo, s3fifo")
+    p.add_argument("--auth-token", help="bearer token clients must send (also "
+                                        "$KVSTORE_AUTH_TOKEN)")
+    p.add_argument("--insecure", action="store_const", const=True,
+                   help="allow a non-loopback bind without --auth-token")
+    p.add_argument("--log-level", help="debug, info, warning, error (default info)")
+    p.add_argument("--max-body-bytes", help="largest request body (default 1GiB); larger -> 413")
+    p.add_argument("--max-batch-keys", type=int, help="most keys per request (default 1024)")
+    p.add_argument("--request-timeout-s", type=float, help="per-request limit (default 60)")
+    p.add_argument("--max-lease-s", type=float, help="longest pin lease (default 300)")
+    p.add_argument("--shutdown-timeout-s", type=float,
+                   help="SIGTERM waits this long for in-flight requests (default 30)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvstore`` argument parser (subcommands serve, stats, clear, inspect)."""
+    ap = argparse.ArgumentParser(prog="kvstore", description="Tiered, shared KV-cache store.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    _serve_parser(sub)
+    for name, text in (("stats", "print a running server's statistics as a table"),
+                       ("clear", "delete chunks on a running server")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("url", help="server URL, e.g. http://127.0.0.1:8500")
+        p.add_argument("--auth-token", default=os.environ.get("KVSTORE_AUTH_TOKEN"))
+        p.add_argument("--timeout-s", type=float, default=5.0)
+        if name == "stats":
+            p.add_argument("--json", action="store_true", help="raw JSON instead of a table")
+        else:
+            p.add_argument("--namespace", help="clear only this namespace (JSON of "
+                                               "Namespace.to_dict(), or @FILE); default: all")
+    p = sub.add_parser("inspect", help="what a disk tier holds (offline, read-only)")
+    p.add_argument("disk_path")
+    p.add_argument("--json", action="store_true", help="JSON instead of a table")
+    p.add_argument("--limit", type=int, default=20, help="chunks listed (default 20; 0 = all)")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvstore`` console script and ``python -m kvstore``."""
+    args = build_parser().parse_args(argv)
+    try:
+        return {"serve": cmd_serve, "stats": cmd_stats, "clear": cmd_clear,
+                "inspect": cmd_inspect}[args.cmd](args)
+    except ValueError as e:
+        print(f"kvstore {args.cmd}: {e}", file=sys.stderr)
+        return 2
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvstore import serve_config
+    flags = {k: v for k, v in vars(args).items() if k in serve_config.FIELDS}
+    cfg = serve_config.resolve(flags, config_file=args.config)
+    logging.basicConfig(level=cfg.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    store = build_store(cfg)
+    try:
+        asyncio.run(_serve(cfg, store))
+    finally:
+        log.info("closing the store (flushing disk writes)")
+        store.close()
+    log.info("stopped")
+    return 0
+
+
+def build_store(cfg) -> Any:
+    """The ``ChunkStore`` for a ``ServeConfig``."""
+    from kvstore.config import StoreConfig
+    from kvstore.store import ChunkStore
+    return ChunkStore(StoreConfig(**cfg.store_config_kwargs()))
+
+
+async def _serve(cfg, store) -> None:
+    from kvstore.server import ServerLimits, create_app, serve_until_signal
+    limits = ServerLimits(auth_token=cfg.auth_token, max_body_bytes=cfg.max_body_bytes,
+                          max_batch_keys=cfg.max_batch_keys,
+                          request_timeout_s=cfg.request_timeout_s, max_lease_s=cfg.max_lease_s)
+    app = create_app(store, limits)
+
+    def on_listen(bound) -> None:
+        # One parseable line on stdout: scripts and tests wait for it (and read the port).
+        print(f"kvstore serve: listening on http://{bound[0]}:{bound[1]}", flush=True)
+    await serve_until_signal(app, cfg.host, cfg.port, shutdown_timeout_s=cfg.shutdown_timeout_s,
+                             on_listen=on_listen)
+
+
+def _client(args):
+    from kvstore.client import KVStoreClient
+    return KVStoreClient(args.url, auth_token=args.auth_token, timeout_s=args.timeout_s)
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from kvstore.client import RemoteError, StoreUnavailable
+    try:
+        with _client(args) as c:
+            st = c.stats()
+    except (StoreUnavailable, RemoteError) as e:
+        print(f"kvstore stats: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(st, indent=2, sort_keys=True) if args.json else format_table(st))
+    return 0
+
+
+def cmd_clear(args: argparse.Namespace) -> int:
+    from kvstore.client import RemoteError, StoreUnavailable
+    from kvstore.keys import Namespace
+    ns = None
+    if args.namespace:
+        text = args.namespace
+        if text.startswith("@"):
+            with open(text[1:]) as f:
+                text = f.read()
+        try:
+            ns = Namespace.from_dict(json.loads(text))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"bad --namespace: {e!r}") from None
+    try:
+        with _client(args) as c:
+            n = c.clear(ns)
+    except (StoreUnavailable, RemoteError) as e:
+        print(f"kvstore clear: {e}", file=sys.stderr)
+        return 1
+    print(f"removed {n} chunks" + ("" if ns else " (all namespaces)"))
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from kvstore.inspect_disk import inspect_disk
+    report = inspect_disk(args.disk_path, limit=args.limit)
+    print(json.dumps(report, indent=2, sort_keys=True) if args.json else format_table(report))
+    return 0
+
+
+def flatten(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """``{"a": {"b": 1}}`` -> ``[("a.b", 1)]`` (lists of scalars stay whole)."""
+    if isinstance(obj, dict):
+        rows = []
+        for k in obj:
+            rows += flatten(obj[k], f"{prefix}.{k}" if prefix else str(k))
+        return rows
+    if isinstance(obj, list) and obj and all(isinstance(x, dict) for x in obj):
+        rows = []
+        for i, x in enumerate(obj):
+            rows += flatten(x, f"{prefix}[{i}]")
+        return rows
+    return [(prefix, obj)]
+
+
+def _fmt(name: str, value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if name.endswith("bytes") and isinstance(value, int):
+        return f"{value:,} ({format_size(value)})" if value >= 1024 else f"{value}"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def format_table(obj: dict) -> str:
+    """Two-column text table of a nested dict; byte fields also shown as ``8GiB``."""
+    rows = [(k, _fmt(k, v)) for k, v in flatten(obj)]
+    width = max((len(k) for k, _ in rows), default=0)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

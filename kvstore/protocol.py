@@ -1,0 +1,270 @@
+"""Wire format of the kvstore daemon (protocol version 1). Pure functions, no I/O.
+
+Control requests (lookup, exists, get, remove, clear, pin, unpin) are small JSON bodies
+(``application/json``); keys travel as lowercase hex of ``bytes(ChunkKey)``. Tensor payloads
+travel only as raw bytes inside a *binary message* (``application/x-kvstore``)::
+
+    offset 0   magic      4 bytes   b"KVS" + version byte (0x01)
+    offset 4   hdr_len    uint32 LE length of the JSON header (<= MAX_HEADER_BYTES)
+    offset 8   header     hdr_len bytes of UTF-8 JSON (see below)
+    then       payloads   one per *present* chunk entry, in header order, each exactly
+                          entry["nbytes"] bytes, no padding, no separators
+
+Header of a put request body::
+
+    {"namespace": Namespace.to_dict(), "durable": bool,
+     "chunks": [{"key": hex, "nbytes": int, "dtype": "float16",
+                 "shape": [L, 2, T, H, D], "xxh3": 16-hex xxh3_64 of the payload}, ...]}
+
+Header of a get response body (``found: false`` entries carry no payload)::
+
+    {"chunks": [{"key": hex, "found": true, "nbytes": ..., "dtype": ..., "shape": ...,
+                 "xxh3": ...}, {"key": hex, "found": false}, ...]}
+
+Every request and response also carries ``X-KVStore-Protocol: 1``. A request naming an
+unsupported version is refused with 400. Errors are JSON ``{"error": str, "status": int}``.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import xxhash
+
+from kvstore.keys import ChunkKey, Namespace
+from kvstore.layout import KVLayout, dtype_name
+
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+MAGIC = b"KVS" + bytes([PROTOCOL_VERSION])
+PREAMBLE = struct.Struct("<4sI")  # magic, header length
+PREAMBLE_BYTES = PREAMBLE.size  # 8
+MAX_HEADER_BYTES = 16 << 20
+VERSION_HEADER = "X-KVStore-Protocol"
+NAMESPACE_HEADER = "X-KVStore-Namespace"
+BINARY_CONTENT_TYPE = "application/x-kvstore"
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the wire format (maps to HTTP 400, or ``status``)."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class ChunkEntry:
+    """One chunk's header entry: key, payload size, dtype, shape and checksum.
+
+    ``found`` is False only in get responses for missing keys (then no payload follows).
+    """
+
+    key: ChunkKey
+    nbytes: int = 0
+    dtype: str = ""
+    shape: tuple[int, ...] = ()
+    xxh3: str = ""
+    found: bool = True
+
+    def to_dict(self) -> dict:
+        if not self.found:
+            return {"key": self.key.hex(), "found": False}
+        return {"key": self.key.hex(), "found": True, "nbytes": self.nbytes,
+                "dtype": self.dtype, "shape": list(self.shape), "xxh3": self.xxh3}
+
+
+def checksum(buf: bytes | memoryview) -> str:
+    """xxh3_64 of a payload as 16 lowercase hex digits."""
+    return xxhash.xxh3_64_hexdigest(buf)
+
+
+def tensor_bytes(kv: torch.Tensor) -> memoryview:
+    """Zero-copy byte view of a CPU tensor (made contiguous first if needed)."""
+    kv = kv.detach()
+    if kv.device.type != "cpu":
+        kv = kv.cpu()
+    kv = kv.contiguous()
+    return memoryview(kv.view(torch.uint8).reshape(-1).numpy())
+
+
+def entry_for(key: ChunkKey, kv: torch.Tensor) -> tuple[ChunkEntry, memoryview]:
+    """Header entry and payload view of one chunk tensor."""
+    view = tensor_bytes(kv)
+    return ChunkEntry(key, view.nbytes, dtype_name(kv.dtype), tuple(kv.shape),
+                      checksum(view)), view
+
+
+def encode_preamble_and_header(header: dict) -> bytes:
+    """``MAGIC | uint32 len | JSON`` for a binary message header."""
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    if len(blob) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(blob)} bytes exceeds {MAX_HEADER_BYTES}")
+    return PREAMBLE.pack(MAGIC, len(blob)) + blob
+
+
+def decode_preamble(buf: bytes) -> int:
+    """Header length from the 8-byte preamble.
+
+    Raises:
+        ProtocolError: bad magic, unsupported version, or a header length out of range.
+    """
+    if len(buf) != PREAMBLE_BYTES:
+        raise ProtocolError(f"truncated preamble: {len(buf)} of {PREAMBLE_BYTES} bytes")
+    magic, hdr_len = PREAMBLE.unpack(buf)
+    if magic[:3] != MAGIC[:3]:
+        raise ProtocolError(f"bad magic {magic!r}; expected {MAGIC!r}")
+    if magic[3] not in SUPPORTED_VERSIONS:
+        raise ProtocolError(f"unsupported protocol version {magic[3]}; "
+                            f"supported: {list(SUPPORTED_VERSIONS)}")
+    if not 2 <= hdr_len <= MAX_HEADER_BYTES:
+        raise ProtocolError(f"header length {hdr_len} out of range [2, {MAX_HEADER_BYTES}]")
+    return hdr_len
+
+
+def parse_json(blob: bytes | str, what: str = "body") -> dict:
+    """Decode a JSON object. Raises ProtocolError on malformed JSON or a non-object."""
+    try:
+        obj = json.loads(blob)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProtocolError(f"malformed JSON in {what}: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"{what} must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def check_version(value: str | None) -> None:
+    """Validate an ``X-KVStore-Protocol`` header value (absent means the current version)."""
+    if value is None:
+        return
+    try:
+        v = int(value)
+    except ValueError:
+        raise ProtocolError(f"bad {VERSION_HEADER} header {value!r}") from None
+    if v not in SUPPORTED_VERSIONS:
+        raise ProtocolError(f"unsupported protocol version {v}; "
+                            f"supported: {list(SUPPORTED_VERSIONS)}")
+
+
+def parse_namespace(obj: Any) -> Namespace:
+    """Namespace from its ``to_dict()`` form. Raises ProtocolError naming the problem."""
+    if not isinstance(obj, dict):
+        raise ProtocolError("missing or non-object 'namespace'")
+    try:
+        return Namespace.from_dict(obj)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProtocolError(f"bad namespace: {e!r}") from None
+
+
+def parse_key(ns: Namespace, value: Any) -> ChunkKey:
+    """A hex key that must belong to ``ns`` (tenant isolation: ns_id prefix must match)."""
+    if not isinstance(value, str):
+        raise ProtocolError(f"key must be a hex string, got {type(value).__name__}")
+    try:
+        key = ChunkKey.from_bytes(bytes.fromhex(value))
+    except ValueError as e:
+        raise ProtocolError(f"bad key {value[:100]!r}: {e}") from None
+    if key.ns_id != ns.ns_id:
+        raise ProtocolError(f"key {value[:16]}... does not belong to the request's namespace")
+    return key
+
+
+def parse_keys(ns: Namespace, values: Any, max_keys: int) -> list[ChunkKey]:
+    """List of hex keys, at most ``max_keys`` (413 beyond). Raises ProtocolError."""
+    if not isinstance(values, list):
+        raise ProtocolError("'keys' must be a list of hex strings")
+    if len(values) > max_keys:
+        raise ProtocolError(f"{len(values)} keys exceed the limit of {max_keys} per batch", 413)
+    return [parse_key(ns, v) for v in values]
+
+
+def key_request(ns: Namespace, keys: Sequence[ChunkKey], **extra: Any) -> bytes:
+    """JSON body of a control request (lookup/exists/get/remove/pin/unpin)."""
+    body = {"namespace": ns.to_dict(), "keys": [k.hex() for k in keys], **extra}
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def parse_put_header(header: dict, max_keys: int) -> tuple[Namespace, list[ChunkEntry], bool]:
+    """Validate a put header against its namespace layout, before any payload is read.
+
+    Returns:
+        (namespace, entries, durable)
+
+    Raises:
+        ProtocolError: missing fields, a key of another namespace, a duplicate key, a dtype,
+            shape or nbytes that does not match ``namespace.layout``, or too many chunks (413).
+    """
+    ns = parse_namespace(header.get("namespace"))
+    chunks = header.get("chunks")
+    if not isinstance(chunks, list) or not chunks:
+        raise ProtocolError("'chunks' must be a non-empty list")
+    if len(chunks) > max_keys:
+        raise ProtocolError(f"{len(chunks)} chunks exceed the limit of {max_keys} per batch", 413)
+    layout = ns.layout
+    entries = [_parse_put_entry(ns, layout, c) for c in chunks]
+    if len({e.key for e in entries}) != len(entries):
+        raise ProtocolError("duplicate key in one put batch")
+    durable = header.get("durable", False)
+    if not isinstance(durable, bool):
+        raise ProtocolError("'durable' must be a boolean")
+    return ns, entries, durable
+
+
+def _parse_put_entry(ns: Namespace, layout: KVLayout, c: Any) -> ChunkEntry:
+    if not isinstance(c, dict):
+        raise ProtocolError("each chunk entry must be a JSON object")
+    key = parse_key(ns, c.get("key"))
+    nbytes, dtype, shape, xxh = c.get("nbytes"), c.get("dtype"), c.get("shape"), c.get("xxh3")
+    if dtype != layout.dtype:
+        raise ProtocolError(f"dtype mismatch: layout has {layout.dtype}, chunk says {dtype!r}")
+    if not isinstance(shape, list) or tuple(shape) != layout.shape():
+        raise ProtocolError(f"shape mismatch: expected {list(layout.shape())}, got {shape!r}")
+    if nbytes != layout.chunk_bytes:
+        raise ProtocolError(f"nbytes mismatch: layout needs {layout.chunk_bytes}, "
+                            f"chunk says {nbytes!r}")
+    if not isinstance(xxh, str) or len(xxh) != 16:
+        raise ProtocolError(f"'xxh3' must be 16 hex digits, got {xxh!r}")
+    return ChunkEntry(key, nbytes, dtype, tuple(shape), xxh.lower())
+
+
+def put_header(ns: Namespace, entries: Sequence[ChunkEntry], durable: bool = False) -> bytes:
+    """Preamble + header of a put request body (payloads follow, in entry order)."""
+    return encode_preamble_and_header({"namespace": ns.to_dict(), "durable": durable,
+                                       "chunks": [e.to_dict() for e in entries]})
+
+
+def get_response_header(entries: Sequence[ChunkEntry]) -> bytes:
+    """Preamble + header of a get response body."""
+    return encode_preamble_and_header({"chunks": [e.to_dict() for e in entries]})
+
+
+def parse_get_response_header(header: dict, ns: Namespace,
+                              keys: Sequence[ChunkKey]) -> list[ChunkEntry]:
+    """Validate a get response header against the request (same keys, in order, and the
+    namespace layout for found entries). Raises ProtocolError."""
+    chunks = header.get("chunks")
+    if not isinstance(chunks, list) or len(chunks) != len(keys):
+        raise ProtocolError(f"get response lists {len(chunks) if isinstance(chunks, list) else 0}"
+                            f" chunks for {len(keys)} keys")
+    out = []
+    for key, c in zip(keys, chunks):
+        if not isinstance(c, dict) or c.get("key") != key.hex():
+            raise ProtocolError("get response keys do not match the request")
+        if not c.get("found"):
+            out.append(ChunkEntry(key, found=False))
+            continue
+        out.append(_parse_put_entry(ns, ns.layout, c))
+    return out
+
+
+def payload_total(entries: Sequence[ChunkEntry]) -> int:
+    """Sum of the payload bytes of present entries."""
+    return sum(e.nbytes for e in entries if e.found)
+
+
+def error_body(message: str, status: int) -> dict:
+    """JSON error object sent with every non-2xx response."""
+    return {"error": message, "status": status}

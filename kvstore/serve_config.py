@@ -1,0 +1,164 @@
+"""Configuration of ``kvstore serve``: command-line flags > ``KVSTORE_*`` env vars > a YAML/TOML
+file > defaults.
+
+The file holds the same field names (``cpu_bytes: 8GiB``, dashes or underscores), at top level
+or under a ``serve`` table. Each environment variable is the field name upper-cased with the
+``KVSTORE_`` prefix (``KVSTORE_CPU_BYTES=8GiB``); ``KVSTORE_CONFIG`` names the file.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from kvstore.units import parse_size
+
+ENV_PREFIX = "KVSTORE_"
+LOOPBACK_NAMES = ("localhost",)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything ``kvstore serve`` needs. Sizes are bytes (text like ``"8GiB"`` accepted).
+
+    Attributes:
+        host, port: bind address (default loopback ``127.0.0.1:8500``; port 0 = any free port).
+        cpu_bytes, gpu_bytes, disk_bytes: tier capacities (0 = tier absent).
+        disk_path: lmdb directory of the disk tier.
+        device: device of the GPU tier (``cuda``, ``cuda:1``).
+        policy: eviction policy of every tier (``lru``, ``lfu``, ``fifo``, ``s3fifo``).
+        auth_token: bearer token required by the server.
+        insecure: allow a non-loopback bind without a token.
+        log_level: ``debug``/``info``/``warning``/``error``.
+        max_body_bytes, max_batch_keys, request_timeout_s, max_lease_s: see
+            ``kvstore.server.ServerLimits``.
+        shutdown_timeout_s: how long SIGTERM waits for in-flight requests (seconds).
+
+    Raises:
+        ValueError: a bad size, port, log level, or a non-loopback bind without
+            ``auth_token`` or ``insecure``.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8500
+    cpu_bytes: int | str = "1GiB"
+    gpu_bytes: int | str = 0
+    disk_bytes: int | str = 0
+    disk_path: str | None = None
+    device: str = "cuda"
+    policy: str = "lru"
+    auth_token: str | None = None
+    insecure: bool = False
+    log_level: str = "info"
+    max_body_bytes: int | str = "1GiB"
+    max_batch_keys: int = 1024
+    request_timeout_s: float = 60.0
+    max_lease_s: float = 300.0
+    shutdown_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_bytes", "gpu_bytes", "disk_bytes", "max_body_bytes"):
+            object.__setattr__(self, name, parse_size(getattr(self, name)))
+        for name, typ in (("port", int), ("max_batch_keys", int), ("request_timeout_s", float),
+                          ("max_lease_s", float), ("shutdown_timeout_s", float)):
+            object.__setattr__(self, name, typ(getattr(self, name)))
+        object.__setattr__(self, "insecure", _to_bool(self.insecure))
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+            raise ValueError(f"unknown log level {self.log_level!r}")
+        if self.max_batch_keys <= 0 or self.max_body_bytes <= 0:
+            raise ValueError("max_batch_keys and max_body_bytes must be positive")
+        if not (self.auth_token or self.insecure or is_loopback(self.host)):
+            raise ValueError(f"refusing to bind non-loopback address {self.host!r} without "
+                             "--auth-token (or --insecure to accept unauthenticated access)")
+
+    def store_config_kwargs(self) -> dict:
+        """Keyword arguments of ``kvstore.config.StoreConfig`` for these tiers."""
+        return {"gpu_bytes": self.gpu_bytes, "cpu_bytes": self.cpu_bytes,
+                "disk_bytes": self.disk_bytes, "disk_path": self.disk_path,
+                "device": self.device if self.gpu_bytes else "cpu",
+                "gpu_policy": self.policy, "cpu_policy": self.policy,
+                "disk_policy": self.policy}
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP addresses (``127.0.0.0/8``, ``::1``)."""
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _to_bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if str(v).lower() in ("1", "true", "yes", "on"):
+        return True
+    if str(v).lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {v!r}")
+
+
+FIELDS = tuple(f.name for f in fields(ServeConfig))
+
+
+def load_file(path: str | os.PathLike) -> dict:
+    """Fields from a YAML (``.yaml``/``.yml``) or TOML (``.toml``) file.
+
+    Raises:
+        ValueError: unreadable/malformed file, or unknown field names.
+    """
+    p = Path(path)
+    text = p.read_text()
+    if p.suffix == ".toml":
+        import tomllib
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"malformed TOML in {p}: {e}") from None
+    else:
+        import yaml
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"malformed YAML in {p}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{p} must hold a mapping of settings")
+    if isinstance(data.get("serve"), dict):
+        data = data["serve"]
+    return _known(data, str(p))
+
+
+def _known(data: Mapping[str, Any], where: str) -> dict:
+    out = {str(k).replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(out) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"unknown settings {unknown} in {where}; known: {list(FIELDS)}")
+    return out
+
+
+def from_env(env: Mapping[str, str]) -> dict:
+    """Fields set by ``KVSTORE_<FIELD>`` variables (``KVSTORE_CONFIG`` excluded)."""
+    return {name: env[ENV_PREFIX + name.upper()] for name in FIELDS
+            if ENV_PREFIX + name.upper() in env}
+
+
+def resolve(flags: Mapping[str, Any], env: Mapping[str, str] | None = None,
+            config_file: str | None = None) -> ServeConfig:
+    """Merge the layers: ``flags`` (None values = not given) > env > file > defaults.
+
+    The file is ``config_file`` or else ``$KVSTORE_CONFIG``.
+    """
+    env = os.environ if env is None else env
+    merged: dict[str, Any] = {}
+    path = config_file or env.get(ENV_PREFIX + "CONFIG")
+    if path:
+        merged.update(load_file(path))
+    merged.update(from_env(env))
+    merged.update({k: v for k, v in _known(flags, "flags").items() if v is not None})
+    return ServeConfig(**merged)

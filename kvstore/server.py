@@ -1,0 +1,425 @@
+"""HTTP front of a ``KVStoreBase`` (aiohttp). No store logic: it validates, then calls the store.
+
+Routes (wire format in ``kvstore.protocol``):
+
+    GET  /healthz        200 while the process serves            (no auth)
+    GET  /readyz         200 when ready, 503 while draining      (no auth)
+    GET  /metrics        Prometheus text: the store's registry + server metrics
+    GET  /v1/stats       JSON: store.stats() plus a "server" section
+    POST /v1/lookup      JSON {namespace, keys}        -> {num_hit_chunks, chunk_size, tiers, ...}
+    POST /v1/exists      JSON {namespace, keys}        -> {exists: [bool]}
+    POST /v1/get         JSON {namespace, keys}        -> binary message; 404 if no key is found
+    POST /v1/put         binary message                -> {stored, num_chunks, durable}
+    POST /v1/remove      JSON {namespace, keys}        -> {removed}
+    POST /v1/clear       JSON {namespace} or {all: true} -> {removed}
+    POST /v1/pin         JSON {namespace, keys, lease_s} -> {pinned, lease_s}
+    POST /v1/unpin       JSON {namespace, keys}        -> {unpinned}
+
+Store calls run on a thread pool so a slow disk tier never blocks the event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from kvstore import protocol as P
+from kvstore.api import KVStoreBase
+
+log = logging.getLogger("kvstore.server")
+
+STORE_KEY = web.AppKey("store", KVStoreBase)
+STATE_KEY = web.AppKey("state", object)
+UNAUTHENTICATED = frozenset({"/healthz", "/readyz"})
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Per-server limits and security settings.
+
+    Attributes:
+        auth_token: bearer token required on every route except /healthz and /readyz
+            (None: no auth, loopback only unless the CLI was told ``--insecure``).
+        max_body_bytes: largest request body (bytes); larger -> 413.
+        max_batch_keys: most keys/chunks in one request; more -> 413.
+        request_timeout_s: wall-clock limit of one request (seconds); beyond -> 504.
+        max_lease_s: pins without a lease, or with a longer one, get this lease (seconds), so a
+            pin whose client vanished always expires.
+        store_threads: threads running store calls.
+    """
+
+    auth_token: str | None = None
+    max_body_bytes: int = 1 << 30
+    max_batch_keys: int = 1024
+    request_timeout_s: float = 60.0
+    max_lease_s: float = 300.0
+    store_threads: int = 4
+
+
+class _ServerState:
+    """Mutable per-app state: readiness, thread pool, server metrics."""
+
+    def __init__(self, limits: ServerLimits, store_registry: CollectorRegistry | None):
+        self.limits = limits
+        self.ready = True
+        self.pool = ThreadPoolExecutor(limits.store_threads, thread_name_prefix="kvstore-io")
+        self.registry = CollectorRegistry()
+        self.store_registry = store_registry
+        r = self.registry
+        self.requests = Counter("kvstore_server_requests_total", "HTTP requests by route and "
+                                "status", ["route", "status"], registry=r)
+        self.latency = Histogram("kvstore_server_request_duration_seconds", "Request latency",
+                                 ["route"], registry=r, buckets=(.0005, .001, .0025, .005, .01,
+                                                                 .025, .05, .1, .25, .5, 1, 2.5,
+                                                                 5, 10))
+        self.in_flight = Gauge("kvstore_server_requests_in_flight", "Requests being served",
+                               registry=r)
+        self.bytes_in = Counter("kvstore_server_received_bytes_total", "Payload bytes accepted "
+                                "by put", registry=r)
+        self.bytes_out = Counter("kvstore_server_sent_bytes_total", "Payload bytes sent by get",
+                                 registry=r)
+        self.rejected = Counter("kvstore_server_rejected_chunks_total", "Chunks refused by "
+                                "validation (checksum, layout)", ["reason"], registry=r)
+
+    async def call(self, fn: Callable, *args: Any) -> Any:
+        """Run a blocking store call on the store thread pool."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+
+def _json_error(message: str, status: int) -> web.Response:
+    return web.json_response(P.error_body(message, status), status=status,
+                             headers={P.VERSION_HEADER: str(P.PROTOCOL_VERSION)})
+
+
+def _token_ok(request: web.Request, token: str) -> bool:
+    got = request.headers.get("Authorization", "")
+    scheme, _, value = got.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(value.strip().encode(), token.encode())
+
+
+@web.middleware
+async def _middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Auth, protocol version, per-request timeout, JSON errors and metrics for every route."""
+    state: _ServerState = request.app[STATE_KEY]
+    route = request.match_info.route.resource.canonical if request.match_info.route.resource \
+        else "unmatched"
+    t0 = time.perf_counter()
+    state.in_flight.inc()
+    try:
+        resp = await _guarded(request, handler, state)
+    finally:
+        state.in_flight.dec()
+    state.requests.labels(route, str(resp.status)).inc()
+    state.latency.labels(route).observe(time.perf_counter() - t0)
+    return resp
+
+
+async def _guarded(request: web.Request, handler, state: _ServerState) -> web.StreamResponse:
+    limits = state.limits
+    if limits.auth_token and request.path not in UNAUTHENTICATED \
+            and not _token_ok(request, limits.auth_token):
+        return _json_error("missing or wrong bearer token", 401)
+    try:
+        P.check_version(request.headers.get(P.VERSION_HEADER))
+        async with asyncio.timeout(limits.request_timeout_s):
+            return await handler(request)
+    except P.ProtocolError as e:
+        return _json_error(str(e), e.status)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return _json_error(e.reason if e.text is None else e.text, e.status)
+    except TimeoutError:
+        return _json_error(f"request exceeded {limits.request_timeout_s} s", 504)
+    except (ConnectionResetError, asyncio.IncompleteReadError) as e:
+        log.info("client went away mid-request on %s: %r", request.path, e)
+        return _json_error(f"client went away: {e!r}", 400)
+    except Exception as e:  # noqa: BLE001 - the server stays up; the error goes to the client
+        log.exception("internal error on %s", request.path)
+        return _json_error(f"internal error: {type(e).__name__}: {e}", 500)
+
+
+async def _json_body(request: web.Request) -> dict:
+    if not request.body_exists:
+        raise P.ProtocolError("empty request body; expected a JSON object")
+    return P.parse_json(await request.read(), "request body")
+
+
+async def _ns_keys(request: web.Request):
+    body = await _json_body(request)
+    state: _ServerState = request.app[STATE_KEY]
+    ns = P.parse_namespace(body.get("namespace"))
+    keys = P.parse_keys(ns, body.get("keys"), state.limits.max_batch_keys)
+    return body, ns, keys
+
+
+def _ok(obj: dict) -> web.Response:
+    return web.json_response(obj, headers={P.VERSION_HEADER: str(P.PROTOCOL_VERSION)})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return _ok({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    state: _ServerState = request.app[STATE_KEY]
+    if not state.ready:
+        return _json_error("draining", 503)
+    return _ok({"status": "ready"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state: _ServerState = request.app[STATE_KEY]
+    text = generate_latest(state.registry)
+    if state.store_registry is not None:
+        text = generate_latest(state.store_registry) + text
+    return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def stats(request: web.Request) -> web.Response:
+    state: _ServerState = request.app[STATE_KEY]
+    out = dict(await state.call(request.app[STORE_KEY].stats))
+    out["server"] = {"protocol_version": P.PROTOCOL_VERSION, "ready": state.ready,
+                     "in_flight": int(state.in_flight._value.get()),
+                     "max_body_bytes": state.limits.max_body_bytes,
+                     "max_batch_keys": state.limits.max_batch_keys}
+    return _ok(out)
+
+
+async def lookup(request: web.Request) -> web.Response:
+    _, ns, keys = await _ns_keys(request)
+    res = await request.app[STATE_KEY].call(request.app[STORE_KEY].lookup_keys, ns, keys)
+    return _ok({"num_hit_chunks": res.num_hit_chunks, "chunk_size": res.chunk_size,
+                "tiers": list(res.tiers), "num_requested_chunks": res.num_requested_chunks})
+
+
+async def exists(request: web.Request) -> web.Response:
+    _, ns, keys = await _ns_keys(request)
+    found = await request.app[STATE_KEY].call(request.app[STORE_KEY].exists, ns, keys)
+    return _ok({"exists": [bool(x) for x in found]})
+
+
+async def remove(request: web.Request) -> web.Response:
+    _, ns, keys = await _ns_keys(request)
+    n = await request.app[STATE_KEY].call(request.app[STORE_KEY].remove, ns, keys)
+    return _ok({"removed": int(n)})
+
+
+async def clear(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    if body.get("all") is True:
+        ns = None
+    else:
+        ns = P.parse_namespace(body.get("namespace"))
+    n = await request.app[STATE_KEY].call(request.app[STORE_KEY].clear, ns)
+    return _ok({"removed": int(n)})
+
+
+async def pin(request: web.Request) -> web.Response:
+    body, ns, keys = await _ns_keys(request)
+    state: _ServerState = request.app[STATE_KEY]
+    lease = body.get("lease_s")
+    if lease is not None and (not isinstance(lease, (int, float)) or lease <= 0):
+        raise P.ProtocolError(f"lease_s must be a positive number, got {lease!r}")
+    lease = min(float(lease or state.limits.max_lease_s), state.limits.max_lease_s)
+    n = await state.call(request.app[STORE_KEY].pin, ns, keys, lease)
+    return _ok({"pinned": int(n), "lease_s": lease})
+
+
+async def unpin(request: web.Request) -> web.Response:
+    _, ns, keys = await _ns_keys(request)
+    n = await request.app[STATE_KEY].call(request.app[STORE_KEY].unpin, ns, keys)
+    return _ok({"unpinned": int(n)})
+
+
+async def get(request: web.Request) -> web.StreamResponse:
+    _, ns, keys = await _ns_keys(request)
+    state: _ServerState = request.app[STATE_KEY]
+    chunks = await state.call(request.app[STORE_KEY].get_chunks, ns, keys)
+    if all(c is None for c in chunks):
+        raise P.ProtocolError(f"none of the {len(keys)} keys is stored", 404)
+    entries, views = await state.call(_describe, keys, chunks)
+    head = P.get_response_header(entries)
+    resp = web.StreamResponse(headers={"Content-Type": P.BINARY_CONTENT_TYPE,
+                                       P.VERSION_HEADER: str(P.PROTOCOL_VERSION)})
+    total = sum(v.nbytes for v in views)
+    resp.content_length = len(head) + total
+    await resp.prepare(request)
+    await resp.write(head)
+    for v in views:
+        await resp.write(v)
+    await resp.write_eof()
+    state.bytes_out.inc(total)
+    return resp
+
+
+def _describe(keys, chunks):
+    entries, views = [], []
+    for k, c in zip(keys, chunks):
+        if c is None:
+            entries.append(P.ChunkEntry(k, found=False))
+            continue
+        e, v = P.entry_for(k, c)
+        entries.append(e)
+        views.append(v)
+    return entries, views
+
+
+async def put(request: web.Request) -> web.Response:
+    state: _ServerState = request.app[STATE_KEY]
+    ns, entries, durable, tensors = await _read_put(request, state)
+    store = request.app[STORE_KEY]
+    stored = await state.call(store.put_chunks, ns, [e.key for e in entries], tensors)
+    if durable:
+        await state.call(_flush, store)
+    state.bytes_in.inc(sum(e.nbytes for e in entries))
+    return _ok({"stored": int(stored), "num_chunks": len(entries), "durable": durable})
+
+
+def _flush(store: KVStoreBase) -> None:
+    """Wait until every acknowledged write of ``store`` is on disk (no-op without a disk)."""
+    flush = getattr(store, "flush", None)
+    if flush is not None:
+        flush()
+
+
+async def _read_put(request: web.Request, state: _ServerState):
+    """Read and validate a put body: header first, then each payload against its checksum.
+
+    Nothing is handed to the store until every payload has arrived and checked out.
+    """
+    limits = state.limits
+    declared = request.content_length
+    if declared is not None and declared > limits.max_body_bytes:
+        raise P.ProtocolError(f"body of {declared} bytes exceeds {limits.max_body_bytes}", 413)
+    if declared == 0 or not request.body_exists:
+        raise P.ProtocolError("empty put body")
+    reader = request.content
+    hdr_len = P.decode_preamble(await _read_exact(reader, P.PREAMBLE_BYTES))
+    header = P.parse_json(await _read_exact(reader, hdr_len), "put header")
+    ns, entries, durable = P.parse_put_header(header, limits.max_batch_keys)
+    expected = P.PREAMBLE_BYTES + hdr_len + P.payload_total(entries)
+    if expected > limits.max_body_bytes:
+        raise P.ProtocolError(f"body of {expected} bytes exceeds {limits.max_body_bytes}", 413)
+    if declared is not None and declared != expected:
+        raise P.ProtocolError(f"body is {declared} bytes but its header declares {expected}")
+    layout = ns.layout
+    tensors = []
+    for e in entries:
+        kv = torch.empty(layout.shape(), dtype=layout.torch_dtype)  # [L, 2, T, H, D]
+        view = memoryview(kv.view(torch.uint8).reshape(-1).numpy())
+        await _read_into(reader, view)
+        if P.checksum(view) != e.xxh3:
+            state.rejected.labels("checksum").inc()
+            raise P.ProtocolError(f"checksum mismatch for key {e.key.hex()[:16]}...; "
+                                  "nothing stored")
+        tensors.append(kv)
+    if declared is None and await reader.read(1):
+        raise P.ProtocolError("trailing bytes after the last declared payload")
+    return ns, entries, durable, tensors
+
+
+async def _read_exact(reader, n: int) -> bytes:
+    try:
+        return await reader.readexactly(n)
+    except asyncio.IncompleteReadError as e:
+        raise P.ProtocolError(f"truncated body: got {len(e.partial)} of {n} bytes") from None
+
+
+async def _read_into(reader, view: memoryview) -> None:
+    pos, n = 0, view.nbytes
+    while pos < n:
+        data = await reader.read(n - pos)
+        if not data:
+            raise P.ProtocolError(f"truncated payload: got {pos} of {n} bytes")
+        view[pos:pos + len(data)] = data
+        pos += len(data)
+
+
+def create_app(store: KVStoreBase, limits: ServerLimits | None = None,
+               store_registry: CollectorRegistry | None = None) -> web.Application:
+    """aiohttp application serving ``store``.
+
+    Args:
+        store: any ``KVStoreBase`` (thread-safe); the app never closes it (the caller owns it).
+        limits: see ``ServerLimits``.
+        store_registry: Prometheus registry of the store, exposed on /metrics next to the
+            server's own metrics (defaults to ``store.registry`` or ``store.metrics.registry``
+            when the store has one).
+    """
+    limits = limits or ServerLimits()
+    if store_registry is None:
+        store_registry = _find_registry(store)
+    app = web.Application(middlewares=[_middleware],
+                          client_max_size=min(limits.max_body_bytes, 64 << 20))
+    app[STORE_KEY] = store
+    state = _ServerState(limits, store_registry)
+    app[STATE_KEY] = state
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/stats", stats)
+    for name, fn in (("lookup", lookup), ("exists", exists), ("get", get), ("put", put),
+                     ("remove", remove), ("clear", clear), ("pin", pin), ("unpin", unpin)):
+        app.router.add_post(f"/v1/{name}", fn)
+
+    async def _shutdown_pool(app: web.Application) -> None:
+        state.pool.shutdown(wait=True)
+    app.on_cleanup.append(_shutdown_pool)
+    return app
+
+
+def _find_registry(store: Any) -> CollectorRegistry | None:
+    for path in (("registry",), ("metrics", "registry")):
+        obj = store
+        for attr in path:
+            obj = getattr(obj, attr, None)
+        if isinstance(obj, CollectorRegistry):
+            return obj
+    return None
+
+
+def set_ready(app: web.Application, ready: bool) -> None:
+    """Flip /readyz (False while draining on SIGTERM)."""
+    app[STATE_KEY].ready = ready
+
+
+async def serve_until_signal(app: web.Application, host: str, port: int, *,
+                             shutdown_timeout_s: float = 30.0, on_listen=None) -> None:
+    """Serve ``app`` until SIGTERM/SIGINT, then drain: /readyz turns 503, the listening socket
+    closes (no new connections), in-flight requests finish (up to ``shutdown_timeout_s``), and
+    the app's cleanup runs. The caller closes (flushes) the store afterwards.
+
+    Args:
+        on_listen: called with the bound ``(host, port)`` once listening (port 0 resolves).
+    """
+    import signal
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=shutdown_timeout_s,
+                           access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[:2]  # type: ignore[union-attr]
+    if on_listen is not None:
+        on_listen(bound)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        log.info("signal received: draining")
+        set_ready(app, False)
+    finally:
+        await runner.cleanup()
