@@ -1,0 +1,574 @@
+"""``python -m engine_min serve``: an OpenAI-compatible HTTP server over one ``LLMEngine``.
+
+Threads::
+
+    aiohttp event loop (handlers)  --submit/abort (SimpleQueue)-->  engine thread (EngineLoop)
+          ^                                                             | engine.step()
+          +------ per-request asyncio.Queue <- call_soon_threadsafe ----+
+
+The engine is synchronous and single-threaded, so exactly one thread (``EngineLoop``) owns it:
+it drains submitted and aborted requests, runs ``step()`` while requests are unfinished, and
+hands each ``RequestOutput`` to the asyncio queue of its request. Handlers validate and
+tokenize on the event loop, then wait on their queue. A client that disconnects (the handler
+is cancelled, or a write to the closed transport fails) gets its request aborted, which frees
+its KV blocks.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /debug/stats`` (the
+engine's ``stats()`` snapshot as JSON). Unknown model names get 404 (``model_not_found``);
+a request without ``model`` uses the served model.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from engine_min import api_protocol as proto
+from engine_min.server_metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+@dataclass
+class _Sink:
+    """Where one request's outputs go (owned by the engine thread after submit)."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrival_s: float
+    last_token_s: float | None = None
+
+
+class EngineLoop:
+    """Runs one engine on one dedicated thread; the only code that calls into the engine.
+
+    ``submit`` and ``abort`` are thread-safe and never block. Outputs (``RequestOutput``) are
+    put on the request's asyncio queue; if the request cannot be added or the engine fails,
+    an ``Exception`` is put there instead (an ``ApiError`` for a refused request).
+
+    Attributes:
+        stats: the latest ``engine.stats()`` snapshot (refreshed after every step or command).
+        error: the last exception raised by ``engine.step()``, or ``None``.
+    """
+
+    def __init__(self, engine: Any, metrics: ServerMetrics):
+        self.engine = engine
+        self.metrics = metrics
+        self.stats: dict = {}
+        self.error: BaseException | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}  # engine thread only
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> None:
+        self._refresh_stats()
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Abort everything in flight and join the thread."""
+        if self._thread.is_alive():
+            self._commands.put(_STOP)
+            self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], sampling: Any
+               ) -> asyncio.Queue:
+        """Queue a request; returns the asyncio queue (of the calling loop) its outputs go to."""
+        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic())
+        self._commands.put(("add", request_id, prompt_token_ids, sampling, sink))
+        return sink.queue
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if it already finished); its blocks are freed."""
+        self._commands.put(("abort", request_id))
+
+    # ---- engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            busy = self.engine.has_unfinished()
+            cmds = [self._commands.get()] if not busy else []
+            while True:
+                try:
+                    cmds.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            if any(c is _STOP for c in cmds):
+                self._shutdown()
+                return
+            for cmd in cmds:
+                self._apply(cmd)
+            if self.engine.has_unfinished():
+                self._step()
+            self._refresh_stats()
+
+    def _apply(self, cmd: tuple) -> None:
+        if cmd[0] == "abort":
+            self._sinks.pop(cmd[1], None)
+            self.engine.abort(cmd[1])
+            return
+        _, request_id, prompt_ids, sampling, sink = cmd
+        try:
+            self.engine.add_request(prompt_ids, sampling, request_id=request_id)
+        except ValueError as exc:
+            self._deliver(sink, proto.ApiError(str(exc)))
+            return
+        self._sinks[request_id] = sink
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # keep serving; fail the requests in flight
+            logger.exception("engine step failed; aborting %d requests", len(self._sinks))
+            self.error = exc
+            for request_id, sink in list(self._sinks.items()):
+                self._deliver(sink, RuntimeError(f"engine step failed: {exc!r}"))
+                self._safe_abort(request_id)
+            self._sinks.clear()
+            return
+        now = time.monotonic()
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            self._observe(sink, out, now)
+            if out.finished:
+                del self._sinks[out.request_id]
+            self._deliver(sink, out)
+
+    def _observe(self, sink: _Sink, out: Any, now: float) -> None:
+        num_new = len(out.new_token_ids)
+        if num_new:
+            if sink.last_token_s is None:
+                self.metrics.ttft.observe(now - sink.arrival_s)
+                self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
+            else:
+                self.metrics.itl.observe(now - sink.last_token_s)
+            sink.last_token_s = now
+            self.metrics.generation_tokens.inc(num_new)
+        if out.finished:
+            self.metrics.e2e.observe(now - sink.arrival_s)
+            self.metrics.request_success.labels(str(out.finish_reason)).inc()
+
+    def _deliver(self, sink: _Sink, item: Any) -> None:
+        try:
+            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: the server is going down
+            pass
+
+    def _safe_abort(self, request_id: str) -> None:
+        try:
+            self.engine.abort(request_id)
+        except Exception:
+            logger.exception("abort of %s failed", request_id)
+
+    def _refresh_stats(self) -> None:
+        try:
+            self.stats = dict(self.engine.stats())
+        except Exception:
+            logger.exception("engine.stats() failed")
+            return
+        self.metrics.update_from_stats(self.stats)
+
+    def _shutdown(self) -> None:
+        for request_id, sink in list(self._sinks.items()):
+            self._deliver(sink, RuntimeError("server shutting down"))
+            self._safe_abort(request_id)
+        self._sinks.clear()
+        self._refresh_stats()
+
+
+def _json_error(exc: proto.ApiError) -> web.Response:
+    return web.json_response(proto.error_body(exc.message, exc.type, exc.param, exc.code),
+                             status=exc.status)
+
+
+@dataclass
+class _Prepared:
+    """A validated, tokenized request ready for the engine."""
+
+    req: proto.ApiRequest
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: Any
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class OpenAIServing:
+    """The HTTP handlers; one per app.
+
+    Args:
+        loop: the ``EngineLoop`` owning the engine.
+        model_name: the name ``/v1/models`` lists and requests must use (or omit).
+        max_model_len: prompt + completion limit in tokens.
+    """
+
+    def __init__(self, engine_loop: EngineLoop, model_name: str, max_model_len: int):
+        self.engine_loop = engine_loop
+        self.engine = engine_loop.engine
+        self.tokenizer = self.engine.tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.vocab_size = self.engine.model_config.vocab_size
+        self.created = int(time.time())
+
+    # ---- request preparation ---------------------------------------------------------------
+    def _prepare(self, raw: bytes, kind: str) -> _Prepared:
+        from engine_min.sampler import SamplingParams
+
+        body = proto.loads_body(raw)
+        if kind == "chat":
+            req = proto.parse_chat_request(body)
+        else:
+            req = proto.parse_completion_request(body)
+        if req.model is not None and req.model != self.model_name:
+            raise proto.ApiError(f"The model `{req.model}` does not exist.", param="model",
+                                 code="model_not_found", status=404)
+        if req.kind == "chat":
+            text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
+            prompt_ids = list(self.tokenizer.encode(text))
+        elif isinstance(req.prompt, str):
+            prompt_ids = list(self.tokenizer.encode(req.prompt))
+        else:
+            prompt_ids = list(req.prompt)
+        if not prompt_ids:
+            raise proto.ApiError("The prompt encodes to zero tokens.", param="prompt",
+                                 code="empty_prompt")
+        max_tokens = proto.check_context(req, prompt_ids, self.max_model_len, self.vocab_size)
+        try:
+            sampling = SamplingParams(max_tokens=max_tokens, **req.sampling)
+        except (TypeError, ValueError) as exc:
+            raise proto.ApiError(f"Invalid sampling parameters: {exc}",
+                                 code="invalid_value") from exc
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        return _Prepared(req, f"{prefix}-{uuid.uuid4().hex}", prompt_ids, sampling)
+
+    # ---- endpoints -------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        try:
+            p = self._prepare(await request.read(), kind)
+        except proto.ApiError as exc:
+            return _json_error(exc)
+        if not self.engine_loop.alive:
+            return _json_error(proto.ApiError("The engine is not running.", status=503,
+                                              type="server_error"))
+        outputs = self.engine_loop.submit(p.request_id, p.prompt_token_ids, p.sampling)
+        done = False
+        try:
+            if p.req.stream:
+                resp, done = await self._stream(request, p, outputs)
+            else:
+                resp = await self._collect(p, outputs)
+                done = True
+            return resp
+        finally:
+            if not done:  # client gone (cancelled / write failed) or error: free the blocks
+                self.engine_loop.abort(p.request_id)
+
+    async def _collect(self, p: _Prepared, outputs: asyncio.Queue) -> web.Response:
+        while True:
+            out = await outputs.get()
+            if isinstance(out, proto.ApiError):
+                return _json_error(out)
+            if isinstance(out, Exception):
+                return _json_error(proto.ApiError(str(out), status=500, type="server_error"))
+            if out.finished:
+                break
+        build = proto.chat_response if p.req.kind == "chat" else proto.completion_response
+        usage = proto.usage(out.num_prompt_tokens, len(out.output_token_ids),
+                            out.num_cached_tokens)
+        return web.json_response(build(p.request_id, self.model_name, p.created, out.text,
+                                       out.finish_reason, usage))
+
+    def _chunk(self, p: _Prepared, text: str | None, finish_reason: str | None,
+               role: bool = False) -> bytes:
+        """One SSE chunk; ``text`` None means an empty chat delta."""
+        args = (p.request_id, self.model_name, p.created)
+        if p.req.kind == "chat":
+            delta = {"role": "assistant", "content": ""} if role else (
+                {} if text is None else {"content": text})
+            return proto.sse(proto.chat_chunk(*args, delta, finish_reason,
+                                              p.req.include_usage))
+        return proto.sse(proto.completion_chunk(*args, text or "", finish_reason,
+                                                p.req.include_usage))
+
+    async def _stream(self, request: web.Request, p: _Prepared, outputs: asyncio.Queue
+                      ) -> tuple[web.StreamResponse, bool]:
+        """Send the SSE stream; returns the response and whether the request ran to its end
+        (False: the client went away mid-stream)."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        try:
+            await self._stream_events(resp, p, outputs)
+        except ConnectionResetError:
+            logger.info("client of %s disconnected mid-stream; aborting", p.request_id)
+            return resp, False
+        return resp, True
+
+    async def _stream_events(self, resp: web.StreamResponse, p: _Prepared,
+                             outputs: asyncio.Queue) -> None:
+        if p.req.kind == "chat":
+            await resp.write(self._chunk(p, None, None, role=True))
+        streamer = proto.TextStreamer(p.req.sampling.get("stop", ()))
+        while True:
+            out = await outputs.get()
+            if isinstance(out, Exception):
+                err = out if isinstance(out, proto.ApiError) else proto.ApiError(
+                    str(out), status=500, type="server_error")
+                await resp.write(proto.sse(proto.error_body(err.message, err.type, err.param,
+                                                            err.code)))
+                break
+            delta = streamer.delta(out.text, out.finished)
+            if p.req.kind == "chat":
+                if delta:
+                    await resp.write(self._chunk(p, delta, None))
+                if out.finished:
+                    await resp.write(self._chunk(p, None, out.finish_reason))
+            elif delta or out.finished:
+                await resp.write(self._chunk(p, delta, out.finish_reason if out.finished
+                                             else None))
+            if out.finished:
+                if p.req.include_usage:
+                    usage = proto.usage(out.num_prompt_tokens, len(out.output_token_ids),
+                                        out.num_cached_tokens)
+                    await resp.write(proto.sse(proto.usage_chunk(
+                        p.request_id, self.model_name, p.created, p.req.kind, usage)))
+                break
+        await resp.write(proto.SSE_DONE)
+        await resp.write_eof()
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created,
+            "owned_by": "engine_min", "root": self.model_name,
+            "max_model_len": self.max_model_len}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.engine_loop.alive:
+            return web.json_response({"status": "engine thread stopped"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body, content_type = self.engine_loop.metrics.render()
+        resp = web.Response(body=body)
+        resp.headers["Content-Type"] = content_type
+        return resp
+
+    async def debug_stats(self, request: web.Request) -> web.Response:
+        return web.json_response(self.engine_loop.stats)
+
+
+# ---- app, background runner, CLI ----------------------------------------------------------
+
+def model_max_len(engine: Any) -> int:
+    """The engine's context limit in tokens (config ``max_model_len``, else the model's)."""
+    limit = getattr(getattr(engine, "config", None), "max_model_len", None)
+    return int(limit or engine.model_config.max_position)
+
+
+def create_app(engine: Any, model_name: str, max_model_len: int | None = None) -> web.Application:
+    """An aiohttp app serving ``engine``; the engine thread starts and stops with the app.
+
+    Args:
+        engine: an ``LLMEngine`` (or anything with its surface); the app's engine thread becomes
+            its only caller.
+        model_name: the served model name.
+        max_model_len: prompt + completion limit; default ``model_max_len(engine)``.
+    """
+    engine_loop = EngineLoop(engine, ServerMetrics())
+    serving = OpenAIServing(engine_loop, model_name, max_model_len or model_max_len(engine))
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app["serving"] = serving
+    app.router.add_post("/v1/completions", serving.completions)
+    app.router.add_post("/v1/chat/completions", serving.chat_completions)
+    app.router.add_get("/v1/models", serving.models)
+    app.router.add_get("/health", serving.health)
+    app.router.add_get("/metrics", serving.metrics)
+    app.router.add_get("/debug/stats", serving.debug_stats)
+
+    async def _start(_app: web.Application) -> None:
+        engine_loop.start()
+
+    async def _stop(_app: web.Application) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, engine_loop.stop)
+
+    app.on_startup.append(_start)
+    app.on_cleanup.append(_stop)
+    return app
+
+
+class ServerThread:
+    """Runs an app on its own event loop thread (tests, notebooks, benchmarks in-process).
+
+    Usage: ``with ServerThread(app) as srv: openai.OpenAI(base_url=srv.url + "/v1", ...)``.
+
+    Attributes:
+        url: ``http://host:port`` once started (``port=0`` picks a free port).
+    """
+
+    def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0):
+        self.app, self.host, self.port = app, host, port
+        self.url = ""
+        self._loop = asyncio.new_event_loop()
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="http-server",
+                                        daemon=True)
+
+    def start(self) -> "ServerThread":
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result(timeout=60)
+        return self
+
+    async def _serve(self) -> None:
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        self.url = f"http://{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=60)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+STORE_FLAGS = ("kvstore_cpu_bytes", "kvstore_disk_path", "kvstore_disk_bytes", "kvstore_url")
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``serve`` flags to ``parser`` (sizes accept ``512MiB``, ``2GiB``, bytes)."""
+    from kvstore.units import parse_size
+
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    g.add_argument("--served-model-name", default=None,
+                   help="model name in the API (default: the model file's stem)")
+    e = parser.add_argument_group("engine")
+    e.add_argument("--model", default=None,
+                   help="GGUF file or safetensors folder (default: embedded SmolLM2-135M)")
+    e.add_argument("--dtype", default=None, help="float32 (default), float16 or bfloat16")
+    e.add_argument("--kv-cache-bytes", type=parse_size, default=None, metavar="SIZE",
+                   help="bytes of the engine's KV block pool")
+    e.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
+    e.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one engine step")
+    e.add_argument("--max-num-seqs", type=int, default=None, help="most running requests")
+    e.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + completion limit (default: the model's context)")
+    e.add_argument("--no-prefix-caching", action="store_true",
+                   help="disable the engine's own prefix cache")
+    s = parser.add_argument_group("kv store (off unless one of these is given)")
+    s.add_argument("--kvstore-cpu-bytes", type=parse_size, default=None, metavar="SIZE",
+                   help="in-process store: CPU tier bytes")
+    s.add_argument("--kvstore-disk-path", default=None, metavar="DIR",
+                   help="in-process store: disk tier directory")
+    s.add_argument("--kvstore-disk-bytes", type=parse_size, default=None, metavar="SIZE",
+                   help="in-process store: disk tier bytes (needs --kvstore-disk-path)")
+    s.add_argument("--kvstore-url", default=None, metavar="URL",
+                   help="remote store daemon (kvstore serve), e.g. tcp://127.0.0.1:9000")
+    s.add_argument("--kvstore-chunk-size", type=int, default=256,
+                   help="tokens per store chunk (a multiple of the block size; default 256)")
+    parser.add_argument("--log-level", default="info", help="logging level (default info)")
+    return parser
+
+
+def build_connector(args: argparse.Namespace) -> Any | None:
+    """The KV connector the store flags ask for, or ``None`` when no store flag is given.
+
+    Raises:
+        SystemExit: inconsistent store flags, or the connector cannot be built.
+    """
+    given = [f for f in STORE_FLAGS if getattr(args, f, None) is not None]
+    if not given:
+        return None
+    if args.kvstore_url and len(given) > 1:
+        raise SystemExit("--kvstore-url (remote daemon) cannot be combined with the "
+                         "in-process tier flags --kvstore-cpu-bytes/--kvstore-disk-*")
+    if args.kvstore_disk_bytes and not args.kvstore_disk_path:
+        raise SystemExit("--kvstore-disk-bytes needs --kvstore-disk-path")
+    try:
+        from connectors import engine_min as conn_mod
+    except ImportError as exc:
+        raise SystemExit(f"the KV store connector (connectors/engine_min.py) is not available "
+                         f"({exc}); run without --kvstore-* flags") from exc
+    raise SystemExit(f"connectors.engine_min exists but the server does not know how to "
+                     f"build it yet ({conn_mod.__name__}); run without --kvstore-* flags")
+
+
+def build_engine(args: argparse.Namespace, connector: Any | None = None) -> Any:
+    """An ``LLMEngine`` from the engine flags (unset flags keep ``EngineConfig``'s defaults)."""
+    from engine_min.config import EngineConfig
+    from engine_min.engine import LLMEngine
+
+    kw = {"model": args.model, "dtype": args.dtype, "kv_cache_bytes": args.kv_cache_bytes,
+          "block_size": args.block_size, "max_num_batched_tokens": args.max_num_batched_tokens,
+          "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len}
+    kw = {k: v for k, v in kw.items() if v is not None}
+    if args.no_prefix_caching:
+        kw["enable_prefix_caching"] = False
+    return LLMEngine(EngineConfig(**kw), connector=connector)
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    """``--served-model-name``, else the stem of the model file (or folder) name."""
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model:
+        return Path(args.model.rstrip("/")).stem
+    from engine_min.weights import default_model_path
+    return Path(default_model_path()).stem
+
+
+def serve_main(args: argparse.Namespace) -> None:
+    """Build the engine (and connector) from ``args`` and serve until interrupted."""
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    connector = build_connector(args)
+    engine = build_engine(args, connector)
+    name = served_model_name(args)
+    app = create_app(engine, name)
+    logger.info("serving %s on http://%s:%d (max_model_len %d)", name, args.host, args.port,
+                app["serving"].max_model_len)
+    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True,
+                access_log=None, print=None)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m engine_min.server [flags]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m engine_min.server",
+        description="OpenAI-compatible HTTP server for engine_min.")
+    serve_main(add_serve_args(parser).parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Prometheus metrics of the OpenAI-compatible server, with vLLM's stems under ``engine_``.
+
+One ``ServerMetrics`` per app, on its own ``CollectorRegistry`` (two servers in one process
+never share series). Latencies are in seconds, measured by the engine thread at the moment a
+step's output is handed to the request (arrival -> first token for TTFT, token -> token for
+ITL). Engine-side figures (running/waiting requests, KV pool usage, prefix cache queries and
+hits of the engine and of the external store) are copied from ``LLMEngine.stats()`` after each
+step by ``update_from_stats``; cumulative stats become counters by adding their increase.
+
+Series (``/metrics``):
+    engine_time_to_first_token_seconds        histogram
+    engine_inter_token_latency_seconds        histogram
+    engine_e2e_request_latency_seconds        histogram
+    engine_request_success_total{finished_reason}  counter
+    engine_prompt_tokens_total                counter
+    engine_generation_tokens_total            counter
+    engine_num_requests_running               gauge
+    engine_num_requests_waiting               gauge
+    engine_kv_cache_usage_perc                gauge, fraction of the KV pool in use (0..1)
+    engine_prefix_cache_queries_total         counter, tokens looked up in the engine's cache
+    engine_prefix_cache_hits_total            counter, tokens found there
+    engine_external_prefix_cache_queries_total  counter, tokens looked up in the KV store
+    engine_external_prefix_cache_hits_total     counter, tokens found there
+"""
+from __future__ import annotations
+
+import threading
+from typing import Mapping
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
+                               Histogram, generate_latest)
+
+# vLLM's buckets for the same series.
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+# engine stats key -> counter attribute; the stat is cumulative since engine start.
+_CUMULATIVE_STATS = {
+    "prefix_cache_queries": "prefix_cache_queries",
+    "prefix_cache_hits": "prefix_cache_hits",
+    "external_prefix_cache_queries": "external_prefix_cache_queries",
+    "external_prefix_cache_hits": "external_prefix_cache_hits",
+}
+
+
+class ServerMetrics:
+    """The server's metric series on a private registry. Thread-safe.
+
+    Attributes:
+        registry: the ``CollectorRegistry`` that ``/metrics`` renders.
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("engine_time_to_first_token_seconds",
+                              "Time from request arrival to its first generated token.",
+                              buckets=TTFT_BUCKETS_S, registry=r)
+        self.itl = Histogram("engine_inter_token_latency_seconds",
+                             "Time between consecutive generated tokens of a request.",
+                             buckets=ITL_BUCKETS_S, registry=r)
+        self.e2e = Histogram("engine_e2e_request_latency_seconds",
+                             "Time from request arrival to its last token.",
+                             buckets=E2E_BUCKETS_S, registry=r)
+        self.request_success = Counter("engine_request_success",
+                                       "Finished requests by finish reason.",
+                                       ["finished_reason"], registry=r)
+        self.prompt_tokens = Counter("engine_prompt_tokens", "Prefill tokens of requests.",
+                                     registry=r)
+        self.generation_tokens = Counter("engine_generation_tokens",
+                                         "Generated tokens.", registry=r)
+        self.num_running = Gauge("engine_num_requests_running",
+                                 "Requests in the running batch.", registry=r)
+        self.num_waiting = Gauge("engine_num_requests_waiting",
+                                 "Requests waiting to be scheduled.", registry=r)
+        self.kv_usage = Gauge("engine_kv_cache_usage_perc",
+                              "Fraction of the KV block pool in use (1 = full).", registry=r)
+        self.prefix_cache_queries = Counter(
+            "engine_prefix_cache_queries", "Prompt tokens looked up in the engine's prefix "
+            "cache.", registry=r)
+        self.prefix_cache_hits = Counter(
+            "engine_prefix_cache_hits", "Prompt tokens found in the engine's prefix cache.",
+            registry=r)
+        self.external_prefix_cache_queries = Counter(
+            "engine_external_prefix_cache_queries", "Prompt tokens looked up in the external "
+            "KV store.", registry=r)
+        self.external_prefix_cache_hits = Counter(
+            "engine_external_prefix_cache_hits", "Prompt tokens found in the external KV "
+            "store.", registry=r)
+        self._last: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def update_from_stats(self, stats: Mapping[str, float]) -> None:
+        """Copy an ``LLMEngine.stats()`` snapshot into the gauges and cumulative counters.
+
+        Keys read (missing keys are skipped): ``num_running``, ``num_waiting``,
+        ``kv_cache_usage`` (fraction 0..1), and the cumulative token counts
+        ``prefix_cache_queries``, ``prefix_cache_hits``, ``external_prefix_cache_queries``,
+        ``external_prefix_cache_hits``. A cumulative value that went down (engine restarted)
+        is taken as the new baseline.
+        """
+        if "num_running" in stats:
+            self.num_running.set(stats["num_running"])
+        if "num_waiting" in stats:
+            self.num_waiting.set(stats["num_waiting"])
+        if "kv_cache_usage" in stats:
+            self.kv_usage.set(stats["kv_cache_usage"])
+        with self._lock:
+            for key, attr in _CUMULATIVE_STATS.items():
+                if key not in stats:
+                    continue
+                value = float(stats[key])
+                inc = value - self._last.get(key, 0.0)
+                if inc > 0:
+                    getattr(self, attr).inc(inc)
+                self._last[key] = value
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type, for ``GET /metrics``."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

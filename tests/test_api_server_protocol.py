@@ -1,0 +1,149 @@
+"""engine_min.api_protocol and engine_min.server_metrics: validation rules, wire format and
+the streaming text hold-back, on plain values (no model, no network)."""
+import pytest
+
+from engine_min import api_protocol as proto
+from engine_min.server_metrics import ServerMetrics
+
+
+def _err(fn, *args) -> proto.ApiError:
+    with pytest.raises(proto.ApiError) as info:
+        fn(*args)
+    return info.value
+
+
+def test_completion_request_fields_map_to_sampling():
+    req = proto.parse_completion_request({
+        "model": "m", "prompt": "hi", "max_tokens": 5, "temperature": 0.5, "top_p": 0.9,
+        "top_k": -1, "seed": 7, "stop": "\n", "stop_token_ids": [2], "ignore_eos": True,
+        "n": 1, "stream": True, "stream_options": {"include_usage": True},
+        "user": "someone"})  # unknown fields are ignored
+    assert req == proto.ApiRequest(
+        kind="completion", model="m", prompt="hi", max_tokens=5,
+        sampling={"stop": ("\n",), "temperature": 0.5, "top_p": 0.9, "top_k": 0, "seed": 7,
+                  "stop_token_ids": (2,), "ignore_eos": True},
+        stream=True, include_usage=True)
+
+
+def test_prompt_forms():
+    assert proto.parse_completion_request({"prompt": [1, 2, 3]}).prompt == [1, 2, 3]
+    assert proto.parse_completion_request({"prompt": ["abc"]}).prompt == "abc"
+    assert proto.parse_completion_request({"prompt": [[4, 5]]}).prompt == [4, 5]
+    assert _err(proto.parse_completion_request, {"prompt": ["a", "b"]}).code == "unsupported"
+    assert _err(proto.parse_completion_request, {"prompt": ""}).code == "empty_prompt"
+    assert _err(proto.parse_completion_request, {}).param == "prompt"
+    e = _err(proto.parse_completion_request, {"prompt": {"x": 1}})
+    assert (e.param, e.code, e.status) == ("prompt", "invalid_type", 400)
+    assert _err(proto.parse_completion_request, {"prompt": [1, True]}).code == "invalid_type"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": -3}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 2.5}, "max_tokens"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "temperature": 3}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_k": -2}, "top_k"),
+    ({"prompt": "x", "seed": 1.5}, "seed"),
+    ({"prompt": "x", "stop": 5}, "stop"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "logprobs": 3}, "logprobs"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "model": 3}, "model"),
+    ({"prompt": "x", "ignore_eos": 1}, "ignore_eos"),
+    ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
+])
+def test_bad_completion_fields_are_400(body, param):
+    e = _err(proto.parse_completion_request, body)
+    assert (e.status, e.type, e.param) == (400, "invalid_request_error", param)
+
+
+def test_chat_messages_and_max_completion_tokens():
+    req = proto.parse_chat_request({
+        "messages": [{"role": "developer", "content": "be brief"},
+                     {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                  {"type": "text", "text": "b"}]}],
+        "max_tokens": 9, "max_completion_tokens": 4})
+    assert req.messages == [{"role": "system", "content": "be brief"},
+                            {"role": "user", "content": "ab"}]
+    assert (req.kind, req.max_tokens, req.prompt) == ("chat", 4, None)
+    assert _err(proto.parse_chat_request, {"messages": []}).param == "messages"
+    assert _err(proto.parse_chat_request, {"messages": "hi"}).param == "messages"
+    assert _err(proto.parse_chat_request,
+                {"messages": [{"role": "wizard", "content": "x"}]}).param == "messages[0].role"
+    assert _err(proto.parse_chat_request, {"messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}
+    ).param == "messages[0].content"
+
+
+def test_loads_body_rejects_non_objects():
+    assert proto.loads_body(b'{"a": 1}') == {"a": 1}
+    assert _err(proto.loads_body, b"{not json").code == "invalid_json"
+    assert _err(proto.loads_body, b"[1, 2]").code == "invalid_json"
+    assert _err(proto.loads_body, b"\xff\xfe").code == "invalid_json"
+
+
+def test_check_context_limits_and_defaults():
+    comp = proto.parse_completion_request({"prompt": "x"})
+    assert proto.check_context(comp, [1] * 10, 100, 50) == 16      # completion default
+    assert proto.check_context(comp, [1] * 90, 100, 50) == 10      # clipped to the room
+    chat = proto.parse_chat_request({"messages": [{"role": "user", "content": "x"}]})
+    assert proto.check_context(chat, [1] * 30, 100, 50) == 70      # chat: rest of context
+    e = _err(proto.check_context, comp, [1] * 100, 100, 50)
+    assert (e.code, e.param) == ("context_length_exceeded", "prompt")
+    big = proto.parse_completion_request({"prompt": "x", "max_tokens": 11})
+    e = _err(proto.check_context, big, [1] * 90, 100, 50)
+    assert (e.code, e.param) == ("context_length_exceeded", "max_tokens")
+    assert "101 tokens (90 in the prompt, 11 in the completion)" in e.message
+    ids = proto.parse_completion_request({"prompt": [3, 50]})
+    assert _err(proto.check_context, ids, [3, 50], 100, 50).message.startswith("Token id 50")
+
+
+def test_wire_format():
+    u = proto.usage(7, 3, 4)
+    assert u == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
+                 "prompt_tokens_details": {"cached_tokens": 4}}
+    assert proto.error_body("bad", param="n", code="x") == {
+        "error": {"message": "bad", "type": "invalid_request_error", "param": "n", "code": "x"}}
+    chunk = proto.chat_chunk("id1", "m", 5, {"content": "a"}, None, True)
+    assert chunk["usage"] is None and chunk["object"] == "chat.completion.chunk"
+    assert proto.sse({"a": 1}) == b'data: {"a":1}\n\n'
+    assert proto.SSE_DONE == b"data: [DONE]\n\n"
+    assert proto.usage_chunk("id1", "m", 5, "completion", u)["choices"] == []
+
+
+def test_text_streamer_holds_back_partial_utf8_and_stop_prefixes():
+    s = proto.TextStreamer(stop=("END",))
+    assert s.delta("Hello", False) == "Hello"
+    assert s.delta("Hello E", False) == " "          # "E" may start "END"
+    assert s.delta("Hello EN", False) == ""
+    assert s.delta("Hello ENx", False) == "ENx"      # not the stop string after all
+    assert s.delta("Hello ENx \ufffd", False) == " "  # half a multibyte character
+    assert s.delta("Hello ENx \u00e9", True) == "\u00e9"
+    assert s.sent == "Hello ENx \u00e9"
+    t = proto.TextStreamer(stop=("END",))
+    assert t.delta("ab E", False) == "ab "
+    assert t.delta("ab ", True) == ""                # engine cut the stop string off
+
+
+def test_metrics_mirror_cumulative_stats():
+    m = ServerMetrics()
+    m.update_from_stats({"num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.25,
+                         "prefix_cache_queries": 32, "prefix_cache_hits": 16})
+    m.update_from_stats({"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0,
+                         "prefix_cache_queries": 48, "prefix_cache_hits": 16,
+                         "external_prefix_cache_queries": 256,
+                         "external_prefix_cache_hits": 0})
+    m.ttft.observe(0.2)
+    text = m.render()[0].decode()
+    for line in ("engine_num_requests_running 0.0", "engine_kv_cache_usage_perc 0.0",
+                 "engine_prefix_cache_queries_total 48.0", "engine_prefix_cache_hits_total 16.0",
+                 "engine_external_prefix_cache_queries_total 256.0",
+                 "engine_external_prefix_cache_hits_total 0.0",
+                 'engine_time_to_first_token_seconds_bucket{le="0.25"} 1.0'):
+        assert line + "\n" in text, line
