@@ -423,3 +423,48 @@ async def serve_until_signal(app: web.Application, host: str, port: int, *,
         set_ready(app, False)
     finally:
         await runner.cleanup()
+
+
+class ThreadedServer:
+    """Serve an app on a private event-loop thread (embedding in a process, tests, benches).
+
+    ``with ThreadedServer(create_app(store)) as srv: KVStoreClient(srv.url)``. The store is not
+    closed on stop (the caller owns it).
+    """
+
+    def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0):
+        import threading
+        self.app = app
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-server",
+                                        daemon=True)
+        self._thread.start()
+        self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=5,
+                                     access_log=None)
+        self.host, self.port = asyncio.run_coroutine_threadsafe(
+            self._start(host, port), self._loop).result(30)
+
+    async def _start(self, host: str, port: int):
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        return site._server.sockets[0].getsockname()[:2]  # type: ignore[union-attr]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        """Stop listening, finish in-flight requests, stop the loop thread. Idempotent."""
+        if self._loop.is_closed():
+            return
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    def __enter__(self) -> "ThreadedServer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
