@@ -239,7 +239,11 @@ class OpenAIServing:
             raise proto.ApiError(f"The model `{req.model}` does not exist.", param="model",
                                  code="model_not_found", status=404)
         if req.kind == "chat":
-            text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
+            try:
+                text = self.tokenizer.apply_chat_template(req.messages,
+                                                          add_generation_prompt=True)
+            except ValueError as exc:
+                raise proto.ApiError(str(exc), param="messages", code="invalid_value") from exc
             prompt_ids = list(self.tokenizer.encode(text))
         elif isinstance(req.prompt, str):
             prompt_ids = list(self.tokenizer.encode(req.prompt))
