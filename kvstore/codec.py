@@ -1,0 +1,171 @@
+"""On-disk chunk value: a small versioned header followed by the (maybe compressed) payload.
+
+Value layout (little-endian)::
+
+    magic "KVC1" | version u16 | codec u8 | dtype code u8 | raw_nbytes u64 | xxh3_64 u64
+    | shape 5 x u32 | key_len u8 | key | parent_len u8 | parent | payload
+
+* ``raw_nbytes`` and ``xxh3_64`` describe the *raw* tensor bytes (checked after decoding).
+* ``key`` is the chunk's own storage key, so a value moved under another key is detected;
+  ``parent`` is the previous chunk's key (empty for the first chunk of a prompt), kept so a
+  reopened store still evicts tails before heads.
+* codecs: ``raw`` (0), ``lz4`` (1), ``shuffle-lz4`` (2: byte-shuffle, then lz4 block). Byte
+  shuffle groups byte j of every element together (as blosc does): fp16/bf16 exponent bytes
+  repeat a lot, mantissa bytes do not, so lz4 finds the repeats only after shuffling.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import lz4.block
+import numpy as np
+import xxhash
+
+MAGIC = b"KVC1"
+VERSION = 1
+CODECS = ("raw", "lz4", "shuffle-lz4")
+#: Fixed dtype codes (append only: the code is stored on disk).
+DTYPE_CODES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+#: ``auto`` keeps compression only when it saves at least this fraction of the bytes.
+MIN_SAVING = 0.10
+
+_FIXED = struct.Struct("<4sHBBQQ5I")
+
+
+class CorruptChunkError(ValueError):
+    """A stored value fails a check (magic, version, sizes, key, checksum, decoding)."""
+
+
+def checksum(raw: np.ndarray | bytes | memoryview) -> int:
+    """xxh3_64 of raw bytes."""
+    return xxhash.xxh3_64_intdigest(raw)
+
+
+def shuffle(raw: np.ndarray, itemsize: int) -> np.ndarray:
+    """Byte-shuffle ``raw`` (uint8, length a multiple of ``itemsize``): all byte 0s, then all
+    byte 1s... A numpy transpose copy; the identity for itemsize 1."""
+    if itemsize == 1:
+        return raw
+    return np.ascontiguousarray(raw.reshape(-1, itemsize).T).reshape(-1)
+
+
+def unshuffle(shuffled: np.ndarray, itemsize: int) -> np.ndarray:
+    """Inverse of ``shuffle``."""
+    if itemsize == 1:
+        return shuffled
+    return np.ascontiguousarray(shuffled.reshape(itemsize, -1).T).reshape(-1)
+
+
+def encode_payload(raw: np.ndarray, itemsize: int, codec: str = "auto") -> tuple[str, bytes | np.ndarray]:
+    """Compress raw bytes (uint8 1-D). Returns ``(codec used, payload)``.
+
+    ``auto`` tries shuffle-lz4 and falls back to raw when it saves less than ``MIN_SAVING``.
+
+    Raises:
+        ValueError: unknown codec.
+    """
+    if codec == "raw":
+        return "raw", raw
+    if codec == "lz4":
+        return "lz4", lz4.block.compress(raw, store_size=False)
+    if codec in ("shuffle-lz4", "auto"):
+        packed = lz4.block.compress(shuffle(raw, itemsize), store_size=False)
+        if codec == "auto" and len(packed) > (1.0 - MIN_SAVING) * raw.nbytes:
+            return "raw", raw
+        return "shuffle-lz4", packed
+    raise ValueError(f"unknown codec {codec!r}; choose one of {CODECS} or 'auto'")
+
+
+def decode_payload(codec: str, payload, raw_nbytes: int, itemsize: int) -> np.ndarray:
+    """Raw bytes (a new writable uint8 array) from a payload.
+
+    Raises:
+        CorruptChunkError: the payload does not decode to ``raw_nbytes`` bytes.
+    """
+    try:
+        if codec == "raw":
+            if len(payload) != raw_nbytes:
+                raise CorruptChunkError(f"raw payload has {len(payload)} bytes, header says {raw_nbytes}")
+            return np.frombuffer(payload, dtype=np.uint8).copy()
+        out = lz4.block.decompress(payload, uncompressed_size=raw_nbytes, return_bytearray=True)
+    except (lz4.block.LZ4BlockError, ValueError) as e:
+        raise CorruptChunkError(f"{codec} payload does not decode: {e}") from e
+    if len(out) != raw_nbytes:
+        raise CorruptChunkError(f"{codec} payload decodes to {len(out)} bytes, header says {raw_nbytes}")
+    arr = np.frombuffer(out, dtype=np.uint8)
+    return unshuffle(arr, itemsize) if codec == "shuffle-lz4" else arr
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    """Parsed header of a stored value (see module docstring)."""
+
+    codec: str
+    dtype: str
+    shape: tuple[int, ...]
+    raw_nbytes: int
+    checksum: int
+    key: bytes
+    parent: bytes | None
+    payload_offset: int
+
+
+def pack_value(key: bytes, parent: bytes | None, raw: np.ndarray, dtype: str,
+               shape: tuple[int, ...], codec: str = "auto") -> bytes:
+    """Header + encoded payload for a chunk. ``raw`` is the tensor's bytes (uint8 1-D)."""
+    parent = parent or b""
+    used, payload = encode_payload(raw, ITEMSIZE[dtype], codec)
+    fixed = _FIXED.pack(MAGIC, VERSION, CODECS.index(used), DTYPE_CODES.index(dtype), raw.nbytes,
+                        checksum(raw), *shape)
+    return b"".join((fixed, bytes((len(key),)), key, bytes((len(parent),)), parent, payload))
+
+
+def unpack_header(buf) -> ChunkHeader:
+    """Parse the header of a stored value (``buf`` bytes-like).
+
+    Raises:
+        CorruptChunkError: bad magic, unknown version/codec/dtype, truncated header.
+    """
+    mv = memoryview(buf)
+    if len(mv) < _FIXED.size + 2:
+        raise CorruptChunkError(f"value of {len(mv)} bytes is shorter than a header")
+    magic, version, codec, dtype, raw_nbytes, csum, *shape = _FIXED.unpack_from(mv)
+    if magic != MAGIC or version != VERSION:
+        raise CorruptChunkError(f"bad magic/version {bytes(magic)!r}/{version}")
+    if codec >= len(CODECS) or dtype >= len(DTYPE_CODES):
+        raise CorruptChunkError(f"unknown codec {codec} or dtype code {dtype}")
+    pos = _FIXED.size
+    key_len = mv[pos]
+    key = bytes(mv[pos + 1:pos + 1 + key_len])
+    pos += 1 + key_len
+    if pos >= len(mv):
+        raise CorruptChunkError("value truncated inside its header")
+    parent_len = mv[pos]
+    parent = bytes(mv[pos + 1:pos + 1 + parent_len]) or None
+    pos += 1 + parent_len
+    if pos > len(mv) or len(key) != key_len or (parent_len and len(parent) != parent_len):
+        raise CorruptChunkError("value truncated inside its header")
+    return ChunkHeader(CODECS[codec], DTYPE_CODES[dtype], tuple(shape), raw_nbytes, csum, key,
+                       parent, pos)
+
+
+def unpack_value(buf, expect_key: bytes) -> tuple[ChunkHeader, np.ndarray]:
+    """Header and verified raw bytes of a stored value.
+
+    Raises:
+        CorruptChunkError: any header problem, a key other than ``expect_key``, a shape/dtype
+            that does not match ``raw_nbytes``, a payload that does not decode, or a checksum
+            mismatch.
+    """
+    h = unpack_header(buf)
+    if h.key != expect_key:
+        raise CorruptChunkError(f"value belongs to key {h.key.hex()[:16]}.., read under "
+                                f"{expect_key.hex()[:16]}..")
+    if int(np.prod(h.shape)) * ITEMSIZE[h.dtype] != h.raw_nbytes:
+        raise CorruptChunkError(f"shape {h.shape} x {h.dtype} does not match {h.raw_nbytes} bytes")
+    raw = decode_payload(h.codec, memoryview(buf)[h.payload_offset:], h.raw_nbytes, ITEMSIZE[h.dtype])
+    if checksum(raw) != h.checksum:
+        raise CorruptChunkError("payload checksum mismatch")
+    return h, raw

@@ -1,0 +1,124 @@
+"""Store configuration: a frozen, validated dataclass.
+
+Byte capacities accept ints or size text (``"8GiB"``, see ``kvstore.units``). A tier with
+capacity 0 is absent. Tier order is fixed: GPU -> CPU -> DISK (fastest first).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+from kvstore.eviction import POLICIES
+from kvstore.layout import KVLayout
+from kvstore.units import format_size, parse_size
+
+TIER_NAMES = ("gpu", "cpu", "disk")
+DISK_CODECS = ("auto", "raw", "lz4", "shuffle-lz4")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Capacities and policies of a ``ChunkStore``.
+
+    Attributes:
+        gpu_bytes: GPU-tier pool bytes (0 = no GPU tier). Preallocated on ``device``.
+        cpu_bytes: CPU-tier arena bytes (0 = no CPU tier). Preallocated (pinned under CUDA).
+        disk_bytes: disk-tier bytes of stored values (0 = no disk tier); needs ``disk_path``.
+        disk_path: lmdb directory (created if missing).
+        device: device of the GPU tier (``"cuda"``, ``"cuda:1"``; ``"cpu"`` runs the GPU tier's
+            code on the CPU, as on a CPU-only machine).
+        return_device: device of the tensors ``get_chunks`` returns.
+        gpu_policy, cpu_policy, disk_policy: eviction policy names (``lru``, ``lfu``, ``fifo``,
+            ``s3fifo``).
+        promote_on_hit: copy a chunk read from a lower tier into the top tier.
+        page_bytes: allocation unit of the GPU and CPU pools; a chunk takes
+            ``ceil(chunk_bytes / page_bytes)`` pages, so chunks of any size share one arena.
+        disk_codec: ``auto`` (byte-shuffle + lz4, raw when that saves < 10%), ``raw``, ``lz4``,
+            ``shuffle-lz4``.
+
+    Raises:
+        ValueError: negative or unparsable sizes, no tier at all, a disk tier without a path,
+            an unknown policy or codec, a page size that is not a positive multiple of 64, or a
+            memory tier smaller than one page.
+    """
+
+    gpu_bytes: int | str = 0
+    cpu_bytes: int | str = "1GiB"
+    disk_bytes: int | str = 0
+    disk_path: str | None = None
+    device: str = "cpu"
+    return_device: str = "cpu"
+    gpu_policy: str = "lru"
+    cpu_policy: str = "lru"
+    disk_policy: str = "lru"
+    promote_on_hit: bool = True
+    page_bytes: int | str = "64KiB"
+    disk_codec: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("gpu_bytes", "cpu_bytes", "disk_bytes", "page_bytes"):
+            object.__setattr__(self, name, parse_size(getattr(self, name)))
+        if not (self.gpu_bytes or self.cpu_bytes or self.disk_bytes):
+            raise ValueError("StoreConfig needs at least one tier with capacity > 0")
+        if self.disk_bytes and not self.disk_path:
+            raise ValueError("disk_bytes > 0 needs disk_path")
+        if self.disk_path is not None:
+            object.__setattr__(self, "disk_path", os.fspath(self.disk_path))
+        for tier in TIER_NAMES:
+            policy = getattr(self, f"{tier}_policy")
+            if policy not in POLICIES:
+                raise ValueError(f"unknown {tier}_policy {policy!r}; choose one of {sorted(POLICIES)}")
+        if self.disk_codec not in DISK_CODECS:
+            raise ValueError(f"unknown disk_codec {self.disk_codec!r}; choose one of {DISK_CODECS}")
+        if self.page_bytes <= 0 or self.page_bytes % 64:
+            raise ValueError(f"page_bytes must be a positive multiple of 64, got {self.page_bytes}")
+        for tier in ("gpu", "cpu"):
+            cap = getattr(self, f"{tier}_bytes")
+            if 0 < cap < self.page_bytes:
+                raise ValueError(f"{tier}_bytes={cap} is smaller than one page ({self.page_bytes} bytes)")
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        """Names of the present tiers, fastest first."""
+        return tuple(t for t in TIER_NAMES if getattr(self, f"{t}_bytes") > 0)
+
+    def tier_bytes(self, tier: str) -> int:
+        return getattr(self, f"{tier}_bytes")
+
+    def footprint(self, tier: str, chunk_bytes: int) -> int:
+        """Bytes a chunk of ``chunk_bytes`` takes in ``tier`` (memory tiers round up to pages)."""
+        if tier == "disk":
+            return chunk_bytes
+        return -(-chunk_bytes // self.page_bytes) * self.page_bytes
+
+    def check_layout(self, layout: KVLayout) -> None:
+        """Check that every present tier holds at least one chunk of ``layout``.
+
+        Raises:
+            ValueError: a tier capacity smaller than one chunk, naming both sizes.
+        """
+        for tier in self.tiers:
+            cap = self.tier_bytes(tier)
+            if tier != "disk":
+                cap = cap // self.page_bytes * self.page_bytes
+            need = self.footprint(tier, layout.chunk_bytes)
+            if cap < need:
+                raise ValueError(f"{tier} tier capacity {cap} bytes ({format_size(cap)}) is smaller "
+                                 f"than one chunk ({need} bytes, {format_size(need)}) of layout "
+                                 f"{layout.to_dict()}")
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StoreConfig":
+        """Build from a dict (e.g. parsed YAML).
+
+        Raises:
+            ValueError: an unknown field, or any validation error above.
+        """
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown StoreConfig fields {unknown}; known: {sorted(known)}")
+        return cls(**d)

@@ -1,0 +1,116 @@
+"""Eviction policy contract: a policy only *listens* to key events and names victims.
+
+The tier owns the data and the byte accounting; a policy keeps its own ordering of the keys the
+tier holds and answers "which key should go next". Policies are prefix-aware: the tier passes
+each chunk's parent key (the previous chunk of the same prompt) on insert, and ``next_victim``
+prefers chunks with no child stored in this tier (tails before heads), since evicting a head
+makes the stored tails after it unreachable by a prefix lookup.
+
+Policies are not thread-safe; the tier that owns one serialises calls.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable, Hashable, Iterator
+
+Key = Hashable
+
+
+class EvictionPolicy(ABC):
+    """Base class. Subclasses implement ``_insert``, ``_access``, ``_remove`` and ``_order``.
+
+    Methods (all mutate only the policy's own bookkeeping, never block, raise nothing on valid
+    use):
+
+    * ``on_insert(key, nbytes, parent)``: the tier stored ``key`` (``nbytes`` of tier space).
+      Inserting a key already present is a programming error (``KeyError``).
+    * ``on_access(key)``: the key was read (unknown keys are ignored).
+    * ``on_remove(key)``: the tier dropped the key (unknown keys are ignored).
+    * ``next_victim(can_evict)``: the key to evict next, or None when no key passes
+      ``can_evict`` (e.g. all pinned). Does not remove it: the tier evicts it and then calls
+      ``on_remove``. First choice: the first evictable key in policy order with no stored child;
+      otherwise the first evictable key in policy order.
+    """
+
+    name = "base"
+
+    def __init__(self) -> None:
+        self._nbytes: dict[Key, int] = {}
+        self._parent: dict[Key, Key | None] = {}
+        self._children: dict[Key, set[Key]] = {}  # parent -> stored children (parent may be absent)
+
+    # ---- events -------------------------------------------------------------------------
+    def on_insert(self, key: Key, nbytes: int, parent: Key | None = None) -> None:
+        if key in self._nbytes:
+            raise KeyError(f"{key!r} already tracked by {self.name} policy")
+        self._nbytes[key] = nbytes
+        self._parent[key] = parent
+        if parent is not None:
+            self._children.setdefault(parent, set()).add(key)
+        self._insert(key)
+
+    def on_access(self, key: Key) -> None:
+        if key in self._nbytes:
+            self._access(key)
+
+    def on_remove(self, key: Key) -> None:
+        if key not in self._nbytes:
+            return
+        self._remove(key)  # hook sees the key's size and parent before they are dropped
+        del self._nbytes[key]
+        parent = self._parent.pop(key)
+        if parent is not None:
+            kids = self._children.get(parent)
+            if kids is not None:
+                kids.discard(key)
+                if not kids:
+                    del self._children[parent]
+
+    # ---- queries ------------------------------------------------------------------------
+    def next_victim(self, can_evict: Callable[[Key], bool] = lambda k: True) -> Key | None:
+        fallback = None
+        for key in self._order():
+            if not can_evict(key):
+                continue
+            if not self._children.get(key):
+                return key
+            if fallback is None:
+                fallback = key
+        return fallback
+
+    def keys(self) -> set[Key]:
+        return set(self._nbytes)
+
+    def __len__(self) -> int:
+        return len(self._nbytes)
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._nbytes
+
+    @property
+    def tracked_bytes(self) -> int:
+        return sum(self._nbytes.values())
+
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` if the policy's indexes disagree with each other."""
+        ordered = list(self._order())
+        assert len(ordered) == len(set(ordered)) == len(self._nbytes), \
+            f"{self.name}: order has {len(ordered)} keys, tracking {len(self._nbytes)}"
+        assert set(ordered) == set(self._nbytes), f"{self.name}: order and index disagree"
+        for parent, kids in self._children.items():
+            for kid in kids:
+                assert self._parent.get(kid) == parent, f"{self.name}: child index stale for {kid!r}"
+
+    # ---- subclass hooks -------------------------------------------------------------------
+    @abstractmethod
+    def _insert(self, key: Key) -> None: ...
+
+    @abstractmethod
+    def _access(self, key: Key) -> None: ...
+
+    @abstractmethod
+    def _remove(self, key: Key) -> None: ...
+
+    @abstractmethod
+    def _order(self) -> Iterator[Key]:
+        """Tracked keys, most evictable first (each exactly once)."""

@@ -1,0 +1,87 @@
+"""S3-FIFO (Yang et al., SOSP'23): a scan-resistant policy from three FIFO queues.
+
+* ``small`` (S, ~10% of tracked bytes) takes new keys; a key evicted from S unread is a
+  one-hit wonder and its name goes to the ``ghost`` queue.
+* ``main`` (M) takes keys read while in S and keys re-inserted while remembered by the ghost.
+* Each key has a 2-bit frequency (0..3) bumped on access. M evicts like CLOCK: a head with
+  frequency > 0 is decremented and moved to the tail.
+
+A long scan of keys read once therefore only churns S, and keys read twice stay in M.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from kvstore.eviction.base import EvictionPolicy
+
+
+class S3FIFOPolicy(EvictionPolicy):
+    """S3-FIFO with a byte-sized small queue (``small_ratio`` of tracked bytes)."""
+
+    name = "s3fifo"
+
+    def __init__(self, small_ratio: float = 0.1) -> None:
+        super().__init__()
+        self.small_ratio = small_ratio
+        self._small: OrderedDict = OrderedDict()
+        self._main: OrderedDict = OrderedDict()
+        self._ghost: OrderedDict = OrderedDict()
+        self._freq: dict = {}
+        self._small_bytes = 0
+
+    def _insert(self, key) -> None:
+        self._freq[key] = 0
+        if key in self._ghost:
+            del self._ghost[key]
+            self._main[key] = None
+        else:
+            self._small[key] = None
+            self._small_bytes += self._nbytes[key]
+
+    def _access(self, key) -> None:
+        self._freq[key] = min(self._freq[key] + 1, 3)
+
+    def _remove(self, key) -> None:
+        if key in self._small:
+            del self._small[key]
+            self._small_bytes -= self._nbytes[key]
+            if self._freq[key] == 0:  # evicted from S unread: remember it
+                self._ghost[key] = None
+                while len(self._ghost) > max(len(self._main), 1):
+                    self._ghost.popitem(last=False)
+        else:
+            del self._main[key]
+        del self._freq[key]
+
+    def _settle(self) -> None:
+        """Move read keys from the head of S to M, and age M's head (CLOCK), before choosing."""
+        total = sum(self._nbytes.values()) or 1
+        while self._small and (self._small_bytes > self.small_ratio * total or not self._main):
+            head = next(iter(self._small))
+            if self._freq[head] == 0:
+                break
+            del self._small[head]
+            self._small_bytes -= self._nbytes[head]
+            self._freq[head] = 0
+            self._main[head] = None
+        for _ in range(len(self._main)):
+            head = next(iter(self._main))
+            if self._freq[head] == 0:
+                break
+            self._freq[head] -= 1
+            self._main.move_to_end(head)
+
+    def _order(self):
+        self._settle()
+        total = sum(self._nbytes.values()) or 1
+        if self._small_bytes > self.small_ratio * total or not self._main:
+            first, second = self._small, self._main
+        else:
+            first, second = self._main, self._small
+        return iter(list(first) + list(second))
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        assert not (set(self._small) & set(self._main)), "s3fifo: key in both S and M"
+        assert self._small_bytes == sum(self._nbytes[k] for k in self._small), \
+            "s3fifo: small-queue bytes drifted"

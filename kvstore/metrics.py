@@ -1,0 +1,105 @@
+"""Prometheus metrics of one store, in a registry of its own (not the global default), so
+several stores in one process (tests, a daemon with two stores) never collide.
+
+Names follow the Prometheus guide (base units, ``_total`` on counters) and keep LMCache/vLLM
+stems where one exists (``requested_tokens``, ``hit_tokens``). Tier labels are tier names; no
+keys or request ids in labels. ``snapshot()`` returns the same counts as a plain dict for
+``ChunkStore.stats()``.
+"""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS_S = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0)
+
+#: counter name -> (help, labelled by tier)
+_COUNTERS = {
+    "lookups": ("Lookups (prefix probes) served", False),
+    "requested_tokens": ("Tokens of full chunks asked about by lookups", False),
+    "hit_tokens": ("Leading tokens found by lookups", False),
+    "hits": ("Chunks returned by get, by the tier that served them", True),
+    "misses": ("Chunks asked by get and not returned (absent, evicted or corrupt)", False),
+    "stored_chunks": ("Chunks newly stored by put", False),
+    "evictions": ("Chunks evicted from a tier", True),
+    "spills": ("Evicted chunks copied to the next slower tier, by the tier they left", True),
+    "promotions": ("Chunks copied to the top tier on a hit, by the tier they came from", True),
+    "corruptions": ("Stored chunks that failed a check on read or open (served as misses)", True),
+    "dropped_writes": ("Disk writes dropped because lmdb's map was full", True),
+    "errors": ("Internal errors survived (eviction policy failures, writer failures)", True),
+    "rejected_chunks": ("Chunks that no tier could take (all pinned or too large)", False),
+}
+
+
+class StoreMetrics:
+    """Counters, tier gauges and latency histograms of one ``ChunkStore``.
+
+    Attributes:
+        registry: the ``CollectorRegistry`` holding every metric of this store.
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = defaultdict(int)
+        self._counters = {
+            name: Counter(f"kvstore_{name}_total", help_, ["tier"] if by_tier else [],
+                          registry=self.registry)
+            for name, (help_, by_tier) in _COUNTERS.items()
+        }
+        self.used_bytes = Gauge("kvstore_used_bytes", "Bytes used by stored chunks", ["tier"],
+                                registry=self.registry)
+        self.capacity_bytes = Gauge("kvstore_capacity_bytes", "Tier capacity in bytes", ["tier"],
+                                    registry=self.registry)
+        self.chunks = Gauge("kvstore_chunks", "Chunks stored in a tier", ["tier"], registry=self.registry)
+        self.latency = Histogram("kvstore_op_latency_seconds", "Store call latency by operation",
+                                 ["op"], buckets=LATENCY_BUCKETS_S, registry=self.registry)
+
+    def inc(self, name: str, n: int = 1, tier: str | None = None) -> None:
+        """Add ``n`` to counter ``name`` (per ``tier`` where the counter has that label).
+
+        Raises:
+            KeyError: unknown counter name.
+        """
+        if n <= 0:
+            return
+        c = self._counters[name]
+        (c.labels(tier=tier) if tier is not None else c).inc(n)
+        with self._lock:
+            self._counts[name] += n
+            if tier is not None:
+                self._counts[f"{name}:{tier}"] += n
+
+    def observe(self, op: str, seconds: float) -> None:
+        self.latency.labels(op=op).observe(seconds)
+
+    def bind_tier(self, name: str, used: Callable[[], float], capacity: Callable[[], float],
+                  chunks: Callable[[], float]) -> None:
+        """Gauges of a tier, read at scrape time."""
+        self.used_bytes.labels(tier=name).set_function(used)
+        self.capacity_bytes.labels(tier=name).set_function(capacity)
+        self.chunks.labels(tier=name).set_function(chunks)
+
+    def count(self, name: str, tier: str | None = None) -> int:
+        """Current value of a counter (summed over tiers when ``tier`` is None)."""
+        with self._lock:
+            return self._counts.get(name if tier is None else f"{name}:{tier}", 0)
+
+    def snapshot(self) -> dict:
+        """``{counter: total}`` plus ``{counter}_by_tier: {tier: n}`` for tier counters."""
+        with self._lock:
+            counts = dict(self._counts)
+        out: dict = {}
+        for name, (_, by_tier) in _COUNTERS.items():
+            out[name] = counts.get(name, 0)
+            if by_tier:
+                out[f"{name}_by_tier"] = {k.split(":", 1)[1]: v for k, v in counts.items()
+                                          if k.startswith(name + ":")}
+        return out
+
+    def exposition(self) -> bytes:
+        """Prometheus text format of this store's metrics."""
+        return generate_latest(self.registry)

@@ -1,0 +1,439 @@
+"""The tiered chunk store: GPU pool -> CPU arena -> lmdb disk, behind ``KVStoreBase``.
+
+This is the only module that knows there is more than one tier. It decides
+
+* where a chunk goes: ``put`` writes to the top tier (or the next one that can take it when
+  every chunk of the top tier is pinned);
+* what moves: a victim evicted from tier i spills to tier i+1 unless already there; a hit in a
+  lower tier is promoted (copied) to the top tier when ``promote_on_hit``;
+* what may be evicted: chunks with no pin. Pins are ref counts of three kinds: readers (taken
+  by ``get_chunks`` for the duration of the copy), explicit ``pin`` and leased ``pin`` (expires
+  after ``lease_s``). A chunk removed while pinned disappears from lookups at once and is
+  freed when its last pin goes.
+
+Concurrency: one store lock guards the tiers' indexes and pins. Copies out of a memory tier
+run outside the lock (the chunk is reader-pinned, so nobody frees its pages meanwhile); disk
+encoding and writes run on the disk tier's writer thread.
+
+Lifetime of a chunk (``[num_layers, 2, chunk_size, num_kv_heads, head_dim]``)::
+
+    put ─► top tier ──evict──► next tier ──evict──► ... ──evict──► gone
+              ▲                    │ hit (get)
+              └────── promote ─────┘
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections import defaultdict
+from typing import Sequence
+
+import torch
+
+from kvstore.api import KVStoreBase, LookupResult
+from kvstore.config import StoreConfig
+from kvstore.keys import ChunkKey, Namespace
+from kvstore.layout import KVLayout
+from kvstore.metrics import StoreMetrics
+from kvstore.tiers.base import Tier
+from kvstore.tiers.cpu import CpuTier
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.gpu import GpuTier
+
+log = logging.getLogger("kvstore.store")
+
+
+class ChunkStore(KVStoreBase):
+    """In-process tiered store (see module docstring). Thread-safe.
+
+    Args:
+        config: capacities, policies and paths.
+        namespaces: namespaces to check against the capacities now (others are checked on
+            first use).
+
+    Raises:
+        ValueError: a tier smaller than one chunk of a given namespace.
+    """
+
+    def __init__(self, config: StoreConfig, namespaces: Sequence[Namespace] = ()) -> None:
+        self.config = config
+        self.metrics = StoreMetrics()
+        self._lock = threading.RLock()
+        self._closed = False
+        self.tiers: list[Tier] = []
+        if config.gpu_bytes:
+            self.tiers.append(GpuTier(config.gpu_bytes, config.page_bytes, config.device, config.gpu_policy))
+        if config.cpu_bytes:
+            self.tiers.append(CpuTier(config.cpu_bytes, config.page_bytes, config.cpu_policy))
+        if config.disk_bytes:
+            self.tiers.append(DiskTier(config.disk_path, config.disk_bytes, config.disk_policy,
+                                       config.disk_codec))
+        self._reader_pins: dict[ChunkKey, int] = defaultdict(int)
+        self._user_pins: dict[ChunkKey, int] = defaultdict(int)
+        self._lease_pins: dict[ChunkKey, int] = defaultdict(int)
+        self._lease_cancels: dict[ChunkKey, int] = defaultdict(int)
+        self._leases: list[tuple[float, int, ChunkKey]] = []  # heap of (expiry, seq, key)
+        self._seq = itertools.count()
+        self._doomed: set[ChunkKey] = set()  # removed while pinned: invisible, freed at last unpin
+        self._layouts: dict[bytes, KVLayout] = {}
+        for t in self.tiers:
+            t.listener = self._on_tier_event
+            t.evictable = self._evictable
+            self.metrics.bind_tier(t.name, lambda t=t: t.used_bytes, lambda t=t: t.capacity_bytes,
+                                   lambda t=t: t.num_chunks)
+            if isinstance(t, DiskTier) and t.num_bad_at_open:
+                self.metrics.inc("corruptions", t.num_bad_at_open, tier=t.name)
+        for ns in namespaces:
+            self.register(ns)
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def register(self, ns: Namespace) -> None:
+        """Check ``ns``'s chunk size against every tier (done on first use otherwise).
+
+        Raises:
+            ValueError: a tier smaller than one chunk.
+        """
+        if ns.ns_id not in self._layouts:
+            self.config.check_layout(ns.layout)
+            self._layouts[ns.ns_id] = ns.layout
+
+    def _check_keys(self, ns: Namespace, keys: Sequence[ChunkKey]) -> None:
+        if self._closed:
+            raise RuntimeError("store is closed")
+        self.register(ns)
+        for k in keys:
+            if not isinstance(k, ChunkKey):
+                raise ValueError(f"expected ChunkKey, got {type(k).__name__}")
+            if k.ns_id != ns.ns_id:
+                raise ValueError(f"key {k!r} belongs to namespace {k.ns_id.hex()}, not {ns.ns_id.hex()}")
+
+    def _on_tier_event(self, event: str, tier: str, n: int) -> None:
+        name = {"eviction": "evictions", "corruption": "corruptions",
+                "dropped_write": "dropped_writes", "error": "errors"}[event]
+        self.metrics.inc(name, n, tier=tier)
+
+    def _pins(self, key: ChunkKey) -> int:
+        return self._reader_pins.get(key, 0) + self._user_pins.get(key, 0) + self._lease_pins.get(key, 0)
+
+    def _evictable(self, key: ChunkKey) -> bool:
+        return self._pins(key) == 0
+
+    def _locate(self, key: ChunkKey) -> Tier | None:
+        """Fastest tier holding ``key`` (None when absent or removed)."""
+        if key in self._doomed:
+            return None
+        for t in self.tiers:
+            if t.contains(key):
+                return t
+        return None
+
+    def _tier_index(self, tier: Tier) -> int:
+        return self.tiers.index(tier)
+
+    # ---- movement -----------------------------------------------------------------------------
+    def _insert(self, i: int, key: ChunkKey, kv: torch.Tensor, parent: ChunkKey | None,
+                owned: bool = False) -> bool:
+        """Put ``kv`` into tier i, evicting (and spilling) as needed. False if it cannot fit."""
+        if not self._make_room(i, kv.numel() * kv.element_size()):
+            return False
+        self.tiers[i].put(key, kv, parent, owned=owned)
+        return True
+
+    def _make_room(self, i: int, nbytes: int) -> bool:
+        tier = self.tiers[i]
+        if tier.footprint(nbytes) > tier.capacity_bytes:
+            return False
+        while not tier.can_fit(nbytes):
+            victim = tier.next_victim(self._evictable)
+            if victim is None:
+                return False
+            self._evict(i, victim)
+        return True
+
+    def _evict(self, i: int, key: ChunkKey) -> None:
+        tier = self.tiers[i]
+        if i + 1 < len(self.tiers) and not self.tiers[i + 1].contains(key):
+            data = tier.read(key, getattr(tier, "device", "cpu"))
+            if data is not None and self._insert(i + 1, key, data, tier.parent_of(key), owned=True):
+                self.metrics.inc("spills", tier=tier.name)
+        tier.delete(key)
+        self.metrics.inc("evictions", tier=tier.name)
+
+    def _delete_everywhere(self, key: ChunkKey) -> None:
+        for t in self.tiers:
+            t.delete(key)
+        self._doomed.discard(key)
+
+    # ---- pins ---------------------------------------------------------------------------------
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        while self._leases and self._leases[0][0] <= now:
+            _, _, key = heapq.heappop(self._leases)
+            if self._lease_cancels.get(key):
+                self._dec(self._lease_cancels, key)
+            else:
+                self._dec(self._lease_pins, key)
+                self._maybe_free(key)
+
+    @staticmethod
+    def _dec(counts: dict, key: ChunkKey) -> None:
+        counts[key] -= 1
+        if counts[key] <= 0:
+            del counts[key]
+
+    def _maybe_free(self, key: ChunkKey) -> None:
+        if key in self._doomed and self._pins(key) == 0:
+            self._delete_everywhere(key)
+
+    # ---- KVStoreBase --------------------------------------------------------------------------
+    def lookup_keys(self, ns: Namespace, keys: Sequence[ChunkKey]) -> LookupResult:
+        t0 = time.perf_counter()
+        self._check_keys(ns, keys)
+        tiers = []
+        with self._lock:
+            self._expire_leases()
+            for k in keys:
+                t = self._locate(k)
+                if t is None:
+                    break
+                tiers.append(t.name)
+        cs = ns.layout.chunk_size
+        self.metrics.inc("lookups")
+        self.metrics.inc("requested_tokens", len(keys) * cs)
+        self.metrics.inc("hit_tokens", len(tiers) * cs)
+        self.metrics.observe("lookup", time.perf_counter() - t0)
+        return LookupResult(len(tiers), cs, tuple(tiers), len(keys))
+
+    def exists(self, ns: Namespace, keys: Sequence[ChunkKey]) -> list[bool]:
+        self._check_keys(ns, keys)
+        with self._lock:
+            self._expire_leases()
+            return [self._locate(k) is not None for k in keys]
+
+    def get_chunks(self, ns: Namespace, keys: Sequence[ChunkKey]) -> list[torch.Tensor | None]:
+        t0 = time.perf_counter()
+        self._check_keys(ns, keys)
+        plan: list[tuple[ChunkKey, Tier] | None] = []
+        with self._lock:
+            self._expire_leases()
+            for k in keys:
+                t = self._locate(k)
+                if t is not None:
+                    self._reader_pins[k] += 1
+                    t.touch(k)
+                plan.append((k, t) if t is not None else None)
+        out: list[torch.Tensor | None] = []
+        try:
+            for item in plan:
+                out.append(None if item is None else self._read_checked(ns.layout, *item))
+        finally:
+            with self._lock:
+                for item in plan:
+                    if item is not None:
+                        self._dec(self._reader_pins, item[0])
+                        self._maybe_free(item[0])
+                self._promote(plan, out)
+        for item, kv in zip(plan, out):
+            if kv is None:
+                self.metrics.inc("misses")
+            else:
+                self.metrics.inc("hits", tier=item[1].name)
+        self.metrics.observe("get", time.perf_counter() - t0)
+        return out
+
+    def _read_checked(self, layout: KVLayout, key: ChunkKey, tier: Tier) -> torch.Tensor | None:
+        kv = tier.read(key, self.config.return_device)
+        if kv is None:
+            return None
+        if tuple(kv.shape) != layout.shape() or kv.dtype != layout.torch_dtype:
+            log.warning("%s tier returned %s %s for %r, layout says %s %s; deleted", tier.name,
+                        list(kv.shape), kv.dtype, key, list(layout.shape()), layout.torch_dtype)
+            self.metrics.inc("corruptions", tier=tier.name)
+            with self._lock:
+                tier.delete(key)
+            return None
+        return kv
+
+    def _promote(self, plan, out) -> None:
+        if not self.config.promote_on_hit:
+            return
+        for item, kv in zip(plan, out):
+            if item is None or kv is None or item[1] is self.tiers[0]:
+                continue
+            key, tier = item
+            src = self._tier_index(tier)
+            if key in self._doomed or any(t.contains(key) for t in self.tiers[:src]):
+                continue
+            try:
+                if self._insert(0, key, kv, tier.parent_of(key)):
+                    self.metrics.inc("promotions", tier=tier.name)
+            except Exception:
+                log.exception("promotion of %r failed", key)
+                self.metrics.inc("errors", tier=self.tiers[0].name)
+
+    def put_chunks(self, ns: Namespace, keys: Sequence[ChunkKey], kvs: Sequence[torch.Tensor]) -> int:
+        t0 = time.perf_counter()
+        self._check_keys(ns, keys)
+        if len(keys) != len(kvs):
+            raise ValueError(f"put_chunks: {len(keys)} keys but {len(kvs)} tensors")
+        for kv in kvs:
+            ns.layout.validate(kv)
+        stored = 0
+        with self._lock:
+            self._expire_leases()
+            for i, (key, kv) in enumerate(zip(keys, kvs)):
+                if key in self._doomed:  # removed while pinned, put again: keep it
+                    self._doomed.discard(key)
+                    continue
+                if self._locate(key) is not None:
+                    continue
+                parent = keys[i - 1] if i > 0 else None
+                if any(self._insert(j, key, kv, parent) for j in range(len(self.tiers))):
+                    stored += 1
+                else:
+                    self.metrics.inc("rejected_chunks")
+        self.metrics.inc("stored_chunks", stored)
+        self.metrics.observe("put", time.perf_counter() - t0)
+        return stored
+
+    def remove(self, ns: Namespace, keys: Sequence[ChunkKey]) -> int:
+        self._check_keys(ns, keys)
+        with self._lock:
+            return sum(self._remove_one(k) for k in keys)
+
+    def _remove_one(self, key: ChunkKey) -> bool:
+        if self._locate(key) is None:
+            return False
+        if self._pins(key):
+            self._doomed.add(key)
+        else:
+            self._delete_everywhere(key)
+        return True
+
+    def clear(self, ns: Namespace | None = None) -> int:
+        with self._lock:
+            keys = {k for t in self.tiers for k in t.keys()}
+            if ns is not None:
+                keys = {k for k in keys if k.ns_id == ns.ns_id}
+            return sum(self._remove_one(k) for k in keys)
+
+    def pin(self, ns: Namespace, keys: Sequence[ChunkKey], lease_s: float | None = None) -> int:
+        self._check_keys(ns, keys)
+        if lease_s is not None and lease_s <= 0:
+            raise ValueError(f"lease_s must be > 0, got {lease_s}")
+        n = 0
+        with self._lock:
+            self._expire_leases()
+            for k in keys:
+                if self._locate(k) is None:
+                    continue
+                n += 1
+                if lease_s is None:
+                    self._user_pins[k] += 1
+                else:
+                    self._lease_pins[k] += 1
+                    heapq.heappush(self._leases, (time.monotonic() + lease_s, next(self._seq), k))
+        return n
+
+    def unpin(self, ns: Namespace, keys: Sequence[ChunkKey]) -> int:
+        """Drop one explicit pin per key (a plain pin first, else the oldest leased one)."""
+        self._check_keys(ns, keys)
+        n = 0
+        with self._lock:
+            self._expire_leases()
+            for k in keys:
+                if self._user_pins.get(k):
+                    self._dec(self._user_pins, k)
+                elif self._lease_pins.get(k):
+                    self._dec(self._lease_pins, k)
+                    self._lease_cancels[k] += 1
+                else:
+                    continue
+                n += 1
+                self._maybe_free(k)
+        return n
+
+    def pin_count(self, key: ChunkKey) -> int:
+        """Current pins of ``key`` (readers + explicit + leased)."""
+        with self._lock:
+            self._expire_leases()
+            return self._pins(key)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until queued disk writes are committed. False on timeout."""
+        return all(t.flush(timeout) for t in self.tiers if isinstance(t, DiskTier))
+
+    # ---- introspection ------------------------------------------------------------------------
+    def unreachable_bytes(self) -> int:
+        """Bytes (over all tiers) of chunks that a prefix lookup can never reach: some ancestor
+        (parent, grandparent, ... as recorded at put) is stored in no tier."""
+        with self._lock:
+            present = {k for t in self.tiers for k in t.keys()} - self._doomed
+            parent = {}
+            for t in reversed(self.tiers):
+                for k in t.keys():
+                    parent[k] = t.parent_of(k)
+            reachable: dict[ChunkKey, bool] = {}
+
+            def ok(k: ChunkKey) -> bool:
+                path = []
+                while k not in reachable:
+                    p = parent.get(k)
+                    if p is None:
+                        reachable[k] = True
+                        break
+                    if p not in present:
+                        reachable[k] = False
+                        break
+                    path.append(k)
+                    k = p
+                verdict = reachable[k]
+                for q in path:
+                    reachable[q] = verdict
+                return verdict
+
+            return sum(t.nbytes_of(k) for t in self.tiers for k in t.keys()
+                       if k in present and not ok(k))
+
+    def stats(self) -> dict:
+        with self._lock:
+            self._expire_leases()
+            tiers = {t.name: {"capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes,
+                              "free_bytes": t.free_bytes, "num_chunks": t.num_chunks,
+                              "policy": t.policy_name} for t in self.tiers}
+            pinned = {k for d in (self._reader_pins, self._user_pins, self._lease_pins) for k in d}
+            out = {"tiers": tiers, "num_pinned_chunks": len(pinned),
+                   "num_removed_pinned_chunks": len(self._doomed),
+                   "unreachable_bytes": self.unreachable_bytes()}
+        out.update(self.metrics.snapshot())
+        return out
+
+    def check_integrity(self) -> None:
+        """Check every memory owner: each tier's index, space accounting and policy; pin counts
+        >= 0; removed-while-pinned chunks are pinned. Raises ``AssertionError``."""
+        with self._lock:
+            for t in self.tiers:
+                t.check_integrity()
+            for d in (self._reader_pins, self._user_pins, self._lease_pins, self._lease_cancels):
+                assert all(v > 0 for v in d.values()), "a pin count is <= 0"
+            for k in self._doomed:
+                assert self._pins(k) > 0, f"{k!r} awaits its last unpin but has no pin"
+            assert sum(self._lease_pins.values()) + sum(self._lease_cancels.values()) == len(self._leases), \
+                "lease heap and lease counts disagree"
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for t in self.tiers:
+                t.close()
+
+    def __enter__(self) -> "ChunkStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

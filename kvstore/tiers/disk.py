@@ -1,0 +1,334 @@
+"""Disk tier: an lmdb environment of chunk values written by a background thread.
+
+Each value is ``kvstore.codec``'s header + payload (codec chosen per chunk). ``put`` queues the
+chunk and returns; the writer thread encodes and commits queued operations in order, a batch
+per transaction. Until committed, a chunk is served from the queue, so it is visible at once.
+
+Space: ``capacity_bytes`` bounds the sum of stored value sizes (a queued chunk counts with its
+raw size + header until it is encoded). The lmdb map is larger (``map_bytes``) to leave room
+for lmdb's own pages; if lmdb still reports the map full, the writer evicts committed chunks by
+policy and retries, else drops the write (counted as ``dropped_write``, logged) and the chunk
+disappears from the index, so lookups never report it.
+
+Reads verify the header (magic, version, key, sizes) and the payload checksum; a bad value is
+deleted, counted as ``corruption`` and reported as a miss. Reopening a path re-indexes every
+value from its header.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import lmdb
+import numpy as np
+import torch
+
+from kvstore.codec import CorruptChunkError, pack_value, unpack_header, unpack_value
+from kvstore.keys import ChunkKey
+from kvstore.layout import DTYPES, dtype_name
+from kvstore.tiers.base import Tier, TierFullError
+
+log = logging.getLogger("kvstore.tiers.disk")
+
+#: Upper bound of a value's header bytes (fixed part + two 48-byte keys with length bytes).
+HEADER_BYTES = 32 + 2 * 49
+#: Queued (not yet written) bytes above which ``put`` waits for the writer.
+QUEUE_BYTES = 256 * 2**20
+#: Operations committed per lmdb transaction at most.
+BATCH_OPS = 64
+
+
+@dataclass
+class _DiskEntry:
+    nbytes: int
+    parent: ChunkKey | None
+
+
+class _PutOp:
+    __slots__ = ("key", "kv", "parent")
+
+    def __init__(self, key: ChunkKey, kv: torch.Tensor, parent: ChunkKey | None) -> None:
+        self.key, self.kv, self.parent = key, kv, parent  # kv: CPU, contiguous, owned
+
+
+def default_map_bytes(capacity_bytes: int) -> int:
+    """lmdb map size for a capacity: 1.5x plus 32 MiB for lmdb's B-tree and free pages."""
+    return (int(capacity_bytes * 1.5) + 32 * 2**20 + 4095) // 4096 * 4096
+
+
+class DiskTier(Tier):
+    """lmdb-backed tier at ``path`` (a directory, created if missing).
+
+    Raises:
+        ValueError: capacity <= 0. lmdb.Error: the environment cannot be opened.
+    """
+
+    def __init__(self, path: str, capacity_bytes: int, policy_name: str = "lru",
+                 codec: str = "auto", map_bytes: int | None = None) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"disk tier capacity must be > 0, got {capacity_bytes}")
+        super().__init__("disk", capacity_bytes, policy_name)
+        os.makedirs(path, exist_ok=True)
+        self.path = path
+        self.codec = codec
+        self.env = lmdb.open(path, map_size=map_bytes or default_map_bytes(capacity_bytes),
+                             subdir=True, readahead=False, max_readers=512, metasync=False)
+        self._index: dict[ChunkKey, _DiskEntry] = {}
+        self._pending: dict[ChunkKey, _PutOp] = {}
+        self._queue: deque = deque()
+        self._queued_bytes = 0
+        self._inflight = 0
+        self._used = 0
+        self._cond = threading.Condition(self._lock)
+        self._closed = False
+        self._reindex()
+        self._writer = threading.Thread(target=self._writer_loop, name="kvstore-disk-writer", daemon=True)
+        self._writer.start()
+
+    # ---- index ------------------------------------------------------------------------------
+    def _reindex(self) -> None:
+        """Rebuild the index from the values' headers; drop values whose header is bad."""
+        bad = []
+        with self.env.begin(buffers=True) as txn:
+            for raw_key, value in txn.cursor():
+                try:
+                    key = ChunkKey.from_bytes(bytes(raw_key))
+                    h = unpack_header(value)
+                    if h.key != bytes(key):
+                        raise CorruptChunkError("header key differs from the lmdb key")
+                    parent = ChunkKey.from_bytes(h.parent) if h.parent else None
+                except (CorruptChunkError, ValueError):
+                    bad.append(bytes(raw_key))
+                    continue
+                self._index[key] = _DiskEntry(len(value), parent)
+                self._used += len(value)
+                self.policy.on_insert(key, len(value), parent)
+        if bad:
+            with self.env.begin(write=True) as txn:
+                for k in bad:
+                    txn.delete(k)
+            log.warning("disk tier %s: dropped %d values with a bad header at open", self.path, len(bad))
+            self.listener("corruption", self.name, len(bad))
+        while self._used > self.capacity_bytes:  # capacity shrank since last run
+            victim = self.policy.next_victim()
+            self.delete(victim)
+            self.listener("eviction", self.name, 1)
+        self.num_bad_at_open = len(bad)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def footprint(self, nbytes: int) -> int:
+        return nbytes + HEADER_BYTES
+
+    def contains(self, key: ChunkKey) -> bool:
+        return key in self._index
+
+    def keys(self) -> list[ChunkKey]:
+        with self._lock:
+            return list(self._index)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self._index)
+
+    def parent_of(self, key: ChunkKey) -> ChunkKey | None:
+        e = self._index.get(key)
+        return e.parent if e else None
+
+    def nbytes_of(self, key: ChunkKey) -> int:
+        e = self._index.get(key)
+        return e.nbytes if e else 0
+
+    def is_pending(self, key: ChunkKey) -> bool:
+        return key in self._pending
+
+    def _index_items(self):
+        return [(k, e.nbytes, e.parent) for k, e in self._index.items()]
+
+    # ---- put / delete -------------------------------------------------------------------------
+    def put(self, key: ChunkKey, kv: torch.Tensor, parent: ChunkKey | None,
+            owned: bool = False) -> None:
+        cpu = kv.detach()
+        if cpu.device.type != "cpu":
+            cpu = cpu.to("cpu")  # a new tensor
+        elif not owned:
+            cpu = cpu.clone()  # the caller may reuse its buffer once put returns
+        cpu = cpu.contiguous()  # [num_layers, 2, chunk, heads, head_dim]
+        nbytes = self.footprint(cpu.numel() * cpu.element_size())
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("disk tier is closed")
+            if key in self._index:
+                raise KeyError(f"{key!r} already in disk tier")
+            if nbytes > self.free_bytes:
+                raise TierFullError(f"disk tier: need {nbytes} bytes, {self.free_bytes} free")
+            while self._queued_bytes > QUEUE_BYTES:
+                self._cond.wait()
+            op = _PutOp(key, cpu, parent)
+            self._index[key] = _DiskEntry(nbytes, parent)
+            self._used += nbytes
+            self._pending[key] = op
+            self._queue.append(op)
+            self._queued_bytes += nbytes
+            self._policy_call("on_insert", key, nbytes, parent)
+            self._cond.notify_all()
+
+    def delete(self, key: ChunkKey) -> bool:
+        with self._cond:
+            e = self._index.pop(key, None)
+            if e is None:
+                return False
+            self._used -= e.nbytes
+            self._pending.pop(key, None)
+            self._queue.append(("del", key))
+            self._policy_call("on_remove", key)
+            self._cond.notify_all()
+            return True
+
+    # ---- read ---------------------------------------------------------------------------------
+    def read(self, key: ChunkKey, device: torch.device | str = "cpu") -> torch.Tensor | None:
+        with self._lock:
+            op = self._pending.get(key)
+            if op is not None:
+                return op.kv.to(device, copy=True)
+            if key not in self._index:
+                return None
+        try:
+            with self.env.begin(buffers=True) as txn:
+                buf = txn.get(bytes(key))
+                if buf is None:
+                    return None  # deleted since the index check
+                h, raw = unpack_value(buf, bytes(key))
+        except CorruptChunkError as e:
+            self._corrupt(key, str(e))
+            return None
+        t = torch.from_numpy(raw).view(DTYPES[h.dtype]).view(h.shape)  # [layers, 2, chunk, heads, head_dim]
+        return t if str(device) == "cpu" else t.to(device)
+
+    def _corrupt(self, key: ChunkKey, why: str) -> None:
+        log.warning("disk tier %s: chunk %r is corrupt (%s); deleted", self.path, key, why)
+        self.listener("corruption", self.name, 1)
+        with self._lock:
+            if key in self._index and key not in self._pending:
+                self.delete(key)
+
+    # ---- writer thread ----------------------------------------------------------------------
+    def _writer_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue and self._closed:
+                    return
+                batch = [self._queue.popleft() for _ in range(min(BATCH_OPS, len(self._queue)))]
+                self._inflight += 1
+            try:
+                self._write_batch(batch)
+            except Exception:
+                log.exception("disk tier %s: writer failed on a batch; dropping its puts", self.path)
+                self.listener("error", self.name, 1)
+                for op in batch:
+                    if isinstance(op, _PutOp):
+                        self._drop(op)
+            finally:
+                with self._cond:
+                    self._inflight -= 1
+                    self._queued_bytes -= sum(self.footprint(op.kv.numel() * op.kv.element_size())
+                                              for op in batch if isinstance(op, _PutOp))
+                    self._cond.notify_all()
+
+    def _encode(self, op: _PutOp) -> bytes:
+        raw = op.kv.reshape(-1).view(torch.uint8).numpy()  # [nbytes]
+        parent = bytes(op.parent) if op.parent is not None else None
+        return pack_value(bytes(op.key), parent, raw, dtype_name(op.kv.dtype), tuple(op.kv.shape),
+                          self.codec)
+
+    def _write_batch(self, batch: list) -> None:
+        values = {}
+        for op in batch:
+            if isinstance(op, _PutOp) and self._pending.get(op.key) is op:
+                values[id(op)] = self._encode(op)
+        try:
+            with self.env.begin(write=True) as txn:
+                for op in batch:
+                    if isinstance(op, _PutOp):
+                        if id(op) in values:
+                            txn.put(bytes(op.key), values[id(op)])
+                    else:
+                        txn.delete(bytes(op[1]))
+        except lmdb.MapFullError:
+            for op in batch:  # one transaction per op, evicting to make room
+                if isinstance(op, _PutOp):
+                    if id(op) in values:
+                        self._put_with_eviction(op, values[id(op)])
+                else:
+                    with self.env.begin(write=True) as txn:
+                        txn.delete(bytes(op[1]))
+        for op in batch:
+            if isinstance(op, _PutOp) and id(op) in values:
+                self._committed(op, len(values[id(op)]))
+
+    def _committed(self, op: _PutOp, stored: int) -> None:
+        with self._lock:
+            if self._pending.get(op.key) is op:
+                del self._pending[op.key]
+                e = self._index[op.key]
+                self._used += stored - e.nbytes
+                e.nbytes = stored
+
+    def _put_with_eviction(self, op: _PutOp, value: bytes) -> None:
+        while True:
+            if self._pending.get(op.key) is not op:
+                return
+            try:
+                with self.env.begin(write=True) as txn:
+                    txn.put(bytes(op.key), value)
+                return
+            except lmdb.MapFullError:
+                with self._lock:
+                    victim = self.next_victim(lambda k: k not in self._pending and self.evictable(k))
+                    if victim is None:
+                        self._drop(op)
+                        return
+                    self.delete(victim)
+                    self._queue.remove(("del", victim))
+                with self.env.begin(write=True) as txn:
+                    txn.delete(bytes(victim))
+                log.info("disk tier %s: lmdb map full; evicted %r", self.path, victim)
+                self.listener("eviction", self.name, 1)
+
+    def _drop(self, op: _PutOp) -> None:
+        with self._lock:
+            if self._pending.get(op.key) is op:
+                self.delete(op.key)
+                self._queue.remove(("del", op.key))
+        log.warning("disk tier %s: lmdb map full and nothing evictable; dropped the write of %r",
+                    self.path, op.key)
+        self.listener("dropped_write", self.name, 1)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued operation is committed. Returns False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and not self._inflight, timeout)
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            super().check_integrity()
+            assert self._used == sum(e.nbytes for e in self._index.values()), "disk: used bytes drifted"
+            assert set(self._pending) <= set(self._index), "disk: a queued put is not indexed"
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        self._writer.join()
+        self.env.sync(True)
+        self.env.close()

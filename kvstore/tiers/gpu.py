@@ -1,0 +1,23 @@
+"""GPU tier: one preallocated device pool managed by ``MemoryTier``'s page allocator. On a
+CPU-only machine ``device="cpu"`` runs the same code on host memory, so it is tested there."""
+from __future__ import annotations
+
+import torch
+
+from kvstore.tiers.memory import MemoryTier
+
+
+class GpuTier(MemoryTier):
+    """Device-memory tier of ``capacity_bytes`` (rounded down to whole pages) on ``device``.
+
+    Raises:
+        ValueError: capacity smaller than one page. RuntimeError: the device is unavailable.
+    """
+
+    def __init__(self, capacity_bytes: int, page_bytes: int, device: str | torch.device = "cuda",
+                 policy_name: str = "lru") -> None:
+        num_pages = capacity_bytes // page_bytes
+        if num_pages < 1:
+            raise ValueError(f"gpu tier capacity {capacity_bytes} is smaller than one page ({page_bytes})")
+        pool = torch.empty(num_pages * page_bytes, dtype=torch.uint8, device=device)
+        super().__init__("gpu", pool, page_bytes, policy_name)

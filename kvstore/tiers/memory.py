@@ -1,0 +1,200 @@
+"""A preallocated byte pool cut into fixed-size pages, holding chunks of any size.
+
+The pool is one ``uint8`` tensor of ``num_pages * page_bytes`` bytes, allocated once. A chunk
+takes ``ceil(nbytes / page_bytes)`` pages from a free list (a stack, so a freed run is handed
+out again in the same order and chunks of one size stay contiguous); no malloc per chunk, no
+external fragmentation, and namespaces with different chunk sizes share one pool. Copies go
+run by run (maximal stretches of consecutive pages), usually a single run.
+
+The GPU tier (``gpu.py``) and the CPU tier (``cpu.py``) are this class with a different pool.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvstore.keys import ChunkKey
+from kvstore.tiers.base import Tier, TierFullError
+
+
+class PageAllocator:
+    """Free list of page ids ``0..num_pages-1``.
+
+    ``alloc(n)`` pops n pages (``TierFullError`` if fewer are free); ``free(pages)`` returns them.
+    """
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() yields 0, 1, 2...
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def alloc(self, n: int) -> tuple[int, ...]:
+        if n > len(self._free):
+            raise TierFullError(f"need {n} pages, {len(self._free)} free")
+        pages = self._free[len(self._free) - n:][::-1]
+        del self._free[len(self._free) - n:]
+        return tuple(pages)
+
+    def free(self, pages: tuple[int, ...]) -> None:
+        self._free.extend(reversed(pages))
+
+    def check_integrity(self, used_pages: list[int]) -> None:
+        """``used_pages``: every page the owner holds. Raise ``AssertionError`` on a leak, a
+        double free or a page both free and used."""
+        free = set(self._free)
+        used = set(used_pages)
+        assert len(free) == len(self._free), "page allocator: a page is free twice"
+        assert len(used) == len(used_pages), "page allocator: a page is held by two chunks"
+        assert not (free & used), "page allocator: a page is both free and used"
+        assert len(free) + len(used) == self.num_pages, (
+            f"page allocator: free {len(free)} + used {len(used)} != total {self.num_pages}")
+
+
+def page_runs(pages: tuple[int, ...], page_bytes: int, nbytes: int) -> tuple[tuple[int, int], ...]:
+    """``(byte offset in pool, length)`` of each maximal run of consecutive pages, covering
+    exactly ``nbytes`` bytes of data in page order."""
+    runs = []
+    start = prev = pages[0]
+    left = nbytes
+    for p in pages[1:] + (None,):
+        if p is not None and p == prev + 1:
+            prev = p
+            continue
+        length = min((prev - start + 1) * page_bytes, left)
+        runs.append((start * page_bytes, length))
+        left -= length
+        if p is not None:
+            start = prev = p
+    return tuple(runs)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    pages: tuple[int, ...]
+    runs: tuple[tuple[int, int], ...]
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    parent: ChunkKey | None
+
+
+class MemoryTier(Tier):
+    """Paged pool tier. ``pool`` is a 1-D ``uint8`` tensor whose length is a multiple of
+    ``page_bytes``; its device is the tier's device."""
+
+    def __init__(self, name: str, pool: torch.Tensor, page_bytes: int, policy_name: str = "lru") -> None:
+        if pool.dtype != torch.uint8 or pool.dim() != 1 or pool.numel() % page_bytes:
+            raise ValueError("pool must be 1-D uint8 with a length that is a multiple of page_bytes")
+        super().__init__(name, pool.numel(), policy_name)
+        self.pool = pool  # [num_pages * page_bytes] uint8
+        self.page_bytes = page_bytes
+        self.allocator = PageAllocator(pool.numel() // page_bytes)
+        self._entries: dict[ChunkKey, _Entry] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.pool.device
+
+    @property
+    def used_bytes(self) -> int:
+        return self.allocator.num_used * self.page_bytes
+
+    def footprint(self, nbytes: int) -> int:
+        return -(-nbytes // self.page_bytes) * self.page_bytes
+
+    def contains(self, key: ChunkKey) -> bool:
+        return key in self._entries
+
+    def put(self, key: ChunkKey, kv: torch.Tensor, parent: ChunkKey | None,
+            owned: bool = False) -> None:
+        with self._lock:
+            if key in self._entries:
+                raise KeyError(f"{key!r} already in {self.name} tier")
+            nbytes = kv.numel() * kv.element_size()
+            pages = self.allocator.alloc(self.footprint(nbytes) // self.page_bytes)
+            entry = _Entry(pages, page_runs(pages, self.page_bytes, nbytes), nbytes,
+                           tuple(kv.shape), kv.dtype, parent)
+            try:
+                self._copy_in(entry, kv)
+            except BaseException:
+                self.allocator.free(pages)
+                raise
+            self._entries[key] = entry
+            self._policy_call("on_insert", key, len(pages) * self.page_bytes, parent)
+
+    def _copy_in(self, e: _Entry, kv: torch.Tensor) -> None:
+        if len(e.runs) == 1:
+            off, n = e.runs[0]
+            self.pool[off:off + n].view(e.dtype).view(e.shape).copy_(kv)
+            return
+        src = kv.contiguous().reshape(-1).view(torch.uint8)  # [nbytes]
+        pos = 0
+        for off, n in e.runs:
+            self.pool[off:off + n].copy_(src[pos:pos + n])
+            pos += n
+
+    def read(self, key: ChunkKey, device: torch.device | str = "cpu") -> torch.Tensor | None:
+        e = self._entries.get(key)
+        if e is None:
+            return None
+        out = torch.empty(e.shape, dtype=e.dtype, device=device)  # [num_layers, 2, chunk, heads, head_dim]
+        if len(e.runs) == 1:
+            off, n = e.runs[0]
+            out.copy_(self.pool[off:off + n].view(e.dtype).view(e.shape))
+            return out
+        dst = out.reshape(-1).view(torch.uint8)  # [nbytes]
+        pos = 0
+        for off, n in e.runs:
+            dst[pos:pos + n].copy_(self.pool[off:off + n])
+            pos += n
+        return out
+
+    def delete(self, key: ChunkKey) -> bool:
+        with self._lock:
+            e = self._entries.pop(key, None)
+            if e is None:
+                return False
+            self.allocator.free(e.pages)
+            self._policy_call("on_remove", key)
+            return True
+
+    def keys(self) -> list[ChunkKey]:
+        return list(self._entries)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self._entries)
+
+    def parent_of(self, key: ChunkKey) -> ChunkKey | None:
+        e = self._entries.get(key)
+        return e.parent if e else None
+
+    def nbytes_of(self, key: ChunkKey) -> int:
+        e = self._entries.get(key)
+        return len(e.pages) * self.page_bytes if e else 0
+
+    def _index_items(self):
+        return [(k, len(e.pages) * self.page_bytes, e.parent) for k, e in self._entries.items()]
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            super().check_integrity()
+            used = [p for e in self._entries.values() for p in e.pages]
+            self.allocator.check_integrity(used)
+            for k, e in self._entries.items():
+                assert len(e.pages) * self.page_bytes == self.footprint(e.nbytes), f"{k!r}: page count"
+                assert sum(n for _, n in e.runs) == e.nbytes, f"{k!r}: runs do not cover the chunk"
+
+    def close(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.allocator = PageAllocator(self.allocator.num_pages)
+            self.policy = type(self.policy)()
