@@ -308,6 +308,8 @@ class KVStoreClient(KVStoreBase):
         try:
             return fut.result(wait)
         except TimeoutError:
+            if fut.done():  # the call's own StoreUnavailable (a TimeoutError)
+                raise
             fut.cancel()
             raise StoreUnavailable(f"{self.url}: no answer within {wait} s") from None
 

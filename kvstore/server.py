@@ -278,23 +278,53 @@ def _describe(keys, chunks):
 
 async def put(request: web.Request) -> web.Response:
     state: _ServerState = request.app[STATE_KEY]
-    ns, entries, durable, tensors = await _read_put(request, state)
     store = request.app[STORE_KEY]
-    stored = await state.call(store.put_chunks, ns, [e.key for e in entries], tensors)
+    ns, entries, durable, tensors = await _read_put(request, state, store)
+    keys = [e.key for e in entries]
+    stored = await state.call(store.put_chunks, ns, keys, tensors)
     if durable:
-        await state.call(_flush, store)
+        await state.call(persist, store, ns, keys, tensors)
     state.bytes_in.inc(sum(e.nbytes for e in entries))
     return _ok({"stored": int(stored), "num_chunks": len(entries), "durable": durable})
 
 
-def _flush(store: KVStoreBase) -> None:
-    """Wait until every acknowledged write of ``store`` is on disk (no-op without a disk)."""
-    flush = getattr(store, "flush", None)
-    if flush is not None:
-        flush()
+def _disk_tier(store: KVStoreBase):
+    return next((t for t in getattr(store, "tiers", ()) if t.name == "disk"), None)
 
 
-async def _read_put(request: web.Request, state: _ServerState):
+def can_persist(store: KVStoreBase) -> bool:
+    """Whether ``store`` can make a put durable (it has ``persist`` or a disk tier)."""
+    return hasattr(store, "persist") or _disk_tier(store) is not None
+
+
+def persist(store: KVStoreBase, ns, keys, tensors) -> None:
+    """Make just-put chunks durable: write them through to the disk tier, then wait for the
+    disk writer's commit. Blocking; call on the store pool.
+
+    Uses ``store.persist(ns, keys, tensors)`` when the store offers it; otherwise writes
+    through ``ChunkStore``'s disk tier under the store lock (the store itself only writes to
+    disk on spill). Chunks removed meanwhile are skipped.
+
+    Raises:
+        P.ProtocolError(507): the disk tier cannot make room (everything pinned, or too small).
+    """
+    own = getattr(store, "persist", None)
+    if own is not None:
+        own(ns, keys, tensors)
+        return
+    disk = _disk_tier(store)
+    i = store.tiers.index(disk)
+    with store._lock:
+        for j, (key, kv) in enumerate(zip(keys, tensors)):
+            if disk.contains(key) or store._locate(key) is None:
+                continue
+            if not store._make_room(i, kv.numel() * kv.element_size()):
+                raise P.ProtocolError("disk tier has no room for a durable put", 507)
+            disk.put(key, kv, keys[j - 1] if j else None, owned=True)
+    store.flush()
+
+
+async def _read_put(request: web.Request, state: _ServerState, store: KVStoreBase):
     """Read and validate a put body: header first, then each payload against its checksum.
 
     Nothing is handed to the store until every payload has arrived and checked out.
@@ -309,6 +339,9 @@ async def _read_put(request: web.Request, state: _ServerState):
     hdr_len = P.decode_preamble(await _read_exact(reader, P.PREAMBLE_BYTES))
     header = P.parse_json(await _read_exact(reader, hdr_len), "put header")
     ns, entries, durable = P.parse_put_header(header, limits.max_batch_keys)
+    if durable and not can_persist(store):
+        raise P.ProtocolError("durable put needs a disk tier (serve with --disk-path and "
+                              "--disk-bytes)")
     expected = P.PREAMBLE_BYTES + hdr_len + P.payload_total(entries)
     if expected > limits.max_body_bytes:
         raise P.ProtocolError(f"body of {expected} bytes exceeds {limits.max_body_bytes}", 413)
