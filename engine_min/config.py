@@ -1,0 +1,107 @@
+"""Configuration: the engine's knobs (EngineConfig) and the model's shape (ModelConfig)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """torch dtype for ``"float32"``/``"float16"``/``"bfloat16"`` (or fp32/fp16/bf16).
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose float32, float16 or bfloat16")
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings (validated at construction).
+
+    Attributes:
+        model: path to a GGUF file or a Hugging Face safetensors folder; None = the embedded
+            SmolLM2-135M-Instruct GGUF (``weights.default_model_path()``).
+        dtype: weights, activations and KV dtype (``"float32"``, ``"float16"``, ``"bfloat16"``).
+        block_size: tokens per KV block.
+        kv_cache_bytes: bytes of the preallocated KV pool (rounded down to whole blocks; the
+            null block 0 is part of the pool).
+        max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+        max_num_seqs: most requests running at once.
+        max_model_len: longest prompt + output in tokens; None = the model's context length.
+        enable_prefix_caching: reuse full KV blocks across requests by chained block hash.
+        seed: seed of the sampler's generator for requests without their own seed.
+
+    Raises:
+        ValueError: a non-positive size or an unknown dtype.
+    """
+
+    model: str | None = None
+    dtype: str = "float32"
+    block_size: int = 16
+    kv_cache_bytes: int = 256 * 1024 * 1024
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 32
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        torch_dtype(self.dtype)
+        for name in ("block_size", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"EngineConfig.max_model_len must be positive, got {self.max_model_len}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder (read from GGUF metadata or config.json).
+
+    Attributes:
+        architecture: ``"llama"``, ``"mistral"`` or ``"qwen2"`` (Llama-family names accepted).
+        vocab_size, hidden_size, intermediate_size, num_layers: model sizes.
+        num_heads / num_kv_heads: query heads and KV heads (GQA when fewer KV heads).
+        head_dim: elements per head.
+        rms_norm_eps: RMSNorm epsilon.
+        rope_theta: RoPE base.
+        rope_scaling: None, or a dict with ``rope_type`` in {"linear", "llama3", "yarn"} and
+            its parameters (``factor``, ``low_freq_factor``, ``high_freq_factor``,
+            ``original_max_position_embeddings``).
+        max_position: context length in tokens.
+        tie_word_embeddings: the LM head reuses the token embedding.
+        attention_bias: q/k/v projections have a bias (Qwen2).
+        bos_token_id / eos_token_id: special ids (may be None).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = field(default=None, hash=False)
+    max_position: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def kv_block_bytes(self, block_size: int, itemsize: int) -> int:
+        """Bytes of one KV block over all layers, K and V: L * 2 * block_size * H_kv * D * itemsize."""
+        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * itemsize

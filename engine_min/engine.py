@@ -1,0 +1,219 @@
+"""LLMEngine: requests in, tokens out. engine -> scheduler -> block manager; model runner ->
+model -> kernels."""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+
+import torch
+
+from engine_min.block_manager import BlockManager
+from engine_min.config import EngineConfig
+from engine_min.model import LlamaModel
+from engine_min.model_runner import ModelRunner
+from engine_min.sampler import Sampler, SamplingParams
+from engine_min.scheduler import Scheduler
+from engine_min.sequence import RequestOutput, Sequence
+from engine_min.tokenizer import load_tokenizer
+from engine_min.weights import default_model_path, load_model
+
+
+class LLMEngine:
+    """A paged-attention engine over one Llama-family model on this process's device (CPU).
+
+    Args:
+        config: engine settings.
+        connector: optional KV connector (seams in scheduler.py and model_runner.py).
+
+    Attributes:
+        tokenizer: encode / decode / apply_chat_template / eos_token_id.
+        model_config: ModelConfig (num_layers, num_kv_heads, head_dim, max_position, ...).
+        kv_cache: the KV pool ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+        max_model_len: longest prompt + output (model context, config cap and pool size).
+
+    Raises:
+        ModelLoadError: the model cannot be found or is unsupported.
+        ValueError: the KV pool is smaller than two blocks.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, connector=None):
+        self.config = config = config or EngineConfig()
+        self.model_path = config.model or default_model_path()
+        self.model_config, sd = load_model(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.model = LlamaModel(self.model_config, sd, config.torch_dtype)
+        del sd
+        mc, dtype = self.model_config, config.torch_dtype
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        block_bytes = mc.kv_block_bytes(config.block_size, itemsize)
+        num_blocks = config.kv_cache_bytes // block_bytes
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds {num_blocks} blocks of "
+                             f"{block_bytes} bytes; at least 2 are needed (null block + 1)")
+        self.kv_cache = torch.zeros(mc.num_layers, 2, num_blocks, config.block_size,
+                                    mc.num_kv_heads, mc.head_dim, dtype=dtype)
+        self.max_model_len = min(config.max_model_len or mc.max_position, mc.max_position,
+                                 (num_blocks - 1) * config.block_size)
+        seed = hashlib.sha256(f"engine_min-v1|{self.model_path}|{config.dtype}".encode()).digest()
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          config.enable_prefix_caching, seed)
+        self.connector = connector
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens,
+                                   config.max_num_seqs, connector)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, connector)
+        self.sampler = Sampler(config.seed)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        if self.eos_token_id is None:
+            self.eos_token_id = mc.eos_token_id
+        self._seqs: dict[str, Sequence] = {}
+        self._pending: list[RequestOutput] = []  # aborts, reported by the next step()
+        self._ids = itertools.count()
+        self.num_prompt_tokens = 0
+        self.num_generated_tokens = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; returns its id.
+
+        Raises:
+            ValueError: empty prompt, prompt too long for max_model_len, token ids outside
+                the vocabulary, a duplicate request_id or bad sampling params. Nothing is
+                queued then; other requests are untouched.
+        """
+        sampling = sampling if sampling is not None else SamplingParams()
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        ids = self._prompt_ids(prompt)
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        if request_id in self._seqs:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        seq = Sequence(request_id, ids, sampling)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt has token ids outside [0, {vocab}): {bad[:5]}")
+        else:
+            raise ValueError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                             "(prompt + at least one output token must fit)")
+        return ids
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; False if unknown or already finished."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        seq.finish_time = time.perf_counter()
+        self._pending.append(RequestOutput.of(seq, []))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled forward pass; one output per request that got a token or finished."""
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        ordered, logits = self.runner.execute(sched)
+        samplers = [it for it in ordered if it.samples]
+        tokens = self.sampler.sample(logits, [it.seq.sampling for it in samplers],
+                                     [it.seq.generator for it in samplers])
+        sampled = dict(zip((id(it.seq) for it in samplers), tokens))
+        for it in ordered:
+            seq = it.seq
+            if it.num_new_tokens == seq.num_tokens - seq.num_computed_tokens and \
+                    seq.num_output_tokens == 0:
+                self.num_prompt_tokens += seq.num_prompt_tokens
+            seq.num_computed_tokens += it.num_new_tokens
+            self.block_manager.cache_blocks(seq)
+            if id(seq) in sampled:
+                outputs.append(self._append_token(seq, sampled[id(seq)]))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
+        now = time.perf_counter()
+        seq.token_ids.append(token)
+        self.num_generated_tokens += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        p = seq.sampling
+        seq.text = self.tokenizer.decode(seq.output_token_ids)
+        reason = None
+        if (token == self.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
+            reason = "stop"
+        elif p.stop and (cut := _find_stop(seq.text, p.stop)) is not None:
+            seq.text, reason = seq.text[:cut], "stop"
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            seq.finish_time = now
+            self._seqs.pop(seq.request_id, None)
+        return RequestOutput.of(seq, [token])
+
+    def generate(self, prompts: list[str | list[int]] | str,
+                 sampling: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run ``prompts`` to completion; final outputs in prompt order.
+
+        Raises:
+            ValueError: a bad prompt or params (no request of this call is left queued).
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.add_request(p, sp))
+        except ValueError:
+            for rid in ids:
+                self.abort(rid)
+            self._pending = [o for o in self._pending if o.request_id not in ids]
+            raise
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[r] for r in ids]
+
+    def stats(self) -> dict:
+        """Counters and gauges: queue sizes, KV pool use, prefix-cache queries/hits (tokens)."""
+        bm = self.block_manager
+        total = bm.num_blocks - 1
+        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "kv_blocks_used": bm.num_used_blocks, "kv_blocks_total": total,
+                "kv_usage": bm.num_used_blocks / total,
+                "prefix_cache_queries_tokens": bm.num_query_tokens,
+                "prefix_cache_hits_tokens": bm.num_hit_tokens,
+                "num_prompt_tokens": self.num_prompt_tokens,
+                "num_generated_tokens": self.num_generated_tokens,
+                "num_preemptions": self.scheduler.num_preemptions,
+                "kv_pool_bytes": self.kv_cache.numel() * self.kv_cache.element_size()}
+
+
+def _find_stop(text: str, stops: list[str]) -> int | None:
+    """Index of the earliest stop string in ``text``, or None."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None

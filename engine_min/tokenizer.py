@@ -1,0 +1,129 @@
+"""Tokenizer and chat template from the model files (GGUF metadata or tokenizer.json).
+
+GGUF ``tokenizer.ggml.model == "gpt2"`` vocabularies are byte-level BPE: the tokens are
+already byte-level strings ("Ġthe"), merges are "a b" pairs, and token_type 3/4 marks
+control / user-defined tokens (``<|im_start|>``), which are matched whole in text.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from engine_min.weights import ModelLoadError, default_model_path, gguf_field
+
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+class Tokenizer:
+    """Text <-> token ids, plus the model's chat template.
+
+    Attributes:
+        eos_token_id / bos_token_id: special ids (None when the model has none).
+        chat_template: the Jinja2 template text, or None.
+        vocab_size: ids are valid in ``[0, vocab_size)``.
+    """
+
+    def __init__(self, backend, eos_token_id: int | None, bos_token_id: int | None,
+                 chat_template: str | None):
+        self._tok = backend
+        self.eos_token_id, self.bos_token_id = eos_token_id, bos_token_id
+        self.chat_template = chat_template
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self._template = None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (special tokens written in the text are recognised; no BOS)."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` (``[{"role": ..., "content": ...}]``) with the chat template.
+
+        Raises:
+            ValueError: the model has no chat template, or the template rejects the messages.
+        """
+        if not self.chat_template:
+            raise ValueError("this model has no chat template")
+        if self._template is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            self._template = env.from_string(self.chat_template)
+        tok = self._tok
+        return self._template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=tok.id_to_token(self.bos_token_id) if self.bos_token_id is not None else "",
+            eos_token=tok.id_to_token(self.eos_token_id) if self.eos_token_id is not None else "")
+
+
+def _raise(msg: str):
+    raise ValueError(f"chat template error: {msg}")
+
+
+def load_tokenizer(path: str | None) -> Tokenizer:
+    """Tokenizer of a GGUF file or a Hugging Face folder (tokenizer.json).
+
+    Raises:
+        ModelLoadError: files missing or an unsupported tokenizer model.
+    """
+    path = default_model_path() if path is None else str(path)
+    if os.path.isdir(path):
+        return _from_hf_folder(Path(path))
+    return _from_gguf(path)
+
+
+def _from_gguf(path: str) -> Tokenizer:
+    from gguf import GGUFReader
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+    reader = GGUFReader(path)
+    kind = gguf_field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ModelLoadError(f"{path}: tokenizer model {kind!r} is not supported (only byte-level "
+                             "BPE, tokenizer.ggml.model = 'gpt2')")
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges", [])]
+    types = gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                     fuse_unk=False, byte_fallback=False)
+    tok = HFTokenizer(bpe)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if gguf_field(reader, "tokenizer.ggml.pre") in ("smollm", "starcoder", "qwen2", "llama-bpe"):
+        # these vocabularies split digits apart (as their tokenizer.json does)
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty in (_CONTROL, _USER_DEFINED)])
+    return Tokenizer(tok, gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+                     gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+                     gguf_field(reader, "tokenizer.chat_template"))
+
+
+def _from_hf_folder(folder: Path) -> Tokenizer:
+    from tokenizers import Tokenizer as HFTokenizer
+    tj = folder / "tokenizer.json"
+    if not tj.is_file():
+        raise ModelLoadError(f"model folder {folder} has no tokenizer.json")
+    tok = HFTokenizer.from_file(str(tj))
+    tc_path = folder / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text()) if tc_path.is_file() else {}
+
+    def special_id(name):
+        t = tc.get(name)
+        t = t.get("content") if isinstance(t, dict) else t
+        return tok.token_to_id(t) if t else None
+
+    template = tc.get("chat_template")
+    jt = folder / "chat_template.jinja"
+    if template is None and jt.is_file():
+        template = jt.read_text()
+    return Tokenizer(tok, special_id("eos_token"), special_id("bos_token"), template)
