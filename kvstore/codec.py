@@ -3,9 +3,11 @@
 Value layout (little-endian)::
 
     magic "KVC1" | version u16 | codec u8 | dtype code u8 | raw_nbytes u64 | xxh3_64 u64
-    | shape 5 x u32 | key_len u8 | key | parent_len u8 | parent | payload
+    | shape 5 x u32 | key_len u8 | key | parent_len u8 | parent | payload | xxh3_64 u64 of all before
 
-* ``raw_nbytes`` and ``xxh3_64`` describe the *raw* tensor bytes (checked after decoding).
+* ``raw_nbytes`` and ``xxh3_64`` describe the *raw* tensor bytes (checked after decoding); the
+  trailing xxh3_64 covers the whole stored value, so any flipped or missing byte is caught even
+  where decoding would hide it (an lz4 match offset pointing at identical bytes).
 * ``key`` is the chunk's own storage key, so a value moved under another key is detected;
   ``parent`` is the previous chunk's key (empty for the first chunk of a prompt), kept so a
   reopened store still evicts tails before heads.
@@ -32,6 +34,9 @@ ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "floa
 MIN_SAVING = 0.10
 
 _FIXED = struct.Struct("<4sHBBQQ5I")
+_TRAILER = struct.Struct("<Q")
+#: Largest overhead of a value: fixed part + two length-prefixed 48-byte keys + trailer.
+HEADER_BYTES_MAX = _FIXED.size + 2 * 49 + _TRAILER.size
 
 
 class CorruptChunkError(ValueError):
@@ -119,7 +124,8 @@ def pack_value(key: bytes, parent: bytes | None, raw: np.ndarray, dtype: str,
     used, payload = encode_payload(raw, ITEMSIZE[dtype], codec)
     fixed = _FIXED.pack(MAGIC, VERSION, CODECS.index(used), DTYPE_CODES.index(dtype), raw.nbytes,
                         checksum(raw), *shape)
-    return b"".join((fixed, bytes((len(key),)), key, bytes((len(parent),)), parent, payload))
+    body = b"".join((fixed, bytes((len(key),)), key, bytes((len(parent),)), parent, payload))
+    return body + _TRAILER.pack(checksum(body))
 
 
 def unpack_header(buf) -> ChunkHeader:
@@ -159,13 +165,17 @@ def unpack_value(buf, expect_key: bytes) -> tuple[ChunkHeader, np.ndarray]:
             that does not match ``raw_nbytes``, a payload that does not decode, or a checksum
             mismatch.
     """
+    mv = memoryview(buf)
+    if len(mv) < _TRAILER.size or checksum(mv[:-_TRAILER.size]) != _TRAILER.unpack_from(mv, len(mv) - _TRAILER.size)[0]:
+        raise CorruptChunkError("value checksum mismatch (flipped or missing bytes)")
     h = unpack_header(buf)
     if h.key != expect_key:
         raise CorruptChunkError(f"value belongs to key {h.key.hex()[:16]}.., read under "
                                 f"{expect_key.hex()[:16]}..")
     if int(np.prod(h.shape)) * ITEMSIZE[h.dtype] != h.raw_nbytes:
         raise CorruptChunkError(f"shape {h.shape} x {h.dtype} does not match {h.raw_nbytes} bytes")
-    raw = decode_payload(h.codec, memoryview(buf)[h.payload_offset:], h.raw_nbytes, ITEMSIZE[h.dtype])
+    raw = decode_payload(h.codec, mv[h.payload_offset:len(mv) - _TRAILER.size], h.raw_nbytes,
+                         ITEMSIZE[h.dtype])
     if checksum(raw) != h.checksum:
         raise CorruptChunkError("payload checksum mismatch")
     return h, raw

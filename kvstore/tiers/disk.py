@@ -26,15 +26,13 @@ import lmdb
 import numpy as np
 import torch
 
-from kvstore.codec import CorruptChunkError, pack_value, unpack_header, unpack_value
+from kvstore.codec import HEADER_BYTES_MAX, CorruptChunkError, pack_value, unpack_header, unpack_value
 from kvstore.keys import ChunkKey
 from kvstore.layout import DTYPES, dtype_name
 from kvstore.tiers.base import Tier, TierFullError
 
 log = logging.getLogger("kvstore.tiers.disk")
 
-#: Upper bound of a value's header bytes (fixed part + two 48-byte keys with length bytes).
-HEADER_BYTES = 32 + 2 * 49
 #: Queued (not yet written) bytes above which ``put`` waits for the writer.
 QUEUE_BYTES = 256 * 2**20
 #: Operations committed per lmdb transaction at most.
@@ -123,7 +121,7 @@ class DiskTier(Tier):
         return self._used
 
     def footprint(self, nbytes: int) -> int:
-        return nbytes + HEADER_BYTES
+        return nbytes + HEADER_BYTES_MAX
 
     def contains(self, key: ChunkKey) -> bool:
         return key in self._index
@@ -264,11 +262,12 @@ class DiskTier(Tier):
         except lmdb.MapFullError:
             for op in batch:  # one transaction per op, evicting to make room
                 if isinstance(op, _PutOp):
-                    if id(op) in values:
-                        self._put_with_eviction(op, values[id(op)])
+                    if id(op) in values and self._put_with_eviction(op, values[id(op)]):
+                        self._committed(op, len(values[id(op)]))
                 else:
                     with self.env.begin(write=True) as txn:
                         txn.delete(bytes(op[1]))
+            return
         for op in batch:
             if isinstance(op, _PutOp) and id(op) in values:
                 self._committed(op, len(values[id(op)]))
@@ -281,20 +280,22 @@ class DiskTier(Tier):
                 self._used += stored - e.nbytes
                 e.nbytes = stored
 
-    def _put_with_eviction(self, op: _PutOp, value: bytes) -> None:
+    def _put_with_eviction(self, op: _PutOp, value: bytes) -> bool:
+        """Write one value, evicting committed unpinned chunks while lmdb says the map is full.
+        Returns whether it was written (False: superseded or dropped)."""
         while True:
             if self._pending.get(op.key) is not op:
-                return
+                return False
             try:
                 with self.env.begin(write=True) as txn:
                     txn.put(bytes(op.key), value)
-                return
+                return True
             except lmdb.MapFullError:
                 with self._lock:
                     victim = self.next_victim(lambda k: k not in self._pending and self.evictable(k))
                     if victim is None:
                         self._drop(op)
-                        return
+                        return False
                     self.delete(victim)
                     self._queue.remove(("del", victim))
                 with self.env.begin(write=True) as txn:
