@@ -71,6 +71,7 @@ class _ServerState:
     def __init__(self, limits: ServerLimits, store_registry: CollectorRegistry | None):
         self.limits = limits
         self.ready = True
+        self.active = 0  # requests being served (drain waits for 0)
         self.pool = ThreadPoolExecutor(limits.store_threads, thread_name_prefix="kvstore-io")
         self.registry = CollectorRegistry()
         self.store_registry = store_registry
@@ -89,6 +90,13 @@ class _ServerState:
                                  registry=r)
         self.rejected = Counter("kvstore_server_rejected_chunks_total", "Chunks refused by "
                                 "validation (checksum, layout)", ["reason"], registry=r)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no request is being served (True) or ``timeout_s`` passes (False)."""
+        deadline = time.monotonic() + timeout_s
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return self.active == 0
 
     async def call(self, fn: Callable, *args: Any) -> Any:
         """Run a blocking store call on the store thread pool."""
@@ -114,12 +122,18 @@ async def _middleware(request: web.Request, handler) -> web.StreamResponse:
     state: _ServerState = request.app[STATE_KEY]
     route = request.match_info.route.resource.canonical if request.match_info.route.resource \
         else "unmatched"
+    if not state.ready and request.path not in UNAUTHENTICATED:
+        resp = _json_error("server is draining (shutting down); retry elsewhere or later", 503)
+        resp.force_close()
+        return resp
     t0 = time.perf_counter()
     state.in_flight.inc()
+    state.active += 1
     try:
         resp = await _guarded(request, handler, state)
     finally:
         state.in_flight.dec()
+        state.active -= 1
     state.requests.labels(route, str(resp.status)).inc()
     state.latency.labels(route).observe(time.perf_counter() - t0)
     return resp
@@ -454,6 +468,13 @@ async def serve_until_signal(app: web.Application, host: str, port: int, *,
         await stop.wait()
         log.info("signal received: draining")
         set_ready(app, False)
+        for s in list(runner.sites):  # stop accepting connections
+            await s.stop()
+        # aiohttp's own shutdown stops reading request bodies at once, so uploads in flight
+        # would be lost: wait for them here first (new requests on open connections get 503).
+        if not await app[STATE_KEY].wait_idle(shutdown_timeout_s):
+            log.warning("%d requests still in flight after %.1f s; cancelling them",
+                        app[STATE_KEY].active, shutdown_timeout_s)
     finally:
         await runner.cleanup()
 

@@ -1,0 +1,202 @@
+"""``kvstore`` CLI and ``kvstore serve`` as a real process: config precedence, bind safety,
+stats/clear/inspect, SIGTERM drain, SIGKILL + restart durability, clients of a dead server."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore import cli, serve_config
+from kvstore import protocol as P
+from kvstore.client import KVStoreClient, StoreUnavailable
+from test_server import LAYOUT, NS, chunk
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "cli-token"
+KEYS = NS.chunk_keys(list(range(4 * 40)))  # 40 chained keys, 256-byte chunks
+
+
+# ---- configuration -------------------------------------------------------------------------
+def test_flags_beat_env_beat_file(tmp_path):
+    yml = tmp_path / "kv.yaml"
+    yml.write_text("serve:\n  port: 1111\n  cpu-bytes: 2GiB\n  policy: lfu\n  max_batch_keys: 7\n")
+    env = {"KVSTORE_PORT": "2222", "KVSTORE_CPU_BYTES": "3MiB"}
+    cfg = serve_config.resolve({"port": 3333, "cpu_bytes": None}, env, str(yml))
+    assert (cfg.port, cfg.cpu_bytes, cfg.policy, cfg.max_batch_keys) == (3333, 3 << 20, "lfu", 7)
+    cfg = serve_config.resolve({}, {**env, "KVSTORE_CONFIG": str(yml)})
+    assert (cfg.port, cfg.cpu_bytes) == (2222, 3 << 20)
+    toml = tmp_path / "kv.toml"
+    toml.write_text('port = 4444\ndisk_path = "/tmp/x"\ndisk_bytes = "1GB"\n')
+    cfg = serve_config.resolve({}, {}, str(toml))
+    assert (cfg.port, cfg.disk_path, cfg.disk_bytes, cfg.host) == (4444, "/tmp/x", 10**9,
+                                                                  "127.0.0.1")
+    assert cfg.store_config_kwargs()["disk_policy"] == "lru"
+    toml.write_text("prot = 1\n")
+    with pytest.raises(ValueError, match=r"unknown settings \['prot'\]"):
+        serve_config.resolve({}, {}, str(toml))
+
+
+def test_non_loopback_bind_needs_a_token_or_insecure(capsys):
+    assert serve_config.is_loopback("127.0.0.1") and serve_config.is_loopback("::1")
+    assert not serve_config.is_loopback("0.0.0.0")
+    assert cli.main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 2
+    assert "refusing to bind non-loopback address '0.0.0.0' without --auth-token" \
+        in capsys.readouterr().err
+    assert serve_config.resolve({"host": "0.0.0.0", "insecure": True}, {}).insecure is True
+    assert serve_config.resolve({"host": "10.0.0.1", "auth_token": "t"}, {}).auth_token == "t"
+    assert cli.main(["serve", "--cpu-bytes", "12 parsecs"]) == 2
+
+
+def test_format_table_shows_sizes_readably():
+    text = cli.format_table({"tiers": {"cpu": {"capacity_bytes": 8 << 30, "num_chunks": 1234}},
+                             "hits": 5, "ratio": 0.25})
+    assert text.splitlines() == ["tiers.cpu.capacity_bytes  8,589,934,592 (8GiB)",
+                                 "tiers.cpu.num_chunks      1,234",
+                                 "hits                      5",
+                                 "ratio                     0.25"]
+
+
+# ---- the daemon as a process ---------------------------------------------------------------
+class Daemon:
+    """``python -m kvstore serve --port 0 ...`` in a subprocess; ``url`` once it listens."""
+
+    def __init__(self, log_path: Path, *args: str):
+        self.log = open(log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvstore", "serve", "--port", "0", "--auth-token", TOKEN,
+             "--log-level", "info", *args],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log,
+            env={**os.environ, "PYTHONPATH": str(ROOT)})
+        line = self._readline(60)
+        assert "listening on http://" in line, log_path.read_text()[-2000:]
+        self.url = line.strip().rsplit(" ", 1)[-1]
+        self.port = int(self.url.rsplit(":", 1)[1])
+
+    def _readline(self, timeout: float) -> str:
+        out = []
+        t = threading.Thread(target=lambda: out.append(self.proc.stdout.readline().decode()))
+        t.start()
+        t.join(timeout)
+        return out[0] if out else ""
+
+    def client(self, **kw) -> KVStoreClient:
+        return KVStoreClient(self.url, auth_token=TOKEN, **kw)
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        rc = self.proc.wait(timeout)
+        self.log.close()
+        return rc
+
+
+def _serve_args(disk: Path, cpu_bytes: str = "64KiB") -> list[str]:
+    return ["--cpu-bytes", cpu_bytes, "--disk-path", str(disk), "--disk-bytes", "64MiB",
+            "--policy", "lru"]
+
+
+def test_sigkill_then_restart_serves_every_durable_chunk_bit_exact(tmp_path):
+    disk = tmp_path / "disk"
+    d = Daemon(tmp_path / "log1", *_serve_args(disk))
+    kvs = [chunk(i) for i in range(len(KEYS))]
+    stop = threading.Event()
+    with d.client(timeout_s=10) as c:
+        assert c.put_chunks(NS, KEYS[:10], kvs[:10], durable=True) == 10
+
+        def flood():  # non-durable puts that spill to disk while the kill lands
+            i = 10
+            with d.client(timeout_s=2) as c2:
+                while not stop.is_set() and i < len(KEYS):
+                    try:
+                        c2.put_chunks(NS, KEYS[i:i + 5], kvs[i:i + 5])
+                    except Exception:
+                        return
+                    i += 5
+        t = threading.Thread(target=flood)
+        t.start()
+        time.sleep(0.3)
+        assert d.stop(signal.SIGKILL) == -signal.SIGKILL
+        stop.set()
+        t.join()
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailable):  # a dead server: a timeout error, not a hang
+            c.exists(NS, KEYS[:1], timeout_s=1.0)
+        assert time.monotonic() - t0 < 2.0
+    d2 = Daemon(tmp_path / "log2", *_serve_args(disk))
+    try:
+        with d2.client(timeout_s=10) as c:
+            got = c.get_chunks(NS, KEYS)
+            assert all(torch.equal(got[i], kvs[i]) for i in range(10))  # durable: all there
+            assert all(g is None or torch.equal(g, kv) for g, kv in zip(got, kvs))  # no tears
+            assert c.stats()["corruptions"] == 0
+    finally:
+        assert d2.stop() == 0
+
+
+def _raw_put_start(port: int, body: bytes, split: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(f"POST /v1/put HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+              f"Content-Type: {P.BINARY_CONTENT_TYPE}\r\nContent-Length: {len(body)}\r\n\r\n"
+              .encode() + body[:split])
+    return s
+
+
+def test_sigterm_stops_accepting_finishes_in_flight_flushes_and_exits_0(tmp_path, capsys):
+    disk = tmp_path / "disk"
+    d = Daemon(tmp_path / "log1", *_serve_args(disk, cpu_bytes="256KiB"))  # 4 pages: 4 chunks
+    kvs = [chunk(100 + i) for i in range(12)]
+    with d.client() as c:
+        assert c.put_chunks(NS, KEYS[:8], kvs[:8]) == 8  # 4 spill to disk (write-behind)
+        assert cli.main(["stats", d.url, "--auth-token", TOKEN]) == 0
+        table = capsys.readouterr().out
+        assert "tiers.cpu.num_chunks" in table and "stored_chunks" in table
+    entries = [P.entry_for(k, kv) for k, kv in zip(KEYS[8:12], kvs[8:12])]
+    body = P.put_header(NS, [e for e, _ in entries], durable=True) + \
+        b"".join(bytes(v) for _, v in entries)
+    s = _raw_put_start(d.port, body, len(body) // 2)  # a put in flight
+    time.sleep(0.2)
+    d.proc.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    with pytest.raises(ConnectionRefusedError):  # no longer accepting
+        socket.create_connection(("127.0.0.1", d.port), timeout=1).close()
+    s.sendall(body[len(body) // 2:])
+    answer = s.recv(65536).decode()
+    s.close()
+    assert answer.startswith("HTTP/1.1 200") and '"stored": 4' in answer
+    assert d.stop() == 0
+    rep = cli.inspect_disk(str(disk), limit=0, verify=True)
+    # KEYS[0:8] spilled from the 4-chunk CPU tier (write-behind), KEYS[8:12] written through
+    # by the durable put: all 12 committed by the time the process exits
+    assert (rep["num_chunks"], rep["num_bad"]) == (12, 0)
+    assert rep["layouts"] == {"float16 [2, 2, 4, 1, 8]": 12}
+    assert rep["namespaces"] == {NS.ns_id.hex(): 12}
+    assert {c["key"] for c in rep["chunks"]} == {k.hex() for k in KEYS[:12]}
+    assert cli.main(["inspect", str(disk), "--limit", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "num_chunks" in out and "chunks[0].key" in out and "chunks[1]" not in out
+
+
+def test_clear_and_stats_commands_against_a_live_daemon(tmp_path, capsys):
+    d = Daemon(tmp_path / "log", "--cpu-bytes", "1MiB")
+    try:
+        with d.client() as c:
+            c.put_chunks(NS, KEYS[:3], [chunk(i) for i in range(3)])
+        ns_json = json.dumps(NS.to_dict())
+        assert cli.main(["clear", d.url, "--auth-token", TOKEN, "--namespace", ns_json]) == 0
+        assert capsys.readouterr().out.strip() == "removed 3 chunks"
+        assert cli.main(["clear", d.url, "--auth-token", "wrong"]) == 1
+        assert "401" in capsys.readouterr().err
+        assert cli.main(["stats", d.url, "--auth-token", TOKEN, "--json"]) == 0
+        st = json.loads(capsys.readouterr().out)
+        assert st["tiers"]["cpu"]["num_chunks"] == 0 and st["stored_chunks"] == 3
+    finally:
+        assert d.stop() == 0
+    assert cli.main(["stats", d.url, "--timeout-s", "0.5"]) == 1
+    assert "no answer within 0.5 s" in capsys.readouterr().err
