@@ -39,6 +39,7 @@ from engine_min.server_metrics import ServerMetrics
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+SERVING_KEY: web.AppKey["OpenAIServing"] = web.AppKey("serving")
 
 
 @dataclass
@@ -118,7 +119,8 @@ class EngineLoop:
 
     def _apply(self, cmd: tuple) -> None:
         if cmd[0] == "abort":
-            self._sinks.pop(cmd[1], None)
+            if self._sinks.pop(cmd[1], None) is not None:
+                self.metrics.request_success.labels("abort").inc()
             self.engine.abort(cmd[1])
             return
         _, request_id, prompt_ids, sampling, sink = cmd
@@ -386,9 +388,9 @@ class OpenAIServing:
 # ---- app, background runner, CLI ----------------------------------------------------------
 
 def model_max_len(engine: Any) -> int:
-    """The engine's context limit in tokens (config ``max_model_len``, else the model's)."""
-    limit = getattr(getattr(engine, "config", None), "max_model_len", None)
-    return int(limit or engine.model_config.max_position)
+    """The engine's prompt + completion limit in tokens (``LLMEngine.max_model_len``: model
+    context, config cap and KV pool size)."""
+    return int(engine.max_model_len)
 
 
 def create_app(engine: Any, model_name: str, max_model_len: int | None = None) -> web.Application:
@@ -403,7 +405,7 @@ def create_app(engine: Any, model_name: str, max_model_len: int | None = None) -
     engine_loop = EngineLoop(engine, ServerMetrics())
     serving = OpenAIServing(engine_loop, model_name, max_model_len or model_max_len(engine))
     app = web.Application(client_max_size=64 * 1024 * 1024)
-    app["serving"] = serving
+    app[SERVING_KEY] = serving
     app.router.add_post("/v1/completions", serving.completions)
     app.router.add_post("/v1/chat/completions", serving.chat_completions)
     app.router.add_get("/v1/models", serving.models)
@@ -561,7 +563,7 @@ def serve_main(args: argparse.Namespace) -> None:
     name = served_model_name(args)
     app = create_app(engine, name)
     logger.info("serving %s on http://%s:%d (max_model_len %d)", name, args.host, args.port,
-                app["serving"].max_model_len)
+                app[SERVING_KEY].max_model_len)
     web.run_app(app, host=args.host, port=args.port, handler_cancellation=True,
                 access_log=None, print=None)
 

@@ -40,8 +40,8 @@ E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
 
 # engine stats key -> counter attribute; the stat is cumulative since engine start.
 _CUMULATIVE_STATS = {
-    "prefix_cache_queries": "prefix_cache_queries",
-    "prefix_cache_hits": "prefix_cache_hits",
+    "prefix_cache_queries_tokens": "prefix_cache_queries",
+    "prefix_cache_hits_tokens": "prefix_cache_hits",
     "external_prefix_cache_queries": "external_prefix_cache_queries",
     "external_prefix_cache_hits": "external_prefix_cache_hits",
 }
@@ -97,18 +97,18 @@ class ServerMetrics:
     def update_from_stats(self, stats: Mapping[str, float]) -> None:
         """Copy an ``LLMEngine.stats()`` snapshot into the gauges and cumulative counters.
 
-        Keys read (missing keys are skipped): ``num_running``, ``num_waiting``,
-        ``kv_cache_usage`` (fraction 0..1), and the cumulative token counts
-        ``prefix_cache_queries``, ``prefix_cache_hits``, ``external_prefix_cache_queries``,
-        ``external_prefix_cache_hits``. A cumulative value that went down (engine restarted)
+        Keys read (missing keys are skipped): ``num_running``, ``num_waiting``, ``kv_usage``
+        (fraction 0..1), and the cumulative token counts ``prefix_cache_queries_tokens``,
+        ``prefix_cache_hits_tokens`` (the engine's) and ``external_prefix_cache_queries``,
+        ``external_prefix_cache_hits`` (the store's, merged in by the server). A cumulative value that went down (engine restarted)
         is taken as the new baseline.
         """
         if "num_running" in stats:
             self.num_running.set(stats["num_running"])
         if "num_waiting" in stats:
             self.num_waiting.set(stats["num_waiting"])
-        if "kv_cache_usage" in stats:
-            self.kv_usage.set(stats["kv_cache_usage"])
+        if "kv_usage" in stats:
+            self.kv_usage.set(stats["kv_usage"])
         with self._lock:
             for key, attr in _CUMULATIVE_STATS.items():
                 if key not in stats:

@@ -133,10 +133,10 @@ def test_text_streamer_holds_back_partial_utf8_and_stop_prefixes():
 
 def test_metrics_mirror_cumulative_stats():
     m = ServerMetrics()
-    m.update_from_stats({"num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.25,
-                         "prefix_cache_queries": 32, "prefix_cache_hits": 16})
-    m.update_from_stats({"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0,
-                         "prefix_cache_queries": 48, "prefix_cache_hits": 16,
+    m.update_from_stats({"num_running": 2, "num_waiting": 1, "kv_usage": 0.25,
+                         "prefix_cache_queries_tokens": 32, "prefix_cache_hits_tokens": 16})
+    m.update_from_stats({"num_running": 0, "num_waiting": 0, "kv_usage": 0.0,
+                         "prefix_cache_queries_tokens": 48, "prefix_cache_hits_tokens": 16,
                          "external_prefix_cache_queries": 256,
                          "external_prefix_cache_hits": 0})
     m.ttft.observe(0.2)
