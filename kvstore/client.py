@@ -81,7 +81,8 @@ class AsyncKVStoreClient:
         if self._session is None or self._session.closed:
             conn = aiohttp.TCPConnector(limit=self.pool_size, keepalive_timeout=30)
             self._session = aiohttp.ClientSession(connector=conn, headers=self._headers,
-                                                  timeout=aiohttp.ClientTimeout(total=None))
+                                                  timeout=aiohttp.ClientTimeout(total=None),
+                                                  read_bufsize=4 << 20)
         return self._session
 
     async def close(self) -> None:

@@ -40,6 +40,9 @@ log = logging.getLogger("kvstore.server")
 STORE_KEY = web.AppKey("store", KVStoreBase)
 STATE_KEY = web.AppKey("state", object)
 UNAUTHENTICATED = frozenset({"/healthz", "/readyz"})
+#: Socket read buffer per connection: aiohttp's 64 KiB default pauses the transport every
+#: 128 KiB, which halves put throughput with 5.9 MB chunks.
+READ_BUFSIZE = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -409,7 +412,8 @@ def create_app(store: KVStoreBase, limits: ServerLimits | None = None,
     if store_registry is None:
         store_registry = _find_registry(store)
     app = web.Application(middlewares=[_middleware],
-                          client_max_size=min(limits.max_body_bytes, 64 << 20))
+                          client_max_size=min(limits.max_body_bytes, 64 << 20),
+                          handler_args={"read_bufsize": READ_BUFSIZE})
     app[STORE_KEY] = store
     state = _ServerState(limits, store_registry)
     app[STATE_KEY] = state

@@ -1,0 +1,370 @@
+"""Load test of ``kvstore serve`` on loopback, against Redis and memcpy, plus a soak.
+
+    python -m bench.daemon_load [--quick] [--soak-s 60] [--json PATH]
+
+Chunks are real-model-sized: SmolLM2-135M, 30 layers x 2 x 256 tokens x 3 KV heads x 64 dims
+fp16 = 5,898,240 bytes. Phases:
+
+1. memcpy: numpy copy of one chunk (the ceiling of any copy path), GB/s.
+2. kvstore: batched put and get (``--batch`` chunks per round trip) with 1 and 8 concurrent
+   clients (asyncio tasks sharing one pooled ``AsyncKVStoreClient``), GB/s of payload.
+3. Redis (``redis-server`` started here on a free port, no persistence): the same values with
+   redis-py's asyncio client, MSET/MGET of ``--batch`` values per round trip, 1 and 8 clients.
+4. lookup32: round trip of a batched lookup of a 32-chunk prompt (median and p99 of 300).
+5. soak: 16 clients mixing lookup/get/put over a key universe 10x the CPU tier's capacity;
+   errors, p99 latency, server RSS vs capacity, and /metrics consistency (the store's lookup,
+   hit and miss counters equal the clients' own counts).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+
+from kvstore.client import AsyncKVStoreClient, KVStoreClient
+from kvstore.keys import Namespace
+from kvstore.layout import KVLayout
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float16", chunk_size=256)
+CHUNK_BYTES = LAYOUT.chunk_bytes  # 5,898,240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Daemon:
+    """``python -m kvstore serve`` on a free loopback port (stopped with SIGTERM)."""
+
+    def __init__(self, cpu_bytes: str, log_path: Path):
+        self.log = open(log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvstore", "serve", "--port", "0", "--cpu-bytes", cpu_bytes,
+             "--policy", "lru", "--log-level", "warning", "--max-batch-keys", "256"],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log,
+            env={**os.environ, "PYTHONPATH": str(ROOT)})
+        line = self.proc.stdout.readline().decode()
+        if "listening on" not in line:
+            raise RuntimeError(f"kvstore serve did not start; see {log_path}")
+        self.url = line.strip().rsplit(" ", 1)[-1]
+        self.ps = psutil.Process(self.proc.pid)
+
+    def rss(self) -> int:
+        return self.ps.memory_info().rss
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(60)
+        self.log.close()
+        return rc
+
+
+class Redis:
+    """``redis-server`` on a free port without persistence, or None if it is not installed."""
+
+    def __init__(self, workdir: str):
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", workdir, "--proto-max-bulk-len", "1gb",
+             "--client-query-buffer-limit", "1gb"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def bench_memcpy(reps: int) -> float:
+    src = np.random.randint(0, 255, CHUNK_BYTES, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        np.copyto(dst, src)
+    return reps * CHUNK_BYTES / (time.perf_counter() - t0) / 1e9
+
+
+def _pool(n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(LAYOUT.shape(), generator=g).to(torch.float16) for _ in range(n)]
+
+
+async def _run_clients(num_clients: int, rounds: int, op) -> float:
+    """Run ``op(client_idx, round)`` rounds on each client concurrently; returns seconds."""
+    async def one(c: int) -> None:
+        for r in range(rounds):
+            await op(c, r)
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(c) for c in range(num_clients)))
+    return time.perf_counter() - t0
+
+
+async def bench_kvstore(url: str, clients: int, rounds: int, batch: int,
+                        tensors: list[torch.Tensor], tag: str) -> tuple[float, float]:
+    """(put GB/s, get GB/s) of ``clients`` concurrent clients doing ``rounds`` batches each."""
+    ns = Namespace(f"bench-{tag}-{clients}", LAYOUT)
+    keys = ns.chunk_keys(list(range(clients * rounds * batch * LAYOUT.chunk_size)))
+    c = AsyncKVStoreClient(url, timeout_s=120, pool_size=max(clients, 8))
+
+    def batch_of(ci: int, r: int):
+        i = (ci * rounds + r) * batch
+        return keys[i:i + batch], [tensors[(i + j) % len(tensors)] for j in range(batch)]
+
+    async def put(ci, r):
+        ks, kvs = batch_of(ci, r)
+        assert await c.put_chunks(ns, ks, kvs) == batch
+
+    async def get(ci, r):
+        ks, _ = batch_of(ci, r)
+        got = await c.get_chunks(ns, ks)
+        assert all(g is not None for g in got)
+    try:
+        total = clients * rounds * batch * CHUNK_BYTES
+        await _run_clients(clients, rounds, put)  # warm-up: first touch of the tier's pages
+        await _run_clients(clients, rounds, get)
+        await c.clear(ns)
+        t_put = await _run_clients(clients, rounds, put)
+        t_get = await _run_clients(clients, rounds, get)
+        await c.clear(ns)
+    finally:
+        await c.close()
+    return total / t_put / 1e9, total / t_get / 1e9
+
+
+async def bench_redis(port: int, clients: int, rounds: int, batch: int,
+                      tensors: list[torch.Tensor]) -> tuple[float, float]:
+    import redis.asyncio as aredis
+    vals = [t.view(torch.uint8).reshape(-1).numpy().tobytes() for t in tensors]
+    r = aredis.Redis(host="127.0.0.1", port=port, max_connections=max(clients, 8))
+
+    def names(ci, rr):
+        i = (ci * rounds + rr) * batch
+        return [f"k{clients}:{i + j}" for j in range(batch)]
+
+    async def put(ci, rr):
+        await r.mset({k: vals[j % len(vals)] for j, k in enumerate(names(ci, rr))})
+
+    async def get(ci, rr):
+        got = await r.mget(names(ci, rr))
+        assert all(len(g) == CHUNK_BYTES for g in got)
+    try:
+        total = clients * rounds * batch * CHUNK_BYTES
+        await _run_clients(clients, rounds, put)  # warm-up, as for kvstore
+        await _run_clients(clients, rounds, get)
+        await r.flushall()
+        t_put = await _run_clients(clients, rounds, put)
+        t_get = await _run_clients(clients, rounds, get)
+        await r.flushall()
+    finally:
+        await r.aclose()
+    return total / t_put / 1e9, total / t_get / 1e9
+
+
+def bench_lookup32(url: str, tensors: list[torch.Tensor], reps: int) -> dict:
+    ns = Namespace("bench-lookup", LAYOUT)
+    keys = ns.chunk_keys(list(range(32 * LAYOUT.chunk_size)))
+    with KVStoreClient(url, timeout_s=60) as c:
+        for i in range(0, 32, 8):
+            c.put_chunks(ns, keys[i:i + 8], [tensors[j % len(tensors)] for j in range(8)])
+        assert c.lookup_keys(ns, keys).num_hit_chunks == 32
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            c.lookup_keys(ns, keys)
+            times.append(time.perf_counter() - t0)
+        c.clear(ns)
+    times.sort()
+    return {"lookup32_ms": 1e3 * times[len(times) // 2],
+            "lookup32_p99_ms": 1e3 * times[int(len(times) * 0.99)]}
+
+
+def _metric_sum(text: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name:
+                total += s.value
+    return total
+
+
+async def soak(url: str, daemon: Daemon, capacity: int, seconds: float, clients: int,
+               tensors: list[torch.Tensor]) -> dict:
+    """16 clients: pick a prompt (4 chained chunks) from a universe 10x the CPU capacity,
+    lookup it, get the hit prefix, put the missing tail."""
+    ns = Namespace("bench-soak", LAYOUT)
+    prompt_chunks = 4
+    num_prompts = max(1, 10 * capacity // CHUNK_BYTES // prompt_chunks)
+    rng = random.Random(0)
+    c = AsyncKVStoreClient(url, timeout_s=60, pool_size=clients)
+    lat: list[float] = []
+    counts = {"errors": 0, "lookups": 0, "get_chunks": 0, "get_hits": 0, "puts": 0}
+    stop_at = time.monotonic() + seconds
+    rss_peak = [daemon.rss()]
+
+    def keys_of(p: int):
+        return ns.chunk_keys(list(range(p * 100_000, p * 100_000 + prompt_chunks * 256)))
+
+    async def one(ci: int) -> None:
+        r = random.Random(ci)
+        while time.monotonic() < stop_at:
+            p = int(r.paretovariate(1.2)) % num_prompts  # skewed: some prompts are hot
+            keys = keys_of(p)
+            try:
+                t0 = time.perf_counter()
+                res = await c.lookup_keys(ns, keys)
+                counts["lookups"] += 1
+                lat.append(time.perf_counter() - t0)
+                n = res.num_hit_chunks
+                if n:
+                    t0 = time.perf_counter()
+                    got = await c.get_chunks(ns, keys[:n])
+                    lat.append(time.perf_counter() - t0)
+                    counts["get_chunks"] += n
+                    counts["get_hits"] += sum(g is not None for g in got)
+                if n < prompt_chunks:
+                    t0 = time.perf_counter()
+                    await c.put_chunks(ns, keys[n:], [tensors[(p + i) % len(tensors)]
+                                                      for i in range(n, prompt_chunks)])
+                    lat.append(time.perf_counter() - t0)
+                    counts["puts"] += 1
+            except Exception as e:  # noqa: BLE001 - counted and reported
+                counts["errors"] += 1
+                print(f"soak error: {e!r}", file=sys.stderr)
+
+    async def sample_rss() -> None:
+        while time.monotonic() < stop_at:
+            rss_peak[0] = max(rss_peak[0], daemon.rss())
+            await asyncio.sleep(0.2)
+    try:
+        await asyncio.gather(sample_rss(), *(one(i) for i in range(clients)))
+        text = await c.metrics_text()
+    finally:
+        await c.close()
+    lat.sort()
+    lookups = _metric_sum(text, "kvstore_lookups_total")
+    hits = _metric_sum(text, "kvstore_hits_total")
+    misses = _metric_sum(text, "kvstore_misses_total")
+    consistent = (lookups == counts["lookups"] and hits == counts["get_hits"]
+                  and hits + misses == counts["get_chunks"])
+    return {"soak_s": seconds, "soak_clients": clients, "soak_errors": counts["errors"],
+            "soak_ops": len(lat), "soak_p50_s": lat[len(lat) // 2] if lat else None,
+            "soak_p99_s": lat[int(len(lat) * 0.99)] if lat else None,
+            "soak_lookups": counts["lookups"], "soak_get_chunks": counts["get_chunks"],
+            "soak_metrics_lookups": lookups, "soak_metrics_hits": hits,
+            "soak_metrics_misses": misses, "soak_metrics_consistent": consistent,
+            "soak_rss_peak_bytes": rss_peak[0], "soak_universe_prompts": num_prompts}
+
+
+async def _main_async(args, out: dict, workdir: str) -> None:
+    tensors = _pool(8)
+    rounds = args.rounds
+    daemon = Daemon("2GiB", Path(workdir) / "daemon.log")
+    try:
+        for clients in (1, 8):
+            put, get = await bench_kvstore(daemon.url, clients, max(1, rounds // clients * 2),
+                                           args.batch, tensors, "tp")
+            out[f"put_gbps_{clients}c"], out[f"get_gbps_{clients}c"] = put, get
+            print(f"kvstore  {clients} client(s): put {put:.2f} GB/s  get {get:.2f} GB/s")
+        out.update(bench_lookup32(daemon.url, tensors, 300 if not args.quick else 100))
+        print(f"lookup of a 32-chunk prompt: median {out['lookup32_ms']:.3f} ms, "
+              f"p99 {out['lookup32_p99_ms']:.3f} ms")
+    finally:
+        out["daemon_exit_code"] = daemon.stop()
+    if shutil.which("redis-server") is None:
+        print("redis-server not installed (apt-get install -y redis-server): "
+              "Redis figures skipped")
+        out["redis_skipped"] = "redis-server not installed"
+    else:
+        redis = Redis(workdir)
+        try:
+            for clients in (1, 8):
+                put, get = await bench_redis(redis.port, clients,
+                                             max(1, rounds // clients * 2), args.batch, tensors)
+                out[f"redis_put_gbps_{clients}c"], out[f"redis_get_gbps_{clients}c"] = put, get
+                print(f"redis    {clients} client(s): put {put:.2f} GB/s  get {get:.2f} GB/s")
+        finally:
+            redis.stop()
+    cap = args.soak_cpu_bytes
+    daemon = Daemon(str(cap), Path(workdir) / "soak.log")
+    try:
+        base = daemon.rss()
+        res = await soak(daemon.url, daemon, cap, args.soak_s, 16, tensors)
+        res["soak_rss_baseline_bytes"] = base
+        res["soak_cpu_capacity_bytes"] = cap
+        res["soak_rss_growth_over_capacity"] = (res["soak_rss_peak_bytes"] - base) / cap
+        out.update(res)
+        print(f"soak {args.soak_s:.0f} s x 16 clients: {res['soak_ops']} ops, "
+              f"errors {res['soak_errors']}, p50 {res['soak_p50_s'] * 1e3:.1f} ms, "
+              f"p99 {res['soak_p99_s'] * 1e3:.1f} ms, RSS growth "
+              f"{res['soak_rss_growth_over_capacity']:.2f}x of the {cap >> 20} MiB capacity, "
+              f"metrics consistent: {res['soak_metrics_consistent']}")
+    finally:
+        out["soak_daemon_exit_code"] = daemon.stop()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="shorter everything (CI smoke run)")
+    ap.add_argument("--json", help="write the figures to this JSON file")
+    ap.add_argument("--soak-s", type=float, default=None, help="soak seconds (default 60; "
+                                                               "10 with --quick)")
+    ap.add_argument("--batch", type=int, default=4, help="chunks per get/put round trip")
+    args = ap.parse_args(argv)
+    args.rounds = 6 if args.quick else 24
+    args.soak_s = args.soak_s if args.soak_s is not None else (10.0 if args.quick else 60.0)
+    args.soak_cpu_bytes = (128 << 20) if args.quick else (512 << 20)
+    torch.set_num_threads(1)
+    out: dict = {"chunk_bytes": CHUNK_BYTES, "batch": args.batch, "quick": args.quick}
+    out["memcpy_gbps"] = bench_memcpy(20 if args.quick else 100)
+    print(f"memcpy (numpy, one {CHUNK_BYTES:,}-byte chunk): {out['memcpy_gbps']:.2f} GB/s")
+    workdir = tempfile.mkdtemp(prefix="kvstore-daemon-load-")
+    try:
+        asyncio.run(_main_async(args, out, workdir))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    out["get_gbps"], out["put_gbps"] = out["get_gbps_1c"], out["put_gbps_1c"]
+    out["redis_get_gbps"] = out.get("redis_get_gbps_1c")
+    out["redis_put_gbps"] = out.get("redis_put_gbps_1c")
+    if out["redis_get_gbps"]:
+        for op in ("get", "put"):
+            for c in (1, 8):
+                out[f"{op}_vs_redis_{c}c"] = out[f"{op}_gbps_{c}c"] / out[f"redis_{op}_gbps_{c}c"]
+        print("ratio vs redis: " + ", ".join(
+            f"{op} {c}c {out[f'{op}_vs_redis_{c}c']:.2f}x" for op in ("get", "put")
+            for c in (1, 8)))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=2, sort_keys=True))
+        print(f"wrote {args.json}")
+    return 0 if out["soak_errors"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
