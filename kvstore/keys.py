@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable, Sequence
 
 import numpy as np
@@ -103,13 +104,14 @@ class Namespace:
                    revision=str(d.get("revision", "")), cache_salt=str(d.get("cache_salt", "")),
                    hash_algo=str(d.get("hash_algo", "sha256")))
 
-    @property
+    @cached_property
     def digest(self) -> bytes:
-        """32-byte seed of the hash chain (always sha256 of the canonical JSON)."""
+        """32-byte seed of the hash chain (always sha256 of the canonical JSON). Cached: the
+        namespace is frozen, and lookups ask for it on every call."""
         blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(b"kvstore-ns-v1" + blob).digest()
 
-    @property
+    @cached_property
     def ns_id(self) -> bytes:
         """16-byte namespace id, the prefix of every storage key of this namespace."""
         return self.digest[:16]

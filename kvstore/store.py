@@ -104,10 +104,11 @@ class ChunkStore(KVStoreBase):
         if self._closed:
             raise RuntimeError("store is closed")
         self.register(ns)
+        ns_id = ns.ns_id
         for k in keys:
-            if not isinstance(k, ChunkKey):
+            if k.__class__ is not ChunkKey and not isinstance(k, ChunkKey):
                 raise ValueError(f"expected ChunkKey, got {type(k).__name__}")
-            if k.ns_id != ns.ns_id:
+            if k.ns_id != ns_id:
                 raise ValueError(f"key {k!r} belongs to namespace {k.ns_id.hex()}, not {ns.ns_id.hex()}")
 
     def _on_tier_event(self, event: str, tier: str, n: int) -> None:

@@ -1,0 +1,268 @@
+"""Store micro-benchmark: put/get GB/s per tier next to memcpy and raw lmdb, lz4 ratios,
+lookup time of a 128k-token prompt.
+
+    python -m bench.store_micro [--quick] [--json PATH]
+
+Chunks are shaped like the real model's (SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64,
+256 tokens, fp16 -> 5,898,240 bytes). Payloads are random normal fp16 unless noted: lz4 on
+real KV is measured on KV computed by ``engine_min`` when it loads (else reported as null).
+Figures, not a timed test. Targets (issue 2): CPU get >= 0.5x memcpy; disk get >= 0.5x raw
+lmdb + lz4; lookup of 128k tokens < 2 ms.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+
+import lmdb
+import lz4.block
+import numpy as np
+import torch
+import xxhash
+
+from kvstore.api import PrefixStore
+from kvstore.codec import shuffle
+from kvstore.config import StoreConfig
+from kvstore.keys import Namespace
+from kvstore.layout import KVLayout
+from kvstore.store import ChunkStore
+
+LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float16", chunk_size=256)
+NS = Namespace("bench/SmolLM2-135M", LAYOUT)
+GB = 1e9
+
+
+def _best(fn, reps: int) -> float:
+    """Best wall time of ``reps`` runs of ``fn`` (seconds)."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _chunks(n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(LAYOUT.shape(), generator=g).half() for _ in range(n)]  # [30, 2, 256, 3, 64]
+
+
+def bench_memcpy(chunks, reps) -> dict:
+    src = [c.numpy() for c in chunks]
+    dst = [np.empty_like(s) for s in src]
+    nbytes = sum(s.nbytes for s in src)
+
+    def copy_into():
+        for s, d in zip(src, dst):
+            np.copyto(d, s)
+
+    def copy_new():
+        for s in src:
+            s.copy()
+
+    return {"memcpy_gbps": nbytes / _best(copy_into, reps) / GB,
+            "memcpy_alloc_gbps": nbytes / _best(copy_new, reps) / GB}
+
+
+def bench_cpu_tier(chunks, reps) -> dict:
+    n, nbytes = len(chunks), sum(c.nbytes for c in chunks)
+    out = {}
+    store = ChunkStore(StoreConfig(cpu_bytes=n * LAYOUT.chunk_bytes), [NS])
+    puts = []
+    for r in range(reps):
+        keys = NS.chunk_keys(np.arange(r * n * 256, (r + 1) * n * 256) % 49152 + r)
+        store.clear()
+        t0 = time.perf_counter()
+        store.put_chunks(NS, keys, chunks)
+        puts.append(time.perf_counter() - t0)
+    out["cpu_put_gbps"] = nbytes / min(puts) / GB
+    out["cpu_get_gbps"] = nbytes / _best(lambda: store.get_chunks(NS, keys), reps) / GB
+    got = store.get_chunks(NS, keys)
+    assert all(torch.equal(a, b) for a, b in zip(got, chunks))
+    store.close()
+    return out
+
+
+def bench_disk_tier(chunks, reps, workdir) -> dict:
+    n, nbytes = len(chunks), sum(c.nbytes for c in chunks)
+    out = {}
+    cfg = StoreConfig(cpu_bytes=0, disk_bytes=4 * n * LAYOUT.chunk_bytes, disk_path=f"{workdir}/disk",
+                      promote_on_hit=False)
+    store = ChunkStore(cfg, [NS])
+    keys = NS.chunk_keys(np.arange(n * 256) % 49152)
+    t0 = time.perf_counter()
+    store.put_chunks(NS, keys, chunks)
+    t_return = time.perf_counter() - t0
+    store.flush()
+    t_durable = time.perf_counter() - t0
+    out["disk_put_return_gbps"] = nbytes / t_return / GB
+    out["disk_put_gbps"] = nbytes / t_durable / GB
+    out["disk_get_gbps"] = nbytes / _best(lambda: store.get_chunks(NS, keys), reps) / GB
+    got = store.get_chunks(NS, keys)
+    assert all(torch.equal(a, b) for a, b in zip(got, chunks))
+    out["disk_codec_counts"] = _codec_counts(store)
+    store.close()
+    return out
+
+
+def _codec_counts(store) -> dict:
+    from kvstore.codec import unpack_header
+    disk = next(t for t in store.tiers if t.name == "disk")
+    counts: dict = {}
+    with disk.env.begin(buffers=True) as txn:
+        for _, v in txn.cursor():
+            c = unpack_header(v).codec
+            counts[c] = counts.get(c, 0) + 1
+    return counts
+
+
+def bench_raw_lmdb(chunks, reps, workdir) -> dict:
+    n, nbytes = len(chunks), sum(c.nbytes for c in chunks)
+    raws = [c.numpy().view(np.uint8).reshape(-1) for c in chunks]
+    env = lmdb.open(f"{workdir}/raw", map_size=8 * nbytes + 2**26, readahead=False, metasync=False)
+    t0 = time.perf_counter()
+    with env.begin(write=True) as txn:
+        for i, r in enumerate(raws):
+            txn.put(b"k%05d" % i, r)
+    env.sync(True)
+    put_s = time.perf_counter() - t0
+
+    def get_raw():
+        with env.begin(buffers=True) as txn:
+            for i in range(n):
+                np.frombuffer(txn.get(b"k%05d" % i), dtype=np.uint8).copy()
+
+    def get_raw_checked():
+        with env.begin(buffers=True) as txn:
+            for i in range(n):
+                buf = txn.get(b"k%05d" % i)
+                xxhash.xxh3_64_intdigest(buf)
+                np.frombuffer(buf, dtype=np.uint8).copy()
+
+    with env.begin(write=True) as txn:
+        for i, r in enumerate(raws):
+            txn.put(b"z%05d" % i, lz4.block.compress(r, store_size=False))
+
+    def get_lz4():
+        with env.begin(buffers=True) as txn:
+            for i, r in enumerate(raws):
+                lz4.block.decompress(txn.get(b"z%05d" % i), uncompressed_size=r.nbytes)
+
+    out = {"lmdb_raw_put_gbps": nbytes / put_s / GB,
+           "lmdb_raw_get_gbps": nbytes / _best(get_raw, reps) / GB,
+           "lmdb_lz4_get_gbps": nbytes / _best(get_lz4, reps) / GB,
+           "lmdb_raw_get_xxh3_gbps": nbytes / _best(get_raw_checked, reps) / GB}
+    env.close()
+    return out
+
+
+def lz4_ratios(raw: np.ndarray, itemsize: int = 2) -> dict:
+    """Compressed/raw size for plain lz4 and byte-shuffle + lz4 (lower is better)."""
+    return {"lz4": len(lz4.block.compress(raw, store_size=False)) / raw.nbytes,
+            "shuffle_lz4": len(lz4.block.compress(shuffle(raw, itemsize), store_size=False)) / raw.nbytes}
+
+
+def real_kv_bytes(max_tokens: int = 512) -> tuple[np.ndarray | None, str]:
+    """KV bytes computed by engine_min on the real model (fp16), or (None, reason)."""
+    try:
+        from engine_min.config import EngineConfig
+        from engine_min.engine import LLMEngine
+        from engine_min.sampler import SamplingParams
+        eng = LLMEngine(EngineConfig(dtype="float16", kv_cache_bytes=64 * 2**20))
+        text = ("The history of the printing press begins in the fifteenth century, when movable "
+                "type changed how knowledge spread across Europe. ") * 40
+        ids = eng.tokenizer.encode(text)[:max_tokens]
+        eng.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))
+        kv = eng.kv_cache  # [layers, 2, num_blocks, block_size, heads, head_dim]
+        used = kv.flatten(3).abs().sum(dim=(0, 1, 3)) > 0  # blocks that hold KV
+        data = kv[:, :, used].contiguous()
+        return data.view(torch.uint8).numpy().reshape(-1), f"engine_min, {len(ids)} prompt tokens"
+    except Exception as e:  # the engine is optional here
+        return None, f"engine_min unavailable: {type(e).__name__}: {e}"[:200]
+
+
+def bench_lookup(reps) -> dict:
+    lay = KVLayout(1, 1, 8, "float16", 256)  # lookup cost does not depend on the chunk's bytes
+    ns = Namespace("bench/lookup", lay)
+    tokens = np.arange(128 * 1024) % 49152
+    store = ChunkStore(StoreConfig(cpu_bytes=512 * lay.chunk_bytes, page_bytes=lay.chunk_bytes), [ns])
+    ps = PrefixStore(store, ns)
+    ps.put(tokens, torch.zeros(lay.shape(len(tokens)), dtype=torch.float16))
+    assert ps.lookup(tokens).num_hit_tokens == 128 * 1024
+    keys = ps.keys(tokens)
+    out = {"lookup_128k_ms": _best(lambda: ps.lookup(tokens), reps) * 1e3,
+           "lookup_128k_keys_only_ms": _best(lambda: store.lookup_keys(ns, keys), reps) * 1e3,
+           "hash_128k_ms": _best(lambda: ns.chunk_keys(tokens), reps) * 1e3}
+    store.close()
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="16 chunks (94 MB), 3 repetitions")
+    ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    n, reps = (16, 3) if args.quick else (64, 5)
+    chunks = _chunks(n)
+    workdir = tempfile.mkdtemp(prefix="kvstore-bench-")
+    res: dict = {"chunk_bytes": LAYOUT.chunk_bytes, "num_chunks": n, "payload": "random normal fp16"}
+    try:
+        res.update(bench_memcpy(chunks, reps))
+        res.update(bench_cpu_tier(chunks, reps))
+        res.update(bench_disk_tier(chunks, reps, workdir))
+        res.update(bench_raw_lmdb(chunks, reps, workdir))
+        res.update(bench_lookup(max(reps, 10)))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    random_raw = chunks[0].numpy().view(np.uint8).reshape(-1)
+    rnd = lz4_ratios(random_raw)
+    res["lz4_ratio_random"] = rnd["lz4"]
+    res["shuffle_lz4_ratio_random"] = rnd["shuffle_lz4"]
+    real, source = real_kv_bytes(256 if args.quick else 1024)
+    res["real_kv_source"] = source
+    if real is not None:
+        r = lz4_ratios(real)
+        res["lz4_ratio_real"], res["shuffle_lz4_ratio_real"] = r["lz4"], r["shuffle_lz4"]
+        res["lz4_ratio"] = r["lz4"]
+    else:
+        res["lz4_ratio_real"] = res["shuffle_lz4_ratio_real"] = None
+        res["lz4_ratio"] = rnd["lz4"]
+    res["cpu_get_vs_memcpy"] = res["cpu_get_gbps"] / res["memcpy_gbps"]
+    res["disk_get_vs_lmdb_lz4"] = res["disk_get_gbps"] / res["lmdb_lz4_get_gbps"]
+    _print(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return res
+
+
+def _print(res: dict) -> None:
+    print(f"chunk {res['chunk_bytes']} bytes x {res['num_chunks']} ({res['payload']})")
+    rows = [("memcpy (np.copyto)", "memcpy_gbps"), ("memcpy (np.copy, new buffer)", "memcpy_alloc_gbps"),
+            ("CPU tier put", "cpu_put_gbps"), ("CPU tier get", "cpu_get_gbps"),
+            ("disk tier put (returns)", "disk_put_return_gbps"), ("disk tier put (committed)", "disk_put_gbps"),
+            ("disk tier get", "disk_get_gbps"), ("raw lmdb put", "lmdb_raw_put_gbps"),
+            ("raw lmdb get", "lmdb_raw_get_gbps"), ("raw lmdb get + lz4 decompress", "lmdb_lz4_get_gbps"),
+            ("raw lmdb get + xxh3 check", "lmdb_raw_get_xxh3_gbps")]
+    for label, k in rows:
+        print(f"  {label:32s} {res[k]:7.2f} GB/s")
+    print(f"  CPU get / memcpy                 {res['cpu_get_vs_memcpy']:7.2f}x  (target >= 0.5)")
+    print(f"  disk get / (lmdb + lz4)          {res['disk_get_vs_lmdb_lz4']:7.2f}x  (target >= 0.5)")
+    print(f"  disk codecs used                 {res['disk_codec_counts']}")
+    print(f"  lookup 128k tokens               {res['lookup_128k_ms']:7.3f} ms (hash {res['hash_128k_ms']:.3f} ms; "
+          f"keys only {res['lookup_128k_keys_only_ms']:.3f} ms; target < 2)")
+    print(f"  lz4 ratio random fp16            {res['lz4_ratio_random']:.3f} (shuffle+lz4 "
+          f"{res['shuffle_lz4_ratio_random']:.3f})")
+    if res["lz4_ratio_real"] is not None:
+        print(f"  lz4 ratio real KV                {res['lz4_ratio_real']:.3f} (shuffle+lz4 "
+              f"{res['shuffle_lz4_ratio_real']:.3f}; {res['real_kv_source']})")
+    else:
+        print(f"  lz4 ratio real KV                n/a ({res['real_kv_source']})")
+
+
+if __name__ == "__main__":
+    main()
