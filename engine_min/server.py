@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import queue
 import threading
@@ -180,11 +181,15 @@ class EngineLoop:
 
     def _refresh_stats(self) -> None:
         try:
-            self.stats = dict(self.engine.stats())
+            stats = dict(self.engine.stats())
+            connector = getattr(self.engine, "connector", None)
+            if connector is not None:
+                stats.update(_external_stats(connector.get_stats()))
         except Exception:
             logger.exception("engine.stats() failed")
             return
-        self.metrics.update_from_stats(self.stats)
+        self.stats = stats
+        self.metrics.update_from_stats(stats)
 
     def _shutdown(self) -> None:
         for request_id, sink in list(self._sinks.items()):
@@ -192,6 +197,21 @@ class EngineLoop:
             self._safe_abort(request_id)
         self._sinks.clear()
         self._refresh_stats()
+
+
+def _external_stats(connector_stats: dict) -> dict:
+    """The store's side of the stats: the connector's cumulative ``requested_tokens`` and
+    ``hit_tokens`` as ``external_prefix_cache_queries`` / ``_hits``, plus the raw dict."""
+    out: dict = {"connector": connector_stats}
+    if "requested_tokens" in connector_stats:
+        out["external_prefix_cache_queries"] = connector_stats["requested_tokens"]
+    if "hit_tokens" in connector_stats:
+        out["external_prefix_cache_hits"] = connector_stats["hit_tokens"]
+    return out
+
+
+def _dumps_lenient(obj: Any) -> str:
+    return json.dumps(obj, default=str)
 
 
 def _json_error(exc: proto.ApiError) -> web.Response:
@@ -382,7 +402,7 @@ class OpenAIServing:
         return resp
 
     async def debug_stats(self, request: web.Request) -> web.Response:
-        return web.json_response(self.engine_loop.stats)
+        return web.json_response(self.engine_loop.stats, dumps=_dumps_lenient)
 
 
 # ---- app, background runner, CLI ----------------------------------------------------------
@@ -510,8 +530,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def build_connector(args: argparse.Namespace) -> Any | None:
     """The KV connector the store flags ask for, or ``None`` when no store flag is given.
 
+    The store is either in-process tiers (``--kvstore-cpu-bytes``, ``--kvstore-disk-path``,
+    ``--kvstore-disk-bytes``) or a remote daemon (``--kvstore-url``), never both. The connector
+    comes from ``connectors.engine_min.build_connector(...)`` (imported only here).
+
     Raises:
-        SystemExit: inconsistent store flags, or the connector cannot be built.
+        SystemExit: inconsistent store flags, or the connector module is missing.
     """
     given = [f for f in STORE_FLAGS if getattr(args, f, None) is not None]
     if not given:
@@ -521,13 +545,18 @@ def build_connector(args: argparse.Namespace) -> Any | None:
                          "in-process tier flags --kvstore-cpu-bytes/--kvstore-disk-*")
     if args.kvstore_disk_bytes and not args.kvstore_disk_path:
         raise SystemExit("--kvstore-disk-bytes needs --kvstore-disk-path")
+    if args.kvstore_disk_path and not args.kvstore_disk_bytes:
+        raise SystemExit("--kvstore-disk-path needs --kvstore-disk-bytes SIZE")
     try:
         from connectors import engine_min as conn_mod
-    except ImportError as exc:
-        raise SystemExit(f"the KV store connector (connectors/engine_min.py) is not available "
-                         f"({exc}); run without --kvstore-* flags") from exc
-    raise SystemExit(f"connectors.engine_min exists but the server does not know how to "
-                     f"build it yet ({conn_mod.__name__}); run without --kvstore-* flags")
+        factory = conn_mod.build_connector
+    except (ImportError, AttributeError) as exc:
+        raise SystemExit(f"the KV store connector for engine_min is not available ({exc}): "
+                         f"connectors/engine_min.py must provide build_connector(...); run "
+                         f"without --kvstore-* flags") from exc
+    return factory(model=args.model, kvstore_url=args.kvstore_url,
+                   cpu_bytes=args.kvstore_cpu_bytes, disk_path=args.kvstore_disk_path,
+                   disk_bytes=args.kvstore_disk_bytes, chunk_size=args.kvstore_chunk_size)
 
 
 def build_engine(args: argparse.Namespace, connector: Any | None = None) -> Any:

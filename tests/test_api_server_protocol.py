@@ -147,3 +147,32 @@ def test_metrics_mirror_cumulative_stats():
                  "engine_external_prefix_cache_hits_total 0.0",
                  'engine_time_to_first_token_seconds_bucket{le="0.25"} 1.0'):
         assert line + "\n" in text, line
+
+
+def _args(*argv):
+    import argparse
+
+    from engine_min.server import add_serve_args
+    return add_serve_args(argparse.ArgumentParser()).parse_args(list(argv))
+
+
+def test_serve_flags_defaults_and_sizes():
+    a = _args()
+    assert (a.host, a.port, a.model, a.kv_cache_bytes, a.kvstore_chunk_size) == \
+        ("127.0.0.1", 8000, None, None, 256)
+    a = _args("--kv-cache-bytes", "512MiB", "--kvstore-cpu-bytes", "2GiB",
+              "--max-num-batched-tokens", "256", "--max-num-seqs", "4")
+    assert (a.kv_cache_bytes, a.kvstore_cpu_bytes) == (512 * 2**20, 2 * 2**30)
+    assert (a.max_num_batched_tokens, a.max_num_seqs) == (256, 4)
+
+
+def test_build_connector_is_none_without_store_flags_and_checks_combinations():
+    from engine_min.server import build_connector
+    assert build_connector(_args("--kv-cache-bytes", "64MiB")) is None
+    for argv, words in [
+        (("--kvstore-url", "http://h:1", "--kvstore-cpu-bytes", "1GiB"), "cannot be combined"),
+        (("--kvstore-disk-bytes", "1GiB"), "needs --kvstore-disk-path"),
+        (("--kvstore-disk-path", "/tmp/x"), "needs --kvstore-disk-bytes"),
+    ]:
+        with pytest.raises(SystemExit, match=words):
+            build_connector(_args(*argv))
