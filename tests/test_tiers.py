@@ -162,3 +162,17 @@ def test_disk_map_full_evicts_then_drops(tmp_path):
     assert all(torch.equal(t.read(k), data[keys.index(k)]) for k in keys if t.contains(k))
     t.check_integrity()
     t.close()
+
+
+@pytest.mark.gpu
+def test_gpu_tier_on_cuda_and_pinned_cpu_tier():
+    g = GpuTier(4 * 128, 64, device="cuda")
+    c = CpuTier(4 * 128, 64)
+    assert g.pool.is_cuda and c.pinned and c.pool.is_pinned()
+    x = kv(3).cuda()
+    g.put(KEYS[0], x, None)
+    c.put(KEYS[0], g.read(KEYS[0], "cuda"), None)  # device -> pinned host
+    assert torch.equal(c.read(KEYS[0], "cuda").cpu(), kv(3))
+    assert torch.equal(g.read(KEYS[0]), kv(3))
+    g.check_integrity()
+    c.check_integrity()
