@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     w = p.add_argument_group("workload")
     w.add_argument("--num-docs", type=int, default=2)
-    w.add_argument("--doc-tokens", type=int, default=3000)
+    w.add_argument("--doc-tokens", type=int, default=1536)
     w.add_argument("--questions-per-doc", type=int, default=4)
     w.add_argument("--question-tokens", type=int, default=24)
     w.add_argument("--answer-tokens", type=int, default=8)

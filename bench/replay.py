@@ -198,8 +198,8 @@ def add_common_args(p: argparse.ArgumentParser, configs: str, json_path: str) ->
     s.add_argument("--tiny-cpu-bytes", default="32MiB", help="CPU tier of kvstore-disk")
     s.add_argument("--disk-bytes", default="4GiB")
     s.add_argument("--max-num-batched-tokens", type=int, default=None)
-    s.add_argument("--kvstore-chunk-size", type=int, default=None, help="store chunk size "
-                   "(tokens) of the engines with a store (default: the server's)")
+    s.add_argument("--kvstore-chunk-size", type=int, default=64, help="store chunk size "
+                   "(tokens) of the engines with a store; 0 = the server's default (256)")
     s.add_argument("--threads", type=int, default=None, help="torch threads per engine")
     s.add_argument("--engine-arg", action="append", default=[], help="extra engine flag "
                    "(repeatable; use --engine-arg=--flag)")

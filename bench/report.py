@@ -85,14 +85,14 @@ def _by_index(ok) -> dict[str, dict]:
 
 def speedups(configs: dict[str, dict], key: str = "ttft_p50_s") -> dict[str, float]:
     """``"X/B": figure(B) / figure(X)`` for each baseline B in ``BASELINES`` present and each
-    other configuration X (a latency ratio: > 1 means X is faster)."""
+    other configuration X except ``recompute`` (a latency ratio: > 1 means X is faster)."""
     out = {}
     for base in BASELINES:
         b = configs.get(base, {}).get(key)
         if not b:
             continue
         for name, fig in configs.items():
-            if name != base and fig.get(key):
+            if name not in (base, "recompute") and fig.get(key):
                 out[f"{name}/{base}"] = b / fig[key]
     return out
 
