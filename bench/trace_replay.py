@@ -3,7 +3,9 @@
 Mooncake traces keep their prefix structure: each 512-token hash block becomes
 ``--tokens-per-block`` token ids (16 by default, so a 12k-token Kimi prompt replays as ~375
 tokens), lengths scale by the same factor, arrivals by ``--time-scale``; rows sharing a
-timestamp go as a burst or spread over the ~3 s step (``--mode``). The report puts the trace's
+timestamp go as a burst or spread over the ~3 s step (``--mode``). By default it replays every
+row of 30 sampled conversations (rows sharing their first two hash ids), so each conversation's
+turns and their reuse stay whole while the hour shrinks to ~36 s. The report puts the trace's
 own reuse (``ideal_hit_rate``: an infinite cache, rounded down to ``--align`` tokens) next to
 the measured hit rates. Azure traces give arrivals and lengths only (nothing is shared).
 """
@@ -28,16 +30,19 @@ def build_parser() -> argparse.ArgumentParser:
     w = p.add_argument_group("trace")
     w.add_argument("--trace", default="mooncake", help=f"one of {', '.join(TRACES)} or a path")
     w.add_argument("--trace-dir", default=str(TRACE_DIR))
-    w.add_argument("--limit", type=int, default=40, help="first N requests")
+    w.add_argument("--sessions", type=int, default=30, help="Mooncake: replay every row of "
+                   "this many conversations sampled with --seed (0 = all rows)")
+    w.add_argument("--limit", type=int, default=100, help="at most the first N rows")
     w.add_argument("--tokens-per-block", type=int, default=16, help="Mooncake: tokens per "
                    "512-token hash block (512 = as published)")
     w.add_argument("--length-scale", type=float, default=0.125, help="Azure: length factor")
-    w.add_argument("--time-scale", type=float, default=0.1, help="multiplies inter-arrival "
-                   "times (0.1 = ten times faster)")
+    w.add_argument("--time-scale", type=float, default=0.01, help="multiplies inter-arrival "
+                   "times (0.01 = the trace's hour in 36 s)")
     w.add_argument("--mode", choices=("burst", "spread"), default="spread",
                    help="Mooncake rows sharing a timestamp")
-    w.add_argument("--max-output-tokens", type=int, default=16)
-    w.add_argument("--align", type=int, default=256, help="round the ideal hit down to this "
+    w.add_argument("--max-output-tokens", type=int, default=8)
+    w.add_argument("--max-input-tokens", type=int, default=2048, help="cut longer prompts")
+    w.add_argument("--align", type=int, default=64, help="round the ideal hit down to this "
                    "(the store's chunk size)")
     w.add_argument("--seed", type=int, default=0)
     add_common_args(p, configs="engine-cache,kvstore-cpu", json_path="results/trace_replay.json")
@@ -57,14 +62,19 @@ def main(argv: list[str] | None = None) -> dict:
     if path.endswith(".jsonl"):
         wl = MooncakeReplay(path, tokens_per_block=args.tokens_per_block,
                             time_scale=args.time_scale, limit=args.limit, mode=args.mode,
-                            max_output_tokens=args.max_output_tokens, seed=args.seed)
+                            max_output_tokens=args.max_output_tokens,
+                            max_input_tokens=args.max_input_tokens,
+                            sessions=args.sessions or None, seed=args.seed)
         recs = wl.records()
-        ideal = ideal_hit_tokens(recs, args.tokens_per_block, align=args.align)
-        total = sum(sum(scaled_lengths(r, args.tokens_per_block)[0]) for r in recs)
+        cap = args.max_input_tokens
+        ideal = ideal_hit_tokens(recs, args.tokens_per_block, args.align, cap)
+        total = sum(min(sum(scaled_lengths(r, args.tokens_per_block)[0]), cap or 1 << 60)
+                    for r in recs)
         params.update(tokens_per_block=args.tokens_per_block, mode=args.mode,
+                      sessions=args.sessions, max_input_tokens=cap,
                       align=args.align, ideal_hit_rate=sum(ideal) / total,
-                      ideal_hit_rate_block=sum(ideal_hit_tokens(recs, args.tokens_per_block))
-                      / total)
+                      ideal_hit_rate_block=sum(ideal_hit_tokens(recs, args.tokens_per_block,
+                                                                1, cap)) / total)
     else:
         wl = AzureReplay(path, length_scale=args.length_scale, time_scale=args.time_scale,
                          limit=args.limit, max_output_tokens=args.max_output_tokens,

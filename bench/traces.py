@@ -146,7 +146,13 @@ class MooncakeReplay:
         limit: first N rows only.
         mode: ``"burst"`` or ``"spread"`` for rows sharing one timestamp (see ``arrival_times``).
         max_output_tokens: cap on the scaled output length (``None`` = no cap).
-        seed: salt of the hash-id -> tokens map.
+        max_input_tokens: prompts longer than this keep their first tokens only (the prefix
+            structure is unchanged; ``None`` = no cap).
+        sessions: keep only the rows of this many conversations, sampled with ``seed`` from all
+            conversations of the trace (a conversation = rows sharing their first
+            ``session_blocks`` hash ids; in the Kimi trace every row shares block 0, a system
+            prompt, so 2 is the default), before ``limit`` applies. ``None`` = every row.
+        seed: salt of the hash-id -> tokens map and of the session sample.
     """
 
     path: str
@@ -155,15 +161,29 @@ class MooncakeReplay:
     limit: int | None = 40
     mode: str = "spread"
     max_output_tokens: int | None = 16
+    max_input_tokens: int | None = None
+    sessions: int | None = None
+    session_blocks: int = 2
     seed: int = 0
 
     def __post_init__(self):
+        if self.sessions is not None and self.sessions <= 0:
+            raise ValueError(f"sessions must be > 0, got {self.sessions}")
         if not 1 <= self.tokens_per_block <= MOONCAKE_BLOCK_TOKENS:
             raise ValueError(f"tokens_per_block must be in [1, 512], got {self.tokens_per_block}")
 
     def records(self) -> list[MooncakeRecord]:
-        """The trace rows replayed (the first ``limit``)."""
-        return load_mooncake(self.path, self.limit)
+        """The trace rows replayed: the sampled conversations' rows, then the first ``limit``."""
+        if self.sessions is None:
+            return load_mooncake(self.path, self.limit)
+        rows = load_mooncake(self.path)
+        keys = sorted({r.hash_ids[:self.session_blocks] for r in rows})
+        if self.sessions < len(keys):
+            pick = np.random.default_rng([self.seed, 21]).choice(len(keys), self.sessions,
+                                                                 replace=False)
+            chosen = {keys[i] for i in pick}
+            rows = [r for r in rows if r.hash_ids[:self.session_blocks] in chosen]
+        return rows[:self.limit] if self.limit is not None else rows
 
     def requests(self) -> list[Request]:
         """One ``Request`` per row; ``session`` is the row's first hash id (its root prefix)."""
@@ -174,18 +194,20 @@ class MooncakeReplay:
             _, n_out = scaled_lengths(rec, self.tokens_per_block)
             if self.max_output_tokens is not None:
                 n_out = min(n_out, self.max_output_tokens)
+            prompt = mooncake_prompt(rec, self.tokens_per_block, self.seed)
             out.append(Request(request_id=f"t{i}", arrival_s=t,
-                               prompt=mooncake_prompt(rec, self.tokens_per_block, self.seed),
+                               prompt=prompt[:self.max_input_tokens],
                                max_tokens=n_out, session=f"h{rec.hash_ids[0]}", index=i))
         return out
 
 
 def ideal_hit_tokens(records: Sequence[MooncakeRecord], tokens_per_block: int,
-                     align: int = 1) -> list[int]:
+                     align: int = 1, max_input_tokens: int | None = None) -> list[int]:
     """Reusable prompt tokens of each row with an infinite cache: the leading blocks whose
     hash id appeared in an earlier row, in replayed tokens, rounded down to a multiple of
     ``align`` (the store's chunk size or the engine's block size) and never the whole prompt
-    (the last token is always computed). This is the trace's own reuse structure."""
+    (the last token is always computed), prompts cut at ``max_input_tokens`` as the replay
+    does. This is the trace's own reuse structure."""
     seen: set[int] = set()
     out = []
     for rec in records:
@@ -195,7 +217,7 @@ def ideal_hit_tokens(records: Sequence[MooncakeRecord], tokens_per_block: int,
             if h not in seen:
                 break
             hit += n
-        total = sum(sizes)
+        total = min(sum(sizes), max_input_tokens or sum(sizes))
         hit = min(hit, total - 1)
         out.append(hit // align * align)
         seen.update(rec.hash_ids)

@@ -106,3 +106,21 @@ def test_bad_trace_input(tmp_path):
         MooncakeReplay(str(CONV), tokens_per_block=0)
     with pytest.raises(FileNotFoundError):
         load_mooncake(tmp_path / "missing.jsonl")
+
+
+def test_session_sampling_keeps_whole_conversations():
+    wl = MooncakeReplay(str(CONV), tokens_per_block=16, sessions=3, limit=None,
+                        max_input_tokens=100)
+    recs = wl.records()
+    assert [(r.timestamp_ms, r.hash_ids[:2], len(r.hash_ids)) for r in recs] == [
+        (216000, (0, 14517), 39), (555000, (0, 14517), 39), (1476000, (0, 80530), 14),
+        (2921999, (0, 151198), 133)]
+    # the second turn reuses 38 blocks of the first (38 * 16 = 608 tokens)
+    assert ideal_hit_tokens(recs, 16) == [0, 608, 16, 16]
+    assert ideal_hit_tokens(recs, 16, align=64) == [0, 576, 0, 0]
+    assert ideal_hit_tokens(recs, 16, 1, max_input_tokens=100) == [0, 99, 16, 16]
+    reqs = wl.requests()
+    assert [len(r.prompt) for r in reqs] == [100] * 4
+    assert reqs[1].prompt == reqs[0].prompt
+    with pytest.raises(ValueError, match="sessions"):
+        MooncakeReplay(str(CONV), sessions=0)
