@@ -40,6 +40,7 @@ from engine_min.server_metrics import ServerMetrics
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+_EMPTY_STEP_WAIT_S = 0.002
 SERVING_KEY: web.AppKey["OpenAIServing"] = web.AppKey("serving")
 
 
@@ -88,10 +89,15 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], sampling: Any
-               ) -> asyncio.Queue:
-        """Queue a request; returns the asyncio queue (of the calling loop) its outputs go to."""
-        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic())
+    def submit(self, request_id: str, prompt_token_ids: list[int], sampling: Any,
+               arrival_s: float | None = None) -> asyncio.Queue:
+        """Queue a request; returns the asyncio queue (of the calling loop) its outputs go to.
+
+        ``arrival_s`` is the ``time.monotonic()`` the request arrived (TTFT starts there);
+        default now.
+        """
+        arrival_s = time.monotonic() if arrival_s is None else arrival_s
+        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), arrival_s)
         self._commands.put(("add", request_id, prompt_token_ids, sampling, sink))
         return sink.queue
 
@@ -101,22 +107,36 @@ class EngineLoop:
 
     # ---- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
+        wait_s: float | None = None  # None: block until a command arrives
         while True:
-            busy = self.engine.has_unfinished()
-            cmds = [self._commands.get()] if not busy else []
-            while True:
-                try:
-                    cmds.append(self._commands.get_nowait())
-                except queue.Empty:
-                    break
+            cmds = self._drain(wait_s)
             if any(c is _STOP for c in cmds):
                 self._shutdown()
                 return
             for cmd in cmds:
                 self._apply(cmd)
+            wait_s = None
             if self.engine.has_unfinished():
-                self._step()
+                # a step that reports nothing (a prefill chunk, or nothing schedulable) is
+                # followed by a short wait, so a stuck queue cannot spin a core
+                wait_s = 0.0 if self._step() else _EMPTY_STEP_WAIT_S
             self._refresh_stats()
+
+    def _drain(self, wait_s: float | None) -> list:
+        """Commands queued now; first waits up to ``wait_s`` seconds (None: forever)."""
+        cmds = []
+        try:
+            if wait_s is None:
+                cmds.append(self._commands.get())
+            elif wait_s > 0:
+                cmds.append(self._commands.get(timeout=wait_s))
+        except queue.Empty:
+            pass
+        while True:
+            try:
+                cmds.append(self._commands.get_nowait())
+            except queue.Empty:
+                return cmds
 
     def _apply(self, cmd: tuple) -> None:
         if cmd[0] == "abort":
@@ -132,7 +152,8 @@ class EngineLoop:
             return
         self._sinks[request_id] = sink
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step; delivers its outputs. Returns whether it produced any."""
         try:
             outputs = self.engine.step()
         except Exception as exc:  # keep serving; fail the requests in flight
@@ -142,7 +163,7 @@ class EngineLoop:
                 self._deliver(sink, RuntimeError(f"engine step failed: {exc!r}"))
                 self._safe_abort(request_id)
             self._sinks.clear()
-            return
+            return True
         now = time.monotonic()
         for out in outputs:
             sink = self._sinks.get(out.request_id)
@@ -152,6 +173,7 @@ class EngineLoop:
             if out.finished:
                 del self._sinks[out.request_id]
             self._deliver(sink, out)
+        return bool(outputs)
 
     def _observe(self, sink: _Sink, out: Any, now: float) -> None:
         num_new = len(out.new_token_ids)
@@ -291,6 +313,7 @@ class OpenAIServing:
         return await self._generate(request, "chat")
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        arrival_s = time.monotonic()
         try:
             p = self._prepare(await request.read(), kind)
         except proto.ApiError as exc:
@@ -298,7 +321,8 @@ class OpenAIServing:
         if not self.engine_loop.alive:
             return _json_error(proto.ApiError("The engine is not running.", status=503,
                                               type="server_error"))
-        outputs = self.engine_loop.submit(p.request_id, p.prompt_token_ids, p.sampling)
+        outputs = self.engine_loop.submit(p.request_id, p.prompt_token_ids, p.sampling,
+                                         arrival_s)
         done = False
         try:
             if p.req.stream:

@@ -100,8 +100,8 @@ class ServerMetrics:
         Keys read (missing keys are skipped): ``num_running``, ``num_waiting``, ``kv_usage``
         (fraction 0..1), and the cumulative token counts ``prefix_cache_queries_tokens``,
         ``prefix_cache_hits_tokens`` (the engine's) and ``external_prefix_cache_queries``,
-        ``external_prefix_cache_hits`` (the store's, merged in by the server). A cumulative value that went down (engine restarted)
-        is taken as the new baseline.
+        ``external_prefix_cache_hits`` (the store's, merged in by the server). A cumulative
+        value that went down (engine restarted) is taken as the new baseline.
         """
         if "num_running" in stats:
             self.num_running.set(stats["num_running"])
