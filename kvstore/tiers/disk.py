@@ -232,7 +232,7 @@ class DiskTier(Tier):
                 self.listener("error", self.name, 1)
                 for op in batch:
                     if isinstance(op, _PutOp):
-                        self._drop(op)
+                        self._drop(op, "writer error")
             finally:
                 with self._cond:
                     self._inflight -= 1
@@ -294,7 +294,7 @@ class DiskTier(Tier):
                 with self._lock:
                     victim = self.next_victim(lambda k: k not in self._pending and self.evictable(k))
                     if victim is None:
-                        self._drop(op)
+                        self._drop(op, "lmdb map full and nothing evictable")
                         return False
                     self.delete(victim)
                     self._queue.remove(("del", victim))
@@ -303,13 +303,12 @@ class DiskTier(Tier):
                 log.info("disk tier %s: lmdb map full; evicted %r", self.path, victim)
                 self.listener("eviction", self.name, 1)
 
-    def _drop(self, op: _PutOp) -> None:
+    def _drop(self, op: _PutOp, why: str) -> None:
         with self._lock:
             if self._pending.get(op.key) is op:
                 self.delete(op.key)
                 self._queue.remove(("del", op.key))
-        log.warning("disk tier %s: lmdb map full and nothing evictable; dropped the write of %r",
-                    self.path, op.key)
+        log.warning("disk tier %s: %s; dropped the write of %r", self.path, why, op.key)
         self.listener("dropped_write", self.name, 1)
 
     # ---- lifecycle ----------------------------------------------------------------------------
