@@ -182,6 +182,7 @@ def plot_all(rep: dict, out_dir: str, prefix: str, group_by: str = "index") -> l
     """TTFT CDF per configuration, hit rate per index (``group_by="index"``) or over time
     (``"time"``), and output-throughput bars; PNG files in ``out_dir``, paths returned."""
     import matplotlib
+    import matplotlib.ticker
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -194,6 +195,8 @@ def plot_all(rep: dict, out_dir: str, prefix: str, group_by: str = "index") -> l
         if len(t):
             ax.step(t, np.arange(1, len(t) + 1) / len(t), where="post", label=name)
     ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set(xlabel="TTFT (s, log)", ylabel="fraction of requests", title=f"{prefix}: TTFT CDF")
     ax.legend()
     ax.grid(alpha=0.3)

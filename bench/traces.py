@@ -186,7 +186,8 @@ class MooncakeReplay:
         return rows[:self.limit] if self.limit is not None else rows
 
     def requests(self) -> list[Request]:
-        """One ``Request`` per row; ``session`` is the row's first hash id (its root prefix)."""
+        """One ``Request`` per row; ``session`` names its conversation (first
+        ``session_blocks`` hash ids)."""
         recs = self.records()
         times = arrival_times([r.timestamp_ms for r in recs], self.time_scale, self.mode)
         out = []
@@ -197,7 +198,8 @@ class MooncakeReplay:
             prompt = mooncake_prompt(rec, self.tokens_per_block, self.seed)
             out.append(Request(request_id=f"t{i}", arrival_s=t,
                                prompt=prompt[:self.max_input_tokens],
-                               max_tokens=n_out, session=f"h{rec.hash_ids[0]}", index=i))
+                               max_tokens=n_out, index=i, session="h" + "-".join(
+                                   str(h) for h in rec.hash_ids[:self.session_blocks])))
         return out
 
 

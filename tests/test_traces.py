@@ -49,7 +49,7 @@ def test_shared_hash_ids_share_tokens():
     reqs = MooncakeReplay(str(CONV), tokens_per_block=16, limit=3).requests()
     assert reqs[0].prompt[:16] == reqs[1].prompt[:16] == reqs[2].prompt[:16]
     assert reqs[0].prompt[16:32] != reqs[1].prompt[16:32]
-    assert [r.session for r in reqs] == ["h0", "h0", "h0"]
+    assert [r.session for r in reqs] == ["h0-1", "h0-14", "h0-28"]
 
 
 def test_ideal_hit_tokens_follow_the_trace():
