@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from jinja2 import TemplateError
 
 from engine_min import api_protocol as proto
 from engine_min.server_metrics import ServerMetrics
@@ -256,7 +257,7 @@ class OpenAIServing:
     """The HTTP handlers; one per app.
 
     Args:
-        loop: the ``EngineLoop`` owning the engine.
+        engine_loop: the ``EngineLoop`` owning the engine.
         model_name: the name ``/v1/models`` lists and requests must use (or omit).
         max_model_len: prompt + completion limit in tokens.
     """
@@ -286,8 +287,9 @@ class OpenAIServing:
             try:
                 text = self.tokenizer.apply_chat_template(req.messages,
                                                           add_generation_prompt=True)
-            except ValueError as exc:
-                raise proto.ApiError(str(exc), param="messages", code="invalid_value") from exc
+            except (ValueError, TypeError, TemplateError) as exc:
+                raise proto.ApiError(f"The chat template rejected the messages: {exc}",
+                                     param="messages", code="invalid_value") from exc
             prompt_ids = list(self.tokenizer.encode(text))
         elif isinstance(req.prompt, str):
             prompt_ids = list(self.tokenizer.encode(req.prompt))

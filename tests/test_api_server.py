@@ -276,3 +276,11 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
         {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 3}).encode())
     assert status == 200 and ok["usage"]["completion_tokens"] == 3
     _wait_idle(server)
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kw = {"model": MODEL, "prompt": "Write a word:", "max_tokens": 8, "temperature": 0.9,
+          "top_p": 0.95, "seed": 1234, "extra_body": {"top_k": 50, "ignore_eos": True}}
+    a = client.completions.create(**kw).choices[0].text
+    b = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
+    assert a == b and a != ""
