@@ -29,6 +29,7 @@ class RequestResult:
 
     ``send_s`` is relative to the start of the run. ``num_cached_tokens`` is the server's
     ``usage.prompt_tokens_details.cached_tokens`` (reused prompt tokens), ``None`` if absent.
+    ``text`` is the streamed output (compared across configurations: reuse must not change it).
     """
 
     request_id: str
@@ -44,6 +45,7 @@ class RequestResult:
     num_prompt_tokens: int | None = None
     num_output_tokens: int = 0
     num_cached_tokens: int | None = None
+    text: str = ""
 
     @property
     def tpot_s(self) -> float | None:
@@ -147,7 +149,9 @@ class StreamingClient:
                     if "error" in chunk:
                         res.error = str(chunk["error"])[:300]
                         return res
-                    if _token_text(chunk, self.endpoint) is not None:
+                    text = _token_text(chunk, self.endpoint)
+                    if text is not None:
+                        res.text += text
                         if last is None:
                             res.ttft_s = now - t_send
                         else:

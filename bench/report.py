@@ -2,9 +2,10 @@
 
 Per configuration (seconds, tokens): ``ttft_p50_s/p95/p99``, ``itl_p50_s/p95/p99``,
 ``tpot_p50_s``, ``e2e_p50_s/p95/p99``, ``output_tok_s`` (output tokens / wall time),
-``req_s``, ``hit_rate`` (reused prompt tokens / prompt tokens, from the server's
-``usage.prompt_tokens_details.cached_tokens``), ``ttft_p50_s_warm`` (requests that are not the
-first of their session), per-index figures (round of a chat, question of a document) and the
+``req_s``, ``outputs_equal_recompute`` (``"k/n"``: greedy outputs identical to the
+``recompute`` configuration's), ``hit_rate`` (reused prompt tokens / prompt tokens, from the
+server's ``usage.prompt_tokens_details.cached_tokens``), ``ttft_p50_s_warm`` (requests that
+are not the first of their session), per-index figures (round of a chat, question of a document) and the
 metric summary (hit tokens per tier, bytes loaded/saved). Speed-ups are ratios between
 configurations of the same run: ``speedups["ttft_p50_s"]["kvstore-cpu/recompute"] = 12.3``
 means TTFT p50 was 12.3x lower with kvstore-cpu than with recompute.
@@ -68,6 +69,7 @@ def config_figures(run, first_ids: set[str]) -> dict:
     fig["hit_rate_metrics"] = ((m.get("engine_hit_tokens", 0) + m.get("store_hit_tokens", 0)) / q
                                if q else None)
     fig["by_index"] = _by_index(ok)
+    fig["outputs_equal_recompute"] = None  # filled in by build_report
     fig["metrics"] = m
     fig["errors"] = sorted({r.error for r in run.results if r.error})[:5]
     fig["notes"] = list(run.notes)
@@ -121,6 +123,13 @@ def build_report(bench: str, runs: dict, requests: Sequence[Request], params: di
     request's measurements."""
     first = first_in_session(requests)
     configs = {name: config_figures(run, first) for name, run in runs.items()}
+    if "recompute" in runs:
+        ref = {r.request_id: r.text for r in runs["recompute"].results if r.ok}
+        for name, run in runs.items():
+            same = [r.text == ref[r.request_id] for r in run.results
+                    if r.ok and r.request_id in ref]
+            configs[name]["outputs_equal_recompute"] = (f"{sum(same)}/{len(same)}"
+                                                        if same else None)
     return {"benchmark": bench, "configs": configs,
             "speedups": {k: speedups(configs, k) for k in
                          ("ttft_p50_s", "ttft_p50_s_warm", "e2e_p50_s")},
@@ -136,14 +145,14 @@ def _fmt(v, scale: float = 1.0, digits: int = 3) -> str:
 def format_table(rep: dict) -> str:
     """A plain-text table of the main figures, then the speed-ups."""
     head = ("config", "ok", "TTFT p50", "p95", "p99", "warm p50", "ITL p50", "TPOT p50",
-            "E2E p50", "out tok/s", "req/s", "hit rate")
+            "E2E p50", "out tok/s", "req/s", "hit rate", "same out")
     rows = [head]
     for name, f in rep["configs"].items():
         rows.append((name, f"{f['num_ok']}/{f['num_requests']}", _fmt(f["ttft_p50_s"]),
                      _fmt(f["ttft_p95_s"]), _fmt(f["ttft_p99_s"]), _fmt(f["ttft_p50_s_warm"]),
                      _fmt(f["itl_p50_s"]), _fmt(f["tpot_p50_s"]), _fmt(f["e2e_p50_s"]),
                      _fmt(f["output_tok_s"], digits=1), _fmt(f["req_s"], digits=2),
-                     _fmt(f["hit_rate"], digits=3)))
+                     _fmt(f["hit_rate"], digits=3), f["outputs_equal_recompute"] or "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = [f"== {rep['benchmark']} (latencies in s) =="]
     for i, r in enumerate(rows):

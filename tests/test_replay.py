@@ -196,6 +196,7 @@ def test_report_figures_and_files(fake, tmp_path):
     assert f["output_tok_s"] == 6.0 and rep["configs"]["recompute"]["output_tok_s"] == 3.0
     assert f["hit_rate"] == 12 / 24  # cached = prompt // 2 = 4 of 8 tokens each
     assert f["by_index"]["0"]["n"] == 1
+    assert f["outputs_equal_recompute"] == "3/3" and res[0].text == "t0t1t2t3"
     assert rep["speedups"]["e2e_p50_s"]["kvstore-cpu/recompute"] == 1.0
     assert "kvstore-cpu" in report.format_table(rep)
     report.write_json(rep, str(tmp_path / "r.json"))
