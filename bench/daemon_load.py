@@ -234,7 +234,10 @@ async def soak(url: str, daemon: Daemon, capacity: int, seconds: float, clients:
     async def one(ci: int) -> None:
         r = random.Random(ci)
         while time.monotonic() < stop_at:
-            p = int(r.paretovariate(1.2)) % num_prompts  # skewed: some prompts are hot
+            # half the picks uniform over the 10x universe (misses, puts, evictions), half
+            # Pareto-skewed (hot shared prefixes that hit)
+            p = r.randrange(num_prompts) if r.random() < 0.5 else \
+                int(r.paretovariate(1.2)) % num_prompts
             keys = keys_of(p)
             try:
                 t0 = time.perf_counter()
@@ -277,6 +280,7 @@ async def soak(url: str, daemon: Daemon, capacity: int, seconds: float, clients:
             "soak_ops": len(lat), "soak_p50_s": lat[len(lat) // 2] if lat else None,
             "soak_p99_s": lat[int(len(lat) * 0.99)] if lat else None,
             "soak_lookups": counts["lookups"], "soak_get_chunks": counts["get_chunks"],
+            "soak_puts": counts["puts"],
             "soak_metrics_lookups": lookups, "soak_metrics_hits": hits,
             "soak_metrics_misses": misses, "soak_metrics_consistent": consistent,
             "soak_rss_peak_bytes": rss_peak[0], "soak_universe_prompts": num_prompts}
@@ -321,7 +325,7 @@ async def _main_async(args, out: dict, workdir: str) -> None:
         res["soak_rss_growth_over_capacity"] = (res["soak_rss_peak_bytes"] - base) / cap
         out.update(res)
         print(f"soak {args.soak_s:.0f} s x 16 clients: {res['soak_ops']} ops, "
-              f"errors {res['soak_errors']}, p50 {res['soak_p50_s'] * 1e3:.1f} ms, "
+              f"{res['soak_puts']} puts, errors {res['soak_errors']}, p50 {res['soak_p50_s'] * 1e3:.1f} ms, "
               f"p99 {res['soak_p99_s'] * 1e3:.1f} ms, RSS growth "
               f"{res['soak_rss_growth_over_capacity']:.2f}x of the {cap >> 20} MiB capacity, "
               f"metrics consistent: {res['soak_metrics_consistent']}")
