@@ -59,6 +59,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching, seed)
         self.connector = connector
+        if connector is not None and hasattr(connector, "register_kv_caches"):
+            connector.register_kv_caches(self.kv_cache, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens,
                                    config.max_num_seqs, connector)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, connector)
@@ -199,10 +201,15 @@ class LLMEngine:
         return [final[r] for r in ids]
 
     def stats(self) -> dict:
-        """Counters and gauges: queue sizes, KV pool use, prefix-cache queries/hits (tokens)."""
+        """Counters and gauges: queue sizes, KV pool use, prefix-cache queries/hits (tokens),
+        and the connector's ``get_stats()`` (``external_prefix_cache_*``, ``kvstore_*``) if any."""
         bm = self.block_manager
         total = bm.num_blocks - 1
-        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+        extra = {}
+        if self.connector is not None and hasattr(self.connector, "get_stats"):
+            extra = self.connector.get_stats()
+        return {**extra,
+                "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "kv_blocks_used": bm.num_used_blocks, "kv_blocks_total": total,
                 "kv_usage": bm.num_used_blocks / total,
                 "prefix_cache_queries_tokens": bm.num_query_tokens,

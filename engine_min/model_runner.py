@@ -4,7 +4,8 @@ Flat token order: ``[decode tokens | prefill chunk 1 | prefill chunk 2 | ...]`` 
 "decode" is any sequence computing exactly one token this step.
 
 Connector seams (optional, ``connector=None`` skips them), around the forward pass:
-  ``connector.start_load_kv(sched_out, kv_cache)`` then ``connector.wait_for_load()`` before it,
+  ``connector.start_load_kv(sched_out, kv_cache)`` then ``connector.wait_for_load()`` before it
+  (and before the inputs are built: a load that falls short moves ``num_computed_tokens`` back),
   ``connector.save(sched_out, kv_cache)`` after it (full blocks now computed may be stored).
 """
 from __future__ import annotations
@@ -81,10 +82,10 @@ class ModelRunner:
         """
         ops.copy_blocks(self.kv_cache, [s for s, _ in sched_out.blocks_to_copy],
                         [d for _, d in sched_out.blocks_to_copy])
-        ordered, input_ids, positions, meta, sample_idx = self.prepare(sched_out.scheduled)
         if self.connector is not None:
             self.connector.start_load_kv(sched_out, self.kv_cache)
             self.connector.wait_for_load()
+        ordered, input_ids, positions, meta, sample_idx = self.prepare(sched_out.scheduled)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
         logits = self.model.compute_logits(hidden[sample_idx])           # [n_sample, vocab]
         if self.connector is not None:
