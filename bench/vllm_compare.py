@@ -1,0 +1,302 @@
+"""Long-document Q&A on the real vLLM engine (CPU): no connector, vLLM's ExampleConnector, and
+our KVStoreConnector (in-process CPU tier; ``kvstore serve`` daemon, then a second fresh engine
+process on the warm daemon), plus engine_min as a reference, in one run.
+
+Every configuration runs in its own fresh process (vLLM keeps global state), with vLLM's own
+prefix caching OFF so every reuse comes through the connector. Workload per document: question
+1 (a miss: the document is new), question 1 again (a repeat-prompt hit, the case
+ExampleConnector handles), question 2 (a shared-prefix hit: only our chunk store serves it).
+TTFT is vLLM's own per-request figure (engine-core time from queued to first token, so it
+includes the connector's lookup and load); the 16-token greedy answer is compared token by token
+with the no-connector answers.
+
+Run in the vLLM environment::
+
+    .venv-vllm/bin/python -m bench.vllm_compare [--docs 3] [--doc-tokens 1500] [--json out.json]
+
+Needs vLLM (tools/make_vllm_env.sh). ``--child SPEC_JSON`` is the per-process driver (also
+used by tests/test_vllm_connector.py): it prints one line ``RESULT <json>``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+# ------------------------------------------------------------------------------------------
+# Workload
+# ------------------------------------------------------------------------------------------
+def make_document(i: int, n_paragraphs: int) -> str:
+    """A synthetic document with facts the questions ask about (deterministic)."""
+    towns = ["Elm", "Oak", "Ash", "Fir", "Yew", "Bay", "Pine"]
+    t = towns[i % len(towns)]
+    paras = [f"Section {j}: the river town of {t}{j} exports {(j * 7 + i) % 97 + 3} tons of "
+             f"grain each year; its mayor is named Ann{t}{j} and its bridge has {j % 9 + 2} arches."
+             for j in range(n_paragraphs)]
+    return f"Report {i} on the towns of the {t} valley.\n" + "\n".join(paras)
+
+
+def make_workload(tokenizer, n_docs: int, doc_tokens: int) -> list[dict]:
+    """Token-id prompts: per document, question 1, question 1 again, question 2.
+
+    Returns a list of ``{"doc": i, "kind": "miss"|"repeat"|"shared", "tokens": [...]}``.
+    """
+    out = []
+    for i in range(n_docs):
+        n = 4
+        while len(tokenizer.encode(make_document(i, n))) < doc_tokens:
+            n += 4
+        doc = make_document(i, n)
+        t = ["Elm", "Oak", "Ash", "Fir", "Yew", "Bay", "Pine"][i % 7]
+        q1 = f"{doc}\nQuestion: how many tons of grain does {t}3 export?\nAnswer:"
+        q2 = f"{doc}\nQuestion: what is the name of the mayor of {t}5?\nAnswer:"
+        a, b = tokenizer.encode(q1), tokenizer.encode(q2)
+        out += [{"doc": i, "kind": "miss", "tokens": a}, {"doc": i, "kind": "repeat", "tokens": a},
+                {"doc": i, "kind": "shared", "tokens": b}]
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# One engine process
+# ------------------------------------------------------------------------------------------
+def _engine(spec: dict):
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kind = spec["connector"]
+    ktc = None
+    if kind == "example":
+        ktc = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                               kv_connector_extra_config={"shared_storage_path": spec["example_path"]})
+    elif kind in ("ours-cpu", "ours-daemon"):
+        extra = {"model_id": MODEL_ID, "chunk_size": spec.get("chunk_size", 256),
+                 "cpu_bytes": spec.get("cpu_bytes", "512MiB")}
+        if kind == "ours-daemon":
+            extra["kvstore_url"] = spec["url"]
+        extra.update(spec.get("extra", {}))
+        ktc = KVTransferConfig(kv_connector="KVStoreConnector",
+                               kv_connector_module_path="connectors.vllm", kv_role="kv_both",
+                               kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
+    return LLM(model=spec["model_dir"], dtype="float32", distributed_executor_backend="uni",
+               max_model_len=spec.get("max_model_len", 4096), enforce_eager=True, seed=0,
+               kv_cache_memory_bytes=spec.get("kv_cache_bytes", 256 << 20),
+               enable_prefix_caching=bool(spec.get("prefix_caching", False)),
+               kv_transfer_config=ktc, disable_log_stats=False)
+
+
+def _connector_stats(llm) -> dict:
+    out = {}
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+        if has_kv_transfer_group():
+            w = get_kv_transfer_group()
+            if hasattr(w, "flush"):
+                w.flush()
+            if hasattr(w, "stats"):
+                out["worker"] = w.stats()
+        sched = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        if sched is not None and hasattr(sched, "stats"):
+            out["scheduler"] = sched.stats()
+    except Exception as e:  # stats are best effort
+        out["error"] = repr(e)
+    return out
+
+
+def child_main(spec: dict) -> dict:
+    """Run ``spec["prompts"]`` (token lists) in one fresh engine; per prompt the TTFT (s) of a
+    request (vLLM's metrics; or a separate 1-token generate with ``spec["ttft_separate"]``) and
+    the greedy answer of ``max_tokens`` tokens."""
+    t0 = time.perf_counter()
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    llm = _engine(spec)
+    start_s = time.perf_counter() - t0
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    full = SamplingParams(temperature=0.0, max_tokens=int(spec.get("max_tokens", 16)))
+    if spec.get("warmup", True):  # first forward passes are slow (allocations, kernels)
+        llm.generate([TokensPrompt(prompt_token_ids=list(range(1000, 1300)))], one, use_tqdm=False)
+    results = []
+    for tokens in spec["prompts"]:
+        r: dict = {"num_tokens": len(tokens)}
+        if spec.get("ttft_separate", False):
+            t = time.perf_counter()
+            llm.generate([TokensPrompt(prompt_token_ids=tokens)], one, use_tqdm=False)
+            r["ttft_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], full, use_tqdm=False)[0]
+        r["gen_s"] = time.perf_counter() - t
+        m = getattr(out, "metrics", None)
+        if "ttft_s" not in r and m is not None and getattr(m, "first_token_ts", 0):
+            # engine-core monotonic timestamps: queued -> first token
+            r["ttft_s"] = m.first_token_ts - (m.queued_ts or m.scheduled_ts)
+        r["output_ids"] = list(out.outputs[0].token_ids)
+        r["text"] = out.outputs[0].text
+        results.append(r)
+        st = _connector_stats(llm)
+        if st:
+            r["connector"] = st
+    return {"start_s": start_s, "results": results, "connector": _connector_stats(llm)}
+
+
+def run_child(spec: dict, python: str | None = None, timeout_s: float = 600) -> dict:
+    """Run ``child_main(spec)`` in a fresh process; returns its result dict.
+
+    Raises:
+        RuntimeError: the child failed (its stderr tail is in the message).
+    """
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([python or sys.executable, "-m", "bench.vllm_compare", "--child",
+                           json.dumps(spec)], cwd=str(ROOT), env=env, capture_output=True,
+                          text=True, timeout=timeout_s)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"engine child failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+class Daemon:
+    """A ``kvstore serve`` subprocess on a free loopback port (context manager)."""
+
+    def __init__(self, cpu_bytes: str = "1GiB", python: str | None = None):
+        self.cmd = [python or sys.executable, "-m", "kvstore", "serve", "--host", "127.0.0.1",
+                    "--port", "0", "--cpu-bytes", cpu_bytes, "--log-level", "warning"]
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+
+    def __enter__(self) -> "Daemon":
+        self.proc = subprocess.Popen(self.cmd, cwd=str(ROOT), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True,
+                                     env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line and self.proc.poll() is not None:
+                break
+            m = re.search(r"listening on (http://\S+)", line)
+            if m:
+                self.url = m.group(1)
+                return self
+        self.__exit__(None, None, None)
+        raise RuntimeError("kvstore serve did not start")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+# ------------------------------------------------------------------------------------------
+# The comparison
+# ------------------------------------------------------------------------------------------
+def _engine_min_row(workload: list[dict], max_tokens: int) -> dict:
+    """engine_min (no store connector is wired to it yet) on the same prompts, as a reference."""
+    from engine_min.config import EngineConfig
+    from engine_min.engine import LLMEngine
+    from engine_min.sampler import SamplingParams
+    eng = LLMEngine(EngineConfig(enable_prefix_caching=False))
+    res = []
+    for w in workload:
+        t = time.perf_counter()
+        eng.generate([w["tokens"]], SamplingParams(temperature=0.0, max_tokens=1))
+        ttft = time.perf_counter() - t
+        out = eng.generate([w["tokens"]], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0]
+        ids = list(out.output_token_ids)
+        res.append({"ttft_s": ttft, "output_ids": ids})
+    return {"results": res}
+
+
+def summarize(workload: list[dict], runs: dict[str, dict]) -> dict:
+    """Per configuration: TTFT p50 per kind, output equality with ``none``, connector stats."""
+    base = runs["none"]["results"]
+    table = {}
+    for name, run in runs.items():
+        if "results" not in run:
+            table[name] = {"skipped": run.get("skipped", "failed")}
+            continue
+        row: dict = {}
+        for kind in ("miss", "repeat", "shared"):
+            ts = [r["ttft_s"] for w, r in zip(workload, run["results"]) if w["kind"] == kind]
+            row[f"ttft_p50_{kind}_s"] = round(statistics.median(ts), 4) if ts else None
+        same = [r["output_ids"] == b["output_ids"] for r, b in zip(run["results"], base)]
+        row["outputs_equal"] = f"{sum(same)}/{len(same)}"
+        conn = run.get("connector", {}).get("worker")
+        if conn:
+            row["loaded_tokens"] = conn.get("loaded_tokens")
+            row["saved_chunks"] = conn.get("saved_chunks")
+            row["load_errors"] = conn.get("load_errors")
+        table[name] = row
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="vLLM long-document Q&A: connectors compared")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--docs", type=int, default=3)
+    p.add_argument("--doc-tokens", type=int, default=1500)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--engine-min", action="store_true",
+                   help="also time engine_min (without a store: none is wired to it yet)")
+    p.add_argument("--json", help="write the full results here")
+    a = p.parse_args(argv)
+    if a.child:
+        res = child_main(json.loads(a.child))
+        print("RESULT " + json.dumps(res), flush=True)
+        return 0
+
+    from connectors.vllm_model import convert
+    model_dir = str(convert())
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    workload = make_workload(tok, a.docs, a.doc_tokens)
+    prompts = [w["tokens"] for w in workload]
+    common = {"model_dir": model_dir, "prompts": prompts, "max_tokens": a.max_tokens,
+              "prefix_caching": False}
+    runs: dict[str, dict] = {}
+    t_all = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="vllm-example-") as ex_dir:
+        plan = [("none", {"connector": "none"}),
+                ("example", {"connector": "example", "example_path": ex_dir}),
+                ("ours-cpu", {"connector": "ours-cpu"})]
+        for name, extra in plan:
+            print(f"[vllm_compare] {name} ...", file=sys.stderr, flush=True)
+            runs[name] = run_child({**common, **extra})
+        with Daemon("1GiB") as d:
+            for name in ("ours-daemon", "ours-daemon-2nd-process"):
+                print(f"[vllm_compare] {name} ...", file=sys.stderr, flush=True)
+                runs[name] = run_child({**common, "connector": "ours-daemon", "url": d.url})
+    if a.engine_min:
+        try:
+            print("[vllm_compare] engine_min ...", file=sys.stderr, flush=True)
+            runs["engine_min (no store)"] = _engine_min_row(workload, a.max_tokens)
+        except Exception as e:
+            runs["engine_min (no store)"] = {"skipped": f"engine_min unavailable: {e!r}"}
+    table = summarize(workload, runs)
+    report = {"workload": {"docs": a.docs, "prompt_tokens": [len(x) for x in prompts],
+                           "kinds": [w["kind"] for w in workload]},
+              "configs": table, "wall_s": round(time.perf_counter() - t_all, 1),
+              "notes": "vLLM prefix caching off; TTFT = vLLM request metrics (queued -> first token); "
+                       "outputs compared with the no-connector run token by token"}
+    print(json.dumps(table, indent=2))
+    if a.json:
+        Path(a.json).write_text(json.dumps({**report, "runs": runs}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
