@@ -203,11 +203,8 @@ class EngineLoop:
             logger.exception("abort of %s failed", request_id)
 
     def _refresh_stats(self) -> None:
-        try:
+        try:  # includes the connector's external_prefix_cache_* counters when it has one
             stats = dict(self.engine.stats())
-            connector = getattr(self.engine, "connector", None)
-            if connector is not None:
-                stats.update(_external_stats(connector.get_stats()))
         except Exception:
             logger.exception("engine.stats() failed")
             return
@@ -220,17 +217,6 @@ class EngineLoop:
             self._safe_abort(request_id)
         self._sinks.clear()
         self._refresh_stats()
-
-
-def _external_stats(connector_stats: dict) -> dict:
-    """The store's side of the stats: the connector's cumulative ``requested_tokens`` and
-    ``hit_tokens`` as ``external_prefix_cache_queries`` / ``_hits``, plus the raw dict."""
-    out: dict = {"connector": connector_stats}
-    if "requested_tokens" in connector_stats:
-        out["external_prefix_cache_queries"] = connector_stats["requested_tokens"]
-    if "hit_tokens" in connector_stats:
-        out["external_prefix_cache_hits"] = connector_stats["hit_tokens"]
-    return out
 
 
 def _dumps_lenient(obj: Any) -> str:
@@ -556,33 +542,27 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def build_connector(args: argparse.Namespace) -> Any | None:
     """The KV connector the store flags ask for, or ``None`` when no store flag is given.
 
-    The store is either in-process tiers (``--kvstore-cpu-bytes``, ``--kvstore-disk-path``,
-    ``--kvstore-disk-bytes``) or a remote daemon (``--kvstore-url``), never both. The connector
-    comes from ``connectors.engine_min.build_connector(...)`` (imported only here).
+    The store is in-process tiers (``--kvstore-cpu-bytes``, ``--kvstore-disk-path``,
+    ``--kvstore-disk-bytes``), a remote daemon (``--kvstore-url``), or both (local tiers in
+    front of the daemon); ``connectors.factory.connector_from_args`` builds it (imported only
+    when a store flag is given).
 
     Raises:
         SystemExit: inconsistent store flags, or the connector module is missing.
     """
-    given = [f for f in STORE_FLAGS if getattr(args, f, None) is not None]
-    if not given:
+    if all(getattr(args, f, None) is None for f in STORE_FLAGS):
         return None
-    if args.kvstore_url and len(given) > 1:
-        raise SystemExit("--kvstore-url (remote daemon) cannot be combined with the "
-                         "in-process tier flags --kvstore-cpu-bytes/--kvstore-disk-*")
     if args.kvstore_disk_bytes and not args.kvstore_disk_path:
         raise SystemExit("--kvstore-disk-bytes needs --kvstore-disk-path")
-    if args.kvstore_disk_path and not args.kvstore_disk_bytes:
-        raise SystemExit("--kvstore-disk-path needs --kvstore-disk-bytes SIZE")
     try:
-        from connectors import engine_min as conn_mod
-        factory = conn_mod.build_connector
-    except (ImportError, AttributeError) as exc:
-        raise SystemExit(f"the KV store connector for engine_min is not available ({exc}): "
-                         f"connectors/engine_min.py must provide build_connector(...); run "
-                         f"without --kvstore-* flags") from exc
-    return factory(model=args.model, kvstore_url=args.kvstore_url,
-                   cpu_bytes=args.kvstore_cpu_bytes, disk_path=args.kvstore_disk_path,
-                   disk_bytes=args.kvstore_disk_bytes, chunk_size=args.kvstore_chunk_size)
+        from connectors.factory import connector_from_args
+    except ImportError as exc:
+        raise SystemExit(f"the KV store connector for engine_min is not available ({exc}); "
+                         f"run without --kvstore-* flags") from exc
+    try:
+        return connector_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"error: bad --kvstore-* flags: {exc}") from exc
 
 
 def build_engine(args: argparse.Namespace, connector: Any | None = None) -> Any:
@@ -610,17 +590,28 @@ def served_model_name(args: argparse.Namespace) -> str:
 
 
 def serve_main(args: argparse.Namespace) -> None:
-    """Build the engine (and connector) from ``args`` and serve until interrupted."""
+    """Build the engine (and connector) from ``args`` and serve until interrupted.
+
+    Raises:
+        SystemExit: bad flags, a model that cannot be loaded, or an unusable KV pool size.
+    """
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     connector = build_connector(args)
-    engine = build_engine(args, connector)
-    name = served_model_name(args)
+    try:
+        engine = build_engine(args, connector)
+        name = served_model_name(args)
+    except ValueError as exc:  # ModelLoadError is a ValueError; so are bad engine sizes
+        raise SystemExit(f"error: {exc}") from exc
     app = create_app(engine, name)
     logger.info("serving %s on http://%s:%d (max_model_len %d)", name, args.host, args.port,
                 app[SERVING_KEY].max_model_len)
-    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True,
-                access_log=None, print=None)
+    try:
+        web.run_app(app, host=args.host, port=args.port, handler_cancellation=True,
+                    access_log=None, print=None)
+    finally:
+        if connector is not None:
+            connector.close()  # flush queued saves to the store
 
 
 def main(argv: list[str] | None = None) -> None:
