@@ -1,0 +1,97 @@
+"""Build an ``EngineMinConnector`` from simple options (the server's ``--kvstore-*`` flags).
+
+Which store:
+
+* ``cpu_bytes`` and/or ``disk_path`` (+ ``disk_bytes``) only: an in-process ``ChunkStore``
+  (``disk_path`` alone = disk tier only, no CPU tier);
+* ``url`` only: the ``kvstore serve`` daemon through ``KVStoreClient``;
+* both: ``LayeredStore`` = the in-process tiers in front of the daemon.
+
+Sizes accept ints or text (``"512MiB"``). ``url`` accepts ``http://HOST:PORT`` or
+``tcp://HOST:PORT`` (the same daemon).
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from connectors.engine_min import DEFAULT_MODEL_ID, EngineMinConnector
+from connectors.layered_store import LayeredStore
+
+#: disk tier size when only ``disk_path`` is given.
+DEFAULT_DISK_BYTES = "4GiB"
+
+
+def _http_url(url: str) -> str:
+    if url.startswith("tcp://"):
+        return "http://" + url[len("tcp://"):]
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"kvstore url must look like http://HOST:PORT, got {url!r}")
+    return url
+
+
+def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None = None,
+                     disk_bytes: int | str | None = None, url: str | None = None,
+                     chunk_size: int = 256, deadline_s: float = 0.5, *,
+                     model_id: str = DEFAULT_MODEL_ID, revision: str = "",
+                     auth_token: str | None = None, save_generated: bool = True,
+                     **connector_kwargs: Any) -> EngineMinConnector:
+    """A connector over the store these options describe (see module docstring).
+
+    Args:
+        cpu_bytes: in-process CPU tier bytes.
+        disk_path: in-process disk tier directory (lmdb; created if missing).
+        disk_bytes: disk tier bytes (default ``DEFAULT_DISK_BYTES`` when ``disk_path`` is set).
+        url: remote daemon URL.
+        chunk_size: tokens per chunk (a multiple of the engine's block size).
+        deadline_s: longest wait of a lookup and base wait of a step's loads; also the client's
+            per-call timeout for the daemon.
+        model_id, revision: chunk-key namespace identity.
+        auth_token: daemon bearer token.
+        save_generated: save generated tokens' full chunks at request end.
+        connector_kwargs: further ``EngineMinConnector`` arguments.
+
+    Raises:
+        ValueError: no store given, ``disk_bytes`` without ``disk_path``, a bad URL or size.
+    """
+    if disk_bytes and not disk_path:
+        raise ValueError("disk_bytes needs disk_path")
+    local_wanted = bool(cpu_bytes) or bool(disk_path)
+    if not local_wanted and not url:
+        raise ValueError("no store: give cpu_bytes, disk_path or url")
+    stores = []
+    if local_wanted:
+        from kvstore.config import StoreConfig
+        from kvstore.store import ChunkStore
+        cfg = StoreConfig(cpu_bytes=cpu_bytes or 0,
+                          disk_bytes=(disk_bytes or DEFAULT_DISK_BYTES) if disk_path else 0,
+                          disk_path=disk_path)
+        stores.append(ChunkStore(cfg))
+    if url:
+        from kvstore.client import KVStoreClient
+        stores.append(KVStoreClient(_http_url(url), auth_token=auth_token,
+                                    timeout_s=max(deadline_s, 0.05)))
+    store = stores[0] if len(stores) == 1 else LayeredStore(stores[0], stores[1])
+    return EngineMinConnector(store, chunk_size=chunk_size, model_id=model_id,
+                              revision=revision, deadline_s=deadline_s,
+                              save_generated=save_generated, **connector_kwargs)
+
+
+def connector_from_args(args: argparse.Namespace) -> EngineMinConnector | None:
+    """The connector of the server's flags (``kvstore_cpu_bytes``, ``kvstore_disk_path``,
+    ``kvstore_disk_bytes``, ``kvstore_url``, ``kvstore_chunk_size``, optional
+    ``kvstore_deadline_s`` and ``kvstore_auth_token``), or None when no store flag is set.
+
+    Raises:
+        ValueError: as ``create_connector``.
+    """
+    opts = {k: getattr(args, f"kvstore_{k}", None)
+            for k in ("cpu_bytes", "disk_path", "disk_bytes", "url")}
+    if not any(v is not None for v in opts.values()):
+        return None
+    extra = {}
+    for k in ("chunk_size", "deadline_s", "auth_token"):
+        v = getattr(args, f"kvstore_{k}", None)
+        if v is not None:
+            extra[k] = v
+    return create_connector(**opts, **extra)
