@@ -1,0 +1,45 @@
+"""Command line: ``python -m engine_min generate --prompt TEXT [--chat] [--max-tokens N] [--model PATH]``."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m engine_min", description="engine_min: a minimal "
+                                "paged-attention LLM engine")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="complete one prompt and print the completion")
+    g.add_argument("--prompt", required=True, help="prompt text")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user chat message")
+    g.add_argument("--max-tokens", type=int, default=64, help="most output tokens (default 64)")
+    g.add_argument("--model", default=None, help="GGUF file or HF safetensors folder "
+                   "(default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code (2 on bad input, with the reason on stderr)."""
+    args = build_parser().parse_args(argv)
+    from engine_min.config import EngineConfig
+    from engine_min.engine import LLMEngine
+    from engine_min.sampler import SamplingParams
+    from engine_min.weights import ModelLoadError
+    try:
+        sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                  top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype))
+        prompt = args.prompt
+        if args.chat:
+            prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        out = engine.generate([prompt], sampling)[0]
+    except (ValueError, ModelLoadError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out.text)
+    return 0
