@@ -225,18 +225,22 @@ HAS_SERVER = importlib.util.find_spec("engine_min.server") is not None and \
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_SERVER, reason="engine_min.server / engine_min.engine not built yet")
 def test_tiny_end_to_end_replay(tmp_path):
-    """Two configurations on the real model, same 4 requests: both complete, the store
-    configuration reuses the 256-token document chunk the first question computed."""
+    """Two configurations on the real model, same 4 requests (2 documents of 300 tokens, 2
+    questions each, interleaved). The 16 MiB pool (22 blocks of 16 tokens) cannot keep one
+    document while the other runs, so the second question of each document is served by the
+    store: 4 chunks of 64 tokens of its 308-token prompt. Outputs are identical."""
     from bench import long_doc_qa
-    rep = long_doc_qa.main(["--configs", "recompute,kvstore-cpu", "--num-docs", "1",
-                            "--doc-tokens", "300", "--questions-per-doc", "3",
+    rep = long_doc_qa.main(["--configs", "recompute,kvstore-cpu", "--num-docs", "2",
+                            "--doc-tokens", "300", "--questions-per-doc", "2",
                             "--question-tokens", "8", "--answer-tokens", "3",
-                            "--json", str(tmp_path / "e2e.json"), "--no-progress",
-                            "--kvstore-cpu-bytes", "256MiB", "--kvstore-chunk-size", "256"])
+                            "--kv-cache-bytes", "16MiB", "--kvstore-cpu-bytes", "256MiB",
+                            "--kvstore-chunk-size", "64", "--json", str(tmp_path / "e2e.json"),
+                            "--no-progress", "--log-dir", str(tmp_path / "logs")])
     rec, kv = rep["configs"]["recompute"], rep["configs"]["kvstore-cpu"]
-    assert rec["num_ok"] == kv["num_ok"] == 3
-    assert rec["output_tokens"] == kv["output_tokens"] == 9
+    assert rec["num_ok"] == kv["num_ok"] == 4
+    assert rec["output_tokens"] == kv["output_tokens"] == 12
+    assert rec["prompt_tokens"] == kv["prompt_tokens"] == 4 * 308
     assert rec["cached_tokens"] == 0
-    # questions 1 and 2 reuse the first 256-token chunk of the 308-token prompt
-    assert kv["cached_tokens"] == 2 * 256
+    assert [r["num_cached_tokens"] for r in rep["requests"]["kvstore-cpu"]] == [0, 0, 256, 256]
+    assert kv["outputs_equal_recompute"] == "4/4"
     assert (tmp_path / "long_doc_qa_ttft_cdf.png").exists()
