@@ -305,40 +305,27 @@ async def put(request: web.Request) -> web.Response:
     return _ok({"stored": int(stored), "num_chunks": len(entries), "durable": durable})
 
 
-def _disk_tier(store: KVStoreBase):
-    return next((t for t in getattr(store, "tiers", ()) if t.name == "disk"), None)
-
-
 def can_persist(store: KVStoreBase) -> bool:
-    """Whether ``store`` can make a put durable (it has ``persist`` or a disk tier)."""
-    return hasattr(store, "persist") or _disk_tier(store) is not None
+    """Whether ``store`` can make a put durable: ``store.has_disk_tier`` when the store says,
+    else whether it has a ``persist`` method."""
+    has_disk = getattr(store, "has_disk_tier", None)
+    if has_disk is not None:
+        return bool(has_disk)
+    return callable(getattr(store, "persist", None))
 
 
 def persist(store: KVStoreBase, ns, keys, tensors) -> None:
-    """Make just-put chunks durable: write them through to the disk tier, then wait for the
-    disk writer's commit. Blocking; call on the store pool.
-
-    Uses ``store.persist(ns, keys, tensors)`` when the store offers it; otherwise writes
-    through ``ChunkStore``'s disk tier under the store lock (the store itself only writes to
-    disk on spill). Chunks removed meanwhile are skipped.
+    """Make just-put chunks durable with ``store.persist`` (write through to the disk tier and
+    wait for the commit). Blocking; call on the store pool.
 
     Raises:
-        P.ProtocolError(507): the disk tier cannot make room (everything pinned, or too small).
+        P.ProtocolError(507): some chunk is not committed on disk (no room: everything pinned
+            or the tier too small; or the write was dropped).
     """
-    own = getattr(store, "persist", None)
-    if own is not None:
-        own(ns, keys, tensors)
-        return
-    disk = _disk_tier(store)
-    i = store.tiers.index(disk)
-    with store._lock:
-        for j, (key, kv) in enumerate(zip(keys, tensors)):
-            if disk.contains(key) or store._locate(key) is None:
-                continue
-            if not store._make_room(i, kv.numel() * kv.element_size()):
-                raise P.ProtocolError("disk tier has no room for a durable put", 507)
-            disk.put(key, kv, keys[j - 1] if j else None, owned=True)
-    store.flush()
+    n = store.persist(ns, keys, tensors)
+    if n is not None and n < len(keys):
+        raise P.ProtocolError(f"disk tier has no room for a durable put: {n} of {len(keys)} "
+                              "chunks committed", 507)
 
 
 async def _read_put(request: web.Request, state: _ServerState, store: KVStoreBase):

@@ -363,6 +363,57 @@ class ChunkStore(KVStoreBase):
             self._expire_leases()
             return self._pins(key)
 
+    @property
+    def has_disk_tier(self) -> bool:
+        """Whether the store has a disk tier (so ``persist`` can make chunks durable)."""
+        return self._disk_tier() is not None
+
+    def _disk_tier(self) -> DiskTier | None:
+        return next((t for t in self.tiers if isinstance(t, DiskTier)), None)
+
+    def persist(self, ns: Namespace, keys: Sequence[ChunkKey], kvs: Sequence[torch.Tensor],
+                timeout: float | None = None) -> int:
+        """Make chunks durable: write each one through to the disk tier (unless it is already
+        there), then wait until the disk writer has committed them. Memory tiers are not
+        touched; a chunk removed (while pinned) is skipped. Blocking.
+
+        Args:
+            ns: namespace of ``keys``.
+            keys: chunk keys (consecutive chunks of one prompt: key i-1 is key i's parent).
+            kvs: one tensor per key, ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]``
+                with the namespace's dtype.
+            timeout: seconds to wait for the commit (None: no limit).
+
+        Returns:
+            How many of ``keys`` are committed on disk (less than ``len(keys)`` when the disk
+            tier could not make room, dropped a write, or the timeout passed).
+
+        Raises:
+            RuntimeError: the store has no disk tier, or is closed.
+            ValueError: wrong key namespace, count, shape or dtype (nothing written).
+        """
+        disk = self._disk_tier()
+        if disk is None:
+            raise RuntimeError("persist needs a disk tier (configure disk_path and disk_bytes)")
+        self._check_keys(ns, keys)
+        if len(keys) != len(kvs):
+            raise ValueError(f"persist: {len(keys)} keys but {len(kvs)} tensors")
+        for kv in kvs:
+            ns.layout.validate(kv)
+        i = self.tiers.index(disk)
+        with self._lock:
+            self._expire_leases()
+            for j, (key, kv) in enumerate(zip(keys, kvs)):
+                if key in self._doomed or disk.contains(key):
+                    continue
+                if self._make_room(i, kv.numel() * kv.element_size()):
+                    disk.put(key, kv, keys[j - 1] if j else None)
+                else:
+                    self.metrics.inc("rejected_chunks")
+        disk.wait_committed(keys, timeout)
+        with self._lock:
+            return sum(1 for k in keys if disk.contains(k) and not disk.is_pending(k))
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until queued disk writes are committed. False on timeout."""
         return all(t.flush(timeout) for t in self.tiers if isinstance(t, DiskTier))

@@ -361,3 +361,42 @@ def test_threads_put_and_get_concurrently(tmp_path):
     s.flush()
     s.check_integrity()
     s.close()
+
+
+def test_persist_writes_through_to_disk_and_waits_for_the_commit(tmp_path):
+    s = make(tmp_path, cpu=10, disk=64 << 10)
+    assert s.has_disk_tier
+    toks = prompt(0, 2)
+    ps = PrefixStore(s, NS)
+    keys = ps.keys(toks)
+    kvs = [kv_for(toks[:4]), kv_for(toks[4:])]
+    assert s.put_chunks(NS, keys, kvs) == 2
+    disk = s.tiers[-1]
+    assert not any(disk.contains(k) for k in keys)  # put writes to the top tier only
+    assert s.persist(NS, keys, kvs) == 2
+    assert all(disk.contains(k) and not disk.is_pending(k) for k in keys)
+    assert disk.parent_of(keys[1]) == keys[0]
+    assert torch.equal(disk.read(keys[1]), kvs[1])
+    assert s.persist(NS, keys, kvs) == 2  # already durable: nothing written twice
+    assert disk.num_chunks == 2
+    s.close()
+    s2 = make(tmp_path, cpu=10, disk=64 << 10)  # reopen: both chunks hit from disk
+    assert s2.lookup_keys(NS, keys).tiers == ("disk", "disk")
+    assert torch.equal(s2.get_chunks(NS, keys)[0], kvs[0])
+    s2.check_integrity()
+    s2.close()
+
+
+def test_persist_without_disk_tier_is_a_clear_error_and_bad_input_writes_nothing(tmp_path):
+    s = make(cpu=10)
+    assert not s.has_disk_tier
+    keys = PrefixStore(s, NS).keys(prompt(0))
+    with pytest.raises(RuntimeError, match="persist needs a disk tier"):
+        s.persist(NS, keys, [kv_for(prompt(0))])
+    d = make(tmp_path, cpu=10, disk=64 << 10)
+    with pytest.raises(ValueError, match="1 keys but 2 tensors"):
+        d.persist(NS, keys, [kv_for(prompt(0))] * 2)
+    with pytest.raises(ValueError):
+        d.persist(NS, keys, [kv_for(prompt(0)).float()])
+    assert d.tiers[-1].num_chunks == 0
+    d.close()

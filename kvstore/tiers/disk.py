@@ -317,6 +317,13 @@ class DiskTier(Tier):
         with self._cond:
             return self._cond.wait_for(lambda: not self._queue and not self._inflight, timeout)
 
+    def wait_committed(self, keys, timeout: float | None = None) -> bool:
+        """Wait until no put of ``keys`` is queued (each one committed, or dropped and gone
+        from the index). Returns False on timeout."""
+        keys = list(keys)
+        with self._cond:
+            return self._cond.wait_for(lambda: not any(k in self._pending for k in keys), timeout)
+
     def check_integrity(self) -> None:
         with self._lock:
             super().check_integrity()
