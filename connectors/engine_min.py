@@ -20,7 +20,8 @@ what landed, so the engine prefills the rest. Saves go through a bounded queue
 
 Counters (``get_stats``), cumulative: ``external_prefix_cache_queries`` (tokens of requests
 looked up, once per request), ``external_prefix_cache_hits`` (tokens loaded, once per request;
-``kvstore_hit_tokens_by_tier`` splits them by the tier they came from), loaded/saved bytes and
+``kvstore_hit_tokens_by_tier`` splits them by the tier they came from: ``"cpu"``, ``"disk"``,
+``"remote:cpu"``... for chunks held by the daemon's tiers), loaded/saved bytes and
 chunks, load/save/lookup latency (count, sum, max in seconds), fallbacks, dropped saves.
 """
 from __future__ import annotations
@@ -129,6 +130,8 @@ class EngineMinConnector(KVConnectorBase):
         self.save_queue_bytes = save_queue_bytes
         self.save_generated = save_generated
         self.owns_store = owns_store
+        # a daemon client reports the daemon's tier names: shown as "remote:<tier>"
+        self._remote = hasattr(store, "url") and not hasattr(store, "local")
         self.ns: Namespace | None = None
         self.bcm: BlockChunkMap | None = None
         self.kv_cache: torch.Tensor | None = None
@@ -228,9 +231,15 @@ class EngineMinConnector(KVConnectorBase):
                 self._fallback("lookup", "lookup failed (%s: %s); recomputing",
                                type(exc).__name__, exc)
                 hit, tiers = 0, ()
-            self.lat["lookup"].add(time.perf_counter() - t0)
+            self._observe("lookup", time.perf_counter() - t0)
+            if self._remote:
+                tiers = tuple(f"remote:{t}" for t in tiers)
             cached = st.lookup = (n, first, hit, tiers)
         return self.bcm.num_external_tokens(n, local, cached[2]), False
+
+    def _observe(self, kind: str, seconds: float) -> None:
+        with self._lock:
+            self.lat[kind].add(seconds)
 
     def _fallback(self, kind: str, msg: str, *args) -> None:
         with self._lock:
@@ -305,7 +314,7 @@ class EngineMinConnector(KVConnectorBase):
                 self._fallback("load", "load failed (%s: %s); recomputing",
                                type(exc).__name__, exc)
             results.append(self._land(ld, chunks))
-        self.lat["load"].add(time.perf_counter() - t0)
+        self._observe("load", time.perf_counter() - t0)
         return results
 
     def _land(self, ld: _Load, chunks: list) -> LoadResult:
@@ -406,7 +415,8 @@ class EngineMinConnector(KVConnectorBase):
                     self.c["save_errors"] += 1
                 self._warn_once("save", "kv connector: save failed (%s: %s)",
                                 type(exc).__name__, exc)
-            self.lat["save"].add(time.perf_counter() - t0)
+            with self._lock:
+                self.lat["save"].add(time.perf_counter() - t0)
             with self._cv:
                 self._q_bytes -= nbytes
                 self._q_items -= 1
@@ -421,13 +431,14 @@ class EngineMinConnector(KVConnectorBase):
         with self._lock:
             c = dict(self.c)
             tiers = dict(self.hits_by_tier)
+            lat = {k: v.as_dict(f"kvstore_{k}") for k, v in self.lat.items()}
         out = {"external_prefix_cache_queries": c["queried_tokens"],
                "external_prefix_cache_hits": c["hit_tokens"],
                "kvstore_hit_tokens_by_tier": tiers,
                "kvstore_save_queue_bytes": self._q_bytes}
         out.update({f"kvstore_{k}": v for k, v in c.items()})
-        for name, lat in self.lat.items():
-            out.update(lat.as_dict(f"kvstore_{name}"))
+        for d in lat.values():
+            out.update(d)
         return out
 
     def close(self) -> None:

@@ -5,7 +5,7 @@ came back into the local store); writes go to both (write-through, so other engi
 daemon see them). The remote store failing (dead daemon, timeout) never fails a local read or
 write: the remote part is counted as an error and skipped, logged once.
 
-Hit tiers: local tier names (``"cpu"``, ``"disk"``...) then ``"remote"``.
+Hit tiers: local tier names (``"cpu"``, ``"disk"``...) then ``"remote:<daemon tier>"``.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ class LayeredStore(KVStoreBase):
         if n < len(keys):
             try:
                 rem = self.remote.lookup_keys(ns, keys[n:])
-                tiers += ["remote"] * rem.num_hit_chunks
+                tiers += [f"remote:{t}" for t in rem.tiers[:rem.num_hit_chunks]]
             except Exception as exc:  # noqa: BLE001 - remote trouble means a local-only answer
                 self._remote_failed("lookup", exc)
         return LookupResult(len(tiers), ns.layout.chunk_size, tuple(tiers), len(keys))

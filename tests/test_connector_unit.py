@@ -410,12 +410,12 @@ def test_layered_store_reads_local_first_then_remote_and_copies_back():
     PrefixStore(remote, conn.ns).put(toks, kv_value(toks, 0, 32))
     PrefixStore(local, conn.ns).put(toks[:8], kv_value(toks, 0, 8))
     res = PrefixStore(conn.store, conn.ns).lookup(toks)
-    assert res.tiers == ("cpu", "remote", "remote", "remote")
+    assert res.tiers == ("cpu", "remote:cpu", "remote:cpu", "remote:cpu")
     eng = FakeEngine(conn, prefix_caching=False)
     seq = eng.add("r", toks)
     eng.step()
     assert seq.num_cached_tokens == 32
-    assert conn.get_stats()["kvstore_hit_tokens_by_tier"] == {"cpu": 8, "remote": 24}
+    assert conn.get_stats()["kvstore_hit_tokens_by_tier"] == {"cpu": 8, "remote:cpu": 24}
     assert PrefixStore(local, conn.ns).lookup(toks).num_hit_chunks == 4   # copied back
     conn.close()
 
