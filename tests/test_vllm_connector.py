@@ -242,3 +242,19 @@ def test_two_engine_processes_share_prefix_through_daemon(model_dir, prompts, ba
     assert wb["loaded_tokens"] == 4 * CHUNK and wb["load_errors"] == 0
     assert wb["saved_chunks"] == 0 and wb["remote"] is True
     assert rb["ttft_s"] < ra["ttft_s"], (rb["ttft_s"], ra["ttft_s"])
+
+
+def test_chunk_keys_match_engine_min_namespace(engine, prompts):
+    """Same model id, revision and layout as engine_min's connector -> the same chunk keys, so
+    both engines share chunks through one daemon (engine_min builds its Namespace this way)."""
+    from kvstore.keys import Namespace
+    from kvstore.layout import KVLayout
+    w, s = engine["w"], engine["s"]
+    want = Namespace(MODEL_ID, KVLayout(30, 3, 64, "float32", CHUNK))
+    assert w._ns_base == s._ns_base == want
+    assert s._ns_base.chunk_keys(prompts["P"]) == want.chunk_keys(prompts["P"])
+    try:
+        from connectors.engine_min import DEFAULT_MODEL_ID
+    except ImportError:
+        return
+    assert DEFAULT_MODEL_ID == MODEL_ID
