@@ -5,10 +5,14 @@ of each counter is what the workload caused. ``summarize`` maps the series of en
 server (``engine_prefix_cache_*``, ``engine_external_prefix_cache_*``), of the store
 (``*hit_tokens*{tier=...}``, ``*load*bytes*``, ``*save*bytes*``) and of the daemon
 (``kvstore_server_sent_bytes_total`` = loaded by engines, ``..._received_bytes_total`` = saved)
-into one dict; series it does not know stay available in the raw deltas.
+into one dict; series it does not know stay available in the raw deltas. engine_min's server
+also answers ``GET /debug/stats`` (the engine's and connector's counters as JSON, with hit
+tokens per store tier and loaded/saved bytes); those numbers join the samples as
+``stats:<key>`` (``stats:kvstore_hit_tokens_by_tier{tier="cpu"}`` for the per-tier dict).
 """
 from __future__ import annotations
 
+import json
 import urllib.request
 from typing import Mapping
 
@@ -38,14 +42,41 @@ def parse_metrics(text: str) -> Samples:
     return out
 
 
+def flatten_stats(stats: dict) -> Samples:
+    """Numeric entries of a ``/debug/stats`` JSON object as ``stats:<key>`` samples; a dict of
+    numbers under a ``*_by_tier`` key becomes one sample per tier."""
+    out: Samples = {}
+    for k, v in stats.items():
+        if isinstance(v, bool):
+            continue
+        if isinstance(v, (int, float)):
+            out[f"stats:{k}"] = float(v)
+        elif isinstance(v, dict) and k.endswith("_by_tier"):
+            for tier, n in v.items():
+                if isinstance(n, (int, float)):
+                    out[sample_key(f"stats:{k}", {"tier": str(tier)})] = float(n)
+    return out
+
+
 def scrape(base_url: str, timeout_s: float = 5.0) -> Samples:
-    """``GET base_url/metrics`` parsed; ``{}`` if the server has no metrics or is unreachable
-    (a benchmark against a foreign server must not fail for that)."""
+    """``GET base_url/metrics`` parsed, plus ``GET base_url/debug/stats`` flattened where the
+    server has it; ``{}`` parts for what the server lacks or when it is unreachable (a
+    benchmark against a foreign server must not fail for that)."""
+    base = base_url.rstrip("/")
+    out: Samples = {}
     try:
-        with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=timeout_s) as r:
-            return parse_metrics(r.read().decode("utf-8", errors="replace"))
+        with urllib.request.urlopen(base + "/metrics", timeout=timeout_s) as r:
+            out.update(parse_metrics(r.read().decode("utf-8", errors="replace")))
     except (OSError, ValueError):
-        return {}
+        pass
+    try:
+        with urllib.request.urlopen(base + "/debug/stats", timeout=timeout_s) as r:
+            data = json.loads(r.read())
+            if isinstance(data, dict):
+                out.update(flatten_stats(data))
+    except (OSError, ValueError):
+        pass
+    return out
 
 
 def delta(before: Samples, after: Samples) -> Samples:
@@ -97,10 +128,17 @@ def summarize(deltas: Mapping[str, Samples]) -> dict:
             tier = _label(k, "tier")
             if tier and "hit_tokens" in _name(k) and _name(k).endswith("_total"):
                 by_tier[tier] = by_tier.get(tier, 0.0) + v
+    for d in engines:
+        for k, v in d.items():
+            if _name(k) == "stats:kvstore_hit_tokens_by_tier":
+                tier = _label(k, "tier")
+                by_tier[tier] = by_tier.get(tier, 0.0) + v
     if sh and not set(by_tier) - {"engine"}:
         by_tier["store"] = sh
-    loaded = _bytes(engines, "load") or _sum_all(daemons, "kvstore_server_sent_bytes_total")
-    saved = _bytes(engines, "save") or _sum_all(daemons, "kvstore_server_received_bytes_total")
+    loaded = (_sum_all(engines, "stats:kvstore_loaded_bytes") or _bytes(engines, "load")
+              or _sum_all(daemons, "kvstore_server_sent_bytes_total"))
+    saved = (_sum_all(engines, "stats:kvstore_saved_bytes") or _bytes(engines, "save")
+             or _sum_all(daemons, "kvstore_server_received_bytes_total"))
     return {"engine_query_tokens": eq, "engine_hit_tokens": eh, "store_query_tokens": sq,
             "store_hit_tokens": sh, "hit_tokens_by_tier": by_tier,
             "bytes_loaded": loaded, "bytes_saved": saved}

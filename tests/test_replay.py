@@ -183,6 +183,21 @@ def test_metrics_delta_and_summary():
     assert s["bytes_loaded"] == 4096.0 and s["bytes_saved"] is None
 
 
+def test_debug_stats_give_tiers_and_bytes():
+    before = metrics_scrape.flatten_stats({"kvstore_loaded_bytes": 100, "ok": True,
+                                           "kvstore_hit_tokens_by_tier": {"cpu": 64}})
+    after = metrics_scrape.flatten_stats({"kvstore_loaded_bytes": 4196, "kvstore_saved_bytes": 7,
+                                          "kvstore_hit_tokens_by_tier": {"cpu": 128,
+                                                                         "disk": 256},
+                                          "name": "x"})
+    assert after == {"stats:kvstore_loaded_bytes": 4196.0, "stats:kvstore_saved_bytes": 7.0,
+                     'stats:kvstore_hit_tokens_by_tier{tier="cpu"}': 128.0,
+                     'stats:kvstore_hit_tokens_by_tier{tier="disk"}': 256.0}
+    s = metrics_scrape.summarize({"engine0": metrics_scrape.delta(before, after)})
+    assert s["hit_tokens_by_tier"] == {"cpu": 64.0, "disk": 256.0}
+    assert (s["bytes_loaded"], s["bytes_saved"]) == (4096.0, 7.0)
+
+
 def test_report_figures_and_files(fake, tmp_path):
     reqs = LongDocQA(num_docs=1, doc_tokens=6, questions_per_doc=3, question_tokens=2,
                      answer_tokens=4).requests()
