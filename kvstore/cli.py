@@ -42,6 +42,10 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-lease-s", type=float, help="longest pin lease (default 300)")
     p.add_argument("--shutdown-timeout-s", type=float,
                    help="SIGTERM waits this long for in-flight requests (default 30)")
+    p.add_argument("--max-inflight-bytes",
+                   help="payload bytes requests may hold at once; more wait (up to the "
+                        "request timeout, then 503). Default auto: cpu+gpu bytes / 8, at "
+                        "least 64MiB; 0 = unbounded")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,7 +110,8 @@ async def _serve(cfg, store) -> None:
     from kvstore.server import ServerLimits, create_app, serve_until_signal
     limits = ServerLimits(auth_token=cfg.auth_token, max_body_bytes=cfg.max_body_bytes,
                           max_batch_keys=cfg.max_batch_keys,
-                          request_timeout_s=cfg.request_timeout_s, max_lease_s=cfg.max_lease_s)
+                          request_timeout_s=cfg.request_timeout_s, max_lease_s=cfg.max_lease_s,
+                          max_inflight_bytes=cfg.max_inflight_bytes)
     app = create_app(store, limits)
 
     def on_listen(bound) -> None:

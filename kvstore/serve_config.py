@@ -35,6 +35,9 @@ class ServeConfig:
         max_body_bytes, max_batch_keys, request_timeout_s, max_lease_s: see
             ``kvstore.server.ServerLimits``.
         shutdown_timeout_s: how long SIGTERM waits for in-flight requests (seconds).
+        max_inflight_bytes: budget of chunk payload bytes that requests hold at once (see
+            ``kvstore.server.ServerLimits``); None = auto: an eighth of the memory tiers'
+            capacity, at least 64 MiB; 0 = no budget.
 
     Raises:
         ValueError: a bad size, port, log level, or a non-loopback bind without
@@ -57,10 +60,16 @@ class ServeConfig:
     request_timeout_s: float = 60.0
     max_lease_s: float = 300.0
     shutdown_timeout_s: float = 30.0
+    max_inflight_bytes: int | str | None = None
 
     def __post_init__(self) -> None:
         for name in ("cpu_bytes", "gpu_bytes", "disk_bytes", "max_body_bytes"):
             object.__setattr__(self, name, parse_size(getattr(self, name)))
+        if self.max_inflight_bytes is None or str(self.max_inflight_bytes).lower() == "auto":
+            object.__setattr__(self, "max_inflight_bytes",
+                               max(64 << 20, (self.cpu_bytes + self.gpu_bytes) // 8))
+        else:
+            object.__setattr__(self, "max_inflight_bytes", parse_size(self.max_inflight_bytes))
         for name, typ in (("port", int), ("max_batch_keys", int), ("request_timeout_s", float),
                           ("max_lease_s", float), ("shutdown_timeout_s", float)):
             object.__setattr__(self, name, typ(getattr(self, name)))

@@ -58,6 +58,10 @@ class ServerLimits:
         max_lease_s: pins without a lease, or with a longer one, get this lease (seconds), so a
             pin whose client vanished always expires.
         store_threads: threads running store calls.
+        max_inflight_bytes: budget of chunk payload bytes held by requests at once (put
+            bodies being read and stored, get results being sent); a request that would
+            exceed it waits for others to finish, up to ``request_timeout_s`` (then 503). A
+            single request larger than the budget runs alone. 0 = no budget.
     """
 
     auth_token: str | None = None
@@ -66,6 +70,77 @@ class ServerLimits:
     request_timeout_s: float = 60.0
     max_lease_s: float = 300.0
     store_threads: int = 4
+    max_inflight_bytes: int = 256 << 20
+
+
+class ByteBudget:
+    """Asyncio byte budget (a counting semaphore in bytes) for payloads in flight.
+
+    ``acquire(n)`` waits until ``n`` more bytes fit under ``capacity`` (a request of more than
+    ``capacity`` waits until nothing else is held, then runs alone); waiters are served in
+    arrival order, so a large request is not starved by small ones. Event-loop only.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.held = 0
+        self.peak = 0
+        self._waiters: list[tuple[int, asyncio.Future]] = []
+
+    def _fits(self, n: int) -> bool:
+        return self.held == 0 or self.held + n <= self.capacity
+
+    async def acquire(self, n: int, timeout_s: float) -> None:
+        """Take ``n`` bytes, waiting up to ``timeout_s`` seconds.
+
+        Raises:
+            P.ProtocolError(503): still no room after ``timeout_s``.
+        """
+        if self.capacity <= 0:
+            return
+        if not self._waiters and self._fits(n):
+            self._take(n)
+            return
+        fut = asyncio.get_running_loop().create_future()
+        item = (n, fut)
+        self._waiters.append(item)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await fut
+        except TimeoutError:
+            if fut.done() and not fut.cancelled():  # granted just as the timeout fired
+                self.release(n)
+            else:
+                self._waiters.remove(item)
+                self._wake()
+            raise P.ProtocolError(f"server busy: {self.held} payload bytes in flight "
+                                  f"(budget {self.capacity}); waited {timeout_s:.3g} s", 503)
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.release(n)
+            elif item in self._waiters:
+                self._waiters.remove(item)
+                self._wake()
+            raise
+
+    def _take(self, n: int) -> None:
+        self.held += n
+        self.peak = max(self.peak, self.held)
+
+    def release(self, n: int) -> None:
+        """Give back ``n`` bytes taken by ``acquire`` and wake waiters that now fit."""
+        if self.capacity <= 0:
+            return
+        self.held -= n
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self._fits(self._waiters[0][0]):
+            n, fut = self._waiters.pop(0)
+            if fut.done():
+                continue
+            self._take(n)
+            fut.set_result(None)
 
 
 class _ServerState:
@@ -76,6 +151,7 @@ class _ServerState:
         self.ready = True
         self.active = 0  # requests being served (drain waits for 0)
         self.pool = ThreadPoolExecutor(limits.store_threads, thread_name_prefix="kvstore-io")
+        self.budget = ByteBudget(limits.max_inflight_bytes)
         self.registry = CollectorRegistry()
         self.store_registry = store_registry
         r = self.registry
@@ -93,6 +169,14 @@ class _ServerState:
                                  registry=r)
         self.rejected = Counter("kvstore_server_rejected_chunks_total", "Chunks refused by "
                                 "validation (checksum, layout)", ["reason"], registry=r)
+        self.inflight_bytes = Gauge("kvstore_server_inflight_payload_bytes", "Payload bytes "
+                                    "held by requests (budget: max_inflight_bytes)", registry=r)
+        self.inflight_bytes.set_function(lambda: self.budget.held)
+
+    def budget_wait_s(self) -> float:
+        """How long a request may wait for payload budget: 90% of the request timeout, so the
+        wait ends in a 503 (busy) before the request's own 504."""
+        return 0.9 * self.limits.request_timeout_s
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no request is being served (True) or ``timeout_s`` passes (False)."""
@@ -210,7 +294,10 @@ async def stats(request: web.Request) -> web.Response:
     out["server"] = {"protocol_version": P.PROTOCOL_VERSION, "ready": state.ready,
                      "in_flight": int(state.in_flight._value.get()),
                      "max_body_bytes": state.limits.max_body_bytes,
-                     "max_batch_keys": state.limits.max_batch_keys}
+                     "max_batch_keys": state.limits.max_batch_keys,
+                     "max_inflight_bytes": state.limits.max_inflight_bytes,
+                     "inflight_bytes": state.budget.held,
+                     "inflight_bytes_peak": state.budget.peak}
     return _ok(out)
 
 
@@ -260,23 +347,37 @@ async def unpin(request: web.Request) -> web.Response:
     return _ok({"unpinned": int(n)})
 
 
+#: Get payloads go to the transport in slices of this many bytes: asyncio copies what the
+#: socket does not take at once into its write buffer, so smaller slices bound that copy.
+WRITE_SLICE = 1 << 20
+
+
 async def get(request: web.Request) -> web.StreamResponse:
     _, ns, keys = await _ns_keys(request)
     state: _ServerState = request.app[STATE_KEY]
-    chunks = await state.call(request.app[STORE_KEY].get_chunks, ns, keys)
-    if all(c is None for c in chunks):
-        raise P.ProtocolError(f"none of the {len(keys)} keys is stored", 404)
-    entries, views = await state.call(_describe, keys, chunks)
-    head = P.get_response_header(entries)
-    resp = web.StreamResponse(headers={"Content-Type": P.BINARY_CONTENT_TYPE,
-                                       P.VERSION_HEADER: str(P.PROTOCOL_VERSION)})
-    total = sum(v.nbytes for v in views)
-    resp.content_length = len(head) + total
-    await resp.prepare(request)
-    await resp.write(head)
-    for v in views:
-        await resp.write(v)
-    await resp.write_eof()
+    budget = len(keys) * ns.layout.chunk_bytes
+    await state.budget.acquire(budget, state.budget_wait_s())
+    try:
+        chunks = await state.call(request.app[STORE_KEY].get_chunks, ns, keys)
+        if all(c is None for c in chunks):
+            raise P.ProtocolError(f"none of the {len(keys)} keys is stored", 404)
+        entries, views = await state.call(_describe, keys, chunks)
+        del chunks
+        head = P.get_response_header(entries)
+        resp = web.StreamResponse(headers={"Content-Type": P.BINARY_CONTENT_TYPE,
+                                           P.VERSION_HEADER: str(P.PROTOCOL_VERSION)})
+        total = sum(v.nbytes for v in views)
+        resp.content_length = len(head) + total
+        await resp.prepare(request)
+        await resp.write(head)
+        while views:
+            v = views.pop(0)  # drop each chunk as soon as it is sent
+            for off in range(0, v.nbytes, WRITE_SLICE):
+                await resp.write(v[off:off + WRITE_SLICE])
+            del v
+        await resp.write_eof()
+    finally:
+        state.budget.release(budget)
     state.bytes_out.inc(total)
     return resp
 
@@ -296,11 +397,16 @@ def _describe(keys, chunks):
 async def put(request: web.Request) -> web.Response:
     state: _ServerState = request.app[STATE_KEY]
     store = request.app[STORE_KEY]
-    ns, entries, durable, tensors = await _read_put(request, state, store)
-    keys = [e.key for e in entries]
-    stored = await state.call(store.put_chunks, ns, keys, tensors)
-    if durable:
-        await state.call(persist, store, ns, keys, tensors)
+    budget = [0]
+    try:
+        ns, entries, durable, tensors = await _read_put(request, state, store, budget)
+        keys = [e.key for e in entries]
+        stored = await state.call(store.put_chunks, ns, keys, tensors)
+        if durable:
+            await state.call(persist, store, ns, keys, tensors)
+        del tensors
+    finally:
+        state.budget.release(budget[0])
     state.bytes_in.inc(sum(e.nbytes for e in entries))
     return _ok({"stored": int(stored), "num_chunks": len(entries), "durable": durable})
 
@@ -328,8 +434,11 @@ def persist(store: KVStoreBase, ns, keys, tensors) -> None:
                               "chunks committed", 507)
 
 
-async def _read_put(request: web.Request, state: _ServerState, store: KVStoreBase):
-    """Read and validate a put body: header first, then each payload against its checksum.
+async def _read_put(request: web.Request, state: _ServerState, store: KVStoreBase,
+                    budget: list[int]):
+    """Read and validate a put body: header first, then (once the payload bytes fit in the
+    server's byte budget; ``budget[0]`` is set to what was taken, for the caller to release)
+    each payload against its checksum.
 
     Nothing is handed to the store until every payload has arrived and checked out.
     """
@@ -352,6 +461,9 @@ async def _read_put(request: web.Request, state: _ServerState, store: KVStoreBas
     if declared is not None and declared != expected:
         raise P.ProtocolError(f"body is {declared} bytes but its header declares {expected}")
     layout = ns.layout
+    payload = P.payload_total(entries)
+    await state.budget.acquire(payload, state.budget_wait_s())
+    budget[0] = payload
     tensors = []
     for e in entries:
         kv = torch.empty(layout.shape(), dtype=layout.torch_dtype)  # [L, 2, T, H, D]

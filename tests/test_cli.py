@@ -43,6 +43,18 @@ def test_flags_beat_env_beat_file(tmp_path):
         serve_config.resolve({}, {}, str(toml))
 
 
+def test_max_inflight_bytes_auto_default_flag_and_env():
+    assert serve_config.resolve({}, {}).max_inflight_bytes == 128 << 20  # 1GiB cpu / 8
+    assert serve_config.resolve({"cpu_bytes": "128MiB"}, {}).max_inflight_bytes == 64 << 20
+    args = cli.build_parser().parse_args(["serve", "--max-inflight-bytes", "32MiB"])
+    flags = {k: v for k, v in vars(args).items() if k in serve_config.FIELDS}
+    assert serve_config.resolve(flags, {}).max_inflight_bytes == 32 << 20
+    env = {"KVSTORE_MAX_INFLIGHT_BYTES": "0"}
+    assert serve_config.resolve({}, env).max_inflight_bytes == 0
+    with pytest.raises(ValueError):
+        serve_config.resolve({"max_inflight_bytes": "lots"}, {})
+
+
 def test_non_loopback_bind_needs_a_token_or_insecure(capsys):
     assert serve_config.is_loopback("127.0.0.1") and serve_config.is_loopback("::1")
     assert not serve_config.is_loopback("0.0.0.0")

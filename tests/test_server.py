@@ -16,7 +16,7 @@ from kvstore import protocol as P
 from kvstore.config import StoreConfig
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
-from kvstore.server import ServerLimits, ThreadedServer, create_app
+from kvstore.server import STATE_KEY, ServerLimits, ThreadedServer, create_app
 from kvstore.store import ChunkStore
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float16", chunk_size=4)
@@ -290,3 +290,55 @@ def test_stats_metrics_and_unknown_routes(server):
     assert status == 404 and json.loads(data)["status"] == 404
     status, data, _ = request(server, "GET", "/v1/put")
     assert status == 405 and json.loads(data)["status"] == 405
+
+
+def test_byte_budget_waits_in_order_admits_oversize_alone_and_times_out_with_503():
+    import asyncio
+    from kvstore.server import ByteBudget
+
+    async def scenario():
+        b = ByteBudget(100)
+        await b.acquire(60, 1)
+        waiter = asyncio.create_task(b.acquire(60, 1))
+        await asyncio.sleep(0.01)
+        assert not waiter.done() and b.held == 60
+        b.release(60)
+        await waiter
+        assert (b.held, b.peak) == (60, 60)
+        with pytest.raises(P.ProtocolError, match="server busy") as e:
+            await b.acquire(50, 0.05)
+        assert e.value.status == 503 and b.held == 60 and not b._waiters
+        b.release(60)
+        await b.acquire(250, 1)  # larger than the whole budget: admitted when alone
+        assert (b.held, b.peak) == (250, 250)
+        b.release(250)
+        assert b.held == 0
+    asyncio.run(scenario())
+
+
+def test_requests_beyond_the_inflight_byte_budget_wait_then_get_503_and_store_nothing():
+    import asyncio
+    store = make_store()
+    limits = ServerLimits(auth_token=TOKEN, max_inflight_bytes=LAYOUT.chunk_bytes,
+                          request_timeout_s=0.5)
+    with ThreadedServer(create_app(store, limits)) as srv:
+        srv.store = store
+        budget = srv.app[STATE_KEY].budget
+        hold = asyncio.run_coroutine_threadsafe(budget.acquire(LAYOUT.chunk_bytes, 1), srv._loop)
+        hold.result(5)
+        t0 = time.monotonic()
+        status, ans = do_put(srv, put_body(KEYS[:1], [chunk(0)]))
+        assert status == 503 and ans["error"].startswith("server busy")
+        assert 0.4 < time.monotonic() - t0 < 2
+        assert stored(srv, KEYS[:1]) == [False]
+        srv._loop.call_soon_threadsafe(budget.release, LAYOUT.chunk_bytes)
+        time.sleep(0.05)
+        assert do_put(srv, put_body(KEYS[:2], [chunk(0), chunk(1)]))[0] == 200  # 2x budget: alone
+        status, got = do_get(srv, KEYS[:2])
+        assert status == 200 and torch.equal(got[1], chunk(1))
+        status, data, _ = request(srv, "GET", "/v1/stats")
+        server_st = json.loads(data)["server"]
+        assert (server_st["inflight_bytes"], server_st["max_inflight_bytes"]) == \
+            (0, LAYOUT.chunk_bytes)
+        assert server_st["inflight_bytes_peak"] == 2 * LAYOUT.chunk_bytes
+    store.close()
