@@ -6,7 +6,10 @@ VPY       := $(VENV)/bin/python
 STAMP     := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo bench clean
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.vllm-installed-stamp
+
+.PHONY: venv test test-core test-vllm vllm-venv demo clean
 
 venv: $(STAMP)
 
@@ -20,8 +23,20 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-test: $(STAMP)
+# The whole suite: the project's tests in .venv, then the vLLM connector's integration tests in
+# their own environment (.venv-vllm, CPU build of vLLM; see tools/make_vllm_env.sh).
+test: test-core test-vllm
+
+test-core: $(STAMP)
 	$(VPY) -m pytest -q -ra $(PYTEST_ARGS)
+
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP): tools/make_vllm_env.sh pyproject.toml
+	PY=$(PY) tools/make_vllm_env.sh $(VLLM_VENV)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q -ra tests/test_vllm_connector.py
 
 demo: $(STAMP)
 	$(VPY) -m bench.demo
