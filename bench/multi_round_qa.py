@@ -1,10 +1,10 @@
 """Multi-round QA replay: ``python -m bench.multi_round_qa --configs a,b --json PATH``.
 
 U users chat for R rounds; each round's prompt is the user's whole history plus a new question
-(see ``bench.workloads.MultiRoundQA``). With the defaults the working set (about 8k tokens of
-KV: 4.6k tokens, ~210 MB in fp32) is three times the engines' 64 MiB KV pool (1456 tokens),
-so ``engine-cache`` loses each user's history between rounds while the store keeps it. Runs in
-a few minutes on 2 cores.
+(see ``bench.workloads.MultiRoundQA``). With the defaults the working set (5 users x ~1.2k
+tokens of KV, ~290 MB in fp32) is four times the engines' 64 MiB KV pool (1440 tokens), so
+``engine-cache`` loses each user's history between rounds while the store keeps it. Runs in a
+few minutes on 2 cores.
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--num-users", type=int, default=5)
     w.add_argument("--num-rounds", type=int, default=4)
     w.add_argument("--system-tokens", type=int, default=64, help="shared system prompt")
-    w.add_argument("--context-tokens", type=int, default=768, help="per-user context")
-    w.add_argument("--question-tokens", type=int, default=32)
+    w.add_argument("--context-tokens", type=int, default=1024, help="per-user context")
+    w.add_argument("--question-tokens", type=int, default=24)
     w.add_argument("--answer-tokens", type=int, default=8)
     w.add_argument("--qps", type=float, default=1.0, help="request arrival rate")
     w.add_argument("--max-inflight", type=int, default=1, help="requests in flight at most "

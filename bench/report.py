@@ -207,7 +207,8 @@ def plot_all(rep: dict, out_dir: str, prefix: str, group_by: str = "index") -> l
     ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set(xlabel="TTFT (s, log)", ylabel="fraction of requests", title=f"{prefix}: TTFT CDF")
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
     ax.grid(alpha=0.3)
     paths.append(_save(fig, out / f"{prefix}_ttft_cdf.png"))
 
@@ -219,7 +220,8 @@ def plot_all(rep: dict, out_dir: str, prefix: str, group_by: str = "index") -> l
     ax.set(xlabel="round / question index" if group_by == "index" else "time (s)",
            ylabel="hit rate (cached / prompt tokens)", ylim=(-0.02, 1.02),
            title=f"{prefix}: hit rate")
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
     ax.grid(alpha=0.3)
     paths.append(_save(fig, out / f"{prefix}_hit_rate.png"))
 

@@ -11,7 +11,7 @@ user asks round r+1 only once round r was answered).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -115,12 +115,12 @@ class MultiRoundQA:
     Sizes in tokens (or words with ``prompt_format="text"``).
     """
 
-    num_users: int = 6
+    num_users: int = 5
     num_rounds: int = 4
-    system_tokens: int = 256
+    system_tokens: int = 64
     context_tokens: int = 1024
-    question_tokens: int = 32
-    answer_tokens: int = 16
+    question_tokens: int = 24
+    answer_tokens: int = 8
     qps: float = 1.0
     seed: int = 0
     prompt_format: str = "tokens"
@@ -173,7 +173,7 @@ class LongDocQA:
     """
 
     num_docs: int = 2
-    doc_tokens: int = 3000
+    doc_tokens: int = 1536
     questions_per_doc: int = 4
     question_tokens: int = 24
     answer_tokens: int = 8
