@@ -214,7 +214,7 @@ def _hf_config(folder: Path) -> ModelConfig:
     heads = int(c["num_attention_heads"])
     rope = dict(c.get("rope_parameters") or {})
     scaling = c.get("rope_scaling") or rope or None
-    theta = float(c.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    theta = float(c.get("rope_theta") or rope.get("rope_theta") or 10000.0)
     if scaling is not None:
         scaling = dict(scaling)
         scaling["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
