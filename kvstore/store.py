@@ -42,12 +42,16 @@ from kvstore.tiers.base import Tier
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.gpu import GpuTier
+from kvstore.tiers.memory import MemoryTier
 
 log = logging.getLogger("kvstore.store")
 
 
 class ChunkStore(KVStoreBase):
     """In-process tiered store (see module docstring). Thread-safe.
+
+    ``put_chunks`` and ``persist`` copy the tensors they are given (``copies_on_put``), so a
+    caller may reuse its buffers as soon as they return.
 
     Args:
         config: capacities, policies and paths.
@@ -57,6 +61,8 @@ class ChunkStore(KVStoreBase):
     Raises:
         ValueError: a tier smaller than one chunk of a given namespace.
     """
+
+    copies_on_put = True
 
     def __init__(self, config: StoreConfig, namespaces: Sequence[Namespace] = ()) -> None:
         self.config = config
@@ -191,16 +197,32 @@ class ChunkStore(KVStoreBase):
 
     # ---- KVStoreBase --------------------------------------------------------------------------
     def lookup_keys(self, ns: Namespace, keys: Sequence[ChunkKey]) -> LookupResult:
+        return self._lookup(ns, keys, blocking=True)
+
+    def try_lookup_keys(self, ns: Namespace, keys: Sequence[ChunkKey]) -> LookupResult | None:
+        """``lookup_keys`` if the store lock is free right now, else None at once (never
+        waits: an event loop can call it inline and fall back to a thread when it is busy).
+
+        Raises:
+            ValueError, RuntimeError: as ``lookup_keys``.
+        """
+        return self._lookup(ns, keys, blocking=False)
+
+    def _lookup(self, ns: Namespace, keys: Sequence[ChunkKey], blocking: bool) -> LookupResult | None:
         t0 = time.perf_counter()
         self._check_keys(ns, keys)
         tiers = []
-        with self._lock:
+        if not self._lock.acquire(blocking):
+            return None
+        try:
             self._expire_leases()
             for k in keys:
                 t = self._locate(k)
                 if t is None:
                     break
                 tiers.append(t.name)
+        finally:
+            self._lock.release()
         cs = ns.layout.chunk_size
         self.metrics.inc("lookups")
         self.metrics.inc("requested_tokens", len(keys) * cs)
@@ -214,9 +236,21 @@ class ChunkStore(KVStoreBase):
             self._expire_leases()
             return [self._locate(k) is not None for k in keys]
 
-    def get_chunks(self, ns: Namespace, keys: Sequence[ChunkKey]) -> list[torch.Tensor | None]:
+    def get_chunks(self, ns: Namespace, keys: Sequence[ChunkKey],
+                   out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor | None]:
+        """As ``KVStoreBase.get_chunks``; ``out`` (optional, one contiguous tensor per key of
+        the layout's shape and dtype on ``config.return_device``) receives chunks read from a
+        memory tier, which are then returned as ``out[i]`` (a disk hit is a new tensor), so a
+        caller reusing buffers allocates nothing per call.
+
+        Raises:
+            ValueError: a key of another namespace, or ``len(out) != len(keys)``.
+        """
         t0 = time.perf_counter()
         self._check_keys(ns, keys)
+        if out is not None and len(out) != len(keys):
+            raise ValueError(f"get_chunks: {len(keys)} keys but {len(out)} out tensors")
+        bufs = list(out) if out is not None else [None] * len(keys)
         plan: list[tuple[ChunkKey, Tier] | None] = []
         with self._lock:
             self._expire_leases()
@@ -228,8 +262,8 @@ class ChunkStore(KVStoreBase):
                 plan.append((k, t) if t is not None else None)
         out: list[torch.Tensor | None] = []
         try:
-            for item in plan:
-                out.append(None if item is None else self._read_checked(ns.layout, *item))
+            for item, buf in zip(plan, bufs):
+                out.append(None if item is None else self._read_checked(ns.layout, *item, buf))
         finally:
             with self._lock:
                 for item in plan:
@@ -245,8 +279,12 @@ class ChunkStore(KVStoreBase):
         self.metrics.observe("get", time.perf_counter() - t0)
         return out
 
-    def _read_checked(self, layout: KVLayout, key: ChunkKey, tier: Tier) -> torch.Tensor | None:
-        kv = tier.read(key, self.config.return_device)
+    def _read_checked(self, layout: KVLayout, key: ChunkKey, tier: Tier,
+                      buf: torch.Tensor | None = None) -> torch.Tensor | None:
+        if buf is not None and isinstance(tier, MemoryTier):
+            kv = tier.read(key, self.config.return_device, out=buf)
+        else:
+            kv = tier.read(key, self.config.return_device)
         if kv is None:
             return None
         if tuple(kv.shape) != layout.shape() or kv.dtype != layout.torch_dtype:

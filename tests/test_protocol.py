@@ -146,3 +146,27 @@ def test_chunk_key_hex_on_the_wire_is_ns_id_then_prefix_hash():
     key = NS.chunk_keys([5, 6, 7, 8])[0]
     assert ChunkKey.from_bytes(bytes.fromhex(key.hex())) == key
     assert key.hex()[:32] == NS.ns_id.hex()
+
+
+def test_fast_key_request_and_parse_keys_match_the_generic_json_path():
+    import json as _json
+    from kvstore.layout import KVLayout as _L
+    from kvstore.keys import Namespace as _N
+    ns = _N("m", _L(2, 1, 4, "float16", 4), cache_salt="t")
+    keys = ns.chunk_keys(list(range(4 * 5)))
+    body = P.key_request(ns, keys)
+    assert body == _json.dumps({"namespace": ns.to_dict(), "keys": [k.hex() for k in keys]},
+                               separators=(",", ":")).encode()
+    assert P.key_request(ns, []) == _json.dumps({"namespace": ns.to_dict(), "keys": []},
+                                                separators=(",", ":")).encode()
+    d = _json.loads(body)
+    parsed_ns = P.parse_namespace(d["namespace"])
+    assert parsed_ns == ns and P.parse_namespace(d["namespace"]) is parsed_ns  # cached
+    assert P.parse_keys(ns, d["keys"], 8) == keys
+    other = _N("m", _L(2, 1, 4, "float16", 4)).chunk_keys(list(range(4)))[0]
+    with pytest.raises(P.ProtocolError, match="does not belong"):
+        P.parse_keys(ns, d["keys"][:2] + [other.hex()], 8)
+    with pytest.raises(P.ProtocolError, match="bad key"):
+        P.parse_keys(ns, d["keys"][:1] + ["zz" * 48], 8)
+    with pytest.raises(P.ProtocolError, match="bad namespace"):
+        P.parse_namespace({**d["namespace"], "layout": {"num_layers": 2}})

@@ -342,3 +342,21 @@ def test_requests_beyond_the_inflight_byte_budget_wait_then_get_503_and_store_no
             (0, LAYOUT.chunk_bytes)
         assert server_st["inflight_bytes_peak"] == 2 * LAYOUT.chunk_bytes
     store.close()
+
+
+def test_put_and_get_buffers_are_reused_and_data_stays_bit_exact(server):
+    state = server.app[STATE_KEY]
+    assert state.reuse_put_buffers and state.get_into_buffers
+    kvs = [chunk(10 + i) for i in range(3)]
+    assert do_put(server, put_body(KEYS[:3], kvs))[0] == 200
+    pooled = state.buffers.pooled
+    assert pooled >= 3 * LAYOUT.chunk_bytes  # the store copied; the buffers were pooled
+    for _ in range(3):  # each get reuses the pooled buffers; answers never mix up
+        status, got = do_get(server, KEYS[:3])
+        assert status == 200 and all(torch.equal(g, k) for g, k in zip(got, kvs))
+        deadline = time.monotonic() + 2  # buffers go back just after the last byte is sent
+        while state.buffers.pooled != pooled and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert state.buffers.pooled == pooled  # taken from the pool and given back
+    status, got = do_get(server, [KEYS[2], KEYS[0]])
+    assert torch.equal(got[0], kvs[2]) and torch.equal(got[1], kvs[0])

@@ -400,3 +400,47 @@ def test_persist_without_disk_tier_is_a_clear_error_and_bad_input_writes_nothing
         d.persist(NS, keys, [kv_for(prompt(0)).float()])
     assert d.tiers[-1].num_chunks == 0
     d.close()
+
+
+def test_get_into_caller_buffers_returns_them_bit_exact_and_checks_them(tmp_path):
+    s = make(tmp_path, cpu=1, disk=64 << 10)
+    a, b = prompt(0), prompt(1)
+    put(s, a)
+    put(s, b)  # a spills to disk
+    ka, kb = PrefixStore(s, NS).keys(a)[0], PrefixStore(s, NS).keys(b)[0]
+    bufs = [torch.full(LAY.shape(), 7.0, dtype=torch.float16) for _ in range(2)]
+    got = s.get_chunks(NS, [kb, ka], out=bufs)
+    assert got[0] is bufs[0] and torch.equal(bufs[0], kv_for(b))  # CPU hit lands in the buffer
+    assert got[1] is not bufs[1] and torch.equal(got[1], kv_for(a))  # disk hit: a new tensor
+    with pytest.raises(ValueError, match="2 keys but 1 out tensors"):
+        s.get_chunks(NS, [kb, ka], out=bufs[:1])
+    (in_cpu,) = s.tiers[0].keys()  # the disk hit was promoted
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        s.get_chunks(NS, [in_cpu], out=[torch.empty(LAY.shape(), dtype=torch.float32)])
+    assert s.pin_count(in_cpu) == 0  # the failed read released its reader pin
+    s.check_integrity()
+    s.close()
+
+
+def test_try_lookup_never_waits_for_a_busy_lock():
+    s = make(cpu=10)
+    toks = prompt(0, 2)
+    put(s, toks)
+    keys = PrefixStore(s, NS).keys(toks)
+    assert s.try_lookup_keys(NS, keys).num_hit_chunks == 2
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with s._lock:
+            held.set()
+            release.wait(5)
+    th = threading.Thread(target=hold)
+    th.start()
+    held.wait(5)
+    t0 = time.perf_counter()
+    assert s.try_lookup_keys(NS, keys) is None
+    assert time.perf_counter() - t0 < 0.05
+    release.set()
+    th.join()
+    assert s.lookup_keys(NS, keys).num_hit_chunks == 2
+    assert s.stats()["lookups"] == 2  # the refused try counted nothing

@@ -141,11 +141,23 @@ class MemoryTier(Tier):
             self.pool[off:off + n].copy_(src[pos:pos + n])
             pos += n
 
-    def read(self, key: ChunkKey, device: torch.device | str = "cpu") -> torch.Tensor | None:
+    def read(self, key: ChunkKey, device: torch.device | str = "cpu",
+             out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """As ``Tier.read``; with ``out`` (contiguous, the chunk's shape and dtype) the chunk
+        is copied into ``out`` (returned) instead of a new tensor, so no page of a fresh
+        buffer is faulted in.
+
+        Raises:
+            ValueError: ``out`` of another shape or dtype, or not contiguous.
+        """
         e = self._entries.get(key)
         if e is None:
             return None
-        out = torch.empty(e.shape, dtype=e.dtype, device=device)  # [num_layers, 2, chunk, heads, head_dim]
+        if out is None:
+            out = torch.empty(e.shape, dtype=e.dtype, device=device)  # [num_layers, 2, chunk, heads, head_dim]
+        elif tuple(out.shape) != e.shape or out.dtype != e.dtype or not out.is_contiguous():
+            raise ValueError(f"out must be contiguous {list(e.shape)} {e.dtype}, got "
+                             f"{list(out.shape)} {out.dtype}")
         if len(e.runs) == 1:
             off, n = e.runs[0]
             out.copy_(self.pool[off:off + n].view(e.dtype).view(e.shape))
