@@ -11,6 +11,9 @@ This is the only module that knows there is more than one tier. It decides
   after ``lease_s``). A chunk removed while pinned disappears from lookups at once and is
   freed when its last pin goes.
 
+Pin counts live in ``kvstore.pins`` (``PinTable``); insert/evict/spill/promote in
+``kvstore.movement`` (``TierMover``); this module is the API and the locking around them.
+
 Concurrency: one store lock guards the tiers' indexes and pins. Copies out of a memory tier
 run outside the lock (the chunk is reader-pinned, so nobody frees its pages meanwhile); disk
 encoding and writes run on the disk tier's writer thread.
@@ -23,12 +26,9 @@ Lifetime of a chunk (``[num_layers, 2, chunk_size, num_kv_heads, head_dim]``)::
 """
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import threading
 import time
-from collections import defaultdict
 from typing import Sequence
 
 import torch
@@ -38,6 +38,8 @@ from kvstore.config import StoreConfig
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.layout import KVLayout
 from kvstore.metrics import StoreMetrics
+from kvstore.movement import TierMover, unreachable_bytes
+from kvstore.pins import PinTable
 from kvstore.tiers.base import Tier
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.disk import DiskTier
@@ -77,17 +79,13 @@ class ChunkStore(KVStoreBase):
         if config.disk_bytes:
             self.tiers.append(DiskTier(config.disk_path, config.disk_bytes, config.disk_policy,
                                        config.disk_codec))
-        self._reader_pins: dict[ChunkKey, int] = defaultdict(int)
-        self._user_pins: dict[ChunkKey, int] = defaultdict(int)
-        self._lease_pins: dict[ChunkKey, int] = defaultdict(int)
-        self._lease_cancels: dict[ChunkKey, int] = defaultdict(int)
-        self._leases: list[tuple[float, int, ChunkKey]] = []  # heap of (expiry, seq, key)
-        self._seq = itertools.count()
+        self._pins = PinTable()
+        self._mover = TierMover(self.tiers, self.metrics, self._pins.evictable)
         self._doomed: set[ChunkKey] = set()  # removed while pinned: invisible, freed at last unpin
         self._layouts: dict[bytes, KVLayout] = {}
         for t in self.tiers:
             t.listener = self._on_tier_event
-            t.evictable = self._evictable
+            t.evictable = self._pins.evictable
             self.metrics.bind_tier(t.name, lambda t=t: t.used_bytes, lambda t=t: t.capacity_bytes,
                                    lambda t=t: t.num_chunks)
             if isinstance(t, DiskTier) and t.num_bad_at_open:
@@ -122,12 +120,6 @@ class ChunkStore(KVStoreBase):
                 "dropped_write": "dropped_writes", "error": "errors"}[event]
         self.metrics.inc(name, n, tier=tier)
 
-    def _pins(self, key: ChunkKey) -> int:
-        return self._reader_pins.get(key, 0) + self._user_pins.get(key, 0) + self._lease_pins.get(key, 0)
-
-    def _evictable(self, key: ChunkKey) -> bool:
-        return self._pins(key) == 0
-
     def _locate(self, key: ChunkKey) -> Tier | None:
         """Fastest tier holding ``key`` (None when absent or removed)."""
         if key in self._doomed:
@@ -137,62 +129,18 @@ class ChunkStore(KVStoreBase):
                 return t
         return None
 
-    def _tier_index(self, tier: Tier) -> int:
-        return self.tiers.index(tier)
-
-    # ---- movement -----------------------------------------------------------------------------
-    def _insert(self, i: int, key: ChunkKey, kv: torch.Tensor, parent: ChunkKey | None,
-                owned: bool = False) -> bool:
-        """Put ``kv`` into tier i, evicting (and spilling) as needed. False if it cannot fit."""
-        if not self._make_room(i, kv.numel() * kv.element_size()):
-            return False
-        self.tiers[i].put(key, kv, parent, owned=owned)
-        return True
-
-    def _make_room(self, i: int, nbytes: int) -> bool:
-        tier = self.tiers[i]
-        if tier.footprint(nbytes) > tier.capacity_bytes:
-            return False
-        while not tier.can_fit(nbytes):
-            victim = tier.next_victim(self._evictable)
-            if victim is None:
-                return False
-            self._evict(i, victim)
-        return True
-
-    def _evict(self, i: int, key: ChunkKey) -> None:
-        tier = self.tiers[i]
-        if i + 1 < len(self.tiers) and not self.tiers[i + 1].contains(key):
-            data = tier.read(key, getattr(tier, "device", "cpu"))
-            if data is not None and self._insert(i + 1, key, data, tier.parent_of(key), owned=True):
-                self.metrics.inc("spills", tier=tier.name)
-        tier.delete(key)
-        self.metrics.inc("evictions", tier=tier.name)
-
+    # ---- removal and pins -----------------------------------------------------------------------
     def _delete_everywhere(self, key: ChunkKey) -> None:
         for t in self.tiers:
             t.delete(key)
         self._doomed.discard(key)
 
-    # ---- pins ---------------------------------------------------------------------------------
     def _expire_leases(self) -> None:
-        now = time.monotonic()
-        while self._leases and self._leases[0][0] <= now:
-            _, _, key = heapq.heappop(self._leases)
-            if self._lease_cancels.get(key):
-                self._dec(self._lease_cancels, key)
-            else:
-                self._dec(self._lease_pins, key)
-                self._maybe_free(key)
-
-    @staticmethod
-    def _dec(counts: dict, key: ChunkKey) -> None:
-        counts[key] -= 1
-        if counts[key] <= 0:
-            del counts[key]
+        for key in self._pins.expire(time.monotonic()):
+            self._maybe_free(key)
 
     def _maybe_free(self, key: ChunkKey) -> None:
-        if key in self._doomed and self._pins(key) == 0:
+        if key in self._doomed and self._pins.count(key) == 0:
             self._delete_everywhere(key)
 
     # ---- KVStoreBase --------------------------------------------------------------------------
@@ -257,7 +205,7 @@ class ChunkStore(KVStoreBase):
             for k in keys:
                 t = self._locate(k)
                 if t is not None:
-                    self._reader_pins[k] += 1
+                    self._pins.add_reader(k)
                     t.touch(k)
                 plan.append((k, t) if t is not None else None)
         out: list[torch.Tensor | None] = []
@@ -268,9 +216,10 @@ class ChunkStore(KVStoreBase):
             with self._lock:
                 for item in plan:
                     if item is not None:
-                        self._dec(self._reader_pins, item[0])
+                        self._pins.drop_reader(item[0])
                         self._maybe_free(item[0])
-                self._promote(plan, out)
+                if self.config.promote_on_hit:
+                    self._mover.promote(plan, out, self._doomed)
         for item, kv in zip(plan, out):
             if kv is None:
                 self.metrics.inc("misses")
@@ -296,23 +245,6 @@ class ChunkStore(KVStoreBase):
             return None
         return kv
 
-    def _promote(self, plan, out) -> None:
-        if not self.config.promote_on_hit:
-            return
-        for item, kv in zip(plan, out):
-            if item is None or kv is None or item[1] is self.tiers[0]:
-                continue
-            key, tier = item
-            src = self._tier_index(tier)
-            if key in self._doomed or any(t.contains(key) for t in self.tiers[:src]):
-                continue
-            try:
-                if self._insert(0, key, kv, tier.parent_of(key)):
-                    self.metrics.inc("promotions", tier=tier.name)
-            except Exception:
-                log.exception("promotion of %r failed", key)
-                self.metrics.inc("errors", tier=self.tiers[0].name)
-
     def put_chunks(self, ns: Namespace, keys: Sequence[ChunkKey], kvs: Sequence[torch.Tensor]) -> int:
         t0 = time.perf_counter()
         self._check_keys(ns, keys)
@@ -330,7 +262,7 @@ class ChunkStore(KVStoreBase):
                 if self._locate(key) is not None:
                     continue
                 parent = keys[i - 1] if i > 0 else None
-                if any(self._insert(j, key, kv, parent) for j in range(len(self.tiers))):
+                if any(self._mover.insert(j, key, kv, parent) for j in range(len(self.tiers))):
                     stored += 1
                 else:
                     self.metrics.inc("rejected_chunks")
@@ -346,7 +278,7 @@ class ChunkStore(KVStoreBase):
     def _remove_one(self, key: ChunkKey) -> bool:
         if self._locate(key) is None:
             return False
-        if self._pins(key):
+        if self._pins.count(key):
             self._doomed.add(key)
         else:
             self._delete_everywhere(key)
@@ -370,11 +302,7 @@ class ChunkStore(KVStoreBase):
                 if self._locate(k) is None:
                     continue
                 n += 1
-                if lease_s is None:
-                    self._user_pins[k] += 1
-                else:
-                    self._lease_pins[k] += 1
-                    heapq.heappush(self._leases, (time.monotonic() + lease_s, next(self._seq), k))
+                self._pins.pin(k, None if lease_s is None else time.monotonic() + lease_s)
         return n
 
     def unpin(self, ns: Namespace, keys: Sequence[ChunkKey]) -> int:
@@ -384,22 +312,16 @@ class ChunkStore(KVStoreBase):
         with self._lock:
             self._expire_leases()
             for k in keys:
-                if self._user_pins.get(k):
-                    self._dec(self._user_pins, k)
-                elif self._lease_pins.get(k):
-                    self._dec(self._lease_pins, k)
-                    self._lease_cancels[k] += 1
-                else:
-                    continue
-                n += 1
-                self._maybe_free(k)
+                if self._pins.unpin(k):
+                    n += 1
+                    self._maybe_free(k)
         return n
 
     def pin_count(self, key: ChunkKey) -> int:
         """Current pins of ``key`` (readers + explicit + leased)."""
         with self._lock:
             self._expire_leases()
-            return self._pins(key)
+            return self._pins.count(key)
 
     @property
     def has_disk_tier(self) -> bool:
@@ -438,16 +360,11 @@ class ChunkStore(KVStoreBase):
             raise ValueError(f"persist: {len(keys)} keys but {len(kvs)} tensors")
         for kv in kvs:
             ns.layout.validate(kv)
-        i = self.tiers.index(disk)
         with self._lock:
             self._expire_leases()
-            for j, (key, kv) in enumerate(zip(keys, kvs)):
-                if key in self._doomed or disk.contains(key):
-                    continue
-                if self._make_room(i, kv.numel() * kv.element_size()):
-                    disk.put(key, kv, keys[j - 1] if j else None)
-                else:
-                    self.metrics.inc("rejected_chunks")
+            live = [j for j, k in enumerate(keys) if k not in self._doomed]
+            rejected = self._mover.write_through(self.tiers.index(disk), keys, kvs, live)
+            self.metrics.inc("rejected_chunks", rejected)
         disk.wait_committed(keys, timeout)
         with self._lock:
             return sum(1 for k in keys if disk.contains(k) and not disk.is_pending(k))
@@ -461,32 +378,7 @@ class ChunkStore(KVStoreBase):
         """Bytes (over all tiers) of chunks that a prefix lookup can never reach: some ancestor
         (parent, grandparent, ... as recorded at put) is stored in no tier."""
         with self._lock:
-            present = {k for t in self.tiers for k in t.keys()} - self._doomed
-            parent = {}
-            for t in reversed(self.tiers):
-                for k in t.keys():
-                    parent[k] = t.parent_of(k)
-            reachable: dict[ChunkKey, bool] = {}
-
-            def ok(k: ChunkKey) -> bool:
-                path = []
-                while k not in reachable:
-                    p = parent.get(k)
-                    if p is None:
-                        reachable[k] = True
-                        break
-                    if p not in present:
-                        reachable[k] = False
-                        break
-                    path.append(k)
-                    k = p
-                verdict = reachable[k]
-                for q in path:
-                    reachable[q] = verdict
-                return verdict
-
-            return sum(t.nbytes_of(k) for t in self.tiers for k in t.keys()
-                       if k in present and not ok(k))
+            return unreachable_bytes(self.tiers, self._doomed)
 
     def stats(self) -> dict:
         with self._lock:
@@ -494,8 +386,7 @@ class ChunkStore(KVStoreBase):
             tiers = {t.name: {"capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes,
                               "free_bytes": t.free_bytes, "num_chunks": t.num_chunks,
                               "policy": t.policy_name} for t in self.tiers}
-            pinned = {k for d in (self._reader_pins, self._user_pins, self._lease_pins) for k in d}
-            out = {"tiers": tiers, "num_pinned_chunks": len(pinned),
+            out = {"tiers": tiers, "num_pinned_chunks": len(self._pins.pinned_keys()),
                    "num_removed_pinned_chunks": len(self._doomed),
                    "unreachable_bytes": self.unreachable_bytes()}
         out.update(self.metrics.snapshot())
@@ -507,12 +398,9 @@ class ChunkStore(KVStoreBase):
         with self._lock:
             for t in self.tiers:
                 t.check_integrity()
-            for d in (self._reader_pins, self._user_pins, self._lease_pins, self._lease_cancels):
-                assert all(v > 0 for v in d.values()), "a pin count is <= 0"
+            self._pins.check_integrity()
             for k in self._doomed:
-                assert self._pins(k) > 0, f"{k!r} awaits its last unpin but has no pin"
-            assert sum(self._lease_pins.values()) + sum(self._lease_cancels.values()) == len(self._leases), \
-                "lease heap and lease counts disagree"
+                assert self._pins.count(k) > 0, f"{k!r} awaits its last unpin but has no pin"
 
     def close(self) -> None:
         with self._lock:

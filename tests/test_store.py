@@ -444,3 +444,21 @@ def test_try_lookup_never_waits_for_a_busy_lock():
     th.join()
     assert s.lookup_keys(NS, keys).num_hit_chunks == 2
     assert s.stats()["lookups"] == 2  # the refused try counted nothing
+
+
+def test_pin_table_counts_kinds_and_expires_leases_in_order():
+    from kvstore.pins import PinTable
+    a, b = PrefixStore(make(), NS).keys(prompt(0, 2))
+    p = PinTable()
+    p.add_reader(a)
+    p.pin(a, None)
+    p.pin(a, 10.0)
+    p.pin(b, 5.0)
+    assert (p.count(a), p.count(b), p.evictable(a)) == (3, 1, False)
+    assert p.unpin(a) and p.count(a) == 2  # the explicit pin goes first
+    assert p.unpin(a) and p.count(a) == 1  # then the leased one (its expiry is cancelled)
+    assert not p.unpin(a)  # a reader pin is not dropped by unpin
+    assert p.expire(5.0) == [b] and p.expire(10.0) == []
+    p.drop_reader(a)
+    assert p.pinned_keys() == set() and p.evictable(a)
+    p.check_integrity()
