@@ -31,7 +31,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--disk-path", help="lmdb directory of the disk tier")
     p.add_argument("--disk-bytes", help="disk tier capacity (default 0: no disk tier)")
     p.add_argument("--policy", help="eviction policy of every tier: lru, lfu, fifo, s3fifo")
-    p.add_argument("--auth-token", help="bearer token clients must send (also "
+    p.add_argument("--auth-token", help="bearer token clients must send on every route but "
+                                        "/healthz and /readyz, /metrics included (also "
                                         "$KVSTORE_AUTH_TOKEN)")
     p.add_argument("--insecure", action="store_const", const=True,
                    help="allow a non-loopback bind without --auth-token")
@@ -57,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                        ("clear", "delete chunks on a running server")):
         p = sub.add_parser(name, help=text)
         p.add_argument("url", help="server URL, e.g. http://127.0.0.1:8500")
-        p.add_argument("--auth-token", default=os.environ.get("KVSTORE_AUTH_TOKEN"))
+        p.add_argument("--auth-token", default=os.environ.get("KVSTORE_AUTH_TOKEN"),
+                       help="the server's bearer token (default $KVSTORE_AUTH_TOKEN)")
         p.add_argument("--timeout-s", type=float, default=5.0)
         if name == "stats":
             p.add_argument("--json", action="store_true", help="raw JSON instead of a table")

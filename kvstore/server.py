@@ -4,7 +4,10 @@ Routes (wire format in ``kvstore.protocol``):
 
     GET  /healthz        200 while the process serves            (no auth)
     GET  /readyz         200 when ready, 503 while draining      (no auth)
-    GET  /metrics        Prometheus text: the store's registry + server metrics
+    GET  /metrics        Prometheus text: the store's registry + server metrics (bearer
+                         token required when the server has one, like every /v1 route:
+                         metrics name namespaces' traffic; give Prometheus the token with
+                         ``authorization: {type: Bearer, credentials: T}`` in the scrape job)
     GET  /v1/stats       JSON: store.stats() plus a "server" section
     POST /v1/lookup      JSON {namespace, keys}        -> {num_hit_chunks, chunk_size, tiers, ...}
     POST /v1/exists      JSON {namespace, keys}        -> {exists: [bool]}
@@ -53,8 +56,9 @@ class ServerLimits:
     """Per-server limits and security settings.
 
     Attributes:
-        auth_token: bearer token required on every route except /healthz and /readyz
-            (None: no auth, loopback only unless the CLI was told ``--insecure``).
+        auth_token: bearer token required on every route except /healthz and /readyz,
+            /metrics included (None: no auth, loopback only unless the CLI was told
+            ``--insecure``).
         max_body_bytes: largest request body (bytes); larger -> 413.
         max_batch_keys: most keys/chunks in one request; more -> 413.
         request_timeout_s: wall-clock limit of one request (seconds); beyond -> 504.

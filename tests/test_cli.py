@@ -208,6 +208,15 @@ def test_clear_and_stats_commands_against_a_live_daemon(tmp_path, capsys):
         assert cli.main(["stats", d.url, "--auth-token", TOKEN, "--json"]) == 0
         st = json.loads(capsys.readouterr().out)
         assert st["tiers"]["cpu"]["num_chunks"] == 0 and st["stored_chunks"] == 3
+        assert cli.main(["stats", d.url, "--auth-token", TOKEN]) == 0  # the table
+        table = capsys.readouterr().out
+        assert any(r.split() == ["tiers.cpu.capacity_bytes", "1,048,576", "(1MiB)"]
+                   for r in table.splitlines())
+        assert any(r.split() == ["stored_chunks", "3"] for r in table.splitlines())
+        assert cli.main(["stats", d.url, "--auth-token", "wrong"]) == 1
+        assert "401" in capsys.readouterr().err
+        assert cli.main(["stats", d.url]) == 1  # no token at all
+        assert "401" in capsys.readouterr().err
     finally:
         assert d.stop() == 0
     assert cli.main(["stats", d.url, "--timeout-s", "0.5"]) == 1

@@ -203,6 +203,10 @@ def test_wrong_or_missing_token_gets_401_but_health_is_open(server):
     assert status == 401 and stored(server, KEYS[:1]) == [False]
     assert request(server, "GET", "/healthz", auth=False)[0] == 200
     assert request(server, "GET", "/readyz", auth=False)[0] == 200
+    status, data, _ = request(server, "GET", "/metrics", auth=False)  # metrics need it too
+    assert status == 401 and json.loads(data)["error"] == "missing or wrong bearer token"
+    status, data, _ = request(server, "GET", "/metrics")
+    assert status == 200 and b"kvstore_server_requests_total" in data
 
 
 def test_checksum_mismatch_is_400_and_nothing_of_the_batch_is_stored(server):
