@@ -13,7 +13,11 @@ fp16 = 5,898,240 bytes. Phases:
 4. lookup32: round trip of a batched lookup of a 32-chunk prompt (median and p99 of 300).
 5. soak: 16 clients mixing lookup/get/put over a key universe 10x the CPU tier's capacity;
    errors, p99 latency, server RSS vs capacity, and /metrics consistency (the store's lookup,
-   hit and miss counters equal the clients' own counts).
+   hit and miss counters equal the clients' own counts). RSS is measured as the peak (sampled
+   every 0.2 s) minus the daemon's RSS at idle just after start, over ``--cpu-bytes``: the
+   CPU arena is faulted in as it fills (up to 1.0x), plus payload buffers in flight (at most
+   the server's ``--max-inflight-bytes``, auto = cpu-bytes / 8 but >= 64 MiB, recorded as
+   ``soak_max_inflight_bytes``) plus up to 2 MiB of socket read-ahead per connection.
 """
 from __future__ import annotations
 
@@ -268,6 +272,7 @@ async def soak(url: str, daemon: Daemon, capacity: int, seconds: float, clients:
     try:
         await asyncio.gather(sample_rss(), *(one(i) for i in range(clients)))
         text = await c.metrics_text()
+        server = (await c.stats())["server"]
     finally:
         await c.close()
     lat.sort()
@@ -283,7 +288,9 @@ async def soak(url: str, daemon: Daemon, capacity: int, seconds: float, clients:
             "soak_puts": counts["puts"],
             "soak_metrics_lookups": lookups, "soak_metrics_hits": hits,
             "soak_metrics_misses": misses, "soak_metrics_consistent": consistent,
-            "soak_rss_peak_bytes": rss_peak[0], "soak_universe_prompts": num_prompts}
+            "soak_rss_peak_bytes": rss_peak[0], "soak_universe_prompts": num_prompts,
+            "soak_max_inflight_bytes": server.get("max_inflight_bytes"),
+            "soak_inflight_bytes_peak": server.get("inflight_bytes_peak")}
 
 
 async def _main_async(args, out: dict, workdir: str) -> None:
