@@ -217,6 +217,8 @@ def plot_all(rep: dict, out_dir: str, prefix: str, group_by: str = "index") -> l
         xs, ys = _hit_series(reqs, group_by)
         if xs:
             ax.plot(xs, ys, marker="o", label=name)
+    if group_by == "index":
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set(xlabel="round / question index" if group_by == "index" else "time (s)",
            ylabel="hit rate (cached / prompt tokens)", ylim=(-0.02, 1.02),
            title=f"{prefix}: hit rate")
