@@ -455,3 +455,17 @@ def test_factory_validates_and_builds_each_store_kind(tmp_path):
     assert isinstance(c.store, LayeredStore) and c.store.remote.url == "http://127.0.0.1:9"
     c.close()
     assert isinstance(KVStoreBase, type)
+
+
+def test_server_flags_build_the_connector_through_the_factory(tmp_path):
+    import argparse
+
+    from engine_min.server import add_serve_args, build_connector
+    parse = add_serve_args(argparse.ArgumentParser()).parse_args
+    assert build_connector(parse([])) is None
+    c = build_connector(parse(["--kvstore-cpu-bytes", "8MiB", "--kvstore-disk-path",
+                               str(tmp_path / "d"), "--kvstore-disk-bytes", "16MiB",
+                               "--kvstore-chunk-size", "32"]))
+    assert isinstance(c, EngineMinConnector) and c.chunk_size == 32
+    assert c.store.config.tiers == ("cpu", "disk") and c.store.config.disk_bytes == 16 << 20
+    c.close()
