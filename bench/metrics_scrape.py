@@ -114,7 +114,10 @@ def summarize(deltas: Mapping[str, Samples]) -> dict:
         ``hit_tokens_by_tier``: ``{"engine": ..., <store tier>: ...}`` (store tiers from a
         ``tier`` label where a series has one, else one ``"store"`` entry);
         ``bytes_loaded``, ``bytes_saved``: KV bytes moved from/to the store (engine-side
-        series if present, else the daemon's payload bytes), ``None`` when nothing reports it.
+        series if present, else the daemon's payload bytes), ``None`` when nothing reports it;
+        ``preemptions``: requests preempted by the engines (a preempted request that resumes
+        counts its own surviving blocks as cached, so hit rates of an overloaded run are
+        inflated; ``None`` when not reported).
     """
     engines = [d for role, d in deltas.items() if role.startswith("engine")]
     daemons = [d for role, d in deltas.items() if not role.startswith("engine")]
@@ -141,7 +144,8 @@ def summarize(deltas: Mapping[str, Samples]) -> dict:
              or _sum_all(daemons, "kvstore_server_received_bytes_total"))
     return {"engine_query_tokens": eq, "engine_hit_tokens": eh, "store_query_tokens": sq,
             "store_hit_tokens": sh, "hit_tokens_by_tier": by_tier,
-            "bytes_loaded": loaded, "bytes_saved": saved}
+            "bytes_loaded": loaded, "bytes_saved": saved,
+            "preemptions": _sum_all(engines, "stats:num_preemptions")}
 
 
 def _bytes(engines: list[Samples], verb: str) -> float | None:

@@ -172,7 +172,8 @@ def format_table(rep: dict) -> str:
             lines.append(f"[{name}] hit tokens by tier: " +
                          ", ".join(f"{t}={int(v)}" for t, v in tiers.items()) +
                          f"; bytes loaded={f['metrics'].get('bytes_loaded')}"
-                         f" saved={f['metrics'].get('bytes_saved')}")
+                         f" saved={f['metrics'].get('bytes_saved')}"
+                         f"; preemptions={f['metrics'].get('preemptions')}")
     return "\n".join(lines)
 
 

@@ -4,8 +4,8 @@ Mooncake traces keep their prefix structure: each 512-token hash block becomes
 ``--tokens-per-block`` token ids (16 by default, so a 12k-token Kimi prompt replays as ~375
 tokens), lengths scale by the same factor, arrivals by ``--time-scale``; rows sharing a
 timestamp go as a burst or spread over the ~3 s step (``--mode``). By default it replays every
-row of 30 sampled conversations (rows sharing their first two hash ids), so each conversation's
-turns and their reuse stay whole while the hour shrinks to ~36 s. The report puts the trace's
+row of 12 sampled conversations (rows sharing their first two hash ids; 22 rows, 7.7k tokens),
+so each conversation's turns and their reuse stay whole while the hour shrinks to ~106 s. The report puts the trace's
 own reuse (``ideal_hit_rate``: an infinite cache, rounded down to ``--align`` tokens) next to
 the measured hit rates. Azure traces give arrivals and lengths only (nothing is shared).
 """
@@ -30,14 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
     w = p.add_argument_group("trace")
     w.add_argument("--trace", default="mooncake", help=f"one of {', '.join(TRACES)} or a path")
     w.add_argument("--trace-dir", default=str(TRACE_DIR))
-    w.add_argument("--sessions", type=int, default=30, help="Mooncake: replay every row of "
+    w.add_argument("--sessions", type=int, default=12, help="Mooncake: replay every row of "
                    "this many conversations sampled with --seed (0 = all rows)")
     w.add_argument("--limit", type=int, default=100, help="at most the first N rows")
     w.add_argument("--tokens-per-block", type=int, default=16, help="Mooncake: tokens per "
                    "512-token hash block (512 = as published)")
     w.add_argument("--length-scale", type=float, default=0.125, help="Azure: length factor")
-    w.add_argument("--time-scale", type=float, default=0.01, help="multiplies inter-arrival "
-                   "times (0.01 = the trace's hour in 36 s)")
+    w.add_argument("--time-scale", type=float, default=0.03, help="multiplies inter-arrival "
+                   "times (0.03 = the trace's hour in 106 s, about 40%% busy on 2 cores)")
     w.add_argument("--mode", choices=("burst", "spread"), default="spread",
                    help="Mooncake rows sharing a timestamp")
     w.add_argument("--max-output-tokens", type=int, default=8)
