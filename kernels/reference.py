@@ -50,9 +50,11 @@ def paged_attention_decode(query: torch.Tensor, kv_layer: torch.Tensor,
     b, hq, d = query.shape
     hkv = kv_layer.shape[3]
     s = block_tables.shape[1] * kv_layer.shape[2]
-    k = kv_layer[0][block_tables].view(b, s, hkv, d).permute(0, 2, 3, 1)  # [B, Hkv, D, S]
-    v = kv_layer[1][block_tables].view(b, s, hkv, d).transpose(1, 2)      # [B, Hkv, S, D]
-    q = query.view(b, hkv, hq // hkv, d).to(k.dtype)                      # [B, Hkv, G, D]
+    # index_select, not advanced indexing: the latter's thread fan-out costs ms on tiny gathers
+    kv = kv_layer.index_select(1, block_tables.flatten()).view(2, b, s, hkv, d)
+    k = kv[0].permute(0, 2, 3, 1)                                          # [B, Hkv, D, S]
+    v = kv[1].transpose(1, 2)                                              # [B, Hkv, S, D]
+    q = query.view(b, hkv, hq // hkv, d).to(kv.dtype)                     # [B, Hkv, G, D]
     scores = torch.matmul(q, k).float() * scale                           # [B, Hkv, G, S]
     pad = torch.arange(s, device=query.device)[None, :] >= context_lens[:, None]  # [B, S]
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
@@ -85,8 +87,8 @@ def paged_attention_prefill(query: torch.Tensor, kv_layer: torch.Tensor,
     n, hq, d = query.shape
     hkv, bs = kv_layer.shape[3], kv_layer.shape[2]
     nblk = -(-context_len // bs)
-    k = kv_layer[0][block_table[:nblk]].view(nblk * bs, hkv, d)[:context_len]  # [S, Hkv, D]
-    v = kv_layer[1][block_table[:nblk]].view(nblk * bs, hkv, d)[:context_len]
+    kv = kv_layer.index_select(1, block_table[:nblk]).view(2, nblk * bs, hkv, d)
+    k, v = kv[0, :context_len], kv[1, :context_len]                     # [S, Hkv, D]
     g = hq // hkv
     q = query.transpose(0, 1).unsqueeze(0).to(k.dtype)                 # [1, Hq, N, D]
     k = k.transpose(0, 1).repeat_interleave(g, dim=0).unsqueeze(0)      # [1, Hq, S, D]
@@ -113,7 +115,7 @@ def gather_chunk(kv_cache: torch.Tensor, block_ids: torch.Tensor | list[int]) ->
     """
     ids = torch.as_tensor(block_ids, dtype=torch.long, device=kv_cache.device)
     l, _, _, bs, h, d = kv_cache.shape
-    return kv_cache[:, :, ids].reshape(l, 2, ids.numel() * bs, h, d)
+    return kv_cache.index_select(2, ids).reshape(l, 2, ids.numel() * bs, h, d)
 
 
 def scatter_chunk(kv_cache: torch.Tensor, block_ids: torch.Tensor | list[int],
