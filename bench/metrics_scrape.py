@@ -81,11 +81,12 @@ def scrape(base_url: str, timeout_s: float = 5.0) -> Samples:
 
 def delta(before: Samples, after: Samples) -> Samples:
     """``after - before`` for every series in ``after`` (missing in ``before`` counts as 0);
-    only series that changed are kept. Gauges come out as changes too; callers use counters."""
+    only series that changed are kept, and every ``stats:`` entry (so a count that stayed 0,
+    e.g. preemptions, reads 0 rather than absent). Gauges come out as changes too."""
     out = {}
     for k, v in after.items():
         d = v - before.get(k, 0.0)
-        if d != 0:
+        if d != 0 or k.startswith("stats:"):
             out[k] = d
     return out
 

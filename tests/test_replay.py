@@ -196,6 +196,10 @@ def test_debug_stats_give_tiers_and_bytes():
     s = metrics_scrape.summarize({"engine0": metrics_scrape.delta(before, after)})
     assert s["hit_tokens_by_tier"] == {"cpu": 64.0, "disk": 256.0}
     assert (s["bytes_loaded"], s["bytes_saved"]) == (4096.0, 7.0)
+    assert s["preemptions"] is None
+    s = metrics_scrape.summarize({"engine0": metrics_scrape.delta(
+        {"stats:num_preemptions": 2.0}, {"stats:num_preemptions": 2.0})})
+    assert s["preemptions"] == 0.0
 
 
 def test_report_figures_and_files(fake, tmp_path):
