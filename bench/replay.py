@@ -41,6 +41,7 @@ class ConfigRun:
     metrics: dict = field(default_factory=dict)
     raw_metrics: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    commands: dict[str, str] = field(default_factory=dict)
 
 
 def routes(requests: Sequence[Request], num_engines: int) -> list[int]:
@@ -155,6 +156,7 @@ def run_configs(requests: Sequence[Request], args: argparse.Namespace,
                 run = run_on_urls(name, requests, group.engine_urls, group.metric_urls, args,
                                   max_inflight)
                 run.notes.extend(group.notes)
+                run.commands = group.commands()
         except RuntimeError as e:
             print(f"[{name}] failed: {e}")
             run = ConfigRun(name, [], 0.0, notes=[f"failed: {e}"[:2000]])

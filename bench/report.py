@@ -73,6 +73,7 @@ def config_figures(run, first_ids: set[str]) -> dict:
     fig["metrics"] = m
     fig["errors"] = sorted({r.error for r in run.results if r.error})[:5]
     fig["notes"] = list(run.notes)
+    fig["commands"] = dict(getattr(run, "commands", {}) or {})
     return fig
 
 

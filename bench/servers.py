@@ -98,13 +98,14 @@ def engine_help() -> str:
 
 @dataclass
 class Proc:
-    """One started process: its role (``engine0``, ``daemon``...), URL, log file."""
+    """One started process: its role (``engine0``, ``daemon``...), URL, log file, command."""
 
     role: str
     url: str
     health_path: str
     popen: subprocess.Popen
     log_path: Path
+    cmd: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -196,7 +197,8 @@ class ServerGroup:
             popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         _LIVE.add(popen)
-        self.procs.append(Proc(role, f"http://127.0.0.1:{port}", health, popen, log_path))
+        self.procs.append(Proc(role, f"http://127.0.0.1:{port}", health, popen, log_path,
+                               [f"OMP_NUM_THREADS={threads}", *cmd]))
 
     def _wait_healthy(self, p: Proc) -> None:
         deadline = time.monotonic() + self.opts.startup_timeout_s
@@ -223,6 +225,10 @@ class ServerGroup:
         for d in self._tmp:
             shutil.rmtree(d, ignore_errors=True)
         self._tmp.clear()
+
+    def commands(self) -> dict[str, str]:
+        """Role -> command line (with ``OMP_NUM_THREADS``) of every started process."""
+        return {p.role: " ".join(p.cmd) for p in self.procs}
 
     def logs(self) -> dict[str, str]:
         """Role -> log path, for error messages."""
