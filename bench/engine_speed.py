@@ -6,7 +6,8 @@ Prints and (with --json) writes: prefill_tok_s / hf_prefill_tok_s (one prompt of
 --prompt-tokens tokens, best of --repeats), decode_tok_s_batch{1,8,32} (generated tokens per
 second over decode-only steps, every sequence ignoring EOS), hf_decode_tok_s (transformers
 ``generate`` single stream, greedy, prefill time subtracted), kv_pool_bytes (the allocated
-pool) and kv_cache_bytes (the configured size), plus the ratios the issue sets targets for.
+pool) and kv_cache_bytes (the configured size), plus the ratios the issue sets targets for and
+the 1-minute load average at start and end (the figures are only as quiet as the machine).
 """
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     engine = LLMEngine(EngineConfig(kv_cache_bytes=args.kv_cache_bytes, enable_prefix_caching=False,
                                     max_num_batched_tokens=max(512, args.prompt_tokens)))
     engine_decode(engine, 1, 4)                        # warm-up
-    res = {"threads": torch.get_num_threads(),
+    res = {"threads": torch.get_num_threads(), "load_avg_1m_start": os.getloadavg()[0],
            "prefill_tok_s": engine_prefill(engine, args.prompt_tokens, args.repeats)}
     for b in (1, 8, 32):
         res[f"decode_tok_s_batch{b}"] = engine_decode(engine, b, args.decode_tokens)
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
         engine, args.prompt_tokens, args.decode_tokens, args.repeats)
     res["kv_pool_bytes"] = engine.kv_cache.numel() * engine.kv_cache.element_size()
     res["kv_cache_bytes"] = args.kv_cache_bytes
+    res["load_avg_1m_end"] = os.getloadavg()[0]
     res["prefill_vs_hf"] = res["prefill_tok_s"] / res["hf_prefill_tok_s"]
     res["decode_batch8_vs_hf_single"] = res["decode_tok_s_batch8"] / res["hf_decode_tok_s"]
     for k, v in res.items():
