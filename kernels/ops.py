@@ -1,12 +1,13 @@
-"""Kernel dispatch: Triton kernels for CUDA tensors when Triton is installed, else the torch
-reference. Signatures and shapes are those of ``kernels.reference``."""
+"""Kernel dispatch: Triton kernels for CUDA tensors when Triton is installed, the CPU fast path
+(``kernels.cpu_attention``) for prefill attention on CPU tensors, else the torch reference.
+Signatures and shapes are those of ``kernels.reference``."""
 from __future__ import annotations
 
 import importlib.util
 
 import torch
 
-from kernels import reference
+from kernels import cpu_attention, reference
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
 _triton = None
@@ -36,8 +37,9 @@ def paged_attention_decode(query, kv_layer, block_tables, context_lens, scale):
 
 
 def paged_attention_prefill(query, kv_layer, block_table, context_len, scale):
-    """See ``kernels.reference.paged_attention_prefill`` (reference on every device)."""
-    return reference.paged_attention_prefill(query, kv_layer, block_table, context_len, scale)
+    """See ``kernels.reference.paged_attention_prefill``; ``kernels.cpu_attention`` on CPU."""
+    impl = cpu_attention if query.device.type == "cpu" else reference
+    return impl.paged_attention_prefill(query, kv_layer, block_table, context_len, scale)
 
 
 gather_chunk = reference.gather_chunk
