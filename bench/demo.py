@@ -22,12 +22,13 @@ from pathlib import Path
 from bench import long_doc_qa, multi_round_qa
 from bench.servers import CONFIG_NAMES, install_cleanup_handlers
 
-# Working sets: 5 users x ~1.2k tokens vs a 64 MiB pool (1440 tokens); 2 documents x 1.56k
-# tokens vs a 96 MiB pool (2176 tokens). The engine caps a prompt at its pool's size.
+# Working sets: 5 users x ~1.2k tokens vs a 64 MiB pool (1440 tokens); 2 documents x 2.07k
+# tokens vs a 96 MiB pool (2176 tokens). The engine caps a prompt at its pool's size. Document
+# length is a multiple of the store's 64-token chunk, so a hit leaves only the question.
 MULTI_ROUND = ["--num-users", "5", "--num-rounds", "3", "--system-tokens", "64",
                "--context-tokens", "1024", "--question-tokens", "24", "--answer-tokens", "8",
                "--qps", "1", "--max-inflight", "1", "--kv-cache-bytes", "64MiB"]
-LONG_DOC = ["--num-docs", "2", "--doc-tokens", "1536", "--questions-per-doc", "3",
+LONG_DOC = ["--num-docs", "2", "--doc-tokens", "2048", "--questions-per-doc", "4",
             "--question-tokens", "24", "--answer-tokens", "8", "--max-inflight", "1",
             "--kv-cache-bytes", "96MiB"]
 COMMON = ["--kvstore-cpu-bytes", "1GiB", "--kvstore-chunk-size", "64"]

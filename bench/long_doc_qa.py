@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     w = p.add_argument_group("workload")
     w.add_argument("--num-docs", type=int, default=2)
-    w.add_argument("--doc-tokens", type=int, default=1536)
+    w.add_argument("--doc-tokens", type=int, default=2048)
     w.add_argument("--questions-per-doc", type=int, default=4)
     w.add_argument("--question-tokens", type=int, default=24)
     w.add_argument("--answer-tokens", type=int, default=8)
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--prompt-format", choices=("tokens", "text"), default="tokens")
     add_common_args(p, configs="recompute,kvstore-cpu", json_path="results/long_doc_qa.json")
-    # 96 MiB = 2176 tokens: one 1.5k-token document fits (the engine caps prompts at its pool),
+    # 96 MiB = 2176 tokens: one 2k-token document fits (the engine caps prompts at its pool),
     # two do not, so later questions need the store once the other document ran.
     p.set_defaults(kv_cache_bytes="96MiB")
     return p

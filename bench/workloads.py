@@ -173,7 +173,7 @@ class LongDocQA:
     """
 
     num_docs: int = 2
-    doc_tokens: int = 1536
+    doc_tokens: int = 2048
     questions_per_doc: int = 4
     question_tokens: int = 24
     answer_tokens: int = 8
