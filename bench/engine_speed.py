@@ -16,6 +16,7 @@ import json
 import os
 import time
 
+import engine_min  # noqa: F401 - first: sets OMP_WAIT_POLICY=PASSIVE before torch loads OpenMP
 import torch
 
 from engine_min.config import EngineConfig

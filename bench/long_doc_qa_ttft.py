@@ -24,6 +24,7 @@ import json
 import statistics
 import time
 
+import engine_min  # noqa: F401 - first: sets OMP_WAIT_POLICY=PASSIVE before torch loads OpenMP
 import torch
 
 
@@ -82,8 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     conn = create_connector(cpu_bytes=f"{(n * mc_bytes_per_token * 2) >> 20}MiB",
                             chunk_size=args.chunk_size, deadline_s=5.0)
-    engine.connector = engine.scheduler.connector = engine.runner.connector = conn
-    conn.register_kv_caches(engine.kv_cache, engine.config.block_size)
+    engine.set_connector(conn)
     cold, _ = _ttft(engine, doc + questions[0])
     conn.wait_for_save(60)
     hit, same = [], True
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     loaded_tokens = st["kvstore_loaded_tokens"] / max(1, len(hit))
     kv_bytes = int(loaded_tokens * conn.layout.token_bytes)
     tail = len(doc) + args.question_tokens - int(loaded_tokens)   # prefilled on a hit
-    engine.connector = engine.scheduler.connector = engine.runner.connector = None
+    engine.set_connector(None)
     suffix = [_ttft(engine, (doc + q)[-tail:])[0] for q in questions[1:]]
     bw = memcpy_bandwidth(kv_bytes)
     bound = statistics.median(suffix) + kv_bytes / bw

@@ -17,7 +17,7 @@ from engine_min.sampler import Sampler, SamplingParams
 from engine_min.scheduler import Scheduler
 from engine_min.sequence import RequestOutput, Sequence
 from engine_min.tokenizer import load_tokenizer
-from engine_min.weights import default_model_path, load_model
+from engine_min.weights import default_model_path, load_model, open_gguf
 
 
 class LLMEngine:
@@ -39,15 +39,13 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig | None = None, connector=None):
-        # OpenMP workers that spin after each GEMM steal the second core from the main thread on
-        # a small shared CPU: every small op after a GEMM then waits ~10 ms (measured on 2 cores
-        # under load; 0.1 ms with passive waiting). Takes effect if OpenMP has not started yet;
-        # an explicit OMP_WAIT_POLICY wins.
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         self.config = config = config or EngineConfig()
         self.model_path = config.model or default_model_path()
-        self.model_config, sd = load_model(self.model_path)
-        self.tokenizer = load_tokenizer(self.model_path)
+        gguf = str(self.model_path).endswith(".gguf") and os.path.isfile(self.model_path)
+        reader = open_gguf(self.model_path) if gguf else None
+        self.model_config, sd = load_model(self.model_path, reader)  # GGUF header parsed once
+        self.tokenizer = load_tokenizer(self.model_path, reader)
+        del reader
         self.model = LlamaModel(self.model_config, sd, config.torch_dtype)
         del sd
         mc, dtype = self.model_config, config.torch_dtype
@@ -64,12 +62,11 @@ class LLMEngine:
         seed = hashlib.sha256(f"engine_min-v1|{self.model_path}|{config.dtype}".encode()).digest()
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching, seed)
-        self.connector = connector
-        if connector is not None and hasattr(connector, "register_kv_caches"):
-            connector.register_kv_caches(self.kv_cache, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens,
-                                   config.max_num_seqs, connector)
-        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, connector)
+                                   config.max_num_seqs)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
+        self.connector = None
+        self.set_connector(connector)
         self.sampler = Sampler(config.seed)
         self.eos_token_id = self.tokenizer.eos_token_id
         if self.eos_token_id is None:
@@ -79,6 +76,22 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
+
+    def set_connector(self, connector) -> None:
+        """Attach a KV connector (or detach with None) at all three seams: engine (stats),
+        scheduler (admission) and model runner (load / save), and bind it to the KV pool with
+        ``connector.register_kv_caches(kv_cache, block_size)``.
+
+        Raises:
+            RuntimeError: requests are still running or waiting (their connector state would
+                be split between two connectors); nothing is changed then.
+        """
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("set_connector while requests are unfinished; "
+                               "finish or abort them first")
+        self.connector = self.scheduler.connector = self.runner.connector = connector
+        if connector is not None and hasattr(connector, "register_kv_caches"):
+            connector.register_kv_caches(self.kv_cache, self.config.block_size)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None,

@@ -10,7 +10,7 @@ import json
 import os
 from pathlib import Path
 
-from engine_min.weights import ModelLoadError, default_model_path, gguf_field
+from engine_min.weights import ModelLoadError, default_model_path, gguf_field, open_gguf
 
 _CONTROL, _USER_DEFINED = 3, 4
 
@@ -67,8 +67,10 @@ def _raise(msg: str):
     raise ValueError(f"chat template error: {msg}")
 
 
-def load_tokenizer(path: str | None) -> Tokenizer:
+def load_tokenizer(path: str | None, reader=None) -> Tokenizer:
     """Tokenizer of a GGUF file or a Hugging Face folder (tokenizer.json).
+
+    ``reader``: the GGUF file's ``weights.open_gguf(path)`` if the caller already parsed it.
 
     Raises:
         ModelLoadError: files missing or an unsupported tokenizer model.
@@ -76,13 +78,12 @@ def load_tokenizer(path: str | None) -> Tokenizer:
     path = default_model_path() if path is None else str(path)
     if os.path.isdir(path):
         return _from_hf_folder(Path(path))
-    return _from_gguf(path)
+    return _from_gguf(path, reader)
 
 
-def _from_gguf(path: str) -> Tokenizer:
-    from gguf import GGUFReader
+def _from_gguf(path: str, reader=None) -> Tokenizer:
     from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
-    reader = GGUFReader(path)
+    reader = reader if reader is not None else open_gguf(path)
     kind = gguf_field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise ModelLoadError(f"{path}: tokenizer model {kind!r} is not supported (only byte-level "

@@ -48,11 +48,13 @@ def default_model_path() -> str:
     return str(path)
 
 
-def load_model(path: str | None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_model(path: str | None, reader=None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read a model's config and fp32 weights from a GGUF file or a safetensors folder.
 
     Args:
         path: a ``.gguf`` file, a folder with config.json + *.safetensors, or None (embedded).
+        reader: the file's ``open_gguf(path)`` if the caller already has it (parsing a GGUF
+            header takes seconds; the tokenizer reads the same one).
 
     Returns:
         (ModelConfig, state dict of float32 CPU tensors in engine_min names).
@@ -67,7 +69,7 @@ def load_model(path: str | None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     if os.path.isdir(path):
         return _load_hf_folder(Path(path))
     if path.endswith(".gguf"):
-        return _load_gguf(path)
+        return _load_gguf(path, reader)
     raise ModelLoadError(f"unsupported model file {path}: expected a .gguf file or a folder "
                          "with config.json and *.safetensors")
 
@@ -156,12 +158,22 @@ def _gguf_tensor(t, path: str) -> np.ndarray:
     return arr.reshape(shape)
 
 
-def _load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def open_gguf(path: str):
+    """A ``gguf.GGUFReader`` over ``path`` (memory-mapped; parsing the header takes ~2 s for
+    SmolLM2's 49k-token vocabulary, so callers share one reader between weights and tokenizer).
+
+    Raises:
+        ModelLoadError: the file cannot be parsed as GGUF.
+    """
     try:
         from gguf import GGUFReader
-        reader = GGUFReader(path)
+        return GGUFReader(path)
     except Exception as e:  # noqa: BLE001 - report any parse failure with the path
         raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+
+
+def _load_gguf(path: str, reader=None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    reader = reader if reader is not None else open_gguf(path)
     cfg = _gguf_config(reader, path)
     sd: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
