@@ -20,14 +20,13 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import aiohttp
+import numpy as np
 from tqdm import tqdm
 
 from bench import metrics_scrape, report
 from bench.client import RequestResult, StreamingClient, first_model
 from bench.servers import CONFIG_NAMES, ServerGroup, ServerOptions, engine_help
 from bench.workloads import Request, random_tokens
-
-import numpy as np
 
 
 @dataclass

@@ -5,8 +5,8 @@ Per configuration (seconds, tokens): ``ttft_p50_s/p95/p99``, ``itl_p50_s/p95/p99
 ``req_s``, ``outputs_equal_recompute`` (``"k/n"``: greedy outputs identical to the
 ``recompute`` configuration's), ``hit_rate`` (reused prompt tokens / prompt tokens, from the
 server's ``usage.prompt_tokens_details.cached_tokens``), ``ttft_p50_s_warm`` (requests that
-are not the first of their session), per-index figures (round of a chat, question of a document) and the
-metric summary (hit tokens per tier, bytes loaded/saved). Speed-ups are ratios between
+are not the first of their session), per-index figures (round of a chat, question of a
+document) and the metric summary (hit tokens per tier, bytes loaded/saved). Speed-ups are ratios between
 configurations of the same run: ``speedups["ttft_p50_s"]["kvstore-cpu/recompute"] = 12.3``
 means TTFT p50 was 12.3x lower with kvstore-cpu than with recompute.
 """

@@ -1,13 +1,14 @@
 """Real-trace replay: ``python -m bench.trace_replay --trace mooncake|azure-conv|... --configs``.
 
 Mooncake traces keep their prefix structure: each 512-token hash block becomes
-``--tokens-per-block`` token ids (16 by default, so a 12k-token Kimi prompt replays as ~375
-tokens), lengths scale by the same factor, arrivals by ``--time-scale``; rows sharing a
-timestamp go as a burst or spread over the ~3 s step (``--mode``). By default it replays every
-row of 12 sampled conversations (rows sharing their first two hash ids; 22 rows, 7.7k tokens),
-so each conversation's turns and their reuse stay whole while the hour shrinks to ~106 s. The report puts the trace's
-own reuse (``ideal_hit_rate``: an infinite cache, rounded down to ``--align`` tokens) next to
-the measured hit rates. Azure traces give arrivals and lengths only (nothing is shared).
+``--tokens-per-block`` token ids (16 by default, so a 12k-token Kimi prompt replays as ~375 tokens), lengths
+scale by the same factor, arrivals by ``--time-scale``; rows sharing a timestamp go as a burst
+or spread over the ~3 s step (``--mode``). By default it replays every row of 12 sampled
+conversations (rows sharing their first two hash ids; 22 rows, 7.7k tokens), so each
+conversation's turns and their reuse stay whole while the hour shrinks to ~106 s. The report
+puts the trace's own reuse (``ideal_hit_rate``: an infinite cache, rounded down to ``--align``
+tokens) next to the measured hit rates. Azure traces give arrivals and lengths only (nothing is
+shared).
 """
 from __future__ import annotations
 

@@ -3,7 +3,6 @@ metric parsing, the report, and a tiny end-to-end replay on the real engine serv
 import asyncio
 import importlib.util
 import json
-import socket
 import threading
 import time
 
@@ -13,7 +12,7 @@ from aiohttp import web
 from bench import metrics_scrape, report
 from bench.client import build_payload
 from bench.replay import ConfigRun, drive, parse_configs, routes
-from bench.servers import ServerGroup, ServerOptions, free_port, kill_process
+from bench.servers import ServerGroup, ServerOptions, free_port
 from bench.workloads import LongDocQA, MultiRoundQA, Request
 
 TOKEN_GAP_S = 0.02
