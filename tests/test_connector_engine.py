@@ -38,9 +38,7 @@ def greedy(n, **kw) -> SamplingParams:
 
 def attach(engine: LLMEngine, conn: EngineMinConnector | None) -> None:
     """Swap the engine's connector (all three seams) and bind it to the pool."""
-    engine.connector = engine.scheduler.connector = engine.runner.connector = conn
-    if conn is not None:
-        conn.register_kv_caches(engine.kv_cache, engine.config.block_size)
+    engine.set_connector(conn)
 
 
 def run(engine, prompt_ids, n, **kw):
