@@ -151,3 +151,44 @@ def test_cli_reports_a_missing_model(capsys):
     from engine_min.cli import main
     assert main(["generate", "--prompt", "hi", "--model", "/no/such/model.gguf"]) == 2
     assert "model path does not exist: /no/such/model.gguf" in capsys.readouterr().err
+
+
+class RecordingConnector:
+    """Records register_kv_caches; reports no external hits (the engine's seams still run)."""
+
+    def __init__(self):
+        self.registered = None
+
+    def register_kv_caches(self, kv_cache, block_size):
+        self.registered = (kv_cache, block_size)
+
+    def get_num_new_matched_tokens(self, seq, num_local):
+        return 0
+
+    def update_state_after_alloc(self, seq, block_ids, num_external):
+        pass
+
+    def start_load_kv(self, sched_out, kv_cache):
+        pass
+
+    def wait_for_load(self):
+        pass
+
+    def save(self, sched_out, kv_cache):
+        pass
+
+
+def test_set_connector_binds_all_seams_and_refuses_mid_request(engine, alone):
+    conn = RecordingConnector()
+    rid = engine.add_request(PROMPTS[0], greedy(8))
+    with pytest.raises(RuntimeError, match="unfinished"):
+        engine.set_connector(conn)
+    assert engine.connector is None and conn.registered is None     # nothing changed
+    engine.abort(rid)
+    engine.step()
+    engine.set_connector(conn)
+    assert engine.connector is engine.scheduler.connector is engine.runner.connector is conn
+    assert conn.registered[0] is engine.kv_cache and conn.registered[1] == 16
+    assert engine.generate([PROMPTS[0]], greedy(8))[0].output_token_ids == alone[0]
+    engine.set_connector(None)
+    assert engine.connector is engine.scheduler.connector is engine.runner.connector is None
