@@ -305,10 +305,21 @@ async def _json_body(request: web.Request) -> dict:
     return P.parse_json(await request.read(), "request body")
 
 
+def _check_fits(store: KVStoreBase, ns) -> None:
+    """Refuse (400) a namespace whose chunk does not fit the store's tiers (``register``)."""
+    register = getattr(store, "register", None)
+    if register is not None:
+        try:
+            register(ns)
+        except ValueError as e:
+            raise P.ProtocolError(str(e)) from None
+
+
 async def _ns_keys(request: web.Request):
     body = await _json_body(request)
     state: _ServerState = request.app[STATE_KEY]
     ns = P.parse_namespace(body.get("namespace"))
+    _check_fits(request.app[STORE_KEY], ns)
     keys = P.parse_keys(ns, body.get("keys"), state.limits.max_batch_keys)
     return body, ns, keys
 
@@ -388,7 +399,9 @@ async def pin(request: web.Request) -> web.Response:
     body, ns, keys = await _ns_keys(request)
     state: _ServerState = request.app[STATE_KEY]
     lease = body.get("lease_s")
-    if lease is not None and (not isinstance(lease, (int, float)) or lease <= 0):
+    # ``not > 0`` also refuses NaN (a NaN lease would never expire); infinity is capped below
+    if lease is not None and (isinstance(lease, bool) or not isinstance(lease, (int, float))
+                              or not lease > 0):
         raise P.ProtocolError(f"lease_s must be a positive number, got {lease!r}")
     lease = min(float(lease or state.limits.max_lease_s), state.limits.max_lease_s)
     n = await state.call(request.app[STORE_KEY].pin, ns, keys, lease)
@@ -518,6 +531,7 @@ async def _read_put(request: web.Request, state: _ServerState, store: KVStoreBas
     hdr_len = P.decode_preamble(await _read_exact(reader, P.PREAMBLE_BYTES))
     header = P.parse_json(await _read_exact(reader, hdr_len), "put header")
     ns, entries, durable = P.parse_put_header(header, limits.max_batch_keys)
+    _check_fits(store, ns)
     if durable and not can_persist(store):
         raise P.ProtocolError("durable put needs a disk tier (serve with --disk-path and "
                               "--disk-bytes)")

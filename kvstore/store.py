@@ -293,7 +293,9 @@ class ChunkStore(KVStoreBase):
 
     def pin(self, ns: Namespace, keys: Sequence[ChunkKey], lease_s: float | None = None) -> int:
         self._check_keys(ns, keys)
-        if lease_s is not None and lease_s <= 0:
+        # ``not > 0`` also refuses NaN: a NaN expiry never ends and, at the top of the lease
+        # heap, would stop every later lease from expiring
+        if lease_s is not None and not lease_s > 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
         n = 0
         with self._lock:

@@ -258,6 +258,29 @@ def test_pins_hold_leases_capped_by_the_server_and_expire_when_the_client_vanish
     assert status == 400 and "lease_s must be a positive number" in ans["error"]
 
 
+def test_nan_or_boolean_lease_is_400_and_pins_nothing(server):
+    assert do_put(server, put_body(KEYS[:1], [chunk(0)]))[0] == 200
+    for lease in (float("nan"), True):  # json.dumps writes NaN, which the server's parser reads
+        status, ans = post_json(server, "/v1/pin", {"namespace": NS.to_dict(),
+                                                    "keys": [KEYS[0].hex()], "lease_s": lease})
+        assert status == 400 and "lease_s must be a positive number" in ans["error"]
+    assert server.store.pin_count(KEYS[0]) == 0
+
+
+def test_namespace_whose_chunk_exceeds_every_tier_is_400_not_500(server):
+    big = Namespace("tiny-model", KVLayout(num_layers=100_000, num_kv_heads=1, head_dim=8,
+                                           dtype="float16", chunk_size=4))  # 12.8 MB > 1 MiB tier
+    keys = big.chunk_keys(list(range(4)))
+    for path in ("/v1/lookup", "/v1/get", "/v1/exists", "/v1/pin"):
+        status, ans = post_json(server, path, {"namespace": big.to_dict(),
+                                               "keys": [k.hex() for k in keys]})
+        assert status == 400, (path, status, ans)
+        assert "smaller than one chunk" in ans["error"]
+    e = P.ChunkEntry(keys[0], big.layout.chunk_bytes, "float16", big.layout.shape(), "0" * 16)
+    status, ans = do_put(server, P.put_header(big, [e]))  # refused before any payload is read
+    assert status == 400 and "smaller than one chunk" in ans["error"]
+
+
 def test_durable_put_is_committed_to_the_disk_tier_before_the_answer(server):
     kvs = [chunk(20), chunk(21)]
     status, ans = do_put(server, put_body(KEYS[:2], kvs, durable=True))
