@@ -18,8 +18,9 @@ around them:
 
       lse = logaddexp(lse_p, lse_n);  out = o_p * exp(lse_p - lse) + o_n * exp(lse_n - lse)
 
-* **one gather per layer**: the prefix's blocks come out with one ``index_select`` (a plain
-  slice when the block ids are consecutive).
+* **one gather per layer at most**: the prefix's blocks come out with one ``index_select``, or
+  as a plain slice of the pool when their ids are one consecutive range (in any order for a
+  block-aligned prefix: unmasked attention does not depend on key order).
 
 Measured on the real model's shapes (184 new tokens over 4,024, 9 query / 3 KV heads, fp32, 2
 threads): 31 ms per layer with the reference -> ~23 ms here (the unmasked part runs at the
@@ -35,16 +36,24 @@ import torch.nn.functional as F
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def _prefix_kv(kv_layer: torch.Tensor, block_table: torch.Tensor, ntok: int) -> torch.Tensor:
-    """``[2, num_kv_heads, ntok, head_dim]`` (a view) of the sequence's first ``ntok`` tokens."""
+def _prefix_kv(kv_layer: torch.Tensor, block_table: torch.Tensor, ntok: int,
+               any_order: bool = False) -> torch.Tensor:
+    """``[2, num_kv_heads, ntok, head_dim]`` of the sequence's first ``ntok`` tokens.
+
+    A view of the pool (no copy) when the blocks are consecutive ids; with ``any_order`` (the
+    caller attends to all of them without a mask, where key order does not matter) also when
+    they are a permutation of a consecutive range, e.g. the descending runs the block
+    manager's free list hands out. Otherwise one ``index_select`` copy.
+    """
     _, _, bs, hkv, d = kv_layer.shape
     nblk = -(-ntok // bs)
     ids = block_table[:nblk]
-    first = int(ids[0])
-    if nblk == 1 or bool((ids[1:] - ids[:-1] == 1).all()):
-        kv = kv_layer[:, first:first + nblk]                          # consecutive: no copy
-    else:
-        kv = kv_layer.index_select(1, ids)
+    lo = int(ids[0])
+    if nblk > 1 and not bool((ids[1:] - ids[:-1] == 1).all()):
+        lo = int(ids.min()) if any_order and ntok == nblk * bs else -1
+        if lo >= 0 and int(ids.max()) - lo + 1 != nblk:               # (a table has no repeats)
+            lo = -1
+    kv = kv_layer[:, lo:lo + nblk] if lo >= 0 else kv_layer.index_select(1, ids)
     return kv.reshape(2, nblk * bs, hkv, d)[:, :ntok].transpose(1, 2)  # [2, Hkv, ntok, D]
 
 
@@ -89,8 +98,8 @@ def paged_attention_prefill(query: torch.Tensor, kv_layer: torch.Tensor,
     o_new, lse_new = _FLASH(q, k_new, v_new, 0.0, True, scale=scale)  # [1, Hq, N, D], [1, Hq, N]
     if start == 0:
         return o_new[0].transpose(0, 1).to(query.dtype)
-    pre = _prefix_kv(kv_layer, block_table, start)                    # [2, Hkv, start, D]
-    qg = q.reshape(1, hkv, g * n, d)                                  # rows (q head in group, token)
+    pre = _prefix_kv(kv_layer, block_table, start, any_order=True)    # [2, Hkv, start, D]
+    qg = q.reshape(1, hkv, g * n, d)                                  # [1, Hkv, G*N, D]
     o_pre, lse_pre = _FLASH(qg, pre[0].unsqueeze(0), pre[1].unsqueeze(0), 0.0, False, scale=scale)
     o_pre, lse_pre = o_pre.reshape(1, hq, n, d), lse_pre.reshape(1, hq, n)  # [1, Hq, N, ...]
     lse = torch.logaddexp(lse_pre, lse_new)                           # [1, Hq, N] float32

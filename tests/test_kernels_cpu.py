@@ -18,7 +18,8 @@ def pool_with_sequence(table: list[int], total: int, nb: int = 12, dtype=torch.f
     return kv
 
 
-@pytest.mark.parametrize("table", [[7, 2, 9, 4], [3, 4, 5, 6]], ids=["scattered", "consecutive"])
+@pytest.mark.parametrize("table", [[7, 2, 9, 4], [3, 4, 5, 6], [6, 5, 4, 3], [4, 6, 3, 5]],
+                         ids=["scattered", "consecutive", "descending", "permuted-range"])
 @pytest.mark.parametrize("start,new", [(0, 13), (1, 12), (4, 9), (8, 5), (12, 1), (5, 3)])
 def test_prefill_equals_reference(table, start, new):
     """Every split of cached prefix / new tokens, block-aligned or not, over both block orders."""
@@ -63,3 +64,14 @@ def test_ops_selects_cpu_path_for_cpu_tensors():
     bt = torch.tensor([1, 2, 3])
     assert torch.equal(ops.paged_attention_prefill(q, kv, bt, 12, 0.5),
                        cpu.paged_attention_prefill(q, kv, bt, 12, 0.5))
+
+
+def test_prefix_view_only_for_a_consecutive_range():
+    """No copy for consecutive ids, or a permuted range on a block-aligned prefix; else a copy."""
+    kv = torch.zeros(2, 12, BS, HKV, D)
+    view = lambda t, n, any_order: cpu._prefix_kv(kv, torch.tensor(t), n, any_order)  # noqa: E731
+    assert view([3, 4, 5], 12, False).data_ptr() == kv[:, 3].data_ptr()
+    assert view([5, 3, 4], 12, True).data_ptr() == kv[:, 3].data_ptr()
+    assert view([5, 3, 4], 12, False).data_ptr() != kv[:, 3].data_ptr()   # order matters here
+    assert view([5, 3, 4], 11, True).data_ptr() != kv[:, 3].data_ptr()    # partial last block
+    assert view([5, 3, 7], 12, True).data_ptr() != kv[:, 3].data_ptr()    # not one range
