@@ -125,10 +125,22 @@ def return_freed_buffers_to_os(threshold_bytes: int = 1 << 20) -> bool:
 
 
 def build_store(cfg) -> Any:
-    """The ``ChunkStore`` for a ``ServeConfig``."""
+    """The ``ChunkStore`` for a ``ServeConfig``.
+
+    Raises:
+        ValueError: the tiers cannot be created (a disk path that is not a writable directory
+            or not an lmdb environment, a memory tier the machine cannot allocate, a GPU tier
+            without the device), with the reason.
+    """
+    import lmdb
     from kvstore.config import StoreConfig
     from kvstore.store import ChunkStore
-    return ChunkStore(StoreConfig(**cfg.store_config_kwargs()))
+    try:
+        return ChunkStore(StoreConfig(**cfg.store_config_kwargs()))
+    except (OSError, lmdb.Error) as e:
+        raise ValueError(f"cannot open the disk tier at {cfg.disk_path!r}: {e}") from None
+    except RuntimeError as e:  # torch: allocation failed, device unavailable
+        raise ValueError(f"cannot create the store's memory tiers: {e}") from None
 
 
 async def _serve(cfg, store) -> None:
@@ -203,14 +215,17 @@ def inspect_disk(path: str, limit: int = 20, verify: bool = False) -> dict:
         every payload is decoded and checksummed too (``num_bad`` counts failures).
 
     Raises:
-        ValueError: ``path`` holds no lmdb environment.
+        ValueError: ``path`` holds no lmdb environment, or one lmdb cannot open.
     """
     import lmdb
     from collections import Counter
     from kvstore.codec import CorruptChunkError, unpack_header, unpack_value
     if not os.path.exists(os.path.join(path, "data.mdb")):
         raise ValueError(f"{path!r} holds no disk tier (no data.mdb)")
-    env = lmdb.open(path, readonly=True, lock=False, subdir=True, readahead=False)
+    try:
+        env = lmdb.open(path, readonly=True, lock=False, subdir=True, readahead=False)
+    except lmdb.Error as e:
+        raise ValueError(f"{path!r} is not a readable disk tier: {e}") from None
     rep: dict = {"path": os.path.abspath(path), "num_chunks": 0, "stored_bytes": 0,
                  "raw_bytes": 0, "num_bad": 0}
     codecs, layouts, namespaces, chunks = Counter(), Counter(), Counter(), []

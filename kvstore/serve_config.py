@@ -8,6 +8,7 @@ or under a ``serve`` table. Each environment variable is the field name upper-ca
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -40,8 +41,8 @@ class ServeConfig:
             capacity, at least 64 MiB; 0 = no budget.
 
     Raises:
-        ValueError: a bad size, port, log level, or a non-loopback bind without
-            ``auth_token`` or ``insecure``.
+        ValueError: a bad size, port, log level or timeout (not a positive number of seconds),
+            or a non-loopback bind without ``auth_token`` or ``insecure``.
     """
 
     host: str = "127.0.0.1"
@@ -80,6 +81,13 @@ class ServeConfig:
             raise ValueError(f"unknown log level {self.log_level!r}")
         if self.max_batch_keys <= 0 or self.max_body_bytes <= 0:
             raise ValueError("max_batch_keys and max_body_bytes must be positive")
+        for name in ("request_timeout_s", "max_lease_s"):
+            if not 0 < getattr(self, name) < math.inf:  # also refuses NaN
+                raise ValueError(f"{name} must be a positive number of seconds, got "
+                                 f"{getattr(self, name)}")
+        if not 0 <= self.shutdown_timeout_s < math.inf:
+            raise ValueError(f"shutdown_timeout_s must be >= 0 seconds, got "
+                             f"{self.shutdown_timeout_s}")
         if not (self.auth_token or self.insecure or is_loopback(self.host)):
             raise ValueError(f"refusing to bind non-loopback address {self.host!r} without "
                              "--auth-token (or --insecure to accept unauthenticated access)")
@@ -123,7 +131,10 @@ def load_file(path: str | os.PathLike) -> dict:
         ValueError: unreadable/malformed file, or unknown field names.
     """
     p = Path(path)
-    text = p.read_text()
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read config file {p}: {e}") from None
     if p.suffix == ".toml":
         import tomllib
         try:

@@ -66,6 +66,31 @@ def test_non_loopback_bind_needs_a_token_or_insecure(capsys):
     assert cli.main(["serve", "--cpu-bytes", "12 parsecs"]) == 2
 
 
+def test_unusable_store_settings_exit_2_with_the_reason_not_a_traceback(tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    small = ["serve", "--port", "0", "--cpu-bytes", "64KiB"]
+    cases = [
+        (["--disk-path", str(a_file / "kv"), "--disk-bytes", "1MiB"],
+         f"cannot open the disk tier at '{a_file / 'kv'}'"),
+        (["--config", str(tmp_path / "missing.yaml")], "cannot read config file"),
+        (["--request-timeout-s", "-1"], "request_timeout_s must be a positive number"),
+        (["--max-lease-s", "nan"], "max_lease_s must be a positive number"),
+        (["--shutdown-timeout-s", "-2"], "shutdown_timeout_s must be >= 0"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((["--gpu-bytes", "1MiB"], "CUDA is not available"))
+    for extra, msg in cases:
+        assert cli.main(small + extra) == 2, extra
+        assert msg in capsys.readouterr().err, extra
+    not_lmdb = tmp_path / "not_lmdb"
+    not_lmdb.mkdir()
+    (not_lmdb / "data.mdb").write_bytes(b"not an lmdb file")
+    assert cli.main(["inspect", str(not_lmdb)]) == 2
+    assert "is not a readable disk tier" in capsys.readouterr().err
+    assert (not_lmdb / "data.mdb").read_bytes() == b"not an lmdb file"  # left untouched
+
+
 def test_format_table_shows_sizes_readably():
     text = cli.format_table({"tiers": {"cpu": {"capacity_bytes": 8 << 30, "num_chunks": 1234}},
                              "hits": 5, "ratio": 0.25})

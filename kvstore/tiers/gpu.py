@@ -19,5 +19,8 @@ class GpuTier(MemoryTier):
         num_pages = capacity_bytes // page_bytes
         if num_pages < 1:
             raise ValueError(f"gpu tier capacity {capacity_bytes} is smaller than one page ({page_bytes})")
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"gpu tier on {device!r}: CUDA is not available in this torch "
+                               f"build or machine (use gpu_bytes=0, or device='cpu')")
         pool = torch.empty(num_pages * page_bytes, dtype=torch.uint8, device=device)
         super().__init__("gpu", pool, page_bytes, policy_name)
