@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_STOP_STRINGS = 16
+#: the seeds a torch.Generator accepts (int64 down, uint64 up)
+SEED_MIN, SEED_MAX = -2**63, 2**64 - 1
 
 
 class ApiError(Exception):
@@ -122,6 +124,18 @@ def _opt(body: dict, name: str, check, expected: str):
     return v
 
 
+def _check_text(text: str, param: str) -> str:
+    """``text`` if it is encodable Unicode; JSON ``"\\ud800"`` decodes to a lone surrogate, which
+    no tokenizer accepts (it used to end in a 500)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(f"'{param}' is not valid Unicode: lone surrogate "
+                       f"{text[exc.start]!r} at character {exc.start}.", param=param,
+                       code="invalid_value") from None
+    return text
+
+
 def _token_ids(v: Any) -> bool:
     return isinstance(v, list) and all(_is_int(t) for t in v)
 
@@ -135,7 +149,7 @@ def _parse_prompt(body: dict) -> str | list[int]:
     if isinstance(p, str) or _token_ids(p):
         if len(p) == 0:
             raise ApiError("'prompt' must not be empty.", param="prompt", code="empty_prompt")
-        return p
+        return _check_text(p, "prompt") if isinstance(p, str) else p
     if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
         raise ApiError("Batched prompts are not supported; send one prompt per request.",
                        param="prompt", code="unsupported")
@@ -147,7 +161,7 @@ def _content_text(content: Any, i: int) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
-        return content
+        return _check_text(content, f"messages[{i}].content")
     if isinstance(content, list):
         parts = []
         for part in content:
@@ -157,7 +171,7 @@ def _content_text(content: Any, i: int) -> str:
                                "are supported.", param=f"messages[{i}].content",
                                code="unsupported")
             parts.append(part["text"])
-        return "".join(parts)
+        return _check_text("".join(parts), f"messages[{i}].content")
     raise _bad_type(f"messages[{i}].content", "a string or a list of text parts")
 
 
@@ -231,6 +245,9 @@ def _parse_sampling(body: dict) -> dict:
         raise ApiError("'top_k' must be -1, 0 (disabled) or positive.", param="top_k",
                        code="invalid_value")
     seed = _opt(body, "seed", _is_int, "an integer")
+    if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+        raise ApiError(f"'seed' must be in [{SEED_MIN}, {SEED_MAX}].", param="seed",
+                       code="invalid_value")
     stop_token_ids = _opt(body, "stop_token_ids", _token_ids, "a list of token ids")
     ignore_eos = _opt(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean")
     kw: dict = {"stop": _parse_stop(body)}

@@ -44,8 +44,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be an int >= 0 (0 = disabled), got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int)
+                                      or not -2**63 <= self.seed < 2**64):
+            raise ValueError(f"seed must be an int in [-2**63, 2**64) or None (what "
+                             f"torch.Generator takes), got {self.seed!r}")
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")

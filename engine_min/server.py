@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -276,9 +277,9 @@ class OpenAIServing:
             except (ValueError, TypeError, TemplateError) as exc:
                 raise proto.ApiError(f"The chat template rejected the messages: {exc}",
                                      param="messages", code="invalid_value") from exc
-            prompt_ids = list(self.tokenizer.encode(text))
+            prompt_ids = self._encode(text, "messages")
         elif isinstance(req.prompt, str):
-            prompt_ids = list(self.tokenizer.encode(req.prompt))
+            prompt_ids = self._encode(req.prompt, "prompt")
         else:
             prompt_ids = list(req.prompt)
         if not prompt_ids:
@@ -292,6 +293,13 @@ class OpenAIServing:
                                  code="invalid_value") from exc
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return _Prepared(req, f"{prefix}-{uuid.uuid4().hex}", prompt_ids, sampling)
+
+    def _encode(self, text: str, param: str) -> list[int]:
+        try:
+            return list(self.tokenizer.encode(text))
+        except ValueError as exc:  # text the tokenizer cannot take (not valid Unicode)
+            raise proto.ApiError(f"The {param} cannot be tokenized: {exc}", param=param,
+                                 code="invalid_value") from exc
 
     # ---- endpoints -------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -532,7 +540,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     s.add_argument("--kvstore-disk-bytes", type=parse_size, default=None, metavar="SIZE",
                    help="in-process store: disk tier bytes (needs --kvstore-disk-path)")
     s.add_argument("--kvstore-url", default=None, metavar="URL",
-                   help="remote store daemon (kvstore serve), e.g. tcp://127.0.0.1:9000")
+                   help="remote store daemon (kvstore serve), e.g. http://127.0.0.1:8500")
+    s.add_argument("--kvstore-auth-token", default=os.environ.get("KVSTORE_AUTH_TOKEN"),
+                   metavar="TOKEN", help="bearer token of a daemon started with --auth-token "
+                   "(default $KVSTORE_AUTH_TOKEN)")
     s.add_argument("--kvstore-chunk-size", type=int, default=256,
                    help="tokens per store chunk (a multiple of the block size; default 256)")
     parser.add_argument("--log-level", default="info", help="logging level (default info)")

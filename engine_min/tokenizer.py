@@ -33,8 +33,22 @@ class Tokenizer:
         self._template = None
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (special tokens written in the text are recognised; no BOS)."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+        """Token ids of ``text`` (special tokens written in the text are recognised; no BOS).
+
+        Raises:
+            ValueError: ``text`` is not valid Unicode (a lone surrogate, as Python makes of
+                undecodable bytes in ``sys.argv``).
+        """
+        try:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        except TypeError:
+            if isinstance(text, str):
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise ValueError(f"text is not valid Unicode: lone surrogate "
+                                     f"{text[exc.start]!r} at character {exc.start}") from None
+            raise
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``."""

@@ -63,6 +63,22 @@ def test_bad_completion_fields_are_400(body, param):
     assert (e.status, e.type, e.param) == (400, "invalid_request_error", param)
 
 
+def test_lone_surrogates_and_out_of_range_seeds_are_400_not_500():
+    import json
+    body = json.loads('{"prompt": "a\\ud800b"}')  # valid JSON, not valid Unicode
+    e = _err(proto.parse_completion_request, body)
+    assert (e.status, e.param, e.code) == (400, "prompt", "invalid_value")
+    assert "lone surrogate '\\ud800' at character 1" in e.message
+    for content in ("\udcff", [{"type": "text", "text": "ok \udfff"}]):
+        e = _err(proto.parse_chat_request, {"messages": [{"role": "user", "content": content}]})
+        assert (e.status, e.param) == (400, "messages[0].content")
+    for seed in (2**64, -2**63 - 1):  # torch.Generator.manual_seed overflows on these
+        e = _err(proto.parse_completion_request, {"prompt": "x", "seed": seed})
+        assert (e.status, e.param, e.code) == (400, "seed", "invalid_value")
+    assert proto.parse_completion_request({"prompt": "x", "seed": 2**64 - 1}).sampling["seed"] \
+        == 2**64 - 1
+
+
 def test_chat_messages_and_max_completion_tokens():
     req = proto.parse_chat_request({
         "messages": [{"role": "developer", "content": "be brief"},
@@ -166,6 +182,28 @@ def test_serve_flags_defaults_and_sizes():
     assert (a.max_num_batched_tokens, a.max_num_seqs) == (256, 4)
 
 
+def test_kvstore_auth_token_flag_reaches_the_daemon_client(monkeypatch):
+    from engine_min.server import build_connector
+    monkeypatch.delenv("KVSTORE_AUTH_TOKEN", raising=False)
+    assert _args().kvstore_auth_token is None
+    from kvstore.config import StoreConfig
+    from kvstore.server import ServerLimits, ThreadedServer, create_app
+    from kvstore.store import ChunkStore
+    store = ChunkStore(StoreConfig(cpu_bytes="1MiB"))
+    try:
+        with ThreadedServer(create_app(store, ServerLimits(auth_token="s3cret"))) as srv:
+            conn = build_connector(_args("--kvstore-url", srv.url,
+                                         "--kvstore-auth-token", "s3cret"))
+            try:  # a daemon started with --auth-token answers (401 without the token)
+                assert conn.store.stats()["tiers"]["cpu"]["capacity_bytes"] == 1 << 20
+            finally:
+                conn.close()
+    finally:
+        store.close()
+    monkeypatch.setenv("KVSTORE_AUTH_TOKEN", "from-env")
+    assert _args().kvstore_auth_token == "from-env"
+
+
 def test_build_connector_is_none_without_store_flags_and_checks_combinations():
     from engine_min.server import build_connector
     assert build_connector(_args("--kv-cache-bytes", "64MiB")) is None
@@ -175,3 +213,19 @@ def test_build_connector_is_none_without_store_flags_and_checks_combinations():
     ]:
         with pytest.raises(SystemExit, match=words):
             build_connector(_args(*argv))
+
+
+def test_tokenizer_encode_refuses_text_that_is_not_unicode():
+    """A lone surrogate (Python's surrogateescape of undecodable argv bytes, or JSON "\\udcff")
+    is a ValueError naming it (``generate`` exits 2), not the backend's TypeError."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    from engine_min.tokenizer import Tokenizer
+    backend = Backend(WordLevel({"hi": 0, "there": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    backend.pre_tokenizer = Whitespace()
+    tok = Tokenizer(backend, eos_token_id=None, bos_token_id=None, chat_template=None)
+    assert tok.encode("hi there") == [0, 1]
+    with pytest.raises(ValueError, match=r"lone surrogate '\\udcff' at character 3"):
+        tok.encode("hi \udcff")

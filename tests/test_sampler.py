@@ -10,6 +10,7 @@ from engine_min.sampler import Sampler, SamplingParams, filter_logits
     ({"temperature": -0.1}, "temperature"), ({"top_k": -1}, "top_k"),
     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"stop": [""]}, "stop"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"seed": "x"}, "seed"),
+    ({"seed": 2**64}, "seed must be an int in"), ({"seed": -2**63 - 1}, "seed must be an int in"),
 ])
 def test_validation(kw, msg):
     with pytest.raises(ValueError, match=msg):
