@@ -40,9 +40,17 @@ def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
     """Token ids as uint32 little-endian bytes (4 bytes per token).
 
     Raises:
-        ValueError: a token id is negative or does not fit in 32 bits.
+        ValueError: a token id that is not an integer (``1.5`` used to be truncated to ``1``,
+            so two prompts shared keys), is negative, or does not fit in 32 bits.
     """
-    arr = np.asarray(tokens, dtype=np.int64)
+    arr = np.asarray(tokens)
+    if arr.size and arr.dtype.kind not in "iu":
+        if arr.dtype.kind != "O" or not all(isinstance(t, (int, np.integer))
+                                            and not isinstance(t, bool) for t in arr.flat):
+            raise ValueError(f"token ids must be integers, got {arr.dtype} values")
+        if any(not 0 <= int(t) < 2**32 for t in arr.flat):  # ints too big for int64
+            raise ValueError("token ids must be in [0, 2**32)")
+    arr = arr.astype(np.int64)
     if arr.ndim != 1:
         raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
     if arr.size and (arr.min() < 0 or arr.max() >= 2**32):

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvstore.keys import ChunkKey, Namespace, chain_hashes, tokens_to_bytes
@@ -47,6 +48,12 @@ def test_hash_algos_and_bad_input():
         Namespace("m", LAY, hash_algo="md5")
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 2\*\*32\)"):
         NS.chunk_keys([1, 2, 3, -1])
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 2\*\*32\)"):
+        NS.chunk_keys([1, 2, 3, 2**70])  # beyond int64 too
+    for bad in ([1, 2, 3, 4.5], [1.0, 2.0, 3.0, 4.0], [1, 2, 3, None], np.ones(4)):
+        with pytest.raises(ValueError, match="token ids must be integers"):
+            NS.chunk_keys(bad)  # 4.5 used to be truncated to 4: another prompt's key
+    assert NS.chunk_keys(np.arange(4, dtype=np.uint32)) == NS.chunk_keys([0, 1, 2, 3])
     with pytest.raises(ValueError, match="chunk key is 32 or 48 bytes, got 3"):
         ChunkKey.from_bytes(b"abc")
     k = NS.chunk_keys([1, 2, 3, 4])[0]
