@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 from typing import Any
+from urllib.parse import urlsplit
 
 from connectors.engine_min import DEFAULT_MODEL_ID, EngineMinConnector
 from connectors.layered_store import LayeredStore
@@ -24,9 +25,17 @@ DEFAULT_DISK_BYTES = "4GiB"
 
 def _http_url(url: str) -> str:
     if url.startswith("tcp://"):
-        return "http://" + url[len("tcp://"):]
+        url = "http://" + url[len("tcp://"):]
     if not url.startswith(("http://", "https://")):
         raise ValueError(f"kvstore url must look like http://HOST:PORT, got {url!r}")
+    try:
+        parts = urlsplit(url)
+        host, _ = parts.hostname, parts.port  # .port raises on a bad port
+    except ValueError as e:  # a port out of range or not a number
+        raise ValueError(f"kvstore url must look like http://HOST:PORT, got {url!r}: {e}") \
+            from None
+    if not host:
+        raise ValueError(f"kvstore url must look like http://HOST:PORT, got {url!r}: no host")
     return url
 
 

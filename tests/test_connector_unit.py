@@ -445,6 +445,10 @@ def test_factory_validates_and_builds_each_store_kind(tmp_path):
         create_connector(disk_bytes="1MiB")
     with pytest.raises(ValueError, match="http://HOST:PORT"):
         create_connector(url="127.0.0.1:9")
+    for url, why in (("http://127.0.0.1:99999", "out of range"), ("tcp://h:port", "port"),
+                     ("http://:8500", "no host")):  # each used to be accepted silently
+        with pytest.raises(ValueError, match=why):
+            create_connector(url=url)
     c = create_connector(cpu_bytes="1MiB", chunk_size=8)
     assert isinstance(c.store, ChunkStore) and c.store.config.tiers == ("cpu",)
     c.close()
