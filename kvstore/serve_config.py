@@ -79,6 +79,11 @@ class ServeConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ValueError(f"unknown log level {self.log_level!r}")
+        from kvstore.eviction import POLICIES
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown --policy {self.policy!r} (also $KVSTORE_POLICY or "
+                             f"'policy' in the config file); choose one of "
+                             f"{', '.join(sorted(POLICIES))}")
         if self.max_batch_keys <= 0 or self.max_body_bytes <= 0:
             raise ValueError("max_batch_keys and max_body_bytes must be positive")
         for name in ("request_timeout_s", "max_lease_s"):

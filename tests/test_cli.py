@@ -66,6 +66,14 @@ def test_non_loopback_bind_needs_a_token_or_insecure(capsys):
     assert cli.main(["serve", "--cpu-bytes", "12 parsecs"]) == 2
 
 
+def test_unknown_policy_names_the_flag_and_the_valid_names(capsys):
+    assert cli.main(["serve", "--port", "0", "--policy", "foo"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown --policy 'foo'" in err and "gpu_policy" not in err
+    assert "choose one of fifo, lfu, lru, s3fifo" in err
+    assert serve_config.resolve({"policy": "s3fifo"}, {}).policy == "s3fifo"
+
+
 def test_unusable_store_settings_exit_2_with_the_reason_not_a_traceback(tmp_path, capsys):
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
