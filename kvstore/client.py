@@ -14,6 +14,7 @@ import json
 import logging
 import threading
 from typing import Any, AsyncIterator, Sequence
+from urllib.parse import urlsplit
 
 import aiohttp
 import torch
@@ -49,6 +50,26 @@ _TRANSPORT_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
                      asyncio.IncompleteReadError)
 
 
+def check_url(url: str) -> str:
+    """``url`` unchanged if it is a usable server URL (``http[s]://HOST[:PORT][/]``).
+
+    Raises:
+        ValueError: anything else (no scheme, another scheme, no host, a bad port), naming the
+            URL and the expected form.
+    """
+    want = f"malformed kvstore URL {url!r}: expected http://HOST:PORT"
+    if not isinstance(url, str):
+        raise ValueError(want)
+    try:
+        parts = urlsplit(url)
+        host, _ = parts.hostname, parts.port  # .port raises on a bad port
+    except ValueError as e:  # a port out of range or not a number
+        raise ValueError(f"{want} ({e})") from None
+    if parts.scheme not in ("http", "https") or not host:
+        raise ValueError(want)
+    return url
+
+
 class _Retry(Exception):
     """Internal: a 503 answer to an idempotent call."""
 
@@ -63,11 +84,14 @@ class AsyncKVStoreClient:
         pool_size: most pooled connections (aiohttp connector limit).
         durable: default for ``put_chunks(durable=...)`` (wait for the disk flush).
         retry_backoff_s: first retry delay (doubles, capped at 0.5 s).
+
+    Raises:
+        ValueError: ``url`` is not ``http[s]://HOST:PORT`` (``check_url``).
     """
 
     def __init__(self, url: str, *, auth_token: str | None = None, timeout_s: float = 10.0,
                  pool_size: int = 32, durable: bool = False, retry_backoff_s: float = 0.02):
-        self.url = url.rstrip("/")
+        self.url = check_url(url).rstrip("/")
         self.timeout_s = timeout_s
         self.pool_size = pool_size
         self.durable = durable

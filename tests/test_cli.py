@@ -66,6 +66,16 @@ def test_non_loopback_bind_needs_a_token_or_insecure(capsys):
     assert cli.main(["serve", "--cpu-bytes", "12 parsecs"]) == 2
 
 
+def test_a_malformed_url_is_named_as_such_exit_2(capsys):
+    for url in ("notaurl", "127.0.0.1:8500", "ftp://h:1", "http://:8500", "http://h:99999"):
+        assert cli.main(["stats", url]) == 2, url
+        err = capsys.readouterr().err
+        assert err.startswith(f"kvstore stats: malformed kvstore URL {url!r}: expected "
+                              "http://HOST:PORT"), err
+    assert cli.main(["clear", "notaurl"]) == 2
+    assert "malformed kvstore URL 'notaurl'" in capsys.readouterr().err
+
+
 def test_unknown_policy_names_the_flag_and_the_valid_names(capsys):
     assert cli.main(["serve", "--port", "0", "--policy", "foo"]) == 2
     err = capsys.readouterr().err
