@@ -1,7 +1,7 @@
 """``kvstore`` command line: ``serve``, ``stats URL``, ``clear URL``, ``inspect DISK_PATH``.
 
 Exit codes: 0 success, 1 runtime failure (server unreachable, error answer), 2 bad usage or
-configuration.
+configuration, 141 stdout closed by its reader (``| head``; quiet, no traceback).
 """
 from __future__ import annotations
 
@@ -78,11 +78,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvstore`` console script and ``python -m kvstore``."""
     args = build_parser().parse_args(argv)
     try:
-        return {"serve": cmd_serve, "stats": cmd_stats, "clear": cmd_clear,
-                "inspect": cmd_inspect}[args.cmd](args)
+        rc = {"serve": cmd_serve, "stats": cmd_stats, "clear": cmd_clear,
+              "inspect": cmd_inspect}[args.cmd](args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler below
+        return rc
+    except BrokenPipeError:
+        return _stdout_closed()
     except ValueError as e:
         print(f"kvstore {args.cmd}: {e}", file=sys.stderr)
         return 2
+
+
+#: exit status when the reader of stdout went away (``kvstore inspect DIR | head``): 128 +
+#: SIGPIPE, what a shell reports for a command that SIGPIPE ended.
+EXIT_BROKEN_PIPE = 141
+
+
+def _stdout_closed() -> int:
+    """Quiet exit after the reader of stdout closed its end: point stdout at /dev/null so the
+    interpreter's final flush does not raise again (the recipe of Python's ``signal`` docs)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a real file (captured): nothing to flush
+        pass
+    finally:
+        os.close(devnull)
+    return EXIT_BROKEN_PIPE
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -76,6 +76,19 @@ def test_a_malformed_url_is_named_as_such_exit_2(capsys):
     assert "malformed kvstore URL 'notaurl'" in capsys.readouterr().err
 
 
+def test_inspect_into_a_closed_pipe_exits_quietly(tmp_path):
+    import lmdb
+    lmdb.open(str(tmp_path / "disk")).close()
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before the first write, as `| head` after its lines
+    try:
+        p = subprocess.run([sys.executable, "-m", "kvstore", "inspect", str(tmp_path / "disk")],
+                           cwd=ROOT, stdout=w, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(w)
+    assert (p.returncode, p.stderr) == (cli.EXIT_BROKEN_PIPE, "")
+
+
 def test_unknown_policy_names_the_flag_and_the_valid_names(capsys):
     assert cli.main(["serve", "--port", "0", "--policy", "foo"]) == 2
     err = capsys.readouterr().err
