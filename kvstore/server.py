@@ -11,7 +11,8 @@ Routes (wire format in ``kvstore.protocol``):
     GET  /v1/stats       JSON: store.stats() plus a "server" section
     POST /v1/lookup      JSON {namespace, keys}        -> {num_hit_chunks, chunk_size, tiers, ...}
     POST /v1/exists      JSON {namespace, keys}        -> {exists: [bool]}
-    POST /v1/get         JSON {namespace, keys}        -> binary message; 404 if no key is found
+    POST /v1/get         JSON {namespace, keys}        -> binary message; 404 if no key is found,
+                                                        400 if keys is empty
     POST /v1/put         binary message                -> {stored, num_chunks, durable}
     POST /v1/remove      JSON {namespace, keys}        -> {removed}
     POST /v1/clear       JSON {namespace} or {all: true} -> {removed}
@@ -421,6 +422,8 @@ WRITE_SLICE = 1 << 20
 
 async def get(request: web.Request) -> web.StreamResponse:
     _, ns, keys = await _ns_keys(request)
+    if not keys:  # else "none of the 0 keys is stored" (404), as if keys were missing
+        raise P.ProtocolError("'keys' must be a non-empty list")
     state: _ServerState = request.app[STATE_KEY]
     budget = len(keys) * ns.layout.chunk_bytes
     await state.budget.acquire(budget, state.budget_wait_s())

@@ -138,6 +138,18 @@ def test_missing_keys_get_404_never_an_empty_200(server):
     assert ans == {"error": "none of the 2 keys is stored", "status": 404}
 
 
+def test_get_of_no_keys_is_400_and_other_routes_answer_empty_batches_trivially(server):
+    status, ans = do_get(server, [])
+    assert (status, ans) == (400, {"error": "'keys' must be a non-empty list", "status": 400})
+    body = {"namespace": NS.to_dict(), "keys": []}
+    assert post_json(server, "/v1/lookup", body) == (200, {
+        "num_hit_chunks": 0, "chunk_size": 4, "tiers": [], "num_requested_chunks": 0})
+    assert post_json(server, "/v1/exists", body) == (200, {"exists": []})
+    assert post_json(server, "/v1/remove", body) == (200, {"removed": 0})
+    status, ans = do_put(server, P.put_header(NS, []))
+    assert (status, ans["error"]) == (400, "'chunks' must be a non-empty list")
+
+
 def test_remove_and_clear_per_namespace(server):
     assert do_put(server, put_body(KEYS[:2], [chunk(0), chunk(1)]))[0] == 200
     other_keys = OTHER.chunk_keys(list(range(8)))
