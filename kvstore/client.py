@@ -6,6 +6,8 @@ restarting server yields ``StoreUnavailable`` (a ``TimeoutError``) within that d
 hang. Retries (exponential backoff, inside the deadline) happen for idempotent calls (lookup,
 exists, get, put of content-addressed chunks, remove, clear, stats) on connection errors and
 503; pin/unpin are retried only when the connection could not be opened (nothing was sent).
+A refused connection (nothing listens on the port: the daemon is down) fails fast: after
+``refused_tries`` attempts ``refused_backoff_s`` apart, not at the deadline.
 """
 from __future__ import annotations
 
@@ -84,13 +86,23 @@ class AsyncKVStoreClient:
         pool_size: most pooled connections (aiohttp connector limit).
         durable: default for ``put_chunks(durable=...)`` (wait for the disk flush).
         retry_backoff_s: first retry delay (doubles, capped at 0.5 s).
+        refused_tries: attempts of a call whose connections are refused before it raises
+            ``StoreUnavailable`` (default 2, so about ``refused_backoff_s`` instead of the whole
+            deadline); None retries until the deadline (to ride out a daemon restart).
+        refused_backoff_s: wait between refused attempts (seconds).
 
     Raises:
         ValueError: ``url`` is not ``http[s]://HOST:PORT`` (``check_url``).
     """
 
     def __init__(self, url: str, *, auth_token: str | None = None, timeout_s: float = 10.0,
-                 pool_size: int = 32, durable: bool = False, retry_backoff_s: float = 0.02):
+                 pool_size: int = 32, durable: bool = False, retry_backoff_s: float = 0.02,
+                 refused_tries: int | None = 2, refused_backoff_s: float = 0.05):
+        if refused_tries is not None and (not isinstance(refused_tries, int)
+                                          or refused_tries < 1):
+            raise ValueError(f"refused_tries must be a positive int or None, got "
+                             f"{refused_tries!r}")
+        self.refused_tries, self.refused_backoff_s = refused_tries, refused_backoff_s
         self.url = check_url(url).rstrip("/")
         self.timeout_s = timeout_s
         self.pool_size = pool_size
@@ -121,7 +133,7 @@ class AsyncKVStoreClient:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        attempt, last = 0, None
+        attempt, refused, last = 0, 0, None
         while True:
             remaining = deadline - loop.time()
             if remaining <= 0:
@@ -142,6 +154,16 @@ class AsyncKVStoreClient:
                                        f"{timeout} s (last error: {last!r})") from None
             except _CONNECT_ERRORS as e:
                 last = e
+                if isinstance(e.os_error, ConnectionRefusedError):
+                    refused += 1
+                    if self.refused_tries is not None and refused >= self.refused_tries:
+                        raise StoreUnavailable(
+                            f"{method} {self.url}{path}: connection refused ({refused} tries); "
+                            f"is the kvstore daemon running?") from None
+                    delay = min(self.refused_backoff_s, deadline - loop.time())
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    continue
             except (_Retry, *_TRANSPORT_ERRORS) as e:
                 if not idempotent:
                     raise StoreUnavailable(f"{method} {self.url}{path} failed after sending; "

@@ -111,13 +111,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_dead_server_gives_a_timeout_error_within_the_deadline():
-    with KVStoreClient(f"http://127.0.0.1:{_free_port()}", timeout_s=0.5) as c:
-        for call in (lambda: c.lookup_keys(NS, KEYS), lambda: c.pin(NS, KEYS[:1], 1.0)):
+def test_dead_server_fails_fast_with_a_timeout_error_well_inside_the_deadline():
+    # nothing listens: the connection is refused, 2 tries 50 ms apart, not 5 s of retries
+    with KVStoreClient(f"http://127.0.0.1:{_free_port()}", timeout_s=5.0) as c:
+        for call in (lambda: c.lookup_keys(NS, KEYS), lambda: c.pin(NS, KEYS[:1], 1.0),
+                     lambda: c.stats()):
             t0 = time.monotonic()
-            with pytest.raises(StoreUnavailable, match="no answer within 0.5 s"):
+            with pytest.raises(StoreUnavailable, match=r"connection refused \(2 tries\); is "
+                                                       "the kvstore daemon running"):
                 call()
-            assert 0.4 < time.monotonic() - t0 < 1.5
+            assert 0.04 < time.monotonic() - t0 < 0.5
+    with KVStoreClient(f"http://127.0.0.1:{_free_port()}", timeout_s=0.5,
+                       refused_tries=None) as c:  # opt-in: retry refused until the deadline
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="no answer within 0.5 s"):
+            c.lookup_keys(NS, KEYS)
+        assert 0.4 < time.monotonic() - t0 < 1.5
+    with pytest.raises(ValueError, match="refused_tries"):
+        KVStoreClient("http://127.0.0.1:1", refused_tries=0)
 
 
 def test_hung_server_gives_a_timeout_error_within_the_deadline():
@@ -148,7 +159,7 @@ def test_a_restarting_server_is_reached_by_retries_inside_the_deadline():
     t = threading.Thread(target=start_later)
     t.start()
     try:
-        with KVStoreClient(f"http://127.0.0.1:{port}", timeout_s=5.0) as c:
+        with KVStoreClient(f"http://127.0.0.1:{port}", timeout_s=5.0, refused_tries=None) as c:
             t0 = time.monotonic()
             assert c.put_chunks(NS, KEYS[:1], [chunk(7)]) == 1  # idempotent: retried
             assert 0.5 < time.monotonic() - t0 < 3.0
