@@ -22,7 +22,9 @@ Counters (``get_stats``), cumulative: ``external_prefix_cache_queries`` (tokens 
 looked up, once per request), ``external_prefix_cache_hits`` (tokens loaded, once per request;
 ``kvstore_hit_tokens_by_tier`` splits them by the tier they came from: ``"cpu"``, ``"disk"``,
 ``"remote:cpu"``... for chunks held by the daemon's tiers), loaded/saved bytes and
-chunks, load/save/lookup latency (count, sum, max in seconds), fallbacks, dropped saves.
+chunks, load/save/lookup latency (count, sum, max in seconds), fallbacks, dropped saves; with a
+daemon behind ``CircuitBreakerStore``: ``kvstore_remote_skipped_calls`` (calls not sent while a
+failed daemon cools down), ``kvstore_remote_breaker_trips``, ``kvstore_remote_breaker_open``.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ import torch
 
 from connectors.base import KVConnectorBase, LoadResult
 from connectors.block_chunk_map import BlockChunkMap, LoadPlan
+from connectors.layered_store import remote_breaker
 from kernels import ops
 from kvstore.api import KVStoreBase
 from kvstore.keys import ChunkKey, Namespace, chain_hashes
@@ -439,6 +442,9 @@ class EngineMinConnector(KVConnectorBase):
         out.update({f"kvstore_{k}": v for k, v in c.items()})
         for d in lat.values():
             out.update(d)
+        breaker = remote_breaker(self.store)
+        if breaker is not None:  # a dead daemon: calls skipped during its cool-downs
+            out.update({f"kvstore_{k}": v for k, v in breaker.breaker_stats().items()})
         return out
 
     def close(self) -> None:

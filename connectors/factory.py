@@ -7,6 +7,9 @@ Which store:
 * ``url`` only: the ``kvstore serve`` daemon through ``KVStoreClient``;
 * both: ``LayeredStore`` = the in-process tiers in front of the daemon.
 
+The daemon's client is always wrapped in a ``CircuitBreakerStore``: once the daemon fails, it is
+skipped for a cool-down (2 s doubling to 30 s), so a dead daemon costs requests ~nothing.
+
 Sizes accept ints or text (``"512MiB"``). ``url`` accepts ``http://HOST:PORT`` or
 ``tcp://HOST:PORT`` (the same daemon).
 """
@@ -17,7 +20,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from connectors.engine_min import DEFAULT_MODEL_ID, EngineMinConnector
-from connectors.layered_store import LayeredStore
+from connectors.layered_store import CircuitBreakerStore, LayeredStore
 
 #: disk tier size when only ``disk_path`` is given.
 DEFAULT_DISK_BYTES = "4GiB"
@@ -78,8 +81,8 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
         stores.append(ChunkStore(cfg))
     if url:
         from kvstore.client import KVStoreClient
-        stores.append(KVStoreClient(_http_url(url), auth_token=auth_token,
-                                    timeout_s=max(deadline_s, 0.05)))
+        stores.append(CircuitBreakerStore(KVStoreClient(_http_url(url), auth_token=auth_token,
+                                                        timeout_s=max(deadline_s, 0.05))))
     store = stores[0] if len(stores) == 1 else LayeredStore(stores[0], stores[1])
     return EngineMinConnector(store, chunk_size=chunk_size, model_id=model_id,
                               revision=revision, deadline_s=deadline_s,

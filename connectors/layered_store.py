@@ -6,19 +6,164 @@ daemon see them). The remote store failing (dead daemon, timeout) never fails a 
 write: the remote part is counted as an error and skipped, logged once.
 
 Hit tiers: local tier names (``"cpu"``, ``"disk"``...) then ``"remote:<daemon tier>"``.
+
+``CircuitBreakerStore`` wraps the remote store so a dead daemon costs ~nothing per request: after
+a call fails with an unavailability error, remote calls are skipped (``RemoteSkipped``, at once)
+for a cool-down (2 s, doubling per consecutive failure up to 30 s); then one call probes.
 """
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Sequence
+import time
+from typing import Any, Callable, Sequence
 
 import torch
 
 from kvstore.api import KVStoreBase, LookupResult
+from kvstore.client import RemoteError, StoreUnavailable
 from kvstore.keys import ChunkKey, Namespace
 
 log = logging.getLogger("connectors.layered_store")
+
+
+class RemoteSkipped(StoreUnavailable):
+    """A remote call was not made: ``CircuitBreakerStore`` is cooling down after a failure."""
+
+
+def _is_unavailable(exc: BaseException) -> bool:
+    """True for failures that mean the remote cannot serve now (dead, hung, overloaded): a
+    deadline or connection error, or a 5xx answer. Bad input (ValueError) and 4xx do not."""
+    if isinstance(exc, RemoteError):
+        return exc.status >= 500
+    return isinstance(exc, (TimeoutError, OSError))
+
+
+class CircuitBreakerStore(KVStoreBase):
+    """A remote ``KVStoreBase`` (``KVStoreClient``) behind a circuit breaker.
+
+    Closed: calls go to ``remote``. A call failing as unavailable (timeout, refused or reset
+    connection, 5xx) re-raises and opens the breaker for ``cooldown_s`` seconds, doubled for
+    each consecutive failure up to ``max_cooldown_s``. Open: every call raises ``RemoteSkipped``
+    at once and counts in ``skipped_calls``. When the cool-down ends one call probes the remote
+    (others still skip until it returns): success closes the breaker and resets the cool-down.
+
+    Args:
+        remote: the store to protect.
+        cooldown_s: first cool-down after a failure (seconds, > 0).
+        max_cooldown_s: longest cool-down (seconds, >= cooldown_s).
+        clock: monotonic time source (seconds), for tests.
+
+    Attributes:
+        url: ``remote.url`` (None if it has none).
+        skipped_calls: calls answered with ``RemoteSkipped`` (never sent).
+        trips: times the breaker opened.
+
+    Raises:
+        ValueError: a non-positive ``cooldown_s`` or ``max_cooldown_s < cooldown_s``.
+    """
+
+    def __init__(self, remote: KVStoreBase, *, cooldown_s: float = 2.0,
+                 max_cooldown_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+        if not 0 < cooldown_s <= max_cooldown_s:
+            raise ValueError(f"need 0 < cooldown_s <= max_cooldown_s, got {cooldown_s}, "
+                             f"{max_cooldown_s}")
+        self.remote = remote
+        self.url = getattr(remote, "url", None)
+        self.cooldown_s, self.max_cooldown_s, self._clock = cooldown_s, max_cooldown_s, clock
+        self.skipped_calls = 0
+        self.trips = 0
+        self._next_cooldown = cooldown_s
+        self._open_until: float | None = None   # None: closed
+        self._probing = False
+        self._lock = threading.Lock()
+
+    @property
+    def is_open(self) -> bool:
+        """True while calls are being skipped (cooling down, or a probe is in flight)."""
+        with self._lock:
+            return self._open_until is not None and (
+                self._probing or self._clock() < self._open_until)
+
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        probe = False
+        with self._lock:
+            if self._open_until is not None:
+                now = self._clock()
+                if now < self._open_until or self._probing:
+                    self.skipped_calls += 1
+                    left = max(0.0, self._open_until - now)
+                    raise RemoteSkipped(f"remote {what} skipped: the store at {self.url} failed "
+                                        f"recently (retry in {left:.1f} s)")
+                self._probing = probe = True
+        try:
+            out = fn(*args)
+        except BaseException as exc:
+            with self._lock:
+                if probe:
+                    self._probing = False
+                if _is_unavailable(exc):
+                    cooldown = self._next_cooldown
+                    self._next_cooldown = min(cooldown * 2, self.max_cooldown_s)
+                    self._open_until = self._clock() + cooldown
+                    self.trips += 1
+                    trip = True
+                else:
+                    trip = False
+            if trip:
+                log.warning("remote store %s %s failed (%s: %s); skipping it for %.1f s",
+                            self.url, what, type(exc).__name__, exc, cooldown)
+            raise
+        with self._lock:
+            if probe:
+                self._probing = False
+                log.info("remote store %s answers again", self.url)
+            self._open_until, self._next_cooldown = None, self.cooldown_s
+        return out
+
+    def breaker_stats(self) -> dict:
+        """``{"remote_skipped_calls", "remote_breaker_trips", "remote_breaker_open"}``."""
+        return {"remote_skipped_calls": self.skipped_calls, "remote_breaker_trips": self.trips,
+                "remote_breaker_open": self.is_open}
+
+    def lookup_keys(self, ns: Namespace, keys: Sequence[ChunkKey]) -> LookupResult:
+        return self._call("lookup", self.remote.lookup_keys, ns, keys)
+
+    def get_chunks(self, ns: Namespace, keys: Sequence[ChunkKey]) -> list[torch.Tensor | None]:
+        return self._call("get", self.remote.get_chunks, ns, keys)
+
+    def put_chunks(self, ns: Namespace, keys: Sequence[ChunkKey],
+                   kvs: Sequence[torch.Tensor]) -> int:
+        return self._call("put", self.remote.put_chunks, ns, keys, kvs)
+
+    def exists(self, ns: Namespace, keys: Sequence[ChunkKey]) -> list[bool]:
+        return self._call("exists", self.remote.exists, ns, keys)
+
+    def remove(self, ns: Namespace, keys: Sequence[ChunkKey]) -> int:
+        return self._call("remove", self.remote.remove, ns, keys)
+
+    def clear(self, ns: Namespace | None = None) -> int:
+        return self._call("clear", self.remote.clear, ns)
+
+    def pin(self, ns: Namespace, keys: Sequence[ChunkKey], lease_s: float | None = None) -> int:
+        return self._call("pin", self.remote.pin, ns, keys, lease_s)
+
+    def unpin(self, ns: Namespace, keys: Sequence[ChunkKey]) -> int:
+        return self._call("unpin", self.remote.unpin, ns, keys)
+
+    def stats(self) -> dict:
+        return self._call("stats", self.remote.stats)
+
+    def close(self) -> None:
+        self.remote.close()
+
+
+def remote_breaker(store: KVStoreBase) -> CircuitBreakerStore | None:
+    """The ``CircuitBreakerStore`` of ``store``: itself, or a ``LayeredStore``'s remote."""
+    if isinstance(store, CircuitBreakerStore):
+        return store
+    remote = getattr(store, "remote", None) if isinstance(store, LayeredStore) else None
+    return remote if isinstance(remote, CircuitBreakerStore) else None
 
 
 class LayeredStore(KVStoreBase):
@@ -29,7 +174,8 @@ class LayeredStore(KVStoreBase):
         remote: the remote store.
 
     Attributes:
-        remote_errors: remote calls that raised (each also skipped).
+        remote_errors: remote calls that raised (each also skipped); calls a
+            ``CircuitBreakerStore`` remote skipped (``RemoteSkipped``) are counted there.
     """
 
     def __init__(self, local: KVStoreBase, remote: KVStoreBase):
@@ -39,6 +185,8 @@ class LayeredStore(KVStoreBase):
         self._lock = threading.Lock()
 
     def _remote_failed(self, what: str, exc: BaseException) -> None:
+        if isinstance(exc, RemoteSkipped):  # not sent; the breaker counts it
+            return
         with self._lock:
             self.remote_errors += 1
             first, self._warned = not self._warned, True

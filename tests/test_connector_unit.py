@@ -23,6 +23,7 @@ from engine_min.sequence import Sequence
 from kernels import reference as K
 from kvstore.api import KVStoreBase, PrefixStore
 from kvstore.config import StoreConfig
+from kvstore.keys import ChunkKey, chain_hashes
 from kvstore.store import ChunkStore
 
 L, H, D, BS = 2, 1, 2, 4
@@ -438,6 +439,84 @@ def test_layered_store_survives_a_dead_remote(caplog):
     conn.close()
 
 
+def test_circuit_breaker_skips_a_failed_remote_for_a_doubling_cooldown_then_probes():
+    from kvstore.client import RemoteError, StoreUnavailable
+
+    from connectors.layered_store import CircuitBreakerStore, RemoteSkipped
+    now = [100.0]
+
+    class Remote(ChunkStore):
+        url = "http://127.0.0.1:9"
+        fail: BaseException | None = None
+        calls = 0
+
+        def exists(self, ns, keys):
+            self.calls += 1
+            if self.fail is not None:
+                raise self.fail
+            return super().exists(ns, keys)
+
+    remote = Remote(StoreConfig(cpu_bytes="1MiB"))
+    br = CircuitBreakerStore(remote, cooldown_s=2.0, max_cooldown_s=5.0, clock=lambda: now[0])
+    conn = make_conn(br, chunk=4)
+    FakeEngine(conn)
+    ns = conn.ns
+    keys = [ChunkKey(ns.ns_id, h) for h in chain_hashes(ns.digest, prompt(8), 4, "sha256")]
+    assert br.exists(ns, keys) == [False, False] and not br.is_open
+    remote.fail = StoreUnavailable("connection refused")
+    for expect_cooldown in (2.0, 4.0, 5.0, 5.0):   # doubles, capped at max_cooldown_s
+        with pytest.raises(StoreUnavailable, match="connection refused"):
+            br.exists(ns, keys)                      # the probe (or first call) fails: opens
+        calls = remote.calls
+        now[0] += expect_cooldown - 0.01
+        for _ in range(3):
+            with pytest.raises(RemoteSkipped, match="failed recently"):
+                br.exists(ns, keys)
+        assert remote.calls == calls and br.is_open  # skipped: never sent
+        now[0] += 0.01
+    assert (br.skipped_calls, br.trips) == (12, 4)
+    remote.fail = None
+    assert br.exists(ns, keys) == [False, False] and not br.is_open   # the probe closes it
+    remote.fail = StoreUnavailable("hung")
+    with pytest.raises(StoreUnavailable):
+        br.exists(ns, keys)
+    assert br._open_until == now[0] + 2.0          # reset to the first cool-down
+    now[0] += 2.0
+    for exc in (RemoteError(401, "bad token"), ValueError("bad tensor")):  # not unavailability
+        remote.fail = exc
+        with pytest.raises(type(exc)):
+            br.exists(ns, keys)
+    remote.fail = None
+    assert br.exists(ns, keys) == [False, False] and br.trips == 5
+    assert conn.get_stats()["kvstore_remote_skipped_calls"] == 12
+    with pytest.raises(ValueError, match="cooldown_s"):
+        CircuitBreakerStore(remote, cooldown_s=0)
+    conn.close()
+
+
+def test_dead_daemon_costs_requests_nothing_after_the_first_failure(caplog):
+    from socket import socket
+    with socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sk.getsockname()[1]}"   # nothing listens once closed
+    conn = create_connector(url=url, chunk_size=4, deadline_s=0.5)
+    eng = FakeEngine(conn, prefix_caching=False)
+    seqs = [eng.add(f"r{i}", prompt(12, base=100 * i)) for i in range(6)]
+    t0 = time.monotonic()
+    eng.run()
+    elapsed = time.monotonic() - t0
+    assert all(s.is_finished and s.num_cached_tokens == 0 for s in seqs)  # recomputed
+    assert eng.computed_tokens == 6 * 12
+    assert conn.wait_for_save(5)
+    st = conn.get_stats()
+    # the first lookup is refused (2 tries, ~50 ms) and opens the breaker for 2 s: the other
+    # lookups and the saves are skipped without a connection attempt
+    assert st["kvstore_lookup_fallbacks"] == 6 and st["kvstore_remote_breaker_trips"] == 1
+    assert st["kvstore_remote_skipped_calls"] >= 5 and st["kvstore_remote_breaker_open"]
+    assert st["kvstore_lookup_seconds_max"] < 0.4 and elapsed < 1.0
+    conn.close()
+
+
 def test_factory_validates_and_builds_each_store_kind(tmp_path):
     with pytest.raises(ValueError, match="no store"):
         create_connector()
@@ -457,6 +536,7 @@ def test_factory_validates_and_builds_each_store_kind(tmp_path):
     c.close()
     c = create_connector(cpu_bytes="1MiB", url="tcp://127.0.0.1:9", chunk_size=8)
     assert isinstance(c.store, LayeredStore) and c.store.remote.url == "http://127.0.0.1:9"
+    assert type(c.store.remote).__name__ == "CircuitBreakerStore"
     c.close()
     assert isinstance(KVStoreBase, type)
 
