@@ -284,3 +284,49 @@ def test_seeded_sampling_is_reproducible(client):
     a = client.completions.create(**kw).choices[0].text
     b = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
     assert a == b and a != ""
+
+
+def test_a_prompt_far_beyond_the_context_is_refused_before_tokenizing(server, monkeypatch):
+    from engine_min.server import MAX_CHARS_PER_TOKEN
+    limit = MAX_MODEL_LEN * MAX_CHARS_PER_TOKEN
+    encoded = []
+    real_encode = server.engine.tokenizer.encode
+    monkeypatch.setattr(server.engine.tokenizer, "encode",
+                        lambda text: encoded.append(len(text)) or real_encode(text))
+    for path, body, param in (
+            ("/v1/completions", {"prompt": "a" * (limit + 1)}, "prompt"),
+            ("/v1/chat/completions", {"messages": [{"role": "system", "content": "a" * limit},
+                                                   {"role": "user", "content": "b"}]},
+             "messages")):
+        status, got = _post(server, path, json.dumps(body).encode())
+        assert (status, got["error"]["param"], got["error"]["code"]) == \
+            (400, param, "context_length_exceeded")
+        assert got["error"]["message"] == (
+            f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, your "
+            f"{param} has {limit + 1} characters, more than the {limit} that could fit it.")
+    assert encoded == []  # refused before the tokenizer ran
+    status, got = _post(server, "/v1/completions", json.dumps({"prompt": "a" * limit}).encode())
+    assert (status, got["error"]["code"]) == (400, "context_length_exceeded")  # by token count
+    assert encoded == [limit] and "tokens" in got["error"]["message"]
+
+
+def test_tokenizing_runs_off_the_event_loop(server, monkeypatch):
+    import threading
+    real_encode = server.engine.tokenizer.encode
+    entered = threading.Event()
+
+    def slow_encode(text):  # stands in for a long prompt: 1.5 s in the tokenizer
+        entered.set()
+        time.sleep(1.5)
+        return real_encode(text)
+    monkeypatch.setattr(server.engine.tokenizer, "encode", slow_encode)
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(_post, server, "/v1/completions",
+                          json.dumps({"prompt": "Hello", "max_tokens": 2}).encode())
+        assert entered.wait(30)
+        t0 = time.monotonic()
+        assert json.loads(_get(server, "/health")) == {"status": "ok"}
+        assert time.monotonic() - t0 < 0.5   # was held for the whole encode
+        status, got = fut.result(60)
+    assert status == 200 and got["usage"]["completion_tokens"] == 2
+    _wait_idle(server)
