@@ -7,7 +7,9 @@ prefix caching OFF so every reuse comes through the connector. Workload per docu
 1 (a miss: the document is new), question 1 again (a repeat-prompt hit, the case
 ExampleConnector handles), question 2 (a shared-prefix hit: only our chunk store serves it).
 TTFT is vLLM's own per-request figure (engine-core time from queued to first token, so it
-includes the connector's lookup and load); the 16-token greedy answer is compared token by token
+includes the connector's lookup and load); ``computed_tokens_p50_*``: prompt tokens vLLM still
+computed on a hit (our connector loads whole chunks; ``--fine-chunk-size`` adds a row at vLLM's
+128-token block size, the granularity of ExampleConnector); the 16-token greedy answer is compared token by token
 with the no-connector answers.
 
 Run in the vLLM environment::
@@ -233,6 +235,18 @@ def summarize(workload: list[dict], runs: dict[str, dict]) -> dict:
         for kind in ("miss", "repeat", "shared"):
             ts = [r["ttft_s"] for w, r in zip(workload, run["results"]) if w["kind"] == kind]
             row[f"ttft_p50_{kind}_s"] = round(statistics.median(ts), 4) if ts else None
+        # prompt tokens vLLM computed per request (prompt minus tokens our connector loaded)
+        prev = 0
+        for w, r in zip(workload, run["results"]):
+            lt = (r.get("connector") or {}).get("worker", {}).get("loaded_tokens")
+            if lt is not None:
+                r["computed_tokens"] = len(w["tokens"]) - (lt - prev)
+                prev = lt
+        for kind in ("repeat", "shared"):
+            ct = [r["computed_tokens"] for w, r in zip(workload, run["results"])
+                  if w["kind"] == kind and "computed_tokens" in r]
+            if ct:
+                row[f"computed_tokens_p50_{kind}"] = statistics.median(ct)
         same = [r["output_ids"] == b["output_ids"] for r, b in zip(run["results"], base)]
         row["outputs_equal"] = f"{sum(same)}/{len(same)}"
         conn = run.get("connector", {}).get("worker")
@@ -250,6 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--docs", type=int, default=3)
     p.add_argument("--doc-tokens", type=int, default=1500)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--chunk-size", type=int, default=256,
+                   help="our connector's chunk size (256 = engine_min's, so both share chunks)")
+    p.add_argument("--fine-chunk-size", type=int, default=128,
+                   help="also run our CPU tier with this chunk size (0: skip); 128 = vLLM CPU's "
+                        "block size, the load granularity of ExampleConnector")
     p.add_argument("--engine-min", action="store_true",
                    help="also time engine_min (without a store: none is wired to it yet)")
     p.add_argument("--json", help="write the full results here")
@@ -266,13 +285,16 @@ def main(argv: list[str] | None = None) -> int:
     workload = make_workload(tok, a.docs, a.doc_tokens)
     prompts = [w["tokens"] for w in workload]
     common = {"model_dir": model_dir, "prompts": prompts, "max_tokens": a.max_tokens,
-              "prefix_caching": False}
+              "prefix_caching": False, "chunk_size": a.chunk_size}
     runs: dict[str, dict] = {}
     t_all = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="vllm-example-") as ex_dir:
         plan = [("none", {"connector": "none"}),
                 ("example", {"connector": "example", "example_path": ex_dir}),
                 ("ours-cpu", {"connector": "ours-cpu"})]
+        if a.fine_chunk_size and a.fine_chunk_size != a.chunk_size:
+            plan.append((f"ours-cpu-chunk{a.fine_chunk_size}",
+                         {"connector": "ours-cpu", "chunk_size": a.fine_chunk_size}))
         for name, extra in plan:
             print(f"[vllm_compare] {name} ...", file=sys.stderr, flush=True)
             runs[name] = run_child({**common, **extra})
@@ -291,7 +313,10 @@ def main(argv: list[str] | None = None) -> int:
                            "kinds": [w["kind"] for w in workload]},
               "configs": table, "wall_s": round(time.perf_counter() - t_all, 1),
               "notes": "vLLM prefix caching off; TTFT = vLLM request metrics (queued -> first token); "
-                       "outputs compared with the no-connector run token by token"}
+                       "outputs compared with the no-connector run token by token; our connector "
+                       "loads whole chunks only, so a hit recomputes prompt_len - "
+                       "floor(prompt_len / chunk_size) * chunk_size tokens (ExampleConnector: "
+                       "the tail past the last 128-token block)"}
     print(json.dumps(table, indent=2))
     if a.json:
         Path(a.json).write_text(json.dumps({**report, "runs": runs}, indent=2))
