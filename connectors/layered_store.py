@@ -13,6 +13,7 @@ for a cool-down (2 s, doubling per consecutive failure up to 30 s); then one cal
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -53,6 +54,12 @@ class CircuitBreakerStore(KVStoreBase):
         cooldown_s: first cool-down after a failure (seconds, > 0).
         max_cooldown_s: longest cool-down (seconds, >= cooldown_s).
         clock: monotonic time source (seconds), for tests.
+        put_timeout_s: deadline of one ``put_chunks`` (seconds; None: the remote's default).
+            Saves run in the background, so they get far longer than lookups: a large save on
+            a busy host must not time out, trip the breaker and so cost the next lookups.
+        get_timeout_s_per_chunk: with it, ``get_chunks`` of n keys has the deadline
+            ``remote.timeout_s + n * get_timeout_s_per_chunk`` (seconds), matching the
+            connector's per-step load deadline; None: the remote's default.
 
     Attributes:
         url: ``remote.url`` (None if it has none).
@@ -64,12 +71,16 @@ class CircuitBreakerStore(KVStoreBase):
     """
 
     def __init__(self, remote: KVStoreBase, *, cooldown_s: float = 2.0,
-                 max_cooldown_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+                 max_cooldown_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
+                 put_timeout_s: float | None = None,
+                 get_timeout_s_per_chunk: float | None = None):
         if not 0 < cooldown_s <= max_cooldown_s:
             raise ValueError(f"need 0 < cooldown_s <= max_cooldown_s, got {cooldown_s}, "
                              f"{max_cooldown_s}")
         self.remote = remote
         self.url = getattr(remote, "url", None)
+        self.put_timeout_s = put_timeout_s
+        self.get_timeout_s_per_chunk = get_timeout_s_per_chunk
         self.cooldown_s, self.max_cooldown_s, self._clock = cooldown_s, max_cooldown_s, clock
         self.skipped_calls = 0
         self.trips = 0
@@ -130,11 +141,18 @@ class CircuitBreakerStore(KVStoreBase):
         return self._call("lookup", self.remote.lookup_keys, ns, keys)
 
     def get_chunks(self, ns: Namespace, keys: Sequence[ChunkKey]) -> list[torch.Tensor | None]:
-        return self._call("get", self.remote.get_chunks, ns, keys)
+        if self.get_timeout_s_per_chunk is None:
+            return self._call("get", self.remote.get_chunks, ns, keys)
+        timeout = self.remote.timeout_s + self.get_timeout_s_per_chunk * len(keys)
+        return self._call("get", functools.partial(self.remote.get_chunks, timeout_s=timeout),
+                          ns, keys)
 
     def put_chunks(self, ns: Namespace, keys: Sequence[ChunkKey],
                    kvs: Sequence[torch.Tensor]) -> int:
-        return self._call("put", self.remote.put_chunks, ns, keys, kvs)
+        if self.put_timeout_s is None:
+            return self._call("put", self.remote.put_chunks, ns, keys, kvs)
+        return self._call("put", functools.partial(self.remote.put_chunks,
+                                                   timeout_s=self.put_timeout_s), ns, keys, kvs)
 
     def exists(self, ns: Namespace, keys: Sequence[ChunkKey]) -> list[bool]:
         return self._call("exists", self.remote.exists, ns, keys)

@@ -553,3 +553,44 @@ def test_server_flags_build_the_connector_through_the_factory(tmp_path):
     assert isinstance(c, EngineMinConnector) and c.chunk_size == 32
     assert c.store.config.tiers == ("cpu", "disk") and c.store.config.disk_bytes == 16 << 20
     c.close()
+
+
+def test_breaker_gives_background_saves_a_long_deadline_and_gets_a_per_chunk_one():
+    """A save of many chunks must not inherit the 0.5 s lookup deadline: on a busy host it
+    timed out, tripped the breaker and so turned the next lookups into misses."""
+    from connectors.factory import SAVE_TIMEOUT_S, create_connector
+    from connectors.layered_store import CircuitBreakerStore
+
+    class Remote(ChunkStore):
+        url = "http://127.0.0.1:9"
+        timeout_s = 0.5
+
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            self.seen: list[tuple[str, float | None]] = []
+
+        def put_chunks(self, ns, keys, kvs, *, timeout_s=None):
+            self.seen.append(("put", timeout_s))
+            return super().put_chunks(ns, keys, kvs)
+
+        def get_chunks(self, ns, keys, *, timeout_s=None):
+            self.seen.append(("get", timeout_s))
+            return super().get_chunks(ns, keys)
+
+    remote = Remote(StoreConfig(cpu_bytes="4MiB"))
+    br = CircuitBreakerStore(remote, put_timeout_s=30.0, get_timeout_s_per_chunk=0.05)
+    conn = make_conn(br, chunk=4)
+    FakeEngine(conn)
+    ns = conn.ns
+    toks = prompt(8)
+    keys = ns.chunk_keys(toks)
+    kvs = [torch.zeros(ns.layout.shape(), dtype=ns.layout.torch_dtype) for _ in keys]
+    assert br.put_chunks(ns, keys, kvs) == 2
+    assert [c is not None for c in br.get_chunks(ns, keys)] == [True, True]
+    assert remote.seen == [("put", 30.0), ("get", pytest.approx(0.5 + 2 * 0.05))]
+    # The factory wires the same deadlines around its daemon client.
+    c = create_connector(url="http://127.0.0.1:9", chunk_size=16, deadline_s=0.5)
+    store = c.store
+    assert isinstance(store, CircuitBreakerStore)
+    assert (store.put_timeout_s, store.get_timeout_s_per_chunk) == (SAVE_TIMEOUT_S, 0.05)
+    c.close()
