@@ -85,13 +85,14 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
         stores.append(ChunkStore(cfg))
     if url:
         from kvstore.client import KVStoreClient
-        client = KVStoreClient(_http_url(url), auth_token=auth_token,
-                               timeout_s=max(deadline_s, 0.05))
+        timeout_s = max(deadline_s, 0.05)
+        client = KVStoreClient(_http_url(url), auth_token=auth_token, timeout_s=timeout_s)
         # Saves are background work: a long deadline, so a big save on a busy host does not
         # trip the breaker; gets get the connector's per-chunk load allowance.
         stores.append(CircuitBreakerStore(
             client, put_timeout_s=SAVE_TIMEOUT_S,
-            get_timeout_s_per_chunk=connector_kwargs.get("deadline_s_per_chunk", 0.05)))
+            get_timeout_s_per_chunk=connector_kwargs.get("deadline_s_per_chunk", 0.05),
+            get_timeout_s_base=timeout_s))
     store = stores[0] if len(stores) == 1 else LayeredStore(stores[0], stores[1])
     return EngineMinConnector(store, chunk_size=chunk_size, model_id=model_id,
                               revision=revision, deadline_s=deadline_s,

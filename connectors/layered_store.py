@@ -58,8 +58,9 @@ class CircuitBreakerStore(KVStoreBase):
             Saves run in the background, so they get far longer than lookups: a large save on
             a busy host must not time out, trip the breaker and so cost the next lookups.
         get_timeout_s_per_chunk: with it, ``get_chunks`` of n keys has the deadline
-            ``remote.timeout_s + n * get_timeout_s_per_chunk`` (seconds), matching the
+            ``get_timeout_s_base + n * get_timeout_s_per_chunk`` (seconds), matching the
             connector's per-step load deadline; None: the remote's default.
+        get_timeout_s_base: see ``get_timeout_s_per_chunk`` (seconds).
 
     Attributes:
         url: ``remote.url`` (None if it has none).
@@ -73,7 +74,8 @@ class CircuitBreakerStore(KVStoreBase):
     def __init__(self, remote: KVStoreBase, *, cooldown_s: float = 2.0,
                  max_cooldown_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
                  put_timeout_s: float | None = None,
-                 get_timeout_s_per_chunk: float | None = None):
+                 get_timeout_s_per_chunk: float | None = None,
+                 get_timeout_s_base: float = 0.5):
         if not 0 < cooldown_s <= max_cooldown_s:
             raise ValueError(f"need 0 < cooldown_s <= max_cooldown_s, got {cooldown_s}, "
                              f"{max_cooldown_s}")
@@ -81,6 +83,7 @@ class CircuitBreakerStore(KVStoreBase):
         self.url = getattr(remote, "url", None)
         self.put_timeout_s = put_timeout_s
         self.get_timeout_s_per_chunk = get_timeout_s_per_chunk
+        self.get_timeout_s_base = get_timeout_s_base
         self.cooldown_s, self.max_cooldown_s, self._clock = cooldown_s, max_cooldown_s, clock
         self.skipped_calls = 0
         self.trips = 0
@@ -143,7 +146,7 @@ class CircuitBreakerStore(KVStoreBase):
     def get_chunks(self, ns: Namespace, keys: Sequence[ChunkKey]) -> list[torch.Tensor | None]:
         if self.get_timeout_s_per_chunk is None:
             return self._call("get", self.remote.get_chunks, ns, keys)
-        timeout = self.remote.timeout_s + self.get_timeout_s_per_chunk * len(keys)
+        timeout = self.get_timeout_s_base + self.get_timeout_s_per_chunk * len(keys)
         return self._call("get", functools.partial(self.remote.get_chunks, timeout_s=timeout),
                           ns, keys)
 

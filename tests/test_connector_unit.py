@@ -563,7 +563,6 @@ def test_breaker_gives_background_saves_a_long_deadline_and_gets_a_per_chunk_one
 
     class Remote(ChunkStore):
         url = "http://127.0.0.1:9"
-        timeout_s = 0.5
 
         def __init__(self, cfg):
             super().__init__(cfg)
@@ -578,7 +577,8 @@ def test_breaker_gives_background_saves_a_long_deadline_and_gets_a_per_chunk_one
             return super().get_chunks(ns, keys)
 
     remote = Remote(StoreConfig(cpu_bytes="4MiB"))
-    br = CircuitBreakerStore(remote, put_timeout_s=30.0, get_timeout_s_per_chunk=0.05)
+    br = CircuitBreakerStore(remote, put_timeout_s=30.0, get_timeout_s_per_chunk=0.05,
+                             get_timeout_s_base=0.5)
     conn = make_conn(br, chunk=4)
     FakeEngine(conn)
     ns = conn.ns
@@ -592,5 +592,6 @@ def test_breaker_gives_background_saves_a_long_deadline_and_gets_a_per_chunk_one
     c = create_connector(url="http://127.0.0.1:9", chunk_size=16, deadline_s=0.5)
     store = c.store
     assert isinstance(store, CircuitBreakerStore)
-    assert (store.put_timeout_s, store.get_timeout_s_per_chunk) == (SAVE_TIMEOUT_S, 0.05)
+    assert (store.put_timeout_s, store.get_timeout_s_per_chunk, store.get_timeout_s_base) == (
+        SAVE_TIMEOUT_S, 0.05, 0.5)
     c.close()
