@@ -8,8 +8,8 @@ prefix caching OFF so every reuse comes through the connector. Workload per docu
 ExampleConnector handles), question 2 (a shared-prefix hit: only our chunk store serves it).
 TTFT is vLLM's own per-request figure (engine-core time from queued to first token, so it
 includes the connector's lookup and load); ``computed_tokens_p50_*``: prompt tokens vLLM still
-computed on a hit (our connector loads whole chunks; ``--fine-chunk-size`` adds a row at vLLM's
-128-token block size, the granularity of ExampleConnector); the 16-token greedy answer is compared token by token
+computed on a hit (our connector loads whole chunks, then the tail in vLLM-block-sized pieces;
+``--fine-chunk-size 128`` adds a row with 128-token chunks); the 16-token greedy answer is compared token by token
 with the no-connector answers.
 
 Run in the vLLM environment::
@@ -266,9 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--chunk-size", type=int, default=256,
                    help="our connector's chunk size (256 = engine_min's, so both share chunks)")
-    p.add_argument("--fine-chunk-size", type=int, default=128,
-                   help="also run our CPU tier with this chunk size (0: skip); 128 = vLLM CPU's "
-                        "block size, the load granularity of ExampleConnector")
+    p.add_argument("--fine-chunk-size", type=int, default=0,
+                   help="also run our CPU tier with this chunk size (0: skip), e.g. 128 = vLLM "
+                        "CPU's block size, the load granularity of ExampleConnector")
     p.add_argument("--engine-min", action="store_true",
                    help="also time engine_min (without a store: none is wired to it yet)")
     p.add_argument("--json", help="write the full results here")
@@ -314,9 +314,9 @@ def main(argv: list[str] | None = None) -> int:
               "configs": table, "wall_s": round(time.perf_counter() - t_all, 1),
               "notes": "vLLM prefix caching off; TTFT = vLLM request metrics (queued -> first token); "
                        "outputs compared with the no-connector run token by token; our connector "
-                       "loads whole chunks only, so a hit recomputes prompt_len - "
-                       "floor(prompt_len / chunk_size) * chunk_size tokens (ExampleConnector: "
-                       "the tail past the last 128-token block)"}
+                       "loads whole chunks and then tail pieces of vLLM's block size (128), so a hit "
+                       "recomputes what ExampleConnector does: the tokens past the last whole "
+                       "block before the last prompt token"}
     print(json.dumps(table, indent=2))
     if a.json:
         Path(a.json).write_text(json.dumps({**report, "runs": runs}, indent=2))

@@ -20,6 +20,11 @@ Use (a vLLM ``KVTransferConfig``)::
   for the same model id, revision and KV layout, so both engines share chunks only when the
   layouts (layers, KV heads, head_dim, dtype, chunk size) match; otherwise they are namespaced
   apart. A request's ``cache_salt`` becomes the namespace's salt.
+* ``tail_chunk_size`` (default: vLLM's block size when it divides ``chunk_size``, else 0 =
+  off): the prompt tokens past the last full chunk are also stored as pieces of this many
+  tokens, in a namespace of their own (the same layout with this chunk size), so a hit
+  recomputes at most ``tail_chunk_size`` tokens instead of up to ``chunk_size``, as vLLM's
+  block-granular ExampleConnector does. The full chunks keep engine_min's keys.
 * ``timeout_s`` (default 2.0): deadline of each store call made before or during a forward
   pass; a late or failed lookup means a miss, a late or failed load is reported to vLLM as
   failed blocks, which vLLM recomputes when ``kv_load_failure_policy="recompute"`` (set it:
@@ -30,7 +35,9 @@ Use (a vLLM ``KVTransferConfig``)::
   removes them before the load (0 disables pinning).
 
 What moves: whole chunks of ``chunk_size`` prompt tokens, as tensors
-``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` (K = index 0, V = index 1). Only tokens
+``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` (K = index 0, V = index 1), then the
+prompt's tail past the last full chunk in whole pieces of ``tail_chunk_size`` tokens (loaded
+only when every full chunk past vLLM's own hit is stored; counted as ``*_tail_chunks``). Only tokens
 beyond vLLM's own prefix-cache hit are loaded, and at most ``prompt_len - 1`` tokens (the last
 prompt token is always computed). A chunk is saved once vLLM has computed all its tokens; the
 KV is copied out of the paged cache at the end of that step and written by a background thread.
@@ -46,6 +53,7 @@ Importing this module needs vLLM; the rest of the project does not.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import re
@@ -172,6 +180,12 @@ class _ReqState:
     load_pending: bool = False
     saved_upto: int = 0         # chunks [0, saved_upto) are stored or queued for saving
     block_ids: list[int] = field(default_factory=list)
+    # tail pieces (``tail_ns``'s chunk size): pieces ``tail_first, ...`` past the full chunks
+    tail_ns: Namespace | None = None
+    tail_first: int = 0
+    tail_keys: list[ChunkKey] = field(default_factory=list)
+    tail_present: list[bool] = field(default_factory=list)
+    tail_saved_upto: int = 0
 
 
 # ------------------------------------------------------------------------------------------
@@ -425,6 +439,16 @@ class KVStoreConnector(KVConnectorBase_V1):
                                   revision=str(extra.get("revision", "")),
                                   hash_algo=str(extra.get("hash_algo", "sha256")))
         self._ns_cache: dict[str, Namespace] = {"": self._ns_base}
+        tail = extra.get("tail_chunk_size")
+        if tail is None:
+            bs = self._block_size
+            tail = bs if bs < chunk_size and chunk_size % bs == 0 else 0
+        tail = int(tail)
+        if tail and (tail < 0 or tail >= chunk_size or chunk_size % tail):
+            raise ValueError(f"tail_chunk_size {tail} must divide chunk_size {chunk_size} "
+                             f"and be smaller (0 disables tail pieces)")
+        self.tail_chunk_size = tail
+        self._tail_ns_cache: dict[str, Namespace] = {}
         self.timeout_s = float(extra.get("timeout_s", 2.0))
         self.pin_lease_s = float(extra.get("pin_lease_s", 30.0))
         self._remote = bool(extra.get("kvstore_url"))
@@ -433,7 +457,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             "lookups": 0, "lookup_errors": 0, "hit_tokens": 0, "local_tokens": 0,
             "external_tokens": 0, "loads": 0, "loaded_chunks": 0, "loaded_tokens": 0,
             "load_errors": 0, "load_s": 0.0, "saved_chunks": 0, "save_errors": 0,
-            "dropped_saves": 0, "save_copy_s": 0.0, "save_s": 0.0}
+            "dropped_saves": 0, "save_copy_s": 0.0, "save_s": 0.0,
+            "loaded_tail_chunks": 0, "saved_tail_chunks": 0}
         self._counters_lock = threading.Lock()
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
@@ -480,6 +505,18 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._ns_cache[salt] = ns
         return ns
 
+    def _tail_ns(self, ns: Namespace) -> Namespace | None:
+        """The namespace of tail pieces for ``ns`` (same model, layout but the tail chunk size,
+        same salt), or None when tail pieces are off."""
+        if not self.tail_chunk_size:
+            return None
+        t = self._tail_ns_cache.get(ns.cache_salt)
+        if t is None:
+            lay = dataclasses.replace(ns.layout, chunk_size=self.tail_chunk_size)
+            t = dataclasses.replace(ns, layout=lay)
+            self._tail_ns_cache[ns.cache_salt] = t
+        return t
+
     def _call(self, fn, *args):
         if self._remote:
             return fn(*args, timeout_s=self.timeout_s)
@@ -500,37 +537,70 @@ class KVStoreConnector(KVConnectorBase_V1):
             ns = self._ns(request)
             keys = ns.chunk_keys(tokens[:n_chunks * C]) if n_chunks else []
             state = _ReqState(request, ns, keys, [False] * len(keys))
+            tns = self._tail_ns(ns)
+            if tns is not None:
+                F = self.tail_chunk_size
+                state.tail_ns, state.tail_first = tns, n_chunks * C // F
+                n_f = len(tokens) // F
+                if n_f > state.tail_first:
+                    state.tail_keys = tns.chunk_keys(tokens[:n_f * F])[state.tail_first:]
+                state.tail_present = [False] * len(state.tail_keys)
             self._reqs[request.request_id] = state
         state.num_local = num_computed_tokens
         state.num_external = 0
         max_end = len(tokens) - 1
-        first = num_computed_tokens // C
-        if not state.keys or first >= n_chunks or first * C >= max_end:
+        nc = num_computed_tokens
+        first = nc // C
+        has_full = first < n_chunks and first * C < max_end
+        if nc >= max_end or not (has_full or state.tail_keys):
             return 0, False
         t0 = time.perf_counter()
-        try:
-            state.present = list(self._call(self.store.exists, state.ns, state.keys))
-        except Exception as e:  # store down or late: a miss
-            self._count(lookups=1, lookup_errors=1)
-            log.warning("kvstore lookup failed (%s); prefilling", e)
-            state.present = [False] * len(state.keys)
-            return 0, False
-        n_hit = 0
-        while first + n_hit < n_chunks and state.present[first + n_hit]:
-            n_hit += 1
-        hit_end = min((first + n_hit) * C, max_end)
-        ext = max(0, hit_end - num_computed_tokens)
+        n_hit, end = 0, nc
+        if has_full:
+            try:
+                state.present = list(self._call(self.store.exists, state.ns, state.keys))
+            except Exception as e:  # store down or late: a miss
+                self._count(lookups=1, lookup_errors=1)
+                log.warning("kvstore lookup failed (%s); prefilling", e)
+                state.present = [False] * len(state.keys)
+                return 0, False
+            while first + n_hit < n_chunks and state.present[first + n_hit]:
+                n_hit += 1
+            end = (first + n_hit) * C
+        # tail pieces past the last full chunk, when every full chunk past vLLM's hit is here
+        F = self.tail_chunk_size
+        r0 = max(0, nc // F - state.tail_first) if F else 0
+        t_hit = 0
+        if (F and (not has_full or first + n_hit == n_chunks) and r0 < len(state.tail_keys)
+                and (state.tail_first + r0) * F < max_end):
+            try:
+                got = list(self._call(self.store.exists, state.tail_ns, state.tail_keys[r0:]))
+                state.tail_present[r0:] = got
+            except Exception as e:  # the full chunks still count
+                log.warning("kvstore tail lookup failed (%s)", e)
+                self._count(lookup_errors=1)
+                got = []
+            while t_hit < len(got) and got[t_hit]:
+                t_hit += 1
+            if t_hit:
+                end = (state.tail_first + r0 + t_hit) * F
+        hit_end = min(end, max_end)
+        ext = max(0, hit_end - nc)
         self._count(lookups=1, hit_tokens=ext)
         if ext and self.pin_lease_s > 0:
             try:
-                self._call(self.store.pin, state.ns, state.keys[first:first + n_hit],
-                           self.pin_lease_s)
+                if n_hit:
+                    self._call(self.store.pin, state.ns, state.keys[first:first + n_hit],
+                               self.pin_lease_s)
+                if t_hit:
+                    self._call(self.store.pin, state.tail_ns,
+                               state.tail_keys[r0:r0 + t_hit], self.pin_lease_s)
             except Exception as e:
                 log.warning("kvstore pin failed (%s); prefilling", e)
                 self._count(lookup_errors=1)
                 return 0, False
         log.debug("lookup %s: %.2f ms, %d local + %d external tokens", request.request_id,
-                  (time.perf_counter() - t0) * 1e3, num_computed_tokens, ext)
+                  (time.perf_counter() - t0) * 1e3, nc, ext)
         return ext, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
@@ -580,26 +650,54 @@ class KVStoreConnector(KVConnectorBase_V1):
                 state.load_pending = False
                 start = state.num_local
                 end = start + state.num_external
-                first, last = start // C, (end - 1) // C
-                meta.loads.append(ChunkTransfer(req_id, state.ns, first,
-                                                state.keys[first:last + 1], start, end, block_ids))
-                for j in range(first, last + 1):
-                    state.present[j] = True
+                full_end = len(state.keys) * C     # full chunks, then tail pieces
+                if start < full_end:
+                    e = min(end, full_end)
+                    first, last = start // C, (e - 1) // C
+                    meta.loads.append(ChunkTransfer(req_id, state.ns, first,
+                                                    state.keys[first:last + 1], start, e,
+                                                    block_ids))
+                    for j in range(first, last + 1):
+                        state.present[j] = True
+                if end > full_end and state.tail_ns is not None:
+                    F, tf = self.tail_chunk_size, state.tail_first
+                    s0 = max(start, full_end)
+                    first, last = s0 // F, (end - 1) // F
+                    meta.loads.append(ChunkTransfer(req_id, state.tail_ns, first,
+                                                    state.tail_keys[first - tf:last + 1 - tf],
+                                                    s0, end, block_ids))
+                    for j in range(first, last + 1):
+                        state.tail_present[j - tf] = True
             done = num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             n_full = min(done // C, len(state.keys))
             todo = [j for j in range(state.saved_upto, n_full) if not state.present[j]]
             state.saved_upto = max(state.saved_upto, n_full)
-            # one transfer per run of consecutive chunks
-            run: list[int] = []
-            for j in todo + [None]:
-                if run and (j is None or j != run[-1] + 1):
-                    meta.saves.append(ChunkTransfer(req_id, state.ns, run[0],
-                                                    [state.keys[k] for k in run], run[0] * C,
-                                                    (run[-1] + 1) * C, block_ids))
-                    run = []
-                if j is not None:
-                    run.append(j)
+            meta.saves += self._save_runs(req_id, state.ns, state.keys, 0, todo, block_ids)
+            if state.tail_keys:
+                F, tf = self.tail_chunk_size, state.tail_first
+                n_t = min(done // F, tf + len(state.tail_keys))
+                todo = [j for j in range(max(state.tail_saved_upto, tf), n_t)
+                        if not state.tail_present[j - tf]]
+                state.tail_saved_upto = max(state.tail_saved_upto, n_t)
+                meta.saves += self._save_runs(req_id, state.tail_ns, state.tail_keys, tf, todo,
+                                              block_ids)
         return meta
+
+    @staticmethod
+    def _save_runs(req_id: str, ns: Namespace, keys: list[ChunkKey], key0: int, todo: list[int],
+                   block_ids: list[int]) -> list[ChunkTransfer]:
+        """One save transfer per run of consecutive chunk indices in ``todo`` (``keys[0]`` is
+        chunk ``key0`` of ``ns``'s chunk size)."""
+        C = ns.layout.chunk_size
+        out, run = [], []
+        for j in todo + [None]:
+            if run and (j is None or j != run[-1] + 1):
+                out.append(ChunkTransfer(req_id, ns, run[0], [keys[k - key0] for k in run],
+                                         run[0] * C, (run[-1] + 1) * C, block_ids))
+                run = []
+            if j is not None:
+                run.append(j)
+        return out
 
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -668,10 +766,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         if not isinstance(meta, KVStoreConnectorMetadata) or not meta.loads:
             return
         paged = self._ensure_layout()
-        C = self.layout.chunk_size
         caches = list(self._kv_caches.values())
         for t in meta.loads:
             t0 = time.perf_counter()
+            C = t.ns.layout.chunk_size
+            tail = t.ns.layout != self.layout
             if paged is None:
                 self._fail(t, t.start)
                 continue
@@ -689,7 +788,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                     self._fail(t, lo)
                     break
                 try:
-                    self.layout.validate(kv)
+                    t.ns.layout.validate(kv)
                     plan = paged.plan(self._slots(t, lo, hi))
                     part = kv[:, :, lo - c0:hi - c0]
                     for layer, cache in enumerate(caches):
@@ -699,7 +798,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                     self._fail(t, lo)
                     break
                 n_tok += hi - lo
-                self._count(loaded_chunks=1)
+                self._count(**{"loaded_tail_chunks" if tail else "loaded_chunks": 1})
             self._count(loads=1, loaded_tokens=n_tok, load_s=time.perf_counter() - t0)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -722,14 +821,15 @@ class KVStoreConnector(KVConnectorBase_V1):
         if paged is None:
             return
         caches = list(self._kv_caches.values())
-        C = self.layout.chunk_size
         for t in meta.saves:
             t0 = time.perf_counter()
+            lay = t.ns.layout
+            C = lay.chunk_size
             try:
                 kvs = []
                 for i in range(len(t.keys)):
                     plan = paged.plan(self._slots(t, t.start + i * C, t.start + (i + 1) * C))
-                    kv = torch.empty(self.layout.shape(), dtype=self.layout.torch_dtype)
+                    kv = torch.empty(lay.shape(), dtype=lay.torch_dtype)
                     for layer, c in enumerate(caches):
                         paged.gather(c, plan, out=kv[layer])
                     kvs.append(kv)
@@ -753,7 +853,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 t0 = time.perf_counter()
                 try:
                     self._call(self.store.put_chunks, ns, keys, kvs)
-                    self._count(saved_chunks=len(keys), save_s=time.perf_counter() - t0)
+                    which = "saved_tail_chunks" if ns.layout != self.layout else "saved_chunks"
+                    self._count(**{which: len(keys), "save_s": time.perf_counter() - t0})
                 except Exception as e:
                     log.warning("kvstore put failed (%s)", e)
                     self._count(save_errors=1)

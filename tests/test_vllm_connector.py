@@ -96,6 +96,8 @@ def test_cold_run_saves_full_chunks_and_matches_baseline(engine, prompts, baseli
     out, dw, ds = _gen(engine, prompts["P"])
     assert out == baseline["P"]
     assert dw["saved_chunks"] == len(prompts["P"]) // CHUNK == 4
+    # the tail past the full chunks is kept in BLOCK-token pieces: [1024, 1152) of 1229 tokens
+    assert dw["saved_tail_chunks"] == (len(prompts["P"]) - 4 * CHUNK) // BLOCK == 1
     assert dw["loaded_tokens"] == 0 and ds["external_tokens"] == 0
     assert dw["dropped_saves"] == 0 and dw["save_errors"] == 0
 
@@ -113,12 +115,15 @@ def _hf_kv(model_dir: str, tokens: list[int]) -> list[tuple[torch.Tensor, torch.
 
 def test_stored_chunks_equal_reference_kv_token_by_token(engine, prompts, model_dir):
     w = engine["w"]
-    p = prompts["P"][:4 * CHUNK]
+    p = prompts["P"][:4 * CHUNK + BLOCK]
     keys = w._ns_base.chunk_keys(p)
+    tail_ns = w._tail_ns(w._ns_base)                    # BLOCK-token pieces past the chunks
+    assert tail_ns.layout.chunk_size == BLOCK and tail_ns != w._ns_base
     chunks = w.store.get_chunks(w._ns_base, keys)
-    assert all(c is not None for c in chunks)
-    kv = torch.cat(chunks, dim=2)                       # [L, 2, 1024, H, D]
-    assert tuple(kv.shape) == (30, 2, 1024, 3, 64) and kv.dtype == torch.float32
+    chunks += w.store.get_chunks(tail_ns, tail_ns.chunk_keys(p)[4 * CHUNK // BLOCK:])
+    assert len(chunks) == 5 and all(c is not None for c in chunks)
+    kv = torch.cat(chunks, dim=2)                       # [L, 2, 1152, H, D]
+    assert tuple(kv.shape) == (30, 2, 1152, 3, 64) and kv.dtype == torch.float32
     ref = _hf_kv(model_dir, p)
     worst = 0.0
     for layer, (k, v) in enumerate(ref):               # k, v: [H, T, D]
@@ -171,9 +176,10 @@ def test_after_prefix_cache_reset_the_store_supplies_the_prefix(engine, prompts,
     out, dw, ds = _gen(engine, prompts["P"])
     assert out == baseline["P"]
     assert ds["local_tokens"] == 0
-    assert dw["loaded_tokens"] == ds["external_tokens"] == 4 * CHUNK
-    assert dw["loaded_chunks"] == 4 and dw["load_errors"] == 0
-    assert dw["saved_chunks"] == 0                      # already stored
+    assert dw["loaded_tokens"] == ds["external_tokens"] == 4 * CHUNK + BLOCK  # + tail piece
+    assert dw["loaded_chunks"] == 4 and dw["loaded_tail_chunks"] == 1
+    assert dw["load_errors"] == 0
+    assert dw["saved_chunks"] == 0 and dw["saved_tail_chunks"] == 0   # already stored
 
 
 def test_only_tokens_beyond_vllm_hit_are_loaded(engine, prompts, baseline):
@@ -184,8 +190,8 @@ def test_only_tokens_beyond_vllm_hit_are_loaded(engine, prompts, baseline):
     out, dw, ds = _gen(engine, prompts["P"])
     assert out == baseline["P"]
     assert ds["local_tokens"] == 600 // BLOCK * BLOCK == 512   # vLLM has Q's common blocks
-    assert dw["loaded_tokens"] == 4 * CHUNK - 512             # only the rest comes from us
-    assert dw["loaded_chunks"] == 2
+    assert dw["loaded_tokens"] == 4 * CHUNK - 512 + BLOCK     # only the rest comes from us
+    assert dw["loaded_chunks"] == 2 and dw["loaded_tail_chunks"] == 1
 
 
 class _Failing:
@@ -212,7 +218,8 @@ def test_store_load_error_falls_back_to_recompute(engine, prompts, baseline):
     finally:
         w.store = real
     assert out == baseline["P"]
-    assert ds["external_tokens"] == 4 * CHUNK and dw["load_errors"] == 1
+    assert ds["external_tokens"] == 4 * CHUNK + BLOCK
+    assert dw["load_errors"] == 2                       # the full chunks and the tail piece
     assert dw["loaded_tokens"] == 0
 
 
@@ -238,8 +245,8 @@ def test_two_engine_processes_share_prefix_through_daemon(model_dir, prompts, ba
     ra, rb = a["results"][0], b["results"][0]
     assert ra["output_ids"] == baseline["P"] and rb["output_ids"] == baseline["P"]
     wa, wb = a["connector"]["worker"], b["connector"]["worker"]
-    assert wa["saved_chunks"] == 4 and wa["loaded_tokens"] == 0
-    assert wb["loaded_tokens"] == 4 * CHUNK and wb["load_errors"] == 0
+    assert wa["saved_chunks"] == 4 and wa["saved_tail_chunks"] == 1 and wa["loaded_tokens"] == 0
+    assert wb["loaded_tokens"] == 4 * CHUNK + BLOCK and wb["load_errors"] == 0
     assert wb["saved_chunks"] == 0 and wb["remote"] is True
     assert rb["ttft_s"] < ra["ttft_s"], (rb["ttft_s"], ra["ttft_s"])
 
