@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -206,21 +207,41 @@ class Daemon:
 # ------------------------------------------------------------------------------------------
 # The comparison
 # ------------------------------------------------------------------------------------------
-def _engine_min_row(workload: list[dict], max_tokens: int) -> dict:
-    """engine_min (no store connector is wired to it yet) on the same prompts, as a reference."""
+def _engine_min_row(workload: list[dict], max_tokens: int, **store: Any) -> dict:
+    """engine_min on the same prompts (its own prefix cache off). With ``store`` (``url=`` a
+    daemon, or ``cpu_bytes=``) it runs with our connector at chunk 256: on the daemon that vLLM
+    wrote to, engine_min loads vLLM's chunks (same namespace), which is cross-engine sharing."""
+    from connectors.factory import create_connector
     from engine_min.config import EngineConfig
     from engine_min.engine import LLMEngine
     from engine_min.sampler import SamplingParams
-    eng = LLMEngine(EngineConfig(enable_prefix_caching=False))
+    conn = create_connector(chunk_size=256, deadline_s=5.0, **store) if store else None
+    eng = LLMEngine(EngineConfig(enable_prefix_caching=False), connector=conn)
     res = []
-    for w in workload:
-        t = time.perf_counter()
-        eng.generate([w["tokens"]], SamplingParams(temperature=0.0, max_tokens=1))
-        ttft = time.perf_counter() - t
-        out = eng.generate([w["tokens"]], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0]
-        ids = list(out.output_token_ids)
-        res.append({"ttft_s": ttft, "output_ids": ids})
+    try:
+        for w in workload:
+            t = time.perf_counter()
+            first = eng.generate([w["tokens"]], SamplingParams(temperature=0.0, max_tokens=1))[0]
+            ttft = time.perf_counter() - t
+            if conn is not None:
+                conn.wait_for_save(30)
+            out = eng.generate([w["tokens"]],
+                               SamplingParams(temperature=0.0, max_tokens=max_tokens))[0]
+            res.append({"ttft_s": ttft, "output_ids": list(out.output_token_ids),
+                        "cached_tokens": first.num_cached_tokens})
+    finally:
+        if conn is not None:
+            conn.close()
     return {"results": res}
+
+
+def _engine_min_run(runs: dict, name: str, workload: list[dict], max_tokens: int,
+                    **store: Any) -> None:
+    print(f"[vllm_compare] {name} ...", file=sys.stderr, flush=True)
+    try:
+        runs[name] = _engine_min_row(workload, max_tokens, **store)
+    except Exception as e:  # engine_min missing or broken: the vLLM rows still count
+        runs[name] = {"skipped": f"engine_min unavailable: {e!r}"}
 
 
 def summarize(workload: list[dict], runs: dict[str, dict]) -> dict:
@@ -249,6 +270,9 @@ def summarize(workload: list[dict], runs: dict[str, dict]) -> dict:
                 row[f"computed_tokens_p50_{kind}"] = statistics.median(ct)
         same = [r["output_ids"] == b["output_ids"] for r, b in zip(run["results"], base)]
         row["outputs_equal"] = f"{sum(same)}/{len(same)}"
+        cached = [r["cached_tokens"] for r in run["results"] if "cached_tokens" in r]
+        if cached:
+            row["engine_min_loaded_tokens_first_call"] = sum(cached)
         conn = run.get("connector", {}).get("worker")
         if conn:
             row["loaded_tokens"] = conn.get("loaded_tokens")
@@ -270,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run our CPU tier with this chunk size (0: skip), e.g. 128 = vLLM "
                         "CPU's block size, the load granularity of ExampleConnector")
     p.add_argument("--engine-min", action="store_true",
-                   help="also time engine_min (without a store: none is wired to it yet)")
+                   help="also time engine_min: alone, with an in-process CPU store, and on the "
+                        "daemon vLLM filled (cross-engine hits)")
     p.add_argument("--json", help="write the full results here")
     a = p.parse_args(argv)
     if a.child:
@@ -302,12 +327,13 @@ def main(argv: list[str] | None = None) -> int:
             for name in ("ours-daemon", "ours-daemon-2nd-process"):
                 print(f"[vllm_compare] {name} ...", file=sys.stderr, flush=True)
                 runs[name] = run_child({**common, "connector": "ours-daemon", "url": d.url})
+            if a.engine_min and a.chunk_size == 256:
+                _engine_min_run(runs, "engine_min + daemon vLLM filled", workload, a.max_tokens,
+                                url=d.url)
     if a.engine_min:
-        try:
-            print("[vllm_compare] engine_min ...", file=sys.stderr, flush=True)
-            runs["engine_min (no store)"] = _engine_min_row(workload, a.max_tokens)
-        except Exception as e:
-            runs["engine_min (no store)"] = {"skipped": f"engine_min unavailable: {e!r}"}
+        _engine_min_run(runs, "engine_min (no store)", workload, a.max_tokens)
+        _engine_min_run(runs, "engine_min + cpu store", workload, a.max_tokens,
+                        cpu_bytes="1GiB")
     table = summarize(workload, runs)
     report = {"workload": {"docs": a.docs, "prompt_tokens": [len(x) for x in prompts],
                            "kinds": [w["kind"] for w in workload]},
