@@ -27,7 +27,6 @@ import asyncio
 import hmac
 import inspect
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,6 +39,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvstore import protocol as P
 from kvstore.api import KVStoreBase
+# re-exported: kvstore.server stays the public import path of these
+from kvstore.server_budget import BufferPool, ByteBudget  # noqa: F401
+from kvstore.server_run import ThreadedServer, serve_until_signal, set_ready  # noqa: F401
 
 log = logging.getLogger("kvstore.server")
 
@@ -79,108 +81,6 @@ class ServerLimits:
     max_lease_s: float = 300.0
     store_threads: int = 4
     max_inflight_bytes: int = 256 << 20
-
-
-class ByteBudget:
-    """Asyncio byte budget (a counting semaphore in bytes) for payloads in flight.
-
-    ``acquire(n)`` waits until ``n`` more bytes fit under ``capacity`` (a request of more than
-    ``capacity`` waits until nothing else is held, then runs alone); waiters are served in
-    arrival order, so a large request is not starved by small ones. Event-loop only.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.held = 0
-        self.peak = 0
-        self._waiters: list[tuple[int, asyncio.Future]] = []
-
-    def _fits(self, n: int) -> bool:
-        return self.held == 0 or self.held + n <= self.capacity
-
-    async def acquire(self, n: int, timeout_s: float) -> None:
-        """Take ``n`` bytes, waiting up to ``timeout_s`` seconds.
-
-        Raises:
-            P.ProtocolError(503): still no room after ``timeout_s``.
-        """
-        if self.capacity <= 0:
-            return
-        if not self._waiters and self._fits(n):
-            self._take(n)
-            return
-        fut = asyncio.get_running_loop().create_future()
-        item = (n, fut)
-        self._waiters.append(item)
-        try:
-            async with asyncio.timeout(timeout_s):
-                await fut
-        except TimeoutError:
-            if fut.done() and not fut.cancelled():  # granted just as the timeout fired
-                self.release(n)
-            else:
-                self._waiters.remove(item)
-                self._wake()
-            raise P.ProtocolError(f"server busy: {self.held} payload bytes in flight "
-                                  f"(budget {self.capacity}); waited {timeout_s:.3g} s", 503)
-        except BaseException:
-            if fut.done() and not fut.cancelled():
-                self.release(n)
-            elif item in self._waiters:
-                self._waiters.remove(item)
-                self._wake()
-            raise
-
-    def _take(self, n: int) -> None:
-        self.held += n
-        self.peak = max(self.peak, self.held)
-
-    def release(self, n: int) -> None:
-        """Give back ``n`` bytes taken by ``acquire`` and wake waiters that now fit."""
-        if self.capacity <= 0:
-            return
-        self.held -= n
-        self._wake()
-
-    def _wake(self) -> None:
-        while self._waiters and self._fits(self._waiters[0][0]):
-            n, fut = self._waiters.pop(0)
-            if fut.done():
-                continue
-            self._take(n)
-            fut.set_result(None)
-
-
-class BufferPool:
-    """Reusable payload buffers (1-D ``uint8`` CPU tensors), kept per size up to
-    ``max_bytes`` in all. Put bodies are read into them and get results copied into them, so
-    a busy server neither allocates nor page-faults a fresh 5.9 MB buffer per chunk, and its
-    memory above the tiers stays at most the in-flight byte budget. Thread-safe.
-    """
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.pooled = 0
-        self._free: dict[int, list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A buffer of exactly ``nbytes`` bytes (contents undefined)."""
-        with self._lock:
-            free = self._free.get(nbytes)
-            if free:
-                self.pooled -= nbytes
-                return free.pop()
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def give(self, bufs) -> None:
-        """Return buffers obtained from ``take`` (the caller no longer uses them)."""
-        with self._lock:
-            for b in bufs:
-                n = b.numel()
-                if self.pooled + n <= self.max_bytes:
-                    self._free.setdefault(n, []).append(b)
-                    self.pooled += n
 
 
 def _shaped(buf: torch.Tensor, layout) -> torch.Tensor:
@@ -628,90 +528,3 @@ def _find_registry(store: Any) -> CollectorRegistry | None:
         if isinstance(obj, CollectorRegistry):
             return obj
     return None
-
-
-def set_ready(app: web.Application, ready: bool) -> None:
-    """Flip /readyz (False while draining on SIGTERM)."""
-    app[STATE_KEY].ready = ready
-
-
-async def serve_until_signal(app: web.Application, host: str, port: int, *,
-                             shutdown_timeout_s: float = 30.0, on_listen=None) -> None:
-    """Serve ``app`` until SIGTERM/SIGINT, then drain: /readyz turns 503, the listening socket
-    closes (no new connections), in-flight requests finish (up to ``shutdown_timeout_s``), and
-    the app's cleanup runs. The caller closes (flushes) the store afterwards.
-
-    Args:
-        on_listen: called with the bound ``(host, port)`` once listening (port 0 resolves).
-    """
-    import signal
-    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=shutdown_timeout_s,
-                           access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
-    await site.start()
-    bound = site._server.sockets[0].getsockname()[:2]  # type: ignore[union-attr]
-    if on_listen is not None:
-        on_listen(bound)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-        log.info("signal received: draining")
-        set_ready(app, False)
-        for s in list(runner.sites):  # stop accepting connections
-            await s.stop()
-        # aiohttp's own shutdown stops reading request bodies at once, so uploads in flight
-        # would be lost: wait for them here first (new requests on open connections get 503).
-        if not await app[STATE_KEY].wait_idle(shutdown_timeout_s):
-            log.warning("%d requests still in flight after %.1f s; cancelling them",
-                        app[STATE_KEY].active, shutdown_timeout_s)
-    finally:
-        await runner.cleanup()
-
-
-class ThreadedServer:
-    """Serve an app on a private event-loop thread (embedding in a process, tests, benches).
-
-    ``with ThreadedServer(create_app(store)) as srv: KVStoreClient(srv.url)``. The store is not
-    closed on stop (the caller owns it).
-    """
-
-    def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0):
-        import threading
-        self.app = app
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-server",
-                                        daemon=True)
-        self._thread.start()
-        self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=5,
-                                     access_log=None)
-        self.host, self.port = asyncio.run_coroutine_threadsafe(
-            self._start(host, port), self._loop).result(30)
-
-    async def _start(self, host: str, port: int):
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        return site._server.sockets[0].getsockname()[:2]  # type: ignore[union-attr]
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def stop(self) -> None:
-        """Stop listening, finish in-flight requests, stop the loop thread. Idempotent."""
-        if self._loop.is_closed():
-            return
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
-
-    def __enter__(self) -> "ThreadedServer":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()

@@ -1,0 +1,103 @@
+"""Running a kvstore server app: SIGTERM/SIGINT drain (``serve_until_signal``) and a
+private event-loop thread (``ThreadedServer``)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from aiohttp import web
+
+log = logging.getLogger("kvstore.server")
+
+
+def _state_key():
+    from kvstore.server import STATE_KEY  # late: kvstore.server re-exports this module
+    return STATE_KEY
+
+
+def set_ready(app: web.Application, ready: bool) -> None:
+    """Flip /readyz (False while draining on SIGTERM)."""
+    app[_state_key()].ready = ready
+
+
+async def serve_until_signal(app: web.Application, host: str, port: int, *,
+                             shutdown_timeout_s: float = 30.0, on_listen=None) -> None:
+    """Serve ``app`` until SIGTERM/SIGINT, then drain: /readyz turns 503, the listening socket
+    closes (no new connections), in-flight requests finish (up to ``shutdown_timeout_s``), and
+    the app's cleanup runs. The caller closes (flushes) the store afterwards.
+
+    Args:
+        on_listen: called with the bound ``(host, port)`` once listening (port 0 resolves).
+    """
+    import signal
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=shutdown_timeout_s,
+                           access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[:2]  # type: ignore[union-attr]
+    if on_listen is not None:
+        on_listen(bound)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        log.info("signal received: draining")
+        set_ready(app, False)
+        for s in list(runner.sites):  # stop accepting connections
+            await s.stop()
+        # aiohttp's own shutdown stops reading request bodies at once, so uploads in flight
+        # would be lost: wait for them here first (new requests on open connections get 503).
+        if not await app[_state_key()].wait_idle(shutdown_timeout_s):
+            log.warning("%d requests still in flight after %.1f s; cancelling them",
+                        app[_state_key()].active, shutdown_timeout_s)
+    finally:
+        await runner.cleanup()
+
+
+class ThreadedServer:
+    """Serve an app on a private event-loop thread (embedding in a process, tests, benches).
+
+    ``with ThreadedServer(create_app(store)) as srv: KVStoreClient(srv.url)``. The store is not
+    closed on stop (the caller owns it).
+    """
+
+    def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0):
+        import threading
+        self.app = app
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-server",
+                                        daemon=True)
+        self._thread.start()
+        self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=5,
+                                     access_log=None)
+        self.host, self.port = asyncio.run_coroutine_threadsafe(
+            self._start(host, port), self._loop).result(30)
+
+    async def _start(self, host: str, port: int):
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        return site._server.sockets[0].getsockname()[:2]  # type: ignore[union-attr]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        """Stop listening, finish in-flight requests, stop the loop thread. Idempotent."""
+        if self._loop.is_closed():
+            return
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    def __enter__(self) -> "ThreadedServer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
