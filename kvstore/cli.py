@@ -45,8 +45,9 @@ def _serve_parser(sub) -> None:
                    help="SIGTERM waits this long for in-flight requests (default 30)")
     p.add_argument("--max-inflight-bytes",
                    help="payload bytes requests may hold at once; more wait (up to the "
-                        "request timeout, then 503). Default auto: cpu+gpu bytes / 8, at "
-                        "least 64MiB; 0 = unbounded")
+                        "request timeout, then 503); CPU-tier chunks take none (read and sent in "
+                        "place). Default auto: cpu+gpu bytes / 16, at least 32MiB; 0 = "
+                        "unbounded")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -37,8 +37,10 @@ class ServeConfig:
             ``kvstore.server.ServerLimits``.
         shutdown_timeout_s: how long SIGTERM waits for in-flight requests (seconds).
         max_inflight_bytes: budget of chunk payload bytes that requests hold at once (see
-            ``kvstore.server.ServerLimits``); None = auto: an eighth of the memory tiers'
-            capacity, at least 64 MiB; 0 = no budget.
+            ``kvstore.server.ServerLimits``); None = auto: a sixteenth of the memory tiers'
+            capacity, at least 32 MiB; 0 = no budget. Chunks put into or sent from the CPU
+            tier take none of it (direct I/O); it bounds staging: durable puts, chunks read
+            from the disk tier, and puts that find the CPU tier full of pinned chunks.
 
     Raises:
         ValueError: a bad size, port, log level or timeout (not a positive number of seconds),
@@ -68,7 +70,7 @@ class ServeConfig:
             object.__setattr__(self, name, parse_size(getattr(self, name)))
         if self.max_inflight_bytes is None or str(self.max_inflight_bytes).lower() == "auto":
             object.__setattr__(self, "max_inflight_bytes",
-                               max(64 << 20, (self.cpu_bytes + self.gpu_bytes) // 8))
+                               max(32 << 20, (self.cpu_bytes + self.gpu_bytes) // 16))
         else:
             object.__setattr__(self, "max_inflight_bytes", parse_size(self.max_inflight_bytes))
         for name, typ in (("port", int), ("max_batch_keys", int), ("request_timeout_s", float),

@@ -33,12 +33,14 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import xxhash
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvstore import protocol as P
 from kvstore.api import KVStoreBase
+from kvstore.direct import Reservation
 # re-exported: kvstore.server stays the public import path of these
 from kvstore.server_budget import BufferPool, ByteBudget  # noqa: F401
 from kvstore.server_run import ThreadedServer, serve_until_signal, set_ready  # noqa: F401
@@ -101,6 +103,9 @@ class _ServerState:
         #: and whether its get_chunks takes ``out`` buffers.
         self.reuse_put_buffers = False
         self.get_into_buffers = False
+        #: whether the store does direct I/O (``kvstore.direct``): puts read into reserved
+        #: CPU-tier pages, gets send from pinned pages; no staging buffers for those chunks
+        self.direct = False
         self.registry = CollectorRegistry()
         self.store_registry = store_registry
         r = self.registry
@@ -325,6 +330,8 @@ async def get(request: web.Request) -> web.StreamResponse:
     if not keys:  # else "none of the 0 keys is stored" (404), as if keys were missing
         raise P.ProtocolError("'keys' must be a non-empty list")
     state: _ServerState = request.app[STATE_KEY]
+    if state.direct:
+        return await _get_direct(request, state, ns, keys)
     budget = len(keys) * ns.layout.chunk_bytes
     await state.budget.acquire(budget, state.budget_wait_s())
     bufs = []
@@ -360,6 +367,75 @@ async def get(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+async def _get_direct(request: web.Request, state: "_ServerState", ns, keys) -> web.StreamResponse:
+    """Get without staging copies (``ChunkStore.borrow_chunks``): chunks in the CPU tier are
+    sent from the arena pages themselves while reader-pinned; only chunks read from a lower
+    tier take payload budget."""
+    store = request.app[STORE_KEY]
+    borrowed = await state.call(store.borrow_chunks, ns, keys)
+    budget, total = 0, 0
+    try:
+        if borrowed.lower:
+            budget = len(borrowed.lower) * ns.layout.chunk_bytes
+            await state.budget.acquire(budget, state.budget_wait_s())
+            await state.call(borrowed.read_lower)
+        if all(p is None for p in borrowed.parts):
+            raise P.ProtocolError(f"none of the {len(keys)} keys is stored", 404)
+        entries = await state.call(_describe_parts, keys, borrowed.parts, ns.layout)
+        head = P.get_response_header(entries)
+        resp = web.StreamResponse(headers={"Content-Type": P.BINARY_CONTENT_TYPE,
+                                           P.VERSION_HEADER: str(P.PROTOCOL_VERSION)})
+        total = sum(e.nbytes for e in entries if e.found)
+        resp.content_length = len(head) + total
+        await resp.prepare(request)
+        await resp.write(head)
+        for parts in borrowed.parts:
+            for v in parts or ():
+                mv = memoryview(v.numpy())
+                for off in range(0, mv.nbytes, WRITE_SLICE):
+                    await resp.write(mv[off:off + WRITE_SLICE])
+        await resp.write_eof()
+        await _flushed(request, state.limits.request_timeout_s)
+    finally:
+        _drop_unsent(request)
+        await state.call(borrowed.release)
+        state.budget.release(budget)
+    state.bytes_out.inc(total)
+    return resp
+
+
+async def _flushed(request: web.Request, timeout_s: float) -> None:
+    """Wait until the transport has handed every queued byte to the kernel: asyncio may keep
+    references to the memory it was given to write (3.12+), which is about to be unpinned."""
+    transport = request.transport
+    deadline = time.monotonic() + timeout_s
+    while transport is not None and not transport.is_closing() \
+            and transport.get_write_buffer_size() and time.monotonic() < deadline:
+        await asyncio.sleep(0.001)
+
+
+def _drop_unsent(request: web.Request) -> None:
+    """Abort the connection if bytes of pinned pages may still be queued (the request failed
+    or timed out mid-send): never send memory that is about to be reused."""
+    transport = request.transport
+    if transport is not None and not transport.is_closing() and transport.get_write_buffer_size():
+        transport.abort()
+
+
+def _describe_parts(keys, parts, layout):
+    entries = []
+    for k, p in zip(keys, parts):
+        if p is None:
+            entries.append(P.ChunkEntry(k, found=False))
+            continue
+        h = xxhash.xxh3_64()
+        for v in p:
+            h.update(memoryview(v.numpy()))
+        entries.append(P.ChunkEntry(k, sum(v.numel() for v in p), P.dtype_name(layout.torch_dtype),
+                                    tuple(layout.shape()), h.hexdigest()))
+    return entries
+
+
 def _describe(keys, chunks):
     entries, views = [], []
     for k, c in zip(keys, chunks):
@@ -375,16 +451,21 @@ def _describe(keys, chunks):
 async def put(request: web.Request) -> web.Response:
     state: _ServerState = request.app[STATE_KEY]
     store = request.app[STORE_KEY]
-    budget, bufs, handed = [0], [], False
+    budget, bufs, items, handed = [0], [], [], False
     try:
-        ns, entries, durable, tensors = await _read_put(request, state, store, budget, bufs)
+        ns, entries, durable = await _read_put(request, state, store, budget, bufs, items)
         keys = [e.key for e in entries]
         handed = True
-        stored = await state.call(store.put_chunks, ns, keys, tensors)
+        if state.direct:
+            stored = await state.call(store.commit_chunks, ns, keys, items)
+        else:
+            stored = await state.call(store.put_chunks, ns, keys, items)
         if durable:
-            await state.call(persist, store, ns, keys, tensors)
-        del tensors
+            await state.call(persist, store, ns, keys, items)
+        del items
     finally:
+        if not handed and state.direct:
+            store.release_reservations(items)  # nothing read is visible: the pages go back
         if state.reuse_put_buffers or not handed:
             state.buffers.give(bufs)  # the store copied them, or never saw them
         state.budget.release(budget[0])
@@ -416,11 +497,17 @@ def persist(store: KVStoreBase, ns, keys, tensors) -> None:
 
 
 async def _read_put(request: web.Request, state: _ServerState, store: KVStoreBase,
-                    budget: list[int], bufs: list):
-    """Read and validate a put body: header first, then (once the payload bytes fit in the
-    server's byte budget; ``budget[0]`` is set to what was taken, for the caller to release)
-    each payload against its checksum. Payloads land in buffers of the server's pool (appended
-    to ``bufs`` for the caller to give back).
+                    budget: list[int], bufs: list, items: list):
+    """Read and validate a put body: header first, then each payload against its checksum.
+
+    Payloads land straight in pages reserved in the store's CPU tier when it has one
+    (``ChunkStore.reserve_chunks``; not for durable puts, which go through buffers to the disk
+    tier). A chunk for which the CPU tier has no room (every chunk pinned) is read and
+    dropped (None in ``items``; the store counts it rejected) unless the store has a lower
+    tier to take it. Other payloads land in buffers of the server's pool (appended to ``bufs`` for the caller to give
+    back) once their bytes fit in the server's byte budget (``budget[0]`` is set to what was
+    taken, for the caller to release). ``items`` receives one ``Reservation`` or tensor per
+    chunk (the caller releases reservations on failure).
 
     Nothing is handed to the store until every payload has arrived and checked out.
     """
@@ -444,24 +531,45 @@ async def _read_put(request: web.Request, state: _ServerState, store: KVStoreBas
     if declared is not None and declared != expected:
         raise P.ProtocolError(f"body is {declared} bytes but its header declares {expected}")
     layout = ns.layout
-    payload = P.payload_total(entries)
-    await state.budget.acquire(payload, state.budget_wait_s())
-    budget[0] = payload
-    tensors = []
-    for e in entries:
-        buf = state.buffers.take(layout.chunk_bytes)
-        bufs.append(buf)
-        kv = _shaped(buf, layout)  # [L, 2, T, H, D]
-        view = memoryview(kv.view(torch.uint8).reshape(-1).numpy())
-        await _read_into(reader, view)
-        if P.checksum(view) != e.xxh3:
+    staged = [True] * len(entries)
+    if state.direct and not durable:
+        items.extend(await state.call(store.reserve_chunks, ns, [e.key for e in entries]))
+        # no room in the CPU tier (all pinned): stage for a lower tier, or read and drop
+        lower = bool(getattr(store, "has_lower_tiers", True))
+        staged = [it is None and lower for it in items]
+    else:
+        items.extend([None] * len(entries))
+    payload = sum(e.nbytes for e, st in zip(entries, staged) if st)
+    if payload:
+        await state.budget.acquire(payload, state.budget_wait_s())
+        budget[0] = payload
+    scratch = None
+    for i, e in enumerate(entries):
+        if isinstance(items[i], Reservation):
+            views = items[i].memoryviews()
+        elif not staged[i]:  # stored already, or no room anywhere: read through scratch
+            scratch = scratch or memoryview(bytearray(DROP_SCRATCH))
+            views = [scratch[:min(DROP_SCRATCH, e.nbytes - o)]
+                     for o in range(0, e.nbytes, DROP_SCRATCH)]
+        else:
+            buf = state.buffers.take(layout.chunk_bytes)
+            bufs.append(buf)
+            items[i] = _shaped(buf, layout)  # [L, 2, T, H, D]
+            views = [memoryview(buf.numpy())]
+        h = xxhash.xxh3_64()
+        for view in views:
+            await _read_into(reader, view, h)
+        if h.hexdigest() != e.xxh3:
             state.rejected.labels("checksum").inc()
             raise P.ProtocolError(f"checksum mismatch for key {e.key.hex()[:16]}...; "
                                   "nothing stored")
-        tensors.append(kv)
     if declared is None and await reader.read(1):
         raise P.ProtocolError("trailing bytes after the last declared payload")
-    return ns, entries, durable, tensors
+    return ns, entries, durable
+
+
+#: Bytes of the scratch buffer that the payload of a dropped chunk is read through.
+DROP_SCRATCH = 256 << 10
 
 
 async def _read_exact(reader, n: int) -> bytes:
@@ -471,13 +579,19 @@ async def _read_exact(reader, n: int) -> bytes:
         raise P.ProtocolError(f"truncated body: got {len(e.partial)} of {n} bytes") from None
 
 
-async def _read_into(reader, view: memoryview) -> None:
+async def _read_into(reader, view: memoryview, hasher) -> None:
+    """Fill ``view`` from ``reader``, feeding each piece to ``hasher`` while it is in cache.
+
+    Raises:
+        P.ProtocolError: the body ended first.
+    """
     pos, n = 0, view.nbytes
     while pos < n:
         data = await reader.read(n - pos)
         if not data:
             raise P.ProtocolError(f"truncated payload: got {pos} of {n} bytes")
         view[pos:pos + len(data)] = data
+        hasher.update(data)
         pos += len(data)
 
 
@@ -505,6 +619,8 @@ def create_app(store: KVStoreBase, limits: ServerLimits | None = None,
         state.get_into_buffers = "out" in inspect.signature(store.get_chunks).parameters
     except (TypeError, ValueError):
         state.get_into_buffers = False
+    state.direct = all(callable(getattr(store, m, None)) for m in
+                       ("reserve_chunks", "commit_chunks", "release_reservations", "borrow_chunks"))
     app[STATE_KEY] = state
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

@@ -35,6 +35,7 @@ import torch
 
 from kvstore.api import KVStoreBase, LookupResult
 from kvstore.config import StoreConfig
+from kvstore.direct import ALREADY_STORED, BorrowedChunks, Reservation, is_direct
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.layout import KVLayout
 from kvstore.metrics import StoreMetrics
@@ -246,29 +247,177 @@ class ChunkStore(KVStoreBase):
         return kv
 
     def put_chunks(self, ns: Namespace, keys: Sequence[ChunkKey], kvs: Sequence[torch.Tensor]) -> int:
-        t0 = time.perf_counter()
         self._check_keys(ns, keys)
         if len(keys) != len(kvs):
             raise ValueError(f"put_chunks: {len(keys)} keys but {len(kvs)} tensors")
         for kv in kvs:
             ns.layout.validate(kv)
+        return self._place(keys, kvs)
+
+    def _place(self, keys: Sequence[ChunkKey], items: Sequence) -> int:
+        """Store ``items[i]`` (a tensor, or a filled ``Reservation``) as ``keys[i]``; key i-1
+        is key i's parent. A key already stored (or removed while pinned and put again) keeps
+        its value and its reservation is released. Returns how many were newly stored."""
+        t0 = time.perf_counter()
         stored = 0
         with self._lock:
             self._expire_leases()
-            for i, (key, kv) in enumerate(zip(keys, kvs)):
+            for i, (key, item) in enumerate(zip(keys, items)):
+                res = item if isinstance(item, Reservation) else None
+                if item is None:  # dropped by the caller (no room was reserved)
+                    self.metrics.inc("rejected_chunks")
+                    continue
+                if item is ALREADY_STORED:
+                    continue
                 if key in self._doomed:  # removed while pinned, put again: keep it
                     self._doomed.discard(key)
-                    continue
-                if self._locate(key) is not None:
-                    continue
-                parent = keys[i - 1] if i > 0 else None
-                if any(self._mover.insert(j, key, kv, parent) for j in range(len(self.tiers))):
-                    stored += 1
+                elif self._locate(key) is not None:
+                    pass
+                elif res is not None:
+                    layout = self._layouts[key.ns_id]
+                    try:
+                        res.tier.commit(key, res.pages, layout.shape(), layout.torch_dtype,
+                                        keys[i - 1] if i > 0 else None)
+                        stored += 1
+                        continue
+                    except KeyError:  # released already (e.g. the store was closed)
+                        self.metrics.inc("rejected_chunks")
                 else:
-                    self.metrics.inc("rejected_chunks")
+                    parent = keys[i - 1] if i > 0 else None
+                    if any(self._mover.insert(j, key, item, parent) for j in range(len(self.tiers))):
+                        stored += 1
+                    else:
+                        self.metrics.inc("rejected_chunks")
+                    continue
+                if res is not None:
+                    res.tier.release(res.pages)
         self.metrics.inc("stored_chunks", stored)
         self.metrics.observe("put", time.perf_counter() - t0)
         return stored
+
+    # ---- direct I/O (kvstore.direct): no staging copies for a server ----------------------------
+    def reserve_chunks(self, ns: Namespace, keys: Sequence[ChunkKey]) -> list:
+        """Set aside room for the chunks ``keys`` of ``ns`` in the top tier when it is host
+        memory, evicting (and spilling) unpinned chunks as a put would. Fill each
+        reservation's views, then ``commit_chunks`` (or ``release_reservations`` on any
+        failure).
+
+        Returns:
+            Per key: a ``Reservation``; ``ALREADY_STORED`` (``kvstore.direct``) when the key is
+            stored already (nothing reserved); or None where the top tier is not host memory
+            or cannot make room (every chunk pinned): put those chunks as tensors instead.
+
+        Raises:
+            ValueError: the namespace does not fit the tiers, or a key of another namespace.
+            RuntimeError: store closed.
+        """
+        self._check_keys(ns, keys)
+        nbytes = ns.layout.chunk_bytes
+        out: list = [None] * len(keys)
+        direct = bool(self.tiers) and is_direct(self.tiers[0])
+        top = self.tiers[0] if direct else None
+        with self._lock:
+            self._expire_leases()
+            room = True
+            for i, k in enumerate(keys):
+                if self._locate(k) is not None:
+                    out[i] = ALREADY_STORED
+                elif direct and room and self._mover.make_room(0, nbytes):
+                    pages, runs = top.reserve(nbytes)
+                    out[i] = Reservation(top, pages, top.run_views(runs), nbytes)
+                else:
+                    room = False
+        return out
+
+    def commit_chunks(self, ns: Namespace, keys: Sequence[ChunkKey], items: Sequence) -> int:
+        """Store chunks given as filled ``Reservation``s (made visible in place, no copy),
+        tensors (copied, as ``put_chunks``) or None (dropped: counted as rejected, e.g. when
+        ``reserve_chunks`` found no room and no lower tier could take it). Every reservation
+        passed is consumed: committed, or released when its key is already stored.
+
+        Returns:
+            How many chunks were newly stored.
+
+        Raises:
+            ValueError: wrong key namespace or count, a tensor not matching the layout, or a
+                reservation of another size (nothing stored; reservations released).
+        """
+        try:
+            self._check_keys(ns, keys)
+            if len(keys) != len(items):
+                raise ValueError(f"commit_chunks: {len(keys)} keys but {len(items)} items")
+            for it in items:
+                if isinstance(it, Reservation):
+                    if it.nbytes != ns.layout.chunk_bytes:
+                        raise ValueError(f"reservation of {it.nbytes} bytes for chunks of "
+                                         f"{ns.layout.chunk_bytes}")
+                elif it is not None and it is not ALREADY_STORED:
+                    ns.layout.validate(it)
+        except BaseException:
+            self.release_reservations(items)
+            raise
+        return self._place(keys, items)
+
+    def release_reservations(self, items: Sequence) -> None:
+        """Give back the reservations among ``items`` (others are ignored). Idempotent."""
+        for it in items:
+            if isinstance(it, Reservation):
+                it.tier.release(it.pages)
+
+    def borrow_chunks(self, ns: Namespace, keys: Sequence[ChunkKey]) -> BorrowedChunks:
+        """Pin the stored chunks among ``keys`` and hand out views of those in a host memory
+        tier (no copy); chunks only in a lower tier are listed in ``.lower`` for
+        ``read_lower``. Counts hits and misses as ``get_chunks`` does (at ``read_lower`` for
+        lower-tier chunks). The caller must ``release`` it.
+
+        Raises:
+            ValueError: a key of another namespace. RuntimeError: store closed.
+        """
+        self._check_keys(ns, keys)
+        layout = ns.layout
+        plan: list[tuple[ChunkKey, Tier] | None] = []
+        parts: list[list[torch.Tensor] | None] = []
+        lower: list[int] = []
+        with self._lock:
+            self._expire_leases()
+            for i, k in enumerate(keys):
+                t = self._locate(k)
+                if t is not None:
+                    self._pins.add_reader(k)
+                    t.touch(k)
+                plan.append((k, t) if t is not None else None)
+                if t is not None and is_direct(t) and t.nbytes_of(k) >= layout.chunk_bytes:
+                    parts.append(t.run_views(t.entry_runs(k)))
+                    self.metrics.inc("hits", tier=t.name)
+                else:
+                    parts.append(None)
+                    if t is not None:
+                        lower.append(i)
+                    else:
+                        self.metrics.inc("misses")
+        return BorrowedChunks(self, ns, list(keys), plan, parts, lower)
+
+    def _borrow_read_lower(self, b: BorrowedChunks) -> None:
+        read: list[torch.Tensor | None] = [None] * len(b.keys)
+        for i in b.lower:
+            kv = self._read_checked(b.ns.layout, *b.plan[i])
+            read[i] = kv
+            if kv is None:
+                self.metrics.inc("misses")
+            else:
+                b.parts[i] = [kv.reshape(-1).view(torch.uint8)]
+                self.metrics.inc("hits", tier=b.plan[i][1].name)
+        if self.config.promote_on_hit and b.lower:
+            with self._lock:
+                self._mover.promote(b.plan, read, self._doomed)
+        b.lower = []
+
+    def _borrow_release(self, b: BorrowedChunks) -> None:
+        with self._lock:
+            for item in b.plan:
+                if item is not None:
+                    self._pins.drop_reader(item[0])
+                    self._maybe_free(item[0])
 
     def remove(self, ns: Namespace, keys: Sequence[ChunkKey]) -> int:
         self._check_keys(ns, keys)
@@ -324,6 +473,12 @@ class ChunkStore(KVStoreBase):
         with self._lock:
             self._expire_leases()
             return self._pins.count(key)
+
+    @property
+    def has_lower_tiers(self) -> bool:
+        """Whether a chunk the top tier cannot take may still go to a tier below it (so a
+        caller with no reservation should stage the bytes rather than drop them)."""
+        return len(self.tiers) > 1
 
     @property
     def has_disk_tier(self) -> bool:

@@ -44,11 +44,11 @@ def test_flags_beat_env_beat_file(tmp_path):
 
 
 def test_max_inflight_bytes_auto_default_flag_and_env():
-    assert serve_config.resolve({}, {}).max_inflight_bytes == 128 << 20  # 1GiB cpu / 8
-    assert serve_config.resolve({"cpu_bytes": "128MiB"}, {}).max_inflight_bytes == 64 << 20
-    args = cli.build_parser().parse_args(["serve", "--max-inflight-bytes", "32MiB"])
+    assert serve_config.resolve({}, {}).max_inflight_bytes == 64 << 20  # 1GiB cpu / 16
+    assert serve_config.resolve({"cpu_bytes": "128MiB"}, {}).max_inflight_bytes == 32 << 20
+    args = cli.build_parser().parse_args(["serve", "--max-inflight-bytes", "48MiB"])
     flags = {k: v for k, v in vars(args).items() if k in serve_config.FIELDS}
-    assert serve_config.resolve(flags, {}).max_inflight_bytes == 32 << 20
+    assert serve_config.resolve(flags, {}).max_inflight_bytes == 48 << 20
     env = {"KVSTORE_MAX_INFLIGHT_BYTES": "0"}
     assert serve_config.resolve({}, env).max_inflight_bytes == 0
     with pytest.raises(ValueError):

@@ -225,6 +225,8 @@ def test_checksum_mismatch_is_400_and_nothing_of_the_batch_is_stored(server):
     status, ans = do_put(server, put_body(KEYS[:3], [chunk(i) for i in range(3)], corrupt=2))
     assert status == 400 and ans["error"].startswith("checksum mismatch for key")
     assert stored(server, KEYS[:3]) == [False, False, False]
+    assert server.store.tiers[0].used_bytes == 0  # the reserved pages went back
+    server.store.check_integrity()
 
 
 def test_client_disconnecting_mid_upload_leaves_nothing_visible(server):
@@ -235,6 +237,8 @@ def test_client_disconnecting_mid_upload_leaves_nothing_visible(server):
         time.sleep(0.2)
     time.sleep(0.2)
     assert stored(server, KEYS[:4]) == [False] * 4
+    assert server.store.tiers[0].used_bytes == 0  # the reserved pages went back
+    server.store.check_integrity()
 
 
 def test_two_concurrent_puts_of_one_key_leave_exactly_one_complete_value(server):
@@ -362,6 +366,9 @@ def test_requests_beyond_the_inflight_byte_budget_wait_then_get_503_and_store_no
                           request_timeout_s=0.5)
     with ThreadedServer(create_app(store, limits)) as srv:
         srv.store = store
+        # the staging path (stores without direct I/O, durable puts); direct puts and gets of
+        # CPU-tier chunks take no budget (test_direct_io_...)
+        srv.app[STATE_KEY].direct = False
         budget = srv.app[STATE_KEY].budget
         hold = asyncio.run_coroutine_threadsafe(budget.acquire(LAYOUT.chunk_bytes, 1), srv._loop)
         hold.result(5)
@@ -383,7 +390,18 @@ def test_requests_beyond_the_inflight_byte_budget_wait_then_get_503_and_store_no
     store.close()
 
 
-def test_put_and_get_buffers_are_reused_and_data_stays_bit_exact(server):
+@pytest.fixture
+def staging(server):
+    """The server's staging-buffer path (used for stores without direct I/O and durable puts)."""
+    state = server.app[STATE_KEY]
+    assert state.direct
+    state.direct = False
+    yield server
+    state.direct = True
+
+
+def test_put_and_get_buffers_are_reused_and_data_stays_bit_exact(staging):
+    server = staging
     state = server.app[STATE_KEY]
     assert state.reuse_put_buffers and state.get_into_buffers
     kvs = [chunk(10 + i) for i in range(3)]
@@ -399,3 +417,94 @@ def test_put_and_get_buffers_are_reused_and_data_stays_bit_exact(server):
         assert state.buffers.pooled == pooled  # taken from the pool and given back
     status, got = do_get(server, [KEYS[2], KEYS[0]])
     assert torch.equal(got[0], kvs[2]) and torch.equal(got[1], kvs[0])
+
+
+def test_direct_io_puts_and_gets_use_no_staging_buffer_and_no_byte_budget(server, monkeypatch):
+    state = server.app[STATE_KEY]
+    assert state.direct
+
+    def forbidden(*a, **k):
+        raise AssertionError("staging path used")
+    monkeypatch.setattr(state.buffers, "take", forbidden)
+    monkeypatch.setattr(state.budget, "acquire", forbidden)
+    kvs = [chunk(20 + i) for i in range(3)]
+    status, ans = do_put(server, put_body(KEYS[:3], kvs))
+    assert status == 200 and ans["stored"] == 3
+    assert server.store.tiers[0].num_chunks == 3
+    status, got = do_get(server, [KEYS[2], KEYS[5], KEYS[0]])
+    assert status == 200 and got[1] is None
+    assert torch.equal(got[0], kvs[2]) and torch.equal(got[2], kvs[0])
+    deadline = time.monotonic() + 2  # reader pins go just after the last byte is sent
+    while server.store.pin_count(KEYS[0]) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert server.store.pin_count(KEYS[0]) == 0
+    server.store.check_integrity()
+
+
+def test_direct_put_and_get_of_a_chunk_spread_over_non_adjacent_pages():
+    small = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float16", chunk_size=2)
+    ns2 = Namespace("tiny-model", small)
+    store = ChunkStore(StoreConfig(cpu_bytes=12 * 64, page_bytes=64))
+    cpu = store.tiers[0]
+    k2 = ns2.chunk_keys(list(range(8)))  # 4 chunks of 128 bytes = 2 pages each
+    g = torch.Generator().manual_seed(3)
+    store.put_chunks(ns2, k2, [torch.randn(small.shape(), generator=g).half() for _ in k2])
+    store.remove(ns2, [k2[0], k2[2]])  # frees pages 0-1 and 4-5: no 4 adjacent free pages
+    with ThreadedServer(create_app(store, ServerLimits(auth_token=TOKEN))) as srv:
+        srv.store = store
+        kv = chunk(42)  # 256 bytes = 4 pages
+        status, ans = do_put(srv, put_body(KEYS[:1], [kv]))
+        assert status == 200 and ans["stored"] == 1
+        assert len(cpu.entry_runs(KEYS[0])) == 2  # really split over two runs
+        status, got = do_get(srv, KEYS[:1])
+        assert status == 200 and torch.equal(got[0], kv)
+    store.check_integrity()
+    store.close()
+
+
+def test_direct_get_reads_chunks_spilled_to_disk_and_counts_hits(tmp_path):
+    store = ChunkStore(StoreConfig(cpu_bytes=2 * 256, page_bytes=256, disk_path=str(tmp_path),
+                                   disk_bytes=64 << 20, promote_on_hit=False))
+    with ThreadedServer(create_app(store, ServerLimits(auth_token=TOKEN))) as srv:
+        srv.store = store
+        kvs = [chunk(50 + i) for i in range(4)]
+        assert do_put(srv, put_body(KEYS[:4], kvs))[0] == 200
+        store.flush(10)
+        assert [t.name for t in store.tiers] == ["cpu", "disk"]
+        assert not store.tiers[0].contains(KEYS[0]) and store.tiers[1].contains(KEYS[0])
+        status, got = do_get(srv, KEYS[:5])
+        assert status == 200 and got[4] is None
+        assert all(torch.equal(g, k) for g, k in zip(got, kvs))
+        st = store.stats()
+        assert st["hits_by_tier"] == {"cpu": 2, "disk": 2} and st["misses"] == 1
+        deadline = time.monotonic() + 2
+        while any(store.pin_count(k) for k in KEYS[:4]) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert all(store.pin_count(k) == 0 for k in KEYS[:4])
+    store.close()
+
+
+def test_put_finding_the_cpu_tier_full_of_pinned_chunks_is_read_and_dropped_not_staged(
+        monkeypatch):
+    store = make_store(cpu_bytes=2 * LAYOUT.chunk_bytes)  # room for 2 chunks, no lower tier
+    with ThreadedServer(create_app(store, ServerLimits(auth_token=TOKEN))) as srv:
+        srv.store = store
+        state = srv.app[STATE_KEY]
+        assert do_put(srv, put_body(KEYS[:2], [chunk(0), chunk(1)]))[1]["stored"] == 2
+        assert store.pin(NS, KEYS[:2]) == 2
+
+        def forbidden(*a, **k):
+            raise AssertionError("staging path used")
+        monkeypatch.setattr(state.buffers, "take", forbidden)
+        status, ans = do_put(srv, put_body(KEYS[:3], [chunk(0), chunk(1), chunk(2)]))
+        assert status == 200 and (ans["stored"], ans["num_chunks"]) == (0, 3)
+        assert store.stats()["rejected_chunks"] == 1 and stored(srv, KEYS[2:3]) == [False]
+        status, ans = do_put(srv, put_body(KEYS[2:3], [chunk(2)], corrupt=0))
+        assert status == 400 and ans["error"].startswith("checksum mismatch")  # still checked
+        store.unpin(NS, KEYS[:2])
+        status, ans = do_put(srv, put_body(KEYS[:3], [chunk(0), chunk(1), chunk(2)]))
+        assert status == 200 and ans["stored"] == 1
+        status, got = do_get(srv, KEYS[2:3])
+        assert torch.equal(got[0], chunk(2))
+        store.check_integrity()
+    store.close()

@@ -98,6 +98,8 @@ class MemoryTier(Tier):
         self.page_bytes = page_bytes
         self.allocator = PageAllocator(pool.numel() // page_bytes)
         self._entries: dict[ChunkKey, _Entry] = {}
+        #: pages set aside by ``reserve`` and not yet committed or released (counted as used)
+        self._reserved: dict[tuple[int, ...], int] = {}
 
     @property
     def device(self) -> torch.device:
@@ -129,6 +131,56 @@ class MemoryTier(Tier):
                 raise
             self._entries[key] = entry
             self._policy_call("on_insert", key, len(pages) * self.page_bytes, parent)
+
+    # ---- direct writes: reserve pages, fill them in place, then commit ---------------------
+    def reserve(self, nbytes: int) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+        """Set aside pages for a chunk of ``nbytes`` bytes whose data will be written in place
+        (e.g. straight from a socket) before ``commit``. The pages count as used but no key
+        sees them. The caller made room first.
+
+        Returns:
+            ``(pages, runs)``: the page ids and the ``(byte offset in pool, length)`` runs
+            covering exactly ``nbytes`` (see ``run_views``).
+
+        Raises:
+            TierFullError: not enough free pages.
+        """
+        with self._lock:
+            pages = self.allocator.alloc(self.footprint(nbytes) // self.page_bytes)
+            self._reserved[pages] = nbytes
+            return pages, page_runs(pages, self.page_bytes, nbytes)
+
+    def run_views(self, runs: tuple[tuple[int, int], ...]) -> list[torch.Tensor]:
+        """1-D ``uint8`` views of the pool, one per run (no copy; writable)."""
+        return [self.pool[off:off + n] for off, n in runs]
+
+    def commit(self, key: ChunkKey, pages: tuple[int, ...], shape: tuple[int, ...],
+               dtype: torch.dtype, parent: ChunkKey | None) -> None:
+        """Make reserved ``pages`` (already filled) the chunk ``key`` of ``shape``/``dtype``.
+
+        Raises:
+            KeyError: ``key`` already present, or ``pages`` not an open reservation (the
+                reservation stays open in the first case: release it).
+        """
+        with self._lock:
+            if key in self._entries:
+                raise KeyError(f"{key!r} already in {self.name} tier")
+            nbytes = self._reserved.pop(pages)
+            self._entries[key] = _Entry(pages, page_runs(pages, self.page_bytes, nbytes), nbytes,
+                                        tuple(shape), dtype, parent)
+            self._policy_call("on_insert", key, len(pages) * self.page_bytes, parent)
+
+    def release(self, pages: tuple[int, ...]) -> None:
+        """Give back reserved ``pages`` that will not be committed. Idempotent."""
+        with self._lock:
+            if self._reserved.pop(pages, None) is not None:
+                self.allocator.free(pages)
+
+    def entry_runs(self, key: ChunkKey) -> tuple[tuple[int, int], ...] | None:
+        """Pool byte runs of a stored chunk (None if absent). The caller must keep the chunk
+        from being freed while it uses views of them (the store's reader pin)."""
+        e = self._entries.get(key)
+        return e.runs if e is not None else None
 
     def _copy_in(self, e: _Entry, kv: torch.Tensor) -> None:
         if len(e.runs) == 1:
@@ -200,6 +252,7 @@ class MemoryTier(Tier):
         with self._lock:
             super().check_integrity()
             used = [p for e in self._entries.values() for p in e.pages]
+            used += [p for pages in self._reserved for p in pages]
             self.allocator.check_integrity(used)
             for k, e in self._entries.items():
                 assert len(e.pages) * self.page_bytes == self.footprint(e.nbytes), f"{k!r}: page count"
@@ -208,5 +261,6 @@ class MemoryTier(Tier):
     def close(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._reserved.clear()
             self.allocator = PageAllocator(self.allocator.num_pages)
             self.policy = type(self.policy)()
