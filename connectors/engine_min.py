@@ -12,6 +12,25 @@ Per request (``C`` = chunk size; keys are ``Namespace.chunk_keys`` of the reques
                 for the background writer                                        (save)
     at the end  full chunks of prompt + generated tokens not saved yet           (request_finished)
 
+Tail pieces (``tail_chunk_size=F``, default 0 = off, as issue 5's "partial trailing chunks are not
+stored by default"): the tokens past the last full chunk are also stored as whole pieces of ``F``
+tokens (a multiple of the block size dividing ``C``) in a namespace of their own, the same layout
+with chunk size ``F`` (the scheme ``connectors.vllm`` uses, so both engines share pieces). A
+piece's key is the chained prefix hash of *every* token before its end in ``F``-token units,
+so it only matches the identical prefix. Pieces are saved when a prompt's prefill completes
+(``[floor_C(P), floor_F(P))`` for a prompt of ``P`` tokens) and at request end (the same over
+prompt + generated tokens). A lookup asks for pieces from where the leading stored full chunks
+end, up to the end of that chunk (no piece lies past a prompt's first missing chunk), so a hit
+recomputes fewer than ``F`` tokens of a stored prefix instead of up to ``C - 1``::
+
+    tokens  |      chunk 0 (C)      |      chunk 1 (C)      | F | F | F |..       (P tokens)
+    keys    ns (chunk C)            ns                     tail ns (chunk F), chained from 0
+
+Loads: each step's chunks (and pieces) are read on a worker thread and scattered into the
+request's blocks there, one chunk at a time, through a reused staging buffer when the store takes
+``out=`` (``ChunkStore``: no fresh pages to fault in per load); a deadline that passes stops the
+worker before its next scatter (a lock orders the two), and what landed so far counts.
+
 Robustness: every lookup and every step's loads run on worker threads and are waited for at
 most ``deadline_s`` (+ ``deadline_s_per_chunk`` per chunk loaded); a late, failed or partial
 load counts a fallback, logs once per kind, and leaves ``seq.num_computed_tokens`` at the end of
@@ -28,6 +47,8 @@ failed daemon cools down), ``kvstore_remote_breaker_trips``, ``kvstore_remote_br
 """
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 import queue
 import threading
@@ -57,11 +78,26 @@ class _Request:
     """Connector-side state of one request (kept across preemptions, dropped when it ends)."""
 
     keys: list[ChunkKey] = field(default_factory=list)   # keys of the first len(keys) chunks
-    lookup: tuple | None = None     # (num_tokens, first_chunk, hit_tokens, tiers) cached
+    tail_keys: list[ChunkKey] = field(default_factory=list)  # tail-ns keys of pieces 0..
+    lookup: tuple | None = None     # (num_tokens, num_local, hit, {piece start: tier}, full_end)
     saved: int = 0                  # tokens whose chunks are saved or known stored
+    tail_saved: int = 0             # tokens whose tail pieces are saved or known stored
     counted: bool = False           # queried tokens counted (first admission)
     count_hits: bool = False        # the pending load is of the first admission
-    pending: tuple | None = None    # (LoadPlan, keys, block_ids, tiers of those chunks)
+    pending: tuple | None = None    # (LoadPlan, [_Piece], block_ids)
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One stored unit to load: a full chunk (``size`` = chunk size, the connector's namespace)
+    or a tail piece (``size`` = tail chunk size, the tail namespace) covering tokens
+    ``[start, start + size)``."""
+
+    start: int
+    size: int
+    ns: Namespace
+    key: ChunkKey
+    tier: str
 
 
 @dataclass
@@ -69,10 +105,13 @@ class _Load:
     seq: Any
     item: Any
     plan: LoadPlan
+    pieces: list[_Piece]
     block_ids: list[int]
-    tiers: tuple[str, ...]
-    future: Future
     count_hits: bool
+    future: Future | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    landed: int = 0                 # leading pieces scattered into the blocks
+    cancelled: bool = False         # set under ``lock``: the worker scatters nothing more
 
 
 class _Latency:
@@ -110,18 +149,28 @@ class EngineMinConnector(KVConnectorBase):
         save_generated: at request end also save the full chunks of generated tokens (so the
             next chat round reuses this round's answer).
         owns_store: ``close()`` closes the store too.
+        tail_chunk_size: tokens per tail piece (module docstring); 0 (default) stores only full
+            chunks. Must divide ``chunk_size``, be smaller, and be a multiple of the engine's
+            block size (checked at ``register_kv_caches``).
 
     Raises:
-        ValueError: a non-positive chunk size or deadline.
+        ValueError: a non-positive chunk size or deadline, or a tail chunk size that is
+            negative, not smaller than ``chunk_size`` or does not divide it.
     """
 
     def __init__(self, store: KVStoreBase, *, chunk_size: int = 256,
                  model_id: str = DEFAULT_MODEL_ID, revision: str = "", cache_salt: str = "",
                  hash_algo: str = "sha256", deadline_s: float = 0.5,
                  deadline_s_per_chunk: float = 0.05, save_queue_bytes: int = 512 << 20,
-                 save_generated: bool = True, owns_store: bool = True):
+                 save_generated: bool = True, owns_store: bool = True,
+                 tail_chunk_size: int = 0):
         if not isinstance(chunk_size, int) or chunk_size <= 0:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        if not isinstance(tail_chunk_size, int) or isinstance(tail_chunk_size, bool) or \
+                tail_chunk_size < 0 or (tail_chunk_size and (
+                    tail_chunk_size >= chunk_size or chunk_size % tail_chunk_size)):
+            raise ValueError(f"tail_chunk_size must be 0 (off) or divide chunk_size="
+                             f"{chunk_size} and be smaller, got {tail_chunk_size!r}")
         if not deadline_s > 0 or deadline_s_per_chunk < 0:
             raise ValueError(f"deadline_s must be > 0 and deadline_s_per_chunk >= 0, got "
                              f"{deadline_s}, {deadline_s_per_chunk}")
@@ -133,6 +182,11 @@ class EngineMinConnector(KVConnectorBase):
         self.save_queue_bytes = save_queue_bytes
         self.save_generated = save_generated
         self.owns_store = owns_store
+        self.tail_chunk_size = tail_chunk_size
+        self.tail_ns: Namespace | None = None
+        # a ChunkStore reads into a caller's buffer (``out=``): reused staging buffers per shape
+        self._takes_out = "out" in inspect.signature(store.get_chunks).parameters
+        self._staging: dict[tuple, list[torch.Tensor]] = {}
         # a daemon client reports the daemon's tier names: shown as "remote:<tier>"
         self._remote = hasattr(store, "url") and not hasattr(store, "local")
         self.ns: Namespace | None = None
@@ -148,7 +202,7 @@ class EngineMinConnector(KVConnectorBase):
             "requests", "queried_tokens", "hit_tokens", "loaded_tokens", "loaded_chunks",
             "loaded_bytes", "saved_chunks", "saved_bytes", "queued_chunks", "dropped_save_chunks",
             "save_errors", "fallbacks", "lookup_fallbacks", "load_fallbacks",
-            "load_failed_tokens")}
+            "load_failed_tokens", "loaded_tail_chunks", "saved_tail_chunks")}
         self.hits_by_tier: dict[str, int] = {}
         self.lat = {k: _Latency() for k in ("lookup", "load", "save")}
         # background writer
@@ -184,6 +238,17 @@ class EngineMinConnector(KVConnectorBase):
             st.keys.extend(ChunkKey(self.ns.ns_id, h) for h in hashes)
         return st.keys[:n_chunks]
 
+    def _tail_keys(self, st: _Request, seq: Any, n_pieces: int) -> list[ChunkKey]:
+        """Tail-namespace keys of the first ``n_pieces`` pieces of seq (chained from token 0,
+        extended incrementally)."""
+        have = len(st.tail_keys)
+        if have < n_pieces:
+            F, tns = self.tail_chunk_size, self.tail_ns
+            seed = st.tail_keys[-1].prefix_hash if have else tns.digest
+            hashes = chain_hashes(seed, seq.token_ids[have * F:n_pieces * F], F, self.hash_algo)
+            st.tail_keys.extend(ChunkKey(tns.ns_id, h) for h in hashes)
+        return st.tail_keys[:n_pieces]
+
     def _require_bound(self) -> None:
         if self.ns is None:
             raise RuntimeError("EngineMinConnector: register_kv_caches() was not called "
@@ -194,15 +259,24 @@ class EngineMinConnector(KVConnectorBase):
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2 or kv_cache.shape[3] != block_size:
             raise ValueError(f"kv_cache must be [num_layers, 2, num_blocks, block_size="
                              f"{block_size}, num_kv_heads, head_dim], got {list(kv_cache.shape)}")
+        if self.tail_chunk_size % block_size:
+            raise ValueError(f"tail_chunk_size={self.tail_chunk_size} must be a multiple of the "
+                             f"engine's block_size={block_size}")
         self.bcm = BlockChunkMap(block_size, self.chunk_size)
         layout = KVLayout(num_layers=int(kv_cache.shape[0]), num_kv_heads=int(kv_cache.shape[4]),
                           head_dim=int(kv_cache.shape[5]), dtype=kv_cache.dtype,
                           chunk_size=self.chunk_size)
         self.ns = Namespace(self.model_id, layout, self.revision, self.cache_salt, self.hash_algo)
+        self.tail_ns = None
+        if self.tail_chunk_size:   # connectors.vllm's tail namespace: chunk size F, rest equal
+            self.tail_ns = dataclasses.replace(self.ns, layout=dataclasses.replace(
+                layout, chunk_size=self.tail_chunk_size))
         self.kv_cache = kv_cache
         register = getattr(self.store, "register", None)
         if register is not None:
             register(self.ns)  # a tier smaller than one chunk fails here, not mid-run
+            if self.tail_ns is not None:
+                register(self.tail_ns)
 
     @property
     def layout(self) -> KVLayout:
@@ -214,31 +288,67 @@ class EngineMinConnector(KVConnectorBase):
         self._require_bound()
         st = self._state(seq)
         n, local = seq.num_tokens, num_computed_tokens
-        first = local // self.chunk_size
+        C, F = self.chunk_size, self.tail_chunk_size
+        first = local // C
         n_chunks = self.bcm.num_full_chunks(n)
-        if first >= n_chunks or local % self.bcm.block_size:
+        if local % self.bcm.block_size or (first >= n_chunks and not self._tail_range(n, local)):
             return 0, False
         cached = st.lookup
-        if cached is None or cached[0] != n or cached[1] != first:
+        if cached is None or cached[0] != n or cached[1] != local:
             keys = self._keys(st, seq, n_chunks)[first:]
+            tail_keys = self._tail_keys(st, seq, n // F) if F else []
             t0 = time.perf_counter()
-            fut = self._pool.submit(self.store.lookup_keys, self.ns, keys)
+            fut = self._pool.submit(self._lookup, n, local, keys, tail_keys)
             try:
-                res = fut.result(timeout=self.deadline_s)
-                hit, tiers = (first + res.num_hit_chunks) * self.chunk_size, tuple(res.tiers)
+                hit, tiers, full_end = fut.result(timeout=self.deadline_s)
             except FutureTimeout:
                 self._fallback("lookup", "lookup timed out after %.3f s; recomputing",
                                self.deadline_s)
-                hit, tiers = 0, ()
+                hit, tiers, full_end = 0, {}, 0
             except Exception as exc:  # noqa: BLE001 - any store trouble means a miss
                 self._fallback("lookup", "lookup failed (%s: %s); recomputing",
                                type(exc).__name__, exc)
-                hit, tiers = 0, ()
+                hit, tiers, full_end = 0, {}, 0
             self._observe("lookup", time.perf_counter() - t0)
             if self._remote:
-                tiers = tuple(f"remote:{t}" for t in tiers)
-            cached = st.lookup = (n, first, hit, tiers)
+                tiers = {k: f"remote:{t}" for k, t in tiers.items()}
+            cached = st.lookup = (n, local, hit, tiers, full_end)
         return self.bcm.num_external_tokens(n, local, cached[2]), False
+
+    def _tail_range(self, num_tokens: int, start: int) -> range:
+        """Tail pieces worth looking up once the leading stored prefix ends at token ``start``
+        (the end of the full-chunk hit, or the engine's own ``num_local``): the pieces from
+        the one holding ``start`` to the end of its chunk or the last whole piece of the
+        request. Pieces are stored only past a prompt's last full chunk, so none past the
+        first missing chunk can exist. Empty when tail pieces are off or no piece would add a
+        loadable token."""
+        F = self.tail_chunk_size
+        if not F:
+            return range(0)
+        lo = start // F
+        hi = min(self.bcm.floor_to_chunk(start) + self.chunk_size, num_tokens) // F
+        return range(lo, hi) if lo < hi and start < num_tokens - 1 else range(0)
+
+    def _lookup(self, n: int, local: int, keys: list[ChunkKey], tail_keys: list[ChunkKey]):
+        """Worker thread: ``(hit_tokens, {piece start token: tier}, full_end)`` of a request of
+        ``n`` tokens with ``local`` computed: the leading stored full chunks from ``local //
+        chunk_size`` (``keys``) end at ``full_end`` (a chunk boundary), then the stored tail
+        pieces (``tail_keys``: all of the request's pieces) from ``max(full_end, local)``."""
+        C, F = self.chunk_size, self.tail_chunk_size
+        first = local // C
+        full_end, tiers = first * C, {}
+        if keys:
+            res = self.store.lookup_keys(self.ns, keys)
+            full_end = (first + res.num_hit_chunks) * C
+            tiers = {(first + i) * C: t for i, t in enumerate(res.tiers)}
+        hit = full_end
+        rng = self._tail_range(n, max(full_end, local))
+        if rng:
+            res = self.store.lookup_keys(self.tail_ns, tail_keys[rng.start:rng.stop])
+            if res.num_hit_chunks:
+                hit = (rng.start + res.num_hit_chunks) * F
+                tiers.update({(rng.start + i) * F: t for i, t in enumerate(res.tiers)})
+        return hit, tiers, full_end
 
     def _observe(self, kind: str, seconds: float) -> None:
         with self._lock:
@@ -263,17 +373,26 @@ class EngineMinConnector(KVConnectorBase):
         lookup, st.lookup = st.lookup, None
         if lookup is not None and lookup[0] == seq.num_tokens:
             st.saved = max(st.saved, lookup[2])  # chunks the store already holds
+            if self.tail_chunk_size:
+                st.tail_saved = max(st.tail_saved, lookup[2] // self.tail_chunk_size
+                                    * self.tail_chunk_size)
         if num_external_tokens <= 0:
             st.pending = None
             return
         local = seq.num_computed_tokens - num_external_tokens
         plan = self.bcm.load_plan(local, num_external_tokens)
-        keys = self._keys(st, seq, plan.last_chunk)[plan.first_chunk:plan.last_chunk]
-        tiers: tuple[str, ...] = ()
-        if lookup is not None:
-            off = plan.first_chunk - lookup[1]
-            tiers = tuple(lookup[3][off:off + plan.num_chunks])
-        st.pending = (plan, keys, list(block_ids), tiers)
+        tiers = lookup[3] if lookup is not None else {}
+        C, F = self.chunk_size, self.tail_chunk_size
+        full_end = lookup[4] if lookup is not None else self.bcm.floor_to_chunk(seq.num_tokens)
+        keys = self._keys(st, seq, min(plan.last_chunk, full_end // C))
+        pieces = [_Piece(c * C, C, self.ns, keys[c], tiers.get(c * C, "unknown"))
+                  for c in range(plan.first_chunk, len(keys))]
+        if plan.end > full_end:    # the rest comes from tail pieces (found by the lookup)
+            j0, j1 = max(full_end, local) // F, -(-plan.end // F)
+            tail = self._tail_keys(st, seq, j1)
+            pieces += [_Piece(j * F, F, self.tail_ns, tail[j], tiers.get(j * F, "unknown"))
+                       for j in range(j0, j1)]
+        st.pending = (plan, pieces, list(block_ids))
         st.count_hits = first_admission
 
     def request_finished(self, seq: Any, block_ids: list[int]) -> None:
@@ -284,6 +403,7 @@ class EngineMinConnector(KVConnectorBase):
             min(seq.num_computed_tokens, seq.num_prompt_tokens)
         end = min(end, len(block_ids) * self.bcm.block_size)
         self._queue_save(seq, st, end, block_ids)
+        self._queue_tail_save(seq, st, end, block_ids)
 
     # ---- worker side: loads -------------------------------------------------------------------
     def start_load_kv(self, sched_out: Any, kv_cache: torch.Tensor) -> None:
@@ -291,11 +411,77 @@ class EngineMinConnector(KVConnectorBase):
             st = self._reqs.get(item.seq.request_id)
             if st is None or st.pending is None:
                 continue
-            plan, keys, block_ids, tiers = st.pending
+            plan, pieces, block_ids = st.pending
             st.pending = None
-            fut = self._pool.submit(self.store.get_chunks, self.ns, keys)
-            self._loads.append(_Load(item.seq, item, plan, block_ids, tiers, fut, st.count_hits))
+            ld = _Load(item.seq, item, plan, pieces, block_ids, st.count_hits)
+            ld.future = self._pool.submit(self._fetch_and_scatter, ld)
+            self._loads.append(ld)
             st.count_hits = False
+
+    def _fetch_and_scatter(self, ld: _Load) -> None:
+        """Worker thread: read ``ld``'s pieces and scatter the leading ones that arrived whole
+        into the request's blocks, one at a time, each under ``ld.lock`` and only while
+        ``ld.cancelled`` is false (``ld.landed`` counts them). A store that takes ``out=`` reads
+        each piece into a reused staging buffer; otherwise one batched read per namespace.
+
+        Raises:
+            whatever the store raises (the caller counts a fallback; what landed stays).
+        """
+        groups: list[list[_Piece]] = []
+        for p in ld.pieces:
+            if groups and groups[-1][0].ns is p.ns:
+                groups[-1].append(p)
+            else:
+                groups.append([p])
+        for group in groups:
+            ns = group[0].ns
+            want = ns.layout.shape()
+            if self._takes_out:
+                buf = self._take_buffer(want)
+                try:
+                    for p in group:
+                        if ld.cancelled:
+                            return
+                        kv = self.store.get_chunks(ns, [p.key], out=[buf])[0]
+                        if not self._scatter(ld, p, kv, want):
+                            return
+                finally:
+                    self._give_buffer(want, buf)
+            else:
+                kvs = self.store.get_chunks(ns, [p.key for p in group])
+                for p, kv in zip(group, kvs):
+                    if not self._scatter(ld, p, kv, want):
+                        return
+                if len(kvs) < len(group):
+                    return
+
+    def _scatter(self, ld: _Load, p: _Piece, kv: torch.Tensor | None, want: tuple) -> bool:
+        """Scatter piece ``p``'s tokens in ``[plan.start, ceil_block(plan.end))`` into the
+        request's blocks unless cancelled or ``kv`` is missing or misshapen; True if it landed."""
+        if kv is None or tuple(kv.shape) != want or kv.dtype != self.kv_cache.dtype:
+            return False
+        bs = self.bcm.block_size
+        lo = max(ld.plan.start, p.start)
+        hi = min(-(-ld.plan.end // bs) * bs, p.start + p.size)
+        with ld.lock:
+            if ld.cancelled:
+                return False
+            if hi > lo:
+                ops.scatter_chunk(self.kv_cache, ld.block_ids[lo // bs:hi // bs],
+                                  kv[:, :, lo - p.start:hi - p.start])
+            ld.landed += 1
+        return True
+
+    def _take_buffer(self, shape: tuple) -> torch.Tensor:
+        with self._lock:
+            free = self._staging.get(shape)
+            if free:
+                return free.pop()
+        return torch.empty(shape, dtype=self.kv_cache.dtype)
+
+    def _give_buffer(self, shape: tuple, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._staging.setdefault(shape, []).append(buf)
 
     def wait_for_load(self) -> list[LoadResult]:
         loads, self._loads = self._loads, []
@@ -303,51 +489,51 @@ class EngineMinConnector(KVConnectorBase):
             return []
         t0 = time.perf_counter()
         deadline = t0 + self.deadline_s + self.deadline_s_per_chunk * sum(
-            ld.plan.num_chunks for ld in loads)
+            len(ld.pieces) for ld in loads)
         results = []
         for ld in loads:
-            chunks: list = []
+            failed = True
             try:
-                chunks = ld.future.result(timeout=max(0.0, deadline - time.perf_counter()))
+                ld.future.result(timeout=max(0.0, deadline - time.perf_counter()))
+                failed = False
             except FutureTimeout:
                 ld.future.cancel()
                 self._fallback("load", "load of %d chunks missed its deadline; recomputing",
-                               ld.plan.num_chunks)
+                               len(ld.pieces))
             except Exception as exc:  # noqa: BLE001
                 self._fallback("load", "load failed (%s: %s); recomputing",
                                type(exc).__name__, exc)
-            results.append(self._land(ld, chunks))
+            with ld.lock:          # nothing is scattered after this
+                ld.cancelled = True
+            results.append(self._land(ld, failed))
         self._observe("load", time.perf_counter() - t0)
         return results
 
-    def _land(self, ld: _Load, chunks: list) -> LoadResult:
-        """Scatter the leading chunks that arrived; rewind the sequence past the rest."""
-        plan, bcm, C, bs = ld.plan, self.bcm, self.chunk_size, self.bcm.block_size
-        want = self.layout.shape()
-        n_ok = 0
-        for kv in chunks:
-            if kv is None or tuple(kv.shape) != want or kv.dtype != self.kv_cache.dtype:
-                break
-            n_ok += 1
-        end = bcm.landed_end(plan, n_ok)
-        loaded_chunks = 0
+    def _land(self, ld: _Load, failed: bool) -> LoadResult:
+        """Account for the leading pieces that landed; rewind the sequence past the rest
+        (``failed``: the read raised or missed its deadline, a fallback already counted)."""
+        plan, bcm = ld.plan, self.bcm
+        n_ok = ld.landed
+        end = plan.start
+        if n_ok:
+            last = ld.pieces[n_ok - 1]
+            end = max(plan.start, min(plan.end, last.start + last.size))
         by_tier: dict[str, int] = {}
-        for i in range(n_ok):
-            c = plan.first_chunk + i
-            lo = max(plan.start, c * C)
-            hi = min(-(-end // bs) * bs, (c + 1) * C)
-            if hi <= lo:
-                break
-            ops.scatter_chunk(self.kv_cache, ld.block_ids[lo // bs:hi // bs],
-                              chunks[i][:, :, lo - c * C:hi - c * C])
-            loaded_chunks += 1
-            tier = ld.tiers[i] if i < len(ld.tiers) else "unknown"
-            by_tier[tier] = by_tier.get(tier, 0) + min(hi, end) - lo
+        full = tail = nbytes = 0
+        for p in ld.pieces[:n_ok]:
+            lo, hi = max(plan.start, p.start), min(end, p.start + p.size)
+            if p.ns is self.ns:
+                full += 1
+            else:
+                tail += 1
+            nbytes += p.ns.layout.chunk_bytes
+            if hi > lo:
+                by_tier[p.tier] = by_tier.get(p.tier, 0) + hi - lo
         short = plan.end - end
         if short:
-            if n_ok < plan.num_chunks and chunks:
+            if not failed and n_ok < len(ld.pieces):
                 self._fallback("load", "store returned %d of %d chunks; recomputing the rest",
-                               n_ok, plan.num_chunks)
+                               n_ok, len(ld.pieces))
             seq = ld.seq
             seq.num_computed_tokens -= short
             seq.num_cached_tokens = max(0, seq.num_cached_tokens - short)
@@ -355,10 +541,14 @@ class EngineMinConnector(KVConnectorBase):
             st = self._reqs.get(seq.request_id)
             if st is not None:
                 st.saved = min(st.saved, bcm.floor_to_chunk(end))
+                if self.tail_chunk_size:
+                    st.tail_saved = min(st.tail_saved,
+                                        end // self.tail_chunk_size * self.tail_chunk_size)
         with self._lock:
             self.c["loaded_tokens"] += end - plan.start
-            self.c["loaded_chunks"] += loaded_chunks
-            self.c["loaded_bytes"] += loaded_chunks * self.layout.chunk_bytes
+            self.c["loaded_chunks"] += full
+            self.c["loaded_tail_chunks"] += tail
+            self.c["loaded_bytes"] += nbytes
             self.c["load_failed_tokens"] += short
             if ld.count_hits:
                 self.c["hit_tokens"] += end - plan.start
@@ -375,6 +565,8 @@ class EngineMinConnector(KVConnectorBase):
                 continue
             end = min(seq.num_computed_tokens + item.num_new_tokens, seq.num_prompt_tokens)
             self._queue_save(seq, st, end, seq.block_table)
+            if end == seq.num_prompt_tokens:   # the prompt's prefill is complete
+                self._queue_tail_save(seq, st, end, seq.block_table)
 
     def _queue_save(self, seq: Any, st: _Request, end: int, block_ids: list[int]) -> None:
         """Gather the full chunks in ``[st.saved, end)`` and queue them (or drop them)."""
@@ -382,37 +574,61 @@ class EngineMinConnector(KVConnectorBase):
         if not rng:
             return
         st.saved = rng.stop * self.chunk_size
-        nbytes = len(rng) * self.layout.chunk_bytes
+        if not self._reserve(len(rng), len(rng) * self.layout.chunk_bytes):
+            return
+        keys = self._keys(st, seq, rng.stop)[rng.start:rng.stop]
+        kvs = [ops.gather_chunk(self.kv_cache, self.bcm.chunk_blocks(block_ids, c)) for c in rng]
+        self._q.put((self.ns, keys, kvs, len(rng) * self.layout.chunk_bytes))
+
+    def _queue_tail_save(self, seq: Any, st: _Request, end: int, block_ids: list[int]) -> None:
+        """Gather the tail pieces past the last full chunk of ``[0, end)`` that are not saved
+        yet (``[max(st.tail_saved, floor_C(end)), floor_F(end))``) and queue them."""
+        F = self.tail_chunk_size
+        if not F:
+            return
+        lo = max(st.tail_saved, self.bcm.floor_to_chunk(end)) // F
+        hi = end // F
+        if hi <= lo:
+            return
+        st.tail_saved = hi * F
+        nbytes = (hi - lo) * self.tail_ns.layout.chunk_bytes
+        if not self._reserve(hi - lo, nbytes):
+            return
+        keys = self._tail_keys(st, seq, hi)[lo:hi]
+        per = F // self.bcm.block_size
+        kvs = [ops.gather_chunk(self.kv_cache, list(block_ids[j * per:(j + 1) * per]))
+               for j in range(lo, hi)]
+        self._q.put((self.tail_ns, keys, kvs, nbytes))
+
+    def _reserve(self, n_chunks: int, nbytes: int) -> bool:
+        """Room in the save queue for ``nbytes`` (counted as queued), or a counted drop."""
         with self._cv:
             full = self._q_items > 0 and self._q_bytes + nbytes > self.save_queue_bytes
             if full or self._closed:
-                self.c["dropped_save_chunks"] += len(rng)
+                self.c["dropped_save_chunks"] += n_chunks
                 drop = True
             else:
                 self._q_bytes += nbytes
                 self._q_items += 1
-                self.c["queued_chunks"] += len(rng)
+                self.c["queued_chunks"] += n_chunks
                 drop = False
         if drop:
             self._warn_once("save_drop", "kv connector: save queue full (%d bytes); dropping "
                             "saves", self.save_queue_bytes)
-            return
-        keys = self._keys(st, seq, rng.stop)[rng.start:rng.stop]
-        kvs = [ops.gather_chunk(self.kv_cache, self.bcm.chunk_blocks(block_ids, c)) for c in rng]
-        self._q.put((keys, kvs, nbytes))
+        return not drop
 
     def _write_loop(self) -> None:
         while True:
             item = self._q.get()
             if item is None:
                 return
-            keys, kvs, nbytes = item
+            ns, keys, kvs, nbytes = item
             t0 = time.perf_counter()
             try:
-                n = self.store.put_chunks(self.ns, keys, kvs)
+                n = self.store.put_chunks(ns, keys, kvs)
                 with self._lock:
-                    self.c["saved_chunks"] += n
-                    self.c["saved_bytes"] += n * self.layout.chunk_bytes
+                    self.c["saved_tail_chunks" if ns is self.tail_ns else "saved_chunks"] += n
+                    self.c["saved_bytes"] += n * ns.layout.chunk_bytes
             except Exception as exc:  # noqa: BLE001 - a failed save only costs a future hit
                 with self._lock:
                     self.c["save_errors"] += 1

@@ -51,6 +51,7 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
                      chunk_size: int = 256, deadline_s: float = 0.5, *,
                      model_id: str = DEFAULT_MODEL_ID, revision: str = "",
                      auth_token: str | None = None, save_generated: bool = True,
+                     tail_chunk_size: int = 0,
                      **connector_kwargs: Any) -> EngineMinConnector:
     """A connector over the store these options describe (see module docstring).
 
@@ -65,10 +66,14 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
         model_id, revision: chunk-key namespace identity.
         auth_token: daemon bearer token.
         save_generated: save generated tokens' full chunks at request end.
+        tail_chunk_size: also store the tokens past the last full chunk as pieces of this
+            many tokens (a multiple of the block size dividing ``chunk_size``); 0 (default) =
+            full chunks only. See ``connectors.engine_min``.
         connector_kwargs: further ``EngineMinConnector`` arguments.
 
     Raises:
-        ValueError: no store given, ``disk_bytes`` without ``disk_path``, a bad URL or size.
+        ValueError: no store given, ``disk_bytes`` without ``disk_path``, a bad URL or size,
+            a bad ``tail_chunk_size``.
     """
     if disk_bytes and not disk_path:
         raise ValueError("disk_bytes needs disk_path")
@@ -96,13 +101,15 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
     store = stores[0] if len(stores) == 1 else LayeredStore(stores[0], stores[1])
     return EngineMinConnector(store, chunk_size=chunk_size, model_id=model_id,
                               revision=revision, deadline_s=deadline_s,
-                              save_generated=save_generated, **connector_kwargs)
+                              save_generated=save_generated, tail_chunk_size=tail_chunk_size,
+                              **connector_kwargs)
 
 
 def connector_from_args(args: argparse.Namespace) -> EngineMinConnector | None:
     """The connector of the server's flags (``kvstore_cpu_bytes``, ``kvstore_disk_path``,
     ``kvstore_disk_bytes``, ``kvstore_url``, ``kvstore_chunk_size``, optional
-    ``kvstore_deadline_s`` and ``kvstore_auth_token``), or None when no store flag is set.
+    ``kvstore_deadline_s``, ``kvstore_auth_token`` and ``kvstore_tail_chunk_size``), or None
+    when no store flag is set.
 
     Raises:
         ValueError: as ``create_connector``.
@@ -112,7 +119,7 @@ def connector_from_args(args: argparse.Namespace) -> EngineMinConnector | None:
     if not any(v is not None for v in opts.values()):
         return None
     extra = {}
-    for k in ("chunk_size", "deadline_s", "auth_token"):
+    for k in ("chunk_size", "deadline_s", "auth_token", "tail_chunk_size"):
         v = getattr(args, f"kvstore_{k}", None)
         if v is not None:
             extra[k] = v

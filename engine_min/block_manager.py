@@ -156,6 +156,20 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash (as vLLM's ``reset_prefix_cache``), so the next
+        lookups miss. Only when no sequence holds a block.
+
+        Returns:
+            True when the cache was cleared; False (nothing changed) while blocks are in use.
+        """
+        if self.num_used_blocks:
+            return False
+        for b in self.hash_to_block.values():
+            self.block_hash[b] = None
+        self.hash_to_block.clear()
+        return True
+
     def _take(self, b: int) -> None:
         if self.ref_count[b] == 0:
             del self.free[b]

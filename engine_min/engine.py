@@ -93,6 +93,14 @@ class LLMEngine:
         if connector is not None and hasattr(connector, "register_kv_caches"):
             connector.register_kv_caches(self.kv_cache, self.config.block_size)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop the engine's own prefix cache (cached block hashes; the KV store behind a
+        connector is untouched). Returns False, changing nothing, while requests are
+        unfinished."""
+        if self.scheduler.has_unfinished():
+            return False
+        return self.block_manager.reset_prefix_cache()
+
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None,
                     request_id: str | None = None) -> str:

@@ -396,6 +396,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "(default $KVSTORE_AUTH_TOKEN)")
     s.add_argument("--kvstore-chunk-size", type=int, default=256,
                    help="tokens per store chunk (a multiple of the block size; default 256)")
+    s.add_argument("--kvstore-tail-chunk-size", type=int, default=0, metavar="N",
+                   help="also store a prompt's tokens past its last full chunk as pieces of N "
+                   "tokens (a multiple of the block size dividing the chunk size), so a hit "
+                   "recomputes < N tokens instead of up to a chunk; 0 (default) = off")
     parser.add_argument("--log-level", default="info", help="logging level (default info)")
     return parser
 
