@@ -543,7 +543,7 @@ async def _read_put(request: web.Request, state: _ServerState, store: KVStoreBas
     if payload:
         await state.budget.acquire(payload, state.budget_wait_s())
         budget[0] = payload
-    scratch = None
+    scratch, carry = None, [None]
     for i, e in enumerate(entries):
         if isinstance(items[i], Reservation):
             views = items[i].memoryviews()
@@ -558,12 +558,12 @@ async def _read_put(request: web.Request, state: _ServerState, store: KVStoreBas
             views = [memoryview(buf.numpy())]
         h = xxhash.xxh3_64()
         for view in views:
-            await _read_into(reader, view, h)
+            await _read_into(reader, view, h, carry)
         if h.hexdigest() != e.xxh3:
             state.rejected.labels("checksum").inc()
             raise P.ProtocolError(f"checksum mismatch for key {e.key.hex()[:16]}...; "
                                   "nothing stored")
-    if declared is None and await reader.read(1):
+    if carry[0] is not None or (declared is None and await reader.read(1)):
         raise P.ProtocolError("trailing bytes after the last declared payload")
     return ns, entries, durable
 
@@ -579,20 +579,30 @@ async def _read_exact(reader, n: int) -> bytes:
         raise P.ProtocolError(f"truncated body: got {len(e.partial)} of {n} bytes") from None
 
 
-async def _read_into(reader, view: memoryview, hasher) -> None:
+async def _read_into(reader, view: memoryview, hasher, carry: list) -> None:
     """Fill ``view`` from ``reader``, feeding each piece to ``hasher`` while it is in cache.
+
+    Reads whole received pieces (``readany``: no joining copy inside the reader); the part of
+    a piece beyond ``view`` is left in ``carry[0]`` (a memoryview) for the next call.
 
     Raises:
         P.ProtocolError: the body ended first.
     """
     pos, n = 0, view.nbytes
     while pos < n:
-        data = await reader.read(n - pos)
-        if not data:
-            raise P.ProtocolError(f"truncated payload: got {pos} of {n} bytes")
-        view[pos:pos + len(data)] = data
+        data, carry[0] = carry[0], None
+        if data is None:
+            got = await reader.readany()
+            if not got:
+                raise P.ProtocolError(f"truncated payload: got {pos} of {n} bytes")
+            data = memoryview(got)
+        take = min(n - pos, data.nbytes)
+        if take < data.nbytes:
+            carry[0] = data[take:]
+            data = data[:take]
+        view[pos:pos + take] = data
         hasher.update(data)
-        pos += len(data)
+        pos += take
 
 
 def create_app(store: KVStoreBase, limits: ServerLimits | None = None,
