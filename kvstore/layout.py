@@ -77,7 +77,7 @@ class KVLayout:
     @property
     def itemsize(self) -> int:
         """Bytes per element."""
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.torch_dtype.itemsize
 
     def shape(self, num_tokens: int | None = None) -> tuple[int, int, int, int, int]:
         """``[num_layers, 2, num_tokens, num_kv_heads, head_dim]`` (num_tokens defaults to chunk_size)."""

@@ -374,7 +374,7 @@ class ChunkStore(KVStoreBase):
             ValueError: a key of another namespace. RuntimeError: store closed.
         """
         self._check_keys(ns, keys)
-        layout = ns.layout
+        chunk_bytes = ns.layout.chunk_bytes
         plan: list[tuple[ChunkKey, Tier] | None] = []
         parts: list[list[torch.Tensor] | None] = []
         lower: list[int] = []
@@ -386,7 +386,7 @@ class ChunkStore(KVStoreBase):
                     self._pins.add_reader(k)
                     t.touch(k)
                 plan.append((k, t) if t is not None else None)
-                if t is not None and is_direct(t) and t.nbytes_of(k) >= layout.chunk_bytes:
+                if t is not None and is_direct(t) and t.nbytes_of(k) >= chunk_bytes:
                     parts.append(t.run_views(t.entry_runs(k)))
                     self.metrics.inc("hits", tier=t.name)
                 else:
