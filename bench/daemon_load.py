@@ -10,6 +10,8 @@ fp16 = 5,898,240 bytes. Phases:
    clients (asyncio tasks sharing one pooled ``AsyncKVStoreClient``), GB/s of payload.
 3. Redis (``redis-server`` started here on a free port, no persistence): the same values with
    redis-py's asyncio client, MSET/MGET of ``--batch`` values per round trip, 1 and 8 clients.
+   Phases 2 and 3 alternate, 3 repetitions (2 with ``--quick``): GB/s figures are medians and
+   each ratio is the median of the per-repetition ratios.
 4. lookup32: round trip of a batched lookup of a 32-chunk prompt (median and p99 of 300).
 5. soak: 16 clients mixing lookup/get/put over a key universe 10x the CPU tier's capacity;
    errors, p99 latency, server RSS vs capacity, and /metrics consistency (the store's lookup,
@@ -29,6 +31,7 @@ import random
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -293,34 +296,56 @@ async def soak(url: str, daemon: Daemon, capacity: int, seconds: float, clients:
             "soak_inflight_bytes_peak": server.get("inflight_bytes_peak")}
 
 
+async def _throughput(args, out: dict, daemon: Daemon, redis, tensors) -> None:
+    """kvstore and Redis measured alternately, ``args.reps`` times per client count: figures
+    are medians, and each ratio is the median of the per-repetition ratios (a noisy spell
+    hits both sides of a pair instead of one whole side)."""
+    runs: dict = {}
+    for rep in range(args.reps):
+        for clients in (1, 8):
+            rounds = max(1, args.rounds // clients * 2)
+            kv = await bench_kvstore(daemon.url, clients, rounds, args.batch, tensors,
+                                     f"tp{rep}")
+            runs.setdefault(("kvstore", clients), []).append(kv)
+            line = f"rep {rep}  {clients} client(s): kvstore put {kv[0]:.2f} get {kv[1]:.2f} GB/s"
+            if redis is not None:
+                rd = await bench_redis(redis.port, clients, rounds, args.batch, tensors)
+                runs.setdefault(("redis", clients), []).append(rd)
+                line += f" | redis put {rd[0]:.2f} get {rd[1]:.2f} GB/s"
+            print(line)
+    for clients in (1, 8):
+        kv = runs[("kvstore", clients)]
+        out[f"put_gbps_{clients}c"] = statistics.median(p for p, _ in kv)
+        out[f"get_gbps_{clients}c"] = statistics.median(g for _, g in kv)
+        if redis is None:
+            continue
+        rd = runs[("redis", clients)]
+        out[f"redis_put_gbps_{clients}c"] = statistics.median(p for p, _ in rd)
+        out[f"redis_get_gbps_{clients}c"] = statistics.median(g for _, g in rd)
+        for j, op in enumerate(("put", "get")):
+            out[f"{op}_vs_redis_{clients}c"] = statistics.median(
+                a[j] / b[j] for a, b in zip(kv, rd))
+    out["throughput_reps"] = args.reps
+
+
 async def _main_async(args, out: dict, workdir: str) -> None:
     tensors = _pool(8)
-    rounds = args.rounds
-    daemon = Daemon("2GiB", Path(workdir) / "daemon.log")
-    try:
-        for clients in (1, 8):
-            put, get = await bench_kvstore(daemon.url, clients, max(1, rounds // clients * 2),
-                                           args.batch, tensors, "tp")
-            out[f"put_gbps_{clients}c"], out[f"get_gbps_{clients}c"] = put, get
-            print(f"kvstore  {clients} client(s): put {put:.2f} GB/s  get {get:.2f} GB/s")
-        out.update(bench_lookup32(daemon.url, tensors, 300 if not args.quick else 100))
-        print(f"lookup of a 32-chunk prompt: median {out['lookup32_ms']:.3f} ms, "
-              f"p99 {out['lookup32_p99_ms']:.3f} ms")
-    finally:
-        out["daemon_exit_code"] = daemon.stop()
+    redis = None
     if shutil.which("redis-server") is None:
         print("redis-server not installed (apt-get install -y redis-server): "
               "Redis figures skipped")
         out["redis_skipped"] = "redis-server not installed"
     else:
         redis = Redis(workdir)
-        try:
-            for clients in (1, 8):
-                put, get = await bench_redis(redis.port, clients,
-                                             max(1, rounds // clients * 2), args.batch, tensors)
-                out[f"redis_put_gbps_{clients}c"], out[f"redis_get_gbps_{clients}c"] = put, get
-                print(f"redis    {clients} client(s): put {put:.2f} GB/s  get {get:.2f} GB/s")
-        finally:
+    daemon = Daemon("2GiB", Path(workdir) / "daemon.log")
+    try:
+        await _throughput(args, out, daemon, redis, tensors)
+        out.update(bench_lookup32(daemon.url, tensors, 300 if not args.quick else 100))
+        print(f"lookup of a 32-chunk prompt: median {out['lookup32_ms']:.3f} ms, "
+              f"p99 {out['lookup32_p99_ms']:.3f} ms")
+    finally:
+        out["daemon_exit_code"] = daemon.stop()
+        if redis is not None:
             redis.stop()
     cap = args.soak_cpu_bytes
     daemon = Daemon(str(cap), Path(workdir) / "soak.log")
@@ -349,6 +374,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=4, help="chunks per get/put round trip")
     args = ap.parse_args(argv)
     args.rounds = 6 if args.quick else 24
+    args.reps = 2 if args.quick else 3
     args.soak_s = args.soak_s if args.soak_s is not None else (10.0 if args.quick else 60.0)
     args.soak_cpu_bytes = (128 << 20) if args.quick else (512 << 20)
     torch.set_num_threads(1)
@@ -363,11 +389,13 @@ def main(argv=None) -> int:
     out["get_gbps"], out["put_gbps"] = out["get_gbps_1c"], out["put_gbps_1c"]
     out["redis_get_gbps"] = out.get("redis_get_gbps_1c")
     out["redis_put_gbps"] = out.get("redis_put_gbps_1c")
+    for c in (1, 8):
+        print(f"median of {args.reps}, {c} client(s): kvstore put {out[f'put_gbps_{c}c']:.2f} "
+              f"get {out[f'get_gbps_{c}c']:.2f} GB/s" + (
+                  f" | redis put {out[f'redis_put_gbps_{c}c']:.2f} "
+                  f"get {out[f'redis_get_gbps_{c}c']:.2f} GB/s" if out["redis_get_gbps"] else ""))
     if out["redis_get_gbps"]:
-        for op in ("get", "put"):
-            for c in (1, 8):
-                out[f"{op}_vs_redis_{c}c"] = out[f"{op}_gbps_{c}c"] / out[f"redis_{op}_gbps_{c}c"]
-        print("ratio vs redis: " + ", ".join(
+        print("ratio vs redis (median of per-repetition ratios): " + ", ".join(
             f"{op} {c}c {out[f'{op}_vs_redis_{c}c']:.2f}x" for op in ("get", "put")
             for c in (1, 8)))
     if args.json:
