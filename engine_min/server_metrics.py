@@ -21,6 +21,17 @@ Series (``/metrics``):
     engine_prefix_cache_hits_total            counter, tokens found there
     engine_external_prefix_cache_queries_total  counter, tokens looked up in the KV store
     engine_external_prefix_cache_hits_total     counter, tokens found there
+
+and the KV connector's own figures (every ``kvstore_*`` key of ``LLMEngine.stats()``, see
+``connectors.engine_min.EngineMinConnector.get_stats``), named ``engine_`` + the key:
+    engine_kvstore_<count>_total              counter per cumulative count: requests,
+                                              queried/hit/loaded tokens, loaded/saved chunks
+                                              and bytes, fallbacks (lookup/load), dropped
+                                              saves, save errors, remote skipped calls, ...
+    engine_kvstore_hit_tokens_by_tier_total{tier}  counter, hit tokens by the tier that held them
+    engine_kvstore_{lookup,load,save}_seconds_sum / _count_total   counters (mean = sum/count)
+    engine_kvstore_{lookup,load,save}_seconds_max, engine_kvstore_save_queue_bytes,
+    engine_kvstore_remote_breaker_open        gauges
 """
 from __future__ import annotations
 
@@ -45,6 +56,9 @@ _CUMULATIVE_STATS = {
     "external_prefix_cache_queries": "external_prefix_cache_queries",
     "external_prefix_cache_hits": "external_prefix_cache_hits",
 }
+
+# connector stats that are levels, not counts
+_GAUGE_STATS = frozenset({"kvstore_save_queue_bytes", "kvstore_remote_breaker_open"})
 
 
 class ServerMetrics:
@@ -93,6 +107,7 @@ class ServerMetrics:
             "store.", registry=r)
         self._last: dict[str, float] = {}
         self._lock = threading.Lock()
+        self._kv_series: dict[str, Counter | Gauge] = {}
 
     def update_from_stats(self, stats: Mapping[str, float]) -> None:
         """Copy an ``LLMEngine.stats()`` snapshot into the gauges and cumulative counters.
@@ -118,6 +133,37 @@ class ServerMetrics:
                 if inc > 0:
                     getattr(self, attr).inc(inc)
                 self._last[key] = value
+            for key, value in stats.items():
+                if key.startswith("kvstore_"):
+                    self._connector_stat(key, value)
+
+    def _connector_stat(self, key: str, value) -> None:
+        """Mirror one ``kvstore_*`` stat: gauges for levels (queue bytes, breaker state,
+        maxima), labelled counter for per-tier hits, counters for every other count."""
+        if isinstance(value, Mapping):  # {tier: hit tokens}
+            series = self._series(key, Counter, ["tier"])
+            for tier, v in value.items():
+                self._add(series.labels(str(tier)), f"{key}:{tier}", float(v))
+            return
+        if isinstance(value, bool) or key in _GAUGE_STATS or key.endswith("_seconds_max"):
+            self._series(key, Gauge).set(float(value))
+        elif isinstance(value, (int, float)):
+            self._add(self._series(key, Counter), key, float(value))
+
+    def _series(self, key: str, kind, labels=()):
+        series = self._kv_series.get(key)
+        if series is None:
+            series = kind("engine_" + key, f"KV connector: {key[len('kvstore_'):]} (see "
+                          "connectors.engine_min.EngineMinConnector.get_stats).", list(labels),
+                          registry=self.registry)
+            self._kv_series[key] = series
+        return series
+
+    def _add(self, counter, last_key: str, value: float) -> None:
+        inc = value - self._last.get(last_key, 0.0)
+        if inc > 0:
+            counter.inc(inc)
+        self._last[last_key] = value
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type, for ``GET /metrics``."""

@@ -165,6 +165,31 @@ def test_metrics_mirror_cumulative_stats():
         assert line + "\n" in text, line
 
 
+def test_metrics_mirror_the_connectors_stats_as_counters_and_gauges():
+    m = ServerMetrics()
+    m.update_from_stats({"kvstore_loaded_bytes": 1000, "kvstore_load_fallbacks": 1,
+                         "kvstore_hit_tokens_by_tier": {"cpu": 256},
+                         "kvstore_load_seconds_sum": 0.5, "kvstore_load_count": 2,
+                         "kvstore_load_seconds_max": 0.4, "kvstore_save_queue_bytes": 4096,
+                         "kvstore_remote_breaker_open": True})
+    m.update_from_stats({"kvstore_loaded_bytes": 3000, "kvstore_load_fallbacks": 1,
+                         "kvstore_hit_tokens_by_tier": {"cpu": 256, "disk": 512},
+                         "kvstore_load_seconds_sum": 0.75, "kvstore_load_count": 3,
+                         "kvstore_load_seconds_max": 0.4, "kvstore_save_queue_bytes": 0,
+                         "kvstore_remote_breaker_open": False})
+    text = m.render()[0].decode()
+    for line in ("engine_kvstore_loaded_bytes_total 3000.0",
+                 "engine_kvstore_load_fallbacks_total 1.0",
+                 'engine_kvstore_hit_tokens_by_tier_total{tier="cpu"} 256.0',
+                 'engine_kvstore_hit_tokens_by_tier_total{tier="disk"} 512.0',
+                 "engine_kvstore_load_seconds_sum_total 0.75",
+                 "engine_kvstore_load_count_total 3.0",
+                 "engine_kvstore_load_seconds_max 0.4",
+                 "engine_kvstore_save_queue_bytes 0.0",
+                 "engine_kvstore_remote_breaker_open 0.0"):
+        assert line + "\n" in text, line
+
+
 def _args(*argv):
     import argparse
 

@@ -56,5 +56,9 @@ def test_repeated_prompt_is_loaded_from_the_store(server):
     m = _metrics(server)
     assert m["engine_external_prefix_cache_queries_total"] == 2 * n
     assert m["engine_external_prefix_cache_hits_total"] == hit
+    assert m["engine_kvstore_hit_tokens_total"] == hit  # the connector's own series
+    assert m['engine_kvstore_hit_tokens_by_tier_total{tier="cpu"}'] == hit
+    assert m["engine_kvstore_loaded_bytes_total"] == hit * server.connector.layout.token_bytes
+    assert m["engine_kvstore_load_fallbacks_total"] == 0
     assert m["engine_prefix_cache_queries_total"] == 0  # the engine's own cache is off
     assert m["engine_prefix_cache_hits_total"] == 0
