@@ -23,7 +23,6 @@ from collections import deque
 from dataclasses import dataclass
 
 import lmdb
-import numpy as np
 import torch
 
 from kvstore.codec import HEADER_BYTES_MAX, CorruptChunkError, pack_value, unpack_header, unpack_value
