@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from kvstore.keys import ChunkKey
+from kvstore.keys import ChunkKey, Namespace
+from kvstore.tiers.base import Tier
 from kvstore.tiers.memory import MemoryTier
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -119,3 +120,131 @@ class BorrowedChunks:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+class DirectIO:
+    """Direct I/O methods of ``kvstore.store.ChunkStore`` (a mixin: they use the store's lock,
+    pins, tier mover and metrics, and ``_place`` for commits)."""
+
+    def reserve_chunks(self, ns: Namespace, keys: Sequence[ChunkKey]) -> list:
+        """Set aside room for the chunks ``keys`` of ``ns`` in the top tier when it is host
+        memory, evicting (and spilling) unpinned chunks as a put would. Fill each
+        reservation's views, then ``commit_chunks`` (or ``release_reservations`` on any
+        failure).
+
+        Returns:
+            Per key: a ``Reservation``; ``ALREADY_STORED`` (``kvstore.direct``) when the key is
+            stored already (nothing reserved); or None where the top tier is not host memory
+            or cannot make room (every chunk pinned): put those chunks as tensors instead.
+
+        Raises:
+            ValueError: the namespace does not fit the tiers, or a key of another namespace.
+            RuntimeError: store closed.
+        """
+        self._check_keys(ns, keys)
+        nbytes = ns.layout.chunk_bytes
+        out: list = [None] * len(keys)
+        direct = bool(self.tiers) and is_direct(self.tiers[0])
+        top = self.tiers[0] if direct else None
+        with self._lock:
+            self._expire_leases()
+            room = True
+            for i, k in enumerate(keys):
+                if self._locate(k) is not None:
+                    out[i] = ALREADY_STORED
+                elif direct and room and self._mover.make_room(0, nbytes):
+                    pages, runs = top.reserve(nbytes)
+                    out[i] = Reservation(top, pages, top.run_views(runs), nbytes)
+                else:
+                    room = False
+        return out
+
+    def commit_chunks(self, ns: Namespace, keys: Sequence[ChunkKey], items: Sequence) -> int:
+        """Store chunks given as filled ``Reservation``s (made visible in place, no copy),
+        tensors (copied, as ``put_chunks``) or None (dropped: counted as rejected, e.g. when
+        ``reserve_chunks`` found no room and no lower tier could take it). Every reservation
+        passed is consumed: committed, or released when its key is already stored.
+
+        Returns:
+            How many chunks were newly stored.
+
+        Raises:
+            ValueError: wrong key namespace or count, a tensor not matching the layout, or a
+                reservation of another size (nothing stored; reservations released).
+        """
+        try:
+            self._check_keys(ns, keys)
+            if len(keys) != len(items):
+                raise ValueError(f"commit_chunks: {len(keys)} keys but {len(items)} items")
+            for it in items:
+                if isinstance(it, Reservation):
+                    if it.nbytes != ns.layout.chunk_bytes:
+                        raise ValueError(f"reservation of {it.nbytes} bytes for chunks of "
+                                         f"{ns.layout.chunk_bytes}")
+                elif it is not None and it is not ALREADY_STORED:
+                    ns.layout.validate(it)
+        except BaseException:
+            self.release_reservations(items)
+            raise
+        return self._place(keys, items)
+
+    def release_reservations(self, items: Sequence) -> None:
+        """Give back the reservations among ``items`` (others are ignored). Idempotent."""
+        for it in items:
+            if isinstance(it, Reservation):
+                it.tier.release(it.pages)
+
+    def borrow_chunks(self, ns: Namespace, keys: Sequence[ChunkKey]) -> BorrowedChunks:
+        """Pin the stored chunks among ``keys`` and hand out views of those in a host memory
+        tier (no copy); chunks only in a lower tier are listed in ``.lower`` for
+        ``read_lower``. Counts hits and misses as ``get_chunks`` does (at ``read_lower`` for
+        lower-tier chunks). The caller must ``release`` it.
+
+        Raises:
+            ValueError: a key of another namespace. RuntimeError: store closed.
+        """
+        self._check_keys(ns, keys)
+        chunk_bytes = ns.layout.chunk_bytes
+        plan: list[tuple[ChunkKey, Tier] | None] = []
+        parts: list[list[torch.Tensor] | None] = []
+        lower: list[int] = []
+        with self._lock:
+            self._expire_leases()
+            for i, k in enumerate(keys):
+                t = self._locate(k)
+                if t is not None:
+                    self._pins.add_reader(k)
+                    t.touch(k)
+                plan.append((k, t) if t is not None else None)
+                if t is not None and is_direct(t) and t.nbytes_of(k) >= chunk_bytes:
+                    parts.append(t.run_views(t.entry_runs(k)))
+                    self.metrics.inc("hits", tier=t.name)
+                else:
+                    parts.append(None)
+                    if t is not None:
+                        lower.append(i)
+                    else:
+                        self.metrics.inc("misses")
+        return BorrowedChunks(self, ns, list(keys), plan, parts, lower)
+
+    def _borrow_read_lower(self, b: BorrowedChunks) -> None:
+        read: list[torch.Tensor | None] = [None] * len(b.keys)
+        for i in b.lower:
+            kv = self._read_checked(b.ns.layout, *b.plan[i])
+            read[i] = kv
+            if kv is None:
+                self.metrics.inc("misses")
+            else:
+                b.parts[i] = [kv.reshape(-1).view(torch.uint8)]
+                self.metrics.inc("hits", tier=b.plan[i][1].name)
+        if self.config.promote_on_hit and b.lower:
+            with self._lock:
+                self._mover.promote(b.plan, read, self._doomed)
+        b.lower = []
+
+    def _borrow_release(self, b: BorrowedChunks) -> None:
+        with self._lock:
+            for item in b.plan:
+                if item is not None:
+                    self._pins.drop_reader(item[0])
+                    self._maybe_free(item[0])
