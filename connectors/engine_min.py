@@ -41,7 +41,8 @@ Counters (``get_stats``), cumulative: ``external_prefix_cache_queries`` (tokens 
 looked up, once per request), ``external_prefix_cache_hits`` (tokens loaded, once per request;
 ``kvstore_hit_tokens_by_tier`` splits them by the tier they came from: ``"cpu"``, ``"disk"``,
 ``"remote:cpu"``... for chunks held by the daemon's tiers), loaded/saved bytes and
-chunks, load/save/lookup latency (count, sum, max in seconds), fallbacks, dropped saves; with a
+chunks (tail pieces apart: ``kvstore_loaded_tail_chunks``, ``kvstore_saved_tail_chunks``; their
+bytes are in the byte counters), load/save/lookup latency (count, sum, max in seconds), fallbacks, dropped saves; with a
 daemon behind ``CircuitBreakerStore``: ``kvstore_remote_skipped_calls`` (calls not sent while a
 failed daemon cools down), ``kvstore_remote_breaker_trips``, ``kvstore_remote_breaker_open``.
 """
