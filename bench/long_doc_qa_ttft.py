@@ -188,8 +188,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--questions", type=int, default=3, help="questions after the first")
     ap.add_argument("--question-tokens", type=int, default=24)
     ap.add_argument("--chunk-size", type=int, default=256)
-    ap.add_argument("--cold-reps", type=int, default=2,
-                    help="cold runs (each paired with a recompute; default 2)")
+    ap.add_argument("--cold-reps", type=int, default=3,
+                    help="cold runs (each paired with a recompute; default 3)")
     ap.add_argument("--save-partial", action="store_true",
                     help="add the row with tail pieces (the document's partial last chunk "
                     "stored too)")
