@@ -27,9 +27,10 @@ recomputes fewer than ``F`` tokens of a stored prefix instead of up to ``C - 1``
     keys    ns (chunk C)            ns                     tail ns (chunk F), chained from 0
 
 Loads: each step's chunks (and pieces) are read on a worker thread and scattered into the
-request's blocks there, one chunk at a time, through a reused staging buffer when the store takes
-``out=`` (``ChunkStore``: no fresh pages to fault in per load); a deadline that passes stops the
-worker before its next scatter (a lock orders the two), and what landed so far counts.
+request's blocks there, one chunk at a time; from an in-process ``ChunkStore`` the scatter
+copies straight out of the CPU tier's pages, borrowed under reader pins
+(``ChunkStore.borrow_chunks``: one copy, no intermediate tensor). A deadline that passes stops
+the worker before its next scatter (a lock orders the two), and what landed so far counts.
 
 Robustness: every lookup and every step's loads run on worker threads and are waited for at
 most ``deadline_s`` (+ ``deadline_s_per_chunk`` per chunk loaded); a late, failed or partial
@@ -49,7 +50,6 @@ failed daemon cools down), ``kvstore_remote_breaker_trips``, ``kvstore_remote_br
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import queue
 import threading
@@ -113,6 +113,25 @@ class _Load:
     lock: threading.Lock = field(default_factory=threading.Lock)
     landed: int = 0                 # leading pieces scattered into the blocks
     cancelled: bool = False         # set under ``lock``: the worker scatters nothing more
+
+
+def _borrower(store: KVStoreBase):
+    """``store.borrow_chunks`` when the store is a ``ChunkStore`` whose reads are its own (a
+    subclass that redefines ``get_chunks``, e.g. to inject faults, keeps being read through
+    it), else None."""
+    from kvstore.store import ChunkStore
+    if not isinstance(store, ChunkStore) or type(store).get_chunks is not ChunkStore.get_chunks:
+        return None
+    return store.borrow_chunks
+
+
+def _as_chunk(parts: list[torch.Tensor] | None, layout: KVLayout) -> torch.Tensor | None:
+    """A borrowed chunk's byte runs (1-D ``uint8``) as ``layout.shape()`` of its dtype: a view
+    of the pages when they are one run, else a copy; None when absent or not the chunk's size."""
+    if parts is None or sum(int(t.numel()) for t in parts) != layout.chunk_bytes:
+        return None
+    flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return flat.view(layout.torch_dtype).view(layout.shape())
 
 
 class _Latency:
@@ -185,9 +204,8 @@ class EngineMinConnector(KVConnectorBase):
         self.owns_store = owns_store
         self.tail_chunk_size = tail_chunk_size
         self.tail_ns: Namespace | None = None
-        # a ChunkStore reads into a caller's buffer (``out=``): reused staging buffers per shape
-        self._takes_out = "out" in inspect.signature(store.get_chunks).parameters
-        self._staging: dict[tuple, list[torch.Tensor]] = {}
+        # a ChunkStore lends views of its host-memory pages: loads scatter from them directly
+        self._borrow = _borrower(store)
         # a daemon client reports the daemon's tier names: shown as "remote:<tier>"
         self._remote = hasattr(store, "url") and not hasattr(store, "local")
         self.ns: Namespace | None = None
@@ -422,8 +440,9 @@ class EngineMinConnector(KVConnectorBase):
     def _fetch_and_scatter(self, ld: _Load) -> None:
         """Worker thread: read ``ld``'s pieces and scatter the leading ones that arrived whole
         into the request's blocks, one at a time, each under ``ld.lock`` and only while
-        ``ld.cancelled`` is false (``ld.landed`` counts them). A store that takes ``out=`` reads
-        each piece into a reused staging buffer; otherwise one batched read per namespace.
+        ``ld.cancelled`` is false (``ld.landed`` counts them). One read per namespace: from a
+        store with ``borrow_chunks`` (``ChunkStore``) the scatter copies straight out of the
+        tier's pinned pages (one copy in all), otherwise from ``get_chunks``' tensors.
 
         Raises:
             whatever the store raises (the caller counts a fallback; what landed stays).
@@ -437,24 +456,24 @@ class EngineMinConnector(KVConnectorBase):
         for group in groups:
             ns = group[0].ns
             want = ns.layout.shape()
-            if self._takes_out:
-                buf = self._take_buffer(want)
+            keys = [p.key for p in group]
+            if self._borrow is not None:
+                borrowed = self._borrow(ns, keys)
                 try:
-                    for p in group:
-                        if ld.cancelled:
-                            return
-                        kv = self.store.get_chunks(ns, [p.key], out=[buf])[0]
-                        if not self._scatter(ld, p, kv, want):
+                    if borrowed.lower:      # chunks only in a lower tier (disk): read them
+                        borrowed.read_lower()
+                    for p, parts in zip(group, borrowed.parts):
+                        if not self._scatter(ld, p, _as_chunk(parts, ns.layout), want):
                             return
                 finally:
-                    self._give_buffer(want, buf)
-            else:
-                kvs = self.store.get_chunks(ns, [p.key for p in group])
-                for p, kv in zip(group, kvs):
-                    if not self._scatter(ld, p, kv, want):
-                        return
-                if len(kvs) < len(group):
+                    borrowed.release()
+                continue
+            kvs = self.store.get_chunks(ns, keys)
+            for p, kv in zip(group, kvs):
+                if not self._scatter(ld, p, kv, want):
                     return
+            if len(kvs) < len(group):
+                return
 
     def _scatter(self, ld: _Load, p: _Piece, kv: torch.Tensor | None, want: tuple) -> bool:
         """Scatter piece ``p``'s tokens in ``[plan.start, ceil_block(plan.end))`` into the
@@ -472,17 +491,6 @@ class EngineMinConnector(KVConnectorBase):
                                   kv[:, :, lo - p.start:hi - p.start])
             ld.landed += 1
         return True
-
-    def _take_buffer(self, shape: tuple) -> torch.Tensor:
-        with self._lock:
-            free = self._staging.get(shape)
-            if free:
-                return free.pop()
-        return torch.empty(shape, dtype=self.kv_cache.dtype)
-
-    def _give_buffer(self, shape: tuple, buf: torch.Tensor) -> None:
-        with self._lock:
-            self._staging.setdefault(shape, []).append(buf)
 
     def wait_for_load(self) -> list[LoadResult]:
         loads, self._loads = self._loads, []

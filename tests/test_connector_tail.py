@@ -113,6 +113,9 @@ def test_doc_qa_tail_pieces_hit_the_whole_document_and_outputs_match(engine, pro
     keys = conn.tail_ns.chunk_keys(prompts["doc"] + prompts["qs"][0])   # pieces of q1's prompt
     assert conn.store.exists(conn.tail_ns, keys[36:39]) == [True, True, True]
     assert conn.store.exists(conn.tail_ns, keys[35:36]) == [False]      # inside a full chunk
+    # loads scattered from borrowed pages: every reader pin is dropped again
+    full = conn.ns.chunk_keys(prompts["doc"])
+    assert [conn.store._pins.count(k) for k in full + keys[36:39]] == [0] * 12
     conn.close()
 
 
