@@ -228,7 +228,6 @@ async def soak(url: str, daemon: Daemon, capacity: int, seconds: float, clients:
     ns = Namespace("bench-soak", LAYOUT)
     prompt_chunks = 4
     num_prompts = max(1, 10 * capacity // CHUNK_BYTES // prompt_chunks)
-    rng = random.Random(0)
     c = AsyncKVStoreClient(url, timeout_s=60, pool_size=clients)
     lat: list[float] = []
     counts = {"errors": 0, "lookups": 0, "get_chunks": 0, "get_hits": 0, "puts": 0}

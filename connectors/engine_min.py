@@ -36,7 +36,8 @@ Robustness: every lookup and every step's loads run on worker threads and are wa
 most ``deadline_s`` (+ ``deadline_s_per_chunk`` per chunk loaded); a late, failed or partial
 load counts a fallback, logs once per kind, and leaves ``seq.num_computed_tokens`` at the end of
 what landed, so the engine prefills the rest. Saves go through a bounded queue
-(``save_queue_bytes``); when it is full the save is dropped and counted, never waited for.
+(``connectors.save_queue.SaveQueue``, ``save_queue_bytes``); when it is full the save is
+dropped and counted, never waited for.
 
 Counters (``get_stats``), cumulative: ``external_prefix_cache_queries`` (tokens of requests
 looked up, once per request), ``external_prefix_cache_hits`` (tokens loaded, once per request;
@@ -51,19 +52,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from connectors.base import KVConnectorBase, LoadResult
-from connectors.block_chunk_map import BlockChunkMap, LoadPlan
+from connectors.base import KVConnectorBase
+from connectors.block_chunk_map import BlockChunkMap
 from connectors.layered_store import remote_breaker
+from connectors.engine_min_load import LoadWorker, _borrower, _Piece
+from connectors.save_queue import SaveQueue
 from kernels import ops
 from kvstore.api import KVStoreBase
 from kvstore.keys import ChunkKey, Namespace, chain_hashes
@@ -88,52 +90,6 @@ class _Request:
     pending: tuple | None = None    # (LoadPlan, [_Piece], block_ids)
 
 
-@dataclass(frozen=True)
-class _Piece:
-    """One stored unit to load: a full chunk (``size`` = chunk size, the connector's namespace)
-    or a tail piece (``size`` = tail chunk size, the tail namespace) covering tokens
-    ``[start, start + size)``."""
-
-    start: int
-    size: int
-    ns: Namespace
-    key: ChunkKey
-    tier: str
-
-
-@dataclass
-class _Load:
-    seq: Any
-    item: Any
-    plan: LoadPlan
-    pieces: list[_Piece]
-    block_ids: list[int]
-    count_hits: bool
-    future: Future | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    landed: int = 0                 # leading pieces scattered into the blocks
-    cancelled: bool = False         # set under ``lock``: the worker scatters nothing more
-
-
-def _borrower(store: KVStoreBase):
-    """``store.borrow_chunks`` when the store is a ``ChunkStore`` whose reads are its own (a
-    subclass that redefines ``get_chunks``, e.g. to inject faults, keeps being read through
-    it), else None."""
-    from kvstore.store import ChunkStore
-    if not isinstance(store, ChunkStore) or type(store).get_chunks is not ChunkStore.get_chunks:
-        return None
-    return store.borrow_chunks
-
-
-def _as_chunk(parts: list[torch.Tensor] | None, layout: KVLayout) -> torch.Tensor | None:
-    """A borrowed chunk's byte runs (1-D ``uint8``) as ``layout.shape()`` of its dtype: a view
-    of the pages when they are one run, else a copy; None when absent or not the chunk's size."""
-    if parts is None or sum(int(t.numel()) for t in parts) != layout.chunk_bytes:
-        return None
-    flat = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return flat.view(layout.torch_dtype).view(layout.shape())
-
-
 class _Latency:
     """count / sum / max of durations in seconds."""
 
@@ -150,7 +106,7 @@ class _Latency:
                 f"{prefix}_seconds_max": self.max}
 
 
-class EngineMinConnector(KVConnectorBase):
+class EngineMinConnector(LoadWorker, KVConnectorBase):
     """KV connector for engine_min over one ``KVStoreBase``.
 
     Args:
@@ -212,7 +168,7 @@ class EngineMinConnector(KVConnectorBase):
         self.bcm: BlockChunkMap | None = None
         self.kv_cache: torch.Tensor | None = None
         self._reqs: dict[str, _Request] = {}
-        self._loads: list[_Load] = []
+        self._loads: list = []  # engine_min_load._Load of this step
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvconn-io")
         self._lock = threading.Lock()
         self._warned: set[str] = set()
@@ -224,14 +180,8 @@ class EngineMinConnector(KVConnectorBase):
             "load_failed_tokens", "loaded_tail_chunks", "saved_tail_chunks")}
         self.hits_by_tier: dict[str, int] = {}
         self.lat = {k: _Latency() for k in ("lookup", "load", "save")}
-        # background writer
-        self._q: queue.Queue = queue.Queue()
-        self._q_bytes = 0
-        self._q_items = 0
-        self._cv = threading.Condition()
         self._closed = False
-        self._writer = threading.Thread(target=self._write_loop, name="kvconn-writer", daemon=True)
-        self._writer.start()
+        self._saves = SaveQueue(store.put_chunks, save_queue_bytes, self._saved)
 
     # ---- helpers ------------------------------------------------------------------------------
     def _warn_once(self, kind: str, msg: str, *args) -> None:
@@ -424,147 +374,6 @@ class EngineMinConnector(KVConnectorBase):
         self._queue_save(seq, st, end, block_ids)
         self._queue_tail_save(seq, st, end, block_ids)
 
-    # ---- worker side: loads -------------------------------------------------------------------
-    def start_load_kv(self, sched_out: Any, kv_cache: torch.Tensor) -> None:
-        for item in sched_out.scheduled:
-            st = self._reqs.get(item.seq.request_id)
-            if st is None or st.pending is None:
-                continue
-            plan, pieces, block_ids = st.pending
-            st.pending = None
-            ld = _Load(item.seq, item, plan, pieces, block_ids, st.count_hits)
-            ld.future = self._pool.submit(self._fetch_and_scatter, ld)
-            self._loads.append(ld)
-            st.count_hits = False
-
-    def _fetch_and_scatter(self, ld: _Load) -> None:
-        """Worker thread: read ``ld``'s pieces and scatter the leading ones that arrived whole
-        into the request's blocks, one at a time, each under ``ld.lock`` and only while
-        ``ld.cancelled`` is false (``ld.landed`` counts them). One read per namespace: from a
-        store with ``borrow_chunks`` (``ChunkStore``) the scatter copies straight out of the
-        tier's pinned pages (one copy in all), otherwise from ``get_chunks``' tensors.
-
-        Raises:
-            whatever the store raises (the caller counts a fallback; what landed stays).
-        """
-        groups: list[list[_Piece]] = []
-        for p in ld.pieces:
-            if groups and groups[-1][0].ns is p.ns:
-                groups[-1].append(p)
-            else:
-                groups.append([p])
-        for group in groups:
-            ns = group[0].ns
-            want = ns.layout.shape()
-            keys = [p.key for p in group]
-            if self._borrow is not None:
-                borrowed = self._borrow(ns, keys)
-                try:
-                    if borrowed.lower:      # chunks only in a lower tier (disk): read them
-                        borrowed.read_lower()
-                    for p, parts in zip(group, borrowed.parts):
-                        if not self._scatter(ld, p, _as_chunk(parts, ns.layout), want):
-                            return
-                finally:
-                    borrowed.release()
-                continue
-            kvs = self.store.get_chunks(ns, keys)
-            for p, kv in zip(group, kvs):
-                if not self._scatter(ld, p, kv, want):
-                    return
-            if len(kvs) < len(group):
-                return
-
-    def _scatter(self, ld: _Load, p: _Piece, kv: torch.Tensor | None, want: tuple) -> bool:
-        """Scatter piece ``p``'s tokens in ``[plan.start, ceil_block(plan.end))`` into the
-        request's blocks unless cancelled or ``kv`` is missing or misshapen; True if it landed."""
-        if kv is None or tuple(kv.shape) != want or kv.dtype != self.kv_cache.dtype:
-            return False
-        bs = self.bcm.block_size
-        lo = max(ld.plan.start, p.start)
-        hi = min(-(-ld.plan.end // bs) * bs, p.start + p.size)
-        with ld.lock:
-            if ld.cancelled:
-                return False
-            if hi > lo:
-                ops.scatter_chunk(self.kv_cache, ld.block_ids[lo // bs:hi // bs],
-                                  kv[:, :, lo - p.start:hi - p.start])
-            ld.landed += 1
-        return True
-
-    def wait_for_load(self) -> list[LoadResult]:
-        loads, self._loads = self._loads, []
-        if not loads:
-            return []
-        t0 = time.perf_counter()
-        deadline = t0 + self.deadline_s + self.deadline_s_per_chunk * sum(
-            len(ld.pieces) for ld in loads)
-        results = []
-        for ld in loads:
-            failed = True
-            try:
-                ld.future.result(timeout=max(0.0, deadline - time.perf_counter()))
-                failed = False
-            except FutureTimeout:
-                ld.future.cancel()
-                self._fallback("load", "load of %d chunks missed its deadline; recomputing",
-                               len(ld.pieces))
-            except Exception as exc:  # noqa: BLE001
-                self._fallback("load", "load failed (%s: %s); recomputing",
-                               type(exc).__name__, exc)
-            with ld.lock:          # nothing is scattered after this
-                ld.cancelled = True
-            results.append(self._land(ld, failed))
-        self._observe("load", time.perf_counter() - t0)
-        return results
-
-    def _land(self, ld: _Load, failed: bool) -> LoadResult:
-        """Account for the leading pieces that landed; rewind the sequence past the rest
-        (``failed``: the read raised or missed its deadline, a fallback already counted)."""
-        plan, bcm = ld.plan, self.bcm
-        n_ok = ld.landed
-        end = plan.start
-        if n_ok:
-            last = ld.pieces[n_ok - 1]
-            end = max(plan.start, min(plan.end, last.start + last.size))
-        by_tier: dict[str, int] = {}
-        full = tail = nbytes = 0
-        for p in ld.pieces[:n_ok]:
-            lo, hi = max(plan.start, p.start), min(end, p.start + p.size)
-            if p.ns is self.ns:
-                full += 1
-            else:
-                tail += 1
-            nbytes += p.ns.layout.chunk_bytes
-            if hi > lo:
-                by_tier[p.tier] = by_tier.get(p.tier, 0) + hi - lo
-        short = plan.end - end
-        if short:
-            if not failed and n_ok < len(ld.pieces):
-                self._fallback("load", "store returned %d of %d chunks; recomputing the rest",
-                               n_ok, len(ld.pieces))
-            seq = ld.seq
-            seq.num_computed_tokens -= short
-            seq.num_cached_tokens = max(0, seq.num_cached_tokens - short)
-            ld.item.num_new_tokens += short
-            st = self._reqs.get(seq.request_id)
-            if st is not None:
-                st.saved = min(st.saved, bcm.floor_to_chunk(end))
-                if self.tail_chunk_size:
-                    st.tail_saved = min(st.tail_saved,
-                                        end // self.tail_chunk_size * self.tail_chunk_size)
-        with self._lock:
-            self.c["loaded_tokens"] += end - plan.start
-            self.c["loaded_chunks"] += full
-            self.c["loaded_tail_chunks"] += tail
-            self.c["loaded_bytes"] += nbytes
-            self.c["load_failed_tokens"] += short
-            if ld.count_hits:
-                self.c["hit_tokens"] += end - plan.start
-                for t, v in by_tier.items():
-                    self.hits_by_tier[t] = self.hits_by_tier.get(t, 0) + v
-        return LoadResult(ld.seq.request_id, plan.num_tokens, end - plan.start, short == 0)
-
     # ---- worker side: saves -------------------------------------------------------------------
     def save(self, sched_out: Any, kv_cache: torch.Tensor) -> None:
         for item in sched_out.scheduled:
@@ -587,7 +396,7 @@ class EngineMinConnector(KVConnectorBase):
             return
         keys = self._keys(st, seq, rng.stop)[rng.start:rng.stop]
         kvs = [ops.gather_chunk(self.kv_cache, self.bcm.chunk_blocks(block_ids, c)) for c in rng]
-        self._q.put((self.ns, keys, kvs, len(rng) * self.layout.chunk_bytes))
+        self._saves.submit(self.ns, keys, kvs, len(rng) * self.layout.chunk_bytes)
 
     def _queue_tail_save(self, seq: Any, st: _Request, end: int, block_ids: list[int]) -> None:
         """Gather the tail pieces past the last full chunk of ``[0, end)`` that are not saved
@@ -607,52 +416,34 @@ class EngineMinConnector(KVConnectorBase):
         per = F // self.bcm.block_size
         kvs = [ops.gather_chunk(self.kv_cache, list(block_ids[j * per:(j + 1) * per]))
                for j in range(lo, hi)]
-        self._q.put((self.tail_ns, keys, kvs, nbytes))
+        self._saves.submit(self.tail_ns, keys, kvs, nbytes)
 
     def _reserve(self, n_chunks: int, nbytes: int) -> bool:
         """Room in the save queue for ``nbytes`` (counted as queued), or a counted drop."""
-        with self._cv:
-            full = self._q_items > 0 and self._q_bytes + nbytes > self.save_queue_bytes
-            if full or self._closed:
-                self.c["dropped_save_chunks"] += n_chunks
-                drop = True
-            else:
-                self._q_bytes += nbytes
-                self._q_items += 1
-                self.c["queued_chunks"] += n_chunks
-                drop = False
-        if drop:
+        ok = self._saves.try_reserve(nbytes)
+        with self._lock:
+            self.c["queued_chunks" if ok else "dropped_save_chunks"] += n_chunks
+        if not ok:
             self._warn_once("save_drop", "kv connector: save queue full (%d bytes); dropping "
                             "saves", self.save_queue_bytes)
-        return not drop
+        return ok
 
-    def _write_loop(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            ns, keys, kvs, nbytes = item
-            t0 = time.perf_counter()
-            try:
-                n = self.store.put_chunks(ns, keys, kvs)
-                with self._lock:
-                    self.c["saved_tail_chunks" if ns is self.tail_ns else "saved_chunks"] += n
-                    self.c["saved_bytes"] += n * ns.layout.chunk_bytes
-            except Exception as exc:  # noqa: BLE001 - a failed save only costs a future hit
-                with self._lock:
-                    self.c["save_errors"] += 1
-                self._warn_once("save", "kv connector: save failed (%s: %s)",
-                                type(exc).__name__, exc)
-            with self._lock:
-                self.lat["save"].add(time.perf_counter() - t0)
-            with self._cv:
-                self._q_bytes -= nbytes
-                self._q_items -= 1
-                self._cv.notify_all()
+    def _saved(self, ns: Namespace, stored: int | None, seconds: float,
+               error: Exception | None) -> None:
+        """``SaveQueue`` callback (writer thread): count what one put stored, or its error."""
+        with self._lock:
+            self.lat["save"].add(seconds)
+            if error is None:
+                self.c["saved_tail_chunks" if ns is self.tail_ns else "saved_chunks"] += stored
+                self.c["saved_bytes"] += stored * ns.layout.chunk_bytes
+            else:
+                self.c["save_errors"] += 1
+        if error is not None:
+            self._warn_once("save", "kv connector: save failed (%s: %s)",
+                            type(error).__name__, error)
 
     def wait_for_save(self, timeout_s: float | None = None) -> bool:
-        with self._cv:
-            return self._cv.wait_for(lambda: self._q_items == 0, timeout_s)
+        return self._saves.wait(timeout_s)
 
     # ---- metrics and lifetime -----------------------------------------------------------------
     def get_stats(self) -> dict:
@@ -663,7 +454,7 @@ class EngineMinConnector(KVConnectorBase):
         out = {"external_prefix_cache_queries": c["queried_tokens"],
                "external_prefix_cache_hits": c["hit_tokens"],
                "kvstore_hit_tokens_by_tier": tiers,
-               "kvstore_save_queue_bytes": self._q_bytes}
+               "kvstore_save_queue_bytes": self._saves.queued_bytes}
         out.update({f"kvstore_{k}": v for k, v in c.items()})
         for d in lat.values():
             out.update(d)
@@ -675,11 +466,8 @@ class EngineMinConnector(KVConnectorBase):
     def close(self) -> None:
         if self._closed:
             return
-        self.wait_for_save(30.0)
-        with self._cv:
-            self._closed = True
-        self._q.put(None)
-        self._writer.join(10)
+        self._closed = True
+        self._saves.close(30.0)
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.owns_store:
             self.store.close()

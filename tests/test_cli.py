@@ -16,7 +16,7 @@ import torch
 from kvstore import cli, serve_config
 from kvstore import protocol as P
 from kvstore.client import KVStoreClient, StoreUnavailable
-from test_server import LAYOUT, NS, chunk
+from test_server import NS, chunk
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "cli-token"

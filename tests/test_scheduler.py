@@ -65,7 +65,8 @@ def test_max_num_seqs():
 
 def test_preemption_by_recompute_of_newest():
     s, bm = make(num_blocks=4, budget=64, caching=False)   # 3 usable blocks
-    a, b = add(s, "a", 4), add(s, "b", 4, start=50)
+    add(s, "a", 4)
+    b = add(s, "b", 4, start=50)
     assert plan(run_step(s)) == [("a", 4), ("b", 4)]        # 1 block each, both sample a token
     assert plan(run_step(s)) == [("a", 1)]                  # a takes block 3; b needs one: preempted
     assert b.status == SequenceStatus.WAITING and b.block_table == [] and b.num_computed_tokens == 0

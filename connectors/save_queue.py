@@ -1,0 +1,104 @@
+"""Bounded background writer of a KV connector's saves.
+
+Saving must never stall the engine: the engine thread gathers a request's chunks out of its KV
+pool, ``try_reserve``s their bytes and ``submit``s them; one writer thread calls the store's
+``put_chunks`` in arrival order. The queue holds at most ``capacity_bytes`` of gathered chunks
+(an item larger than that is still taken when the queue is empty, so a big save never starves);
+when it is full the caller drops the save (a lost future hit, never a wait).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from kvstore.keys import ChunkKey, Namespace
+
+#: ``done(ns, stored, seconds, error)``: called on the writer thread after each put; ``stored``
+#: is the number of chunks newly stored (None when ``error`` is set).
+DoneCallback = Callable[[Namespace, "int | None", float, "Exception | None"], None]
+
+
+class SaveQueue:
+    """Background ``put(ns, keys, kvs)`` calls with a byte bound. Thread-safe.
+
+    Args:
+        put: the store's ``put_chunks(ns, keys, kvs) -> int``.
+        capacity_bytes: most bytes of gathered chunks waiting or being written.
+        done: see ``DoneCallback``; exceptions raised by ``put`` go to it, never up.
+        name: the writer thread's name.
+    """
+
+    def __init__(self, put: Callable[[Namespace, Sequence[ChunkKey], Sequence[torch.Tensor]], int],
+                 capacity_bytes: int, done: DoneCallback, name: str = "kvconn-writer") -> None:
+        self.capacity_bytes = capacity_bytes
+        self._put, self._done = put, done
+        self._q: queue.Queue = queue.Queue()
+        self._bytes = 0
+        self._items = 0
+        self._cv = threading.Condition()
+        self._closed = False
+        self._writer = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._writer.start()
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes reserved by items not written yet."""
+        return self._bytes
+
+    def try_reserve(self, nbytes: int) -> bool:
+        """Reserve ``nbytes`` for one item about to be ``submit``ted. False (nothing reserved)
+        when the queue is full or closed: the caller drops the save."""
+        with self._cv:
+            if self._closed or (self._items > 0 and self._bytes + nbytes > self.capacity_bytes):
+                return False
+            self._bytes += nbytes
+            self._items += 1
+            return True
+
+    def submit(self, ns: Namespace, keys: Sequence[ChunkKey], kvs: Sequence[torch.Tensor],
+               nbytes: int) -> None:
+        """Queue one reserved item (``nbytes`` as passed to ``try_reserve``); ``kvs`` are the
+        gathered chunks ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]``, owned by the
+        queue from now on."""
+        self._q.put((ns, keys, kvs, nbytes))
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait until every submitted item is written. False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._items == 0, timeout_s)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Wait up to ``timeout_s`` for queued items, refuse new ones, stop the writer.
+        Idempotent."""
+        if self._closed:
+            return
+        self.wait(timeout_s)
+        with self._cv:
+            self._closed = True
+        self._q.put(None)
+        self._writer.join(10)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            ns, keys, kvs, nbytes = item
+            del item
+            t0 = time.perf_counter()
+            try:
+                stored, error = self._put(ns, keys, kvs), None
+            except Exception as exc:  # noqa: BLE001 - a failed save only costs a future hit
+                stored, error = None, exc
+            del kvs
+            try:
+                self._done(ns, stored, time.perf_counter() - t0, error)
+            finally:
+                with self._cv:
+                    self._bytes -= nbytes
+                    self._items -= 1
+                    self._cv.notify_all()
