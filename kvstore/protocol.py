@@ -278,9 +278,11 @@ def _parse_put_entry(ns: Namespace, layout: KVLayout, c: Any) -> ChunkEntry:
     nbytes, dtype, shape, xxh = c.get("nbytes"), c.get("dtype"), c.get("shape"), c.get("xxh3")
     if dtype != layout.dtype:
         raise ProtocolError(f"dtype mismatch: layout has {layout.dtype}, chunk says {dtype!r}")
-    if not isinstance(shape, list) or tuple(shape) != layout.shape():
+    # exact ints: JSON 256.0 == 256 in Python, but a float size breaks range()/slicing later
+    if not isinstance(shape, list) or any(type(s) is not int for s in shape) \
+            or tuple(shape) != layout.shape():
         raise ProtocolError(f"shape mismatch: expected {list(layout.shape())}, got {shape!r}")
-    if nbytes != layout.chunk_bytes:
+    if type(nbytes) is not int or nbytes != layout.chunk_bytes:
         raise ProtocolError(f"nbytes mismatch: layout needs {layout.chunk_bytes}, "
                             f"chunk says {nbytes!r}")
     if not isinstance(xxh, str) or len(xxh) != 16:

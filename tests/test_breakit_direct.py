@@ -1,0 +1,271 @@
+"""Trying to break the daemon's direct I/O (``kvstore serve`` over a CPU-tier ChunkStore) with bad
+clients: disconnects at every interesting offset, wrong framing, stalled readers, races with
+remove/clear, full arenas, and request timeouts that land while a store call is running.
+
+After every scenario: nothing torn is visible, the server answers /healthz, the store passes
+``check_integrity()``, the CPU tier's used bytes are exactly its chunks' pages (no leaked
+reservation) and no reader pin is left.
+
+Tiny layout: 2 layers, 1 KV head, head_dim 8, fp16, chunk_size 4 -> 256-byte chunks, 256-byte
+pages (one page per chunk).
+"""
+import http.client
+import json
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from kvstore import protocol as P
+from kvstore.config import StoreConfig
+from kvstore.keys import Namespace
+from kvstore.layout import KVLayout
+from kvstore.server import STATE_KEY, ServerLimits, ThreadedServer, create_app
+from kvstore.store import ChunkStore
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float16", chunk_size=4)
+CB = LAYOUT.chunk_bytes  # 256
+NS = Namespace("tiny-model", LAYOUT)
+KEYS = NS.chunk_keys(list(range(4 * 8)))  # 8 chained chunk keys
+TOKEN = "t0k"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def chunk(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(LAYOUT.shape(), generator=g).to(torch.float16)  # [2, 2, 4, 1, 8]
+
+
+def put_body(keys, kvs, durable=False):
+    parts = [P.entry_for(k, kv) for k, kv in zip(keys, kvs)]
+    return P.put_header(NS, [e for e, _ in parts], durable) + b"".join(bytes(v) for _, v in parts)
+
+
+def request(srv, method, path, body=None, headers=None, timeout=10):
+    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=timeout)
+    hdrs = dict(AUTH)
+    hdrs.update(headers or {})
+    conn.request(method, path, body=body, headers=hdrs)
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    return resp.status, data
+
+
+def do_put(srv, body):
+    status, data = request(srv, "POST", "/v1/put", body, {"Content-Type": P.BINARY_CONTENT_TYPE})
+    return status, json.loads(data)
+
+
+def do_get(srv, keys):
+    status, data = request(srv, "POST", "/v1/get", P.key_request(NS, keys),
+                           {"Content-Type": "application/json"})
+    if status != 200:
+        return status, json.loads(data)
+    hdr_len = P.decode_preamble(data[:8])
+    entries = P.parse_get_response_header(json.loads(data[8:8 + hdr_len]), NS, keys)
+    out, pos = [], 8 + hdr_len
+    for e in entries:
+        if not e.found:
+            out.append(None)
+            continue
+        raw = bytearray(data[pos:pos + e.nbytes])
+        pos += e.nbytes
+        assert P.checksum(raw) == e.xxh3
+        out.append(torch.frombuffer(raw, dtype=torch.float16).reshape(LAYOUT.shape()))
+    assert pos == len(data)
+    return status, out
+
+
+def raw_post(srv, path, head_extra: str, body: bytes) -> socket.socket:
+    s = socket.create_connection((srv.host, srv.port))
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+              f"{head_extra}\r\n".encode() + body)
+    return s
+
+
+def read_reply(s: socket.socket, timeout=5.0) -> bytes:
+    s.settimeout(timeout)
+    out = b""
+    try:
+        while True:
+            got = s.recv(65536)
+            if not got:
+                break
+            out += got
+            if b"\r\n\r\n" in out:
+                head, _, rest = out.partition(b"\r\n\r\n")
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        if len(rest) >= int(line.split(b":")[1]):
+                            return out
+    except (socket.timeout, ConnectionResetError):
+        pass
+    return out
+
+
+def settled(srv, timeout=3.0):
+    """Wait for the server to go idle, then check every invariant of the brief."""
+    store, state = srv.store, srv.app[STATE_KEY]
+    deadline = time.monotonic() + timeout
+    while (state.active or store._pins.pinned_keys() or store.tiers[0]._reserved) \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
+    store.check_integrity()
+    cpu = store.tiers[0]
+    assert cpu._reserved == {}, "leaked reservation"
+    assert cpu.used_bytes == sum(cpu.nbytes_of(k) for k in cpu.keys()), "pages not accounted"
+    assert store._pins.pinned_keys() == set(), "leftover pins"
+    assert state.budget.held == 0, "leaked payload budget"
+    assert request(srv, "GET", "/healthz")[0] == 200
+
+
+def make_server(cpu_chunks=8, disk=None, **limits):
+    store = ChunkStore(StoreConfig(cpu_bytes=cpu_chunks * CB, page_bytes=CB,
+                                   disk_path=disk, disk_bytes=(64 << 20) if disk else 0,
+                                   promote_on_hit=False))
+    srv = ThreadedServer(create_app(store, ServerLimits(auth_token=TOKEN, **limits)))
+    srv.store = store
+    return srv
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = make_server(request_timeout_s=2.0)
+    yield srv
+    srv.stop()
+    srv.store.close()
+
+
+@pytest.fixture(autouse=True)
+def _clean(request):
+    if "server" in request.fixturenames:
+        srv = request.getfixturevalue("server")
+        srv.store.clear()
+        yield
+        settled(srv)
+    else:
+        yield
+
+
+# ---- disconnects and framing ------------------------------------------------------------------
+BODY4 = put_body(KEYS[:4], [chunk(i) for i in range(4)])
+HDR = len(put_body(KEYS[:4], [chunk(i) for i in range(4)])) - 4 * CB  # preamble + header
+
+
+@pytest.mark.parametrize("cut", [3, 8, HDR - 5, HDR, HDR + 1, HDR + 100, HDR + CB,
+                                 HDR + CB + 1, HDR + 3 * CB, len(BODY4) - 1])
+def test_disconnect_at_any_offset_stores_nothing_and_frees_the_pages(server, cut):
+    s = raw_post(server, "/v1/put", f"Content-Length: {len(BODY4)}\r\n", BODY4[:cut])
+    time.sleep(0.1)
+    s.close()
+    settled(server)
+    assert server.store.tiers[0].num_chunks == 0
+
+
+@pytest.mark.parametrize("cut", [HDR, HDR + CB, len(BODY4) - 1])
+def test_half_closed_truncated_body_is_a_clear_error(server, cut):
+    s = raw_post(server, "/v1/put", f"Content-Length: {len(BODY4)}\r\n", BODY4[:cut])
+    s.shutdown(socket.SHUT_WR)
+    reply = read_reply(s)
+    s.close()
+    settled(server)
+    assert server.store.tiers[0].num_chunks == 0
+    assert reply == b"" or reply.startswith(b"HTTP/1.1 4") or reply.startswith(b"HTTP/1.1 5")
+
+
+def test_content_length_larger_than_the_header_declares_is_400(server):
+    s = raw_post(server, "/v1/put", f"Content-Length: {len(BODY4) + 10}\r\n", BODY4 + b"x" * 10)
+    reply = read_reply(s)
+    s.close()
+    assert reply.startswith(b"HTTP/1.1 400") and b"header declares" in reply
+    settled(server)
+    assert server.store.tiers[0].num_chunks == 0
+
+
+def test_extra_bytes_after_a_complete_content_length_body_do_not_corrupt_it(server):
+    """Garbage pipelined behind a complete body: aiohttp's parser refuses the whole segment
+    (400, the put never runs) when both arrive at once, or answers the put (200) then 400s
+    the garbage. Either way the store holds all four chunks bit-exact or none."""
+    for split in (False, True):
+        server.store.clear()
+        s = raw_post(server, "/v1/put", f"Content-Length: {len(BODY4)}\r\n",
+                     BODY4 if split else BODY4 + b"garbage\r\n\r\n")
+        if split:
+            time.sleep(0.2)
+            s.sendall(b"garbage\r\n\r\n")
+        reply = read_reply(s)
+        s.close()
+        settled(server)
+        n = server.store.tiers[0].num_chunks
+        assert n == (4 if split else 0), reply[:100]
+        if n:
+            status, got = do_get(server, KEYS[:4])
+            assert all(torch.equal(g, chunk(i)) for i, g in enumerate(got))
+
+
+def _chunked(body: bytes, piece=100) -> bytes:
+    out = b""
+    for i in range(0, len(body), piece):
+        p = body[i:i + piece]
+        out += f"{len(p):x}\r\n".encode() + p + b"\r\n"
+    return out + b"0\r\n\r\n"
+
+
+def test_chunked_transfer_encoding_works_and_trailing_bytes_are_refused(server):
+    s = raw_post(server, "/v1/put", "Transfer-Encoding: chunked\r\n", _chunked(BODY4))
+    reply = read_reply(s)
+    s.close()
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+    status, got = do_get(server, KEYS[:4])
+    assert all(torch.equal(g, chunk(i)) for i, g in enumerate(got))
+    server.store.clear()
+    s = raw_post(server, "/v1/put", "Transfer-Encoding: chunked\r\n", _chunked(BODY4 + b"zz"))
+    reply = read_reply(s)
+    s.close()
+    assert reply.startswith(b"HTTP/1.1 400") and b"trailing bytes" in reply
+    settled(server)
+    assert server.store.tiers[0].num_chunks == 0
+
+
+def test_chunked_body_that_ends_early_stores_nothing(server):
+    s = raw_post(server, "/v1/put", "Transfer-Encoding: chunked\r\n",
+                 _chunked(BODY4[:HDR + CB + 7]))
+    reply = read_reply(s)
+    s.close()
+    assert reply.startswith(b"HTTP/1.1 400") and b"truncated payload" in reply
+    settled(server)
+    assert server.store.tiers[0].num_chunks == 0
+
+
+def test_huge_or_non_integer_nbytes_is_refused_before_anything_is_reserved(server):
+    e, v = P.entry_for(KEYS[0], chunk(0))
+    for nbytes in (1 << 40, -1, True, "256", None):
+        hdr = {"namespace": NS.to_dict(), "chunks": [dict(e.to_dict(), nbytes=nbytes)]}
+        status, ans = do_put(server, P.encode_preamble_and_header(hdr) + bytes(v))
+        assert status in (400, 413), (nbytes, status, ans)
+    settled(server)
+
+
+def test_float_nbytes_is_400_even_when_the_key_is_stored_already(server):
+    """nbytes 256.0 equals 256 in Python: it passed validation, and the read-and-drop path
+    (a key stored already) then did range(0, 256.0, ...) -> 500 internal error."""
+    assert do_put(server, put_body(KEYS[:1], [chunk(0)]))[0] == 200
+    e, v = P.entry_for(KEYS[0], chunk(0))
+    hdr = {"namespace": NS.to_dict(), "chunks": [dict(e.to_dict(), nbytes=float(CB))]}
+    status, ans = do_put(server, P.encode_preamble_and_header(hdr) + bytes(v))
+    assert status == 400 and "nbytes" in ans["error"], ans
+    hdr = {"namespace": NS.to_dict(), "chunks": [dict(e.to_dict(), shape=[float(x) for x in
+                                                                          LAYOUT.shape()])]}
+    status, ans = do_put(server, P.encode_preamble_and_header(hdr) + bytes(v))
+    assert status == 400 and "shape" in ans["error"], ans
+    settled(server)
+
+
+def test_duplicate_keys_in_one_batch_are_refused(server):
+    status, ans = do_put(server, put_body([KEYS[0], KEYS[0]], [chunk(0), chunk(1)]))
+    assert status == 400 and "duplicate key" in ans["error"]
+    settled(server)
+    assert server.store.tiers[0].num_chunks == 0
