@@ -33,12 +33,14 @@ async def get(request: web.Request) -> web.StreamResponse:
         return await _get_direct(request, state, ns, keys)
     budget = len(keys) * ns.layout.chunk_bytes
     await state.budget.acquire(budget, state.budget_wait_s())
-    bufs = []
+    bufs, filled = [], True
     try:
         if state.get_into_buffers:
             bufs = [state.buffers.take(ns.layout.chunk_bytes) for _ in keys]
             out = [_shaped(b, ns.layout) for b in bufs]
-            chunks = await state.call(request.app[STORE_KEY].get_chunks, ns, keys, out)
+            filled = False  # until get_chunks returns it may write into bufs
+            chunks = await state.call_shielded(request.app[STORE_KEY].get_chunks, ns, keys, out)
+            filled = True
             del out
         else:
             chunks = await state.call(request.app[STORE_KEY].get_chunks, ns, keys)
@@ -60,7 +62,8 @@ async def get(request: web.Request) -> web.StreamResponse:
             del v
         await resp.write_eof()
     finally:
-        state.buffers.give(bufs)  # asyncio has copied whatever the socket did not take
+        if filled:  # (else a cancelled get_chunks may still write into them: not pooled)
+            state.buffers.give(bufs)  # asyncio has copied whatever the socket did not take
         state.budget.release(budget)
     state.bytes_out.inc(total)
     return resp
@@ -71,13 +74,16 @@ async def _get_direct(request: web.Request, state: "_ServerState", ns, keys) -> 
     sent from the arena pages themselves while reader-pinned; only chunks read from a lower
     tier take payload budget."""
     store = request.app[STORE_KEY]
-    borrowed = await state.call(store.borrow_chunks, ns, keys)
-    budget, total = 0, 0
+    # a timeout landing during a store call must neither leak the pins nor drop them while
+    # read_lower still reads (and promotes) under them
+    borrowed = await state.call_owned(store.borrow_chunks, _release_borrowed, ns, keys)
+    budget, total, lower = 0, 0, None
     try:
         if borrowed.lower:
             budget = len(borrowed.lower) * ns.layout.chunk_bytes
             await state.budget.acquire(budget, state.budget_wait_s())
-            await state.call(borrowed.read_lower)
+            lower = asyncio.ensure_future(state.call(borrowed.read_lower))
+            await asyncio.shield(lower)
         if all(p is None for p in borrowed.parts):
             raise P.ProtocolError(f"none of the {len(keys)} keys is stored", 404)
         entries = await state.call(_describe_parts, keys, borrowed.parts, ns.layout)
@@ -97,10 +103,21 @@ async def _get_direct(request: web.Request, state: "_ServerState", ns, keys) -> 
         await _flushed(request, state.limits.request_timeout_s)
     finally:
         _drop_unsent(request)
-        await state.call(borrowed.release)
         state.budget.release(budget)
+        await asyncio.shield(_release_after(state, lower, borrowed))
     state.bytes_out.inc(total)
     return resp
+
+
+def _release_borrowed(borrowed) -> None:
+    borrowed.release()
+
+
+async def _release_after(state: "_ServerState", lower, borrowed) -> None:
+    """Drop a get's reader pins once its read of lower tiers (if any) has finished."""
+    if lower is not None:
+        await asyncio.wait([lower])
+    await state.call(borrowed.release)
 
 
 async def _flushed(request: web.Request, timeout_s: float) -> None:
@@ -150,22 +167,31 @@ def _describe(keys, chunks):
 async def put(request: web.Request) -> web.Response:
     state: _ServerState = request.app[STATE_KEY]
     store = request.app[STORE_KEY]
-    budget, bufs, items, handed = [0], [], [], False
+    budget, bufs, items, handed, busy = [0], [], [], False, False
     try:
         ns, entries, durable = await _read_put(request, state, store, budget, bufs, items)
         keys = [e.key for e in entries]
-        handed = True
-        if state.direct:
-            stored = await state.call(store.commit_chunks, ns, keys, items)
-        else:
-            stored = await state.call(store.put_chunks, ns, keys, items)
-        if durable:
-            await state.call(persist, store, ns, keys, items)
+        handed = busy = True  # the store owns the reservations; it may read bufs until done
+        # shielded: a timeout landing now must not drop the commit from the pool's queue
+        # (its reservations would leak) nor pool bufs the store is still copying from
+        try:
+            if state.direct:
+                stored = await state.call_shielded(store.commit_chunks, ns, keys, items)
+            else:
+                stored = await state.call_shielded(store.put_chunks, ns, keys, items)
+            if durable:
+                await state.call_shielded(persist, store, ns, keys, items)
+        except asyncio.CancelledError:
+            raise  # the shielded call may still read bufs: they are not pooled
+        except BaseException:
+            busy = False
+            raise
+        busy = False
         items = []  # drop the tensors (the store copied or committed them)
     finally:
         if not handed and state.direct:
             store.release_reservations(items)  # nothing read is visible: the pages go back
-        if state.reuse_put_buffers or not handed:
+        if (state.reuse_put_buffers and not busy) or not handed:
             state.buffers.give(bufs)  # the store copied them, or never saw them
         state.budget.release(budget[0])
     state.bytes_in.inc(sum(e.nbytes for e in entries))
@@ -232,7 +258,8 @@ async def _read_put(request: web.Request, state: _ServerState, store: KVStoreBas
     layout = ns.layout
     staged = [True] * len(entries)
     if state.direct and not durable:
-        items.extend(await state.call(store.reserve_chunks, ns, [e.key for e in entries]))
+        items.extend(await state.call_owned(store.reserve_chunks, store.release_reservations,
+                                            ns, [e.key for e in entries]))
         # no room in the CPU tier (all pinned): stage for a lower tier, or read and drop
         lower = bool(getattr(store, "has_lower_tiers", True))
         staged = [it is None and lower for it in items]

@@ -112,6 +112,31 @@ class _ServerState:
         """Run a blocking store call on the store thread pool."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
+    async def call_shielded(self, fn: Callable, *args: Any) -> Any:
+        """``call`` that runs to its end even when the awaiting request is cancelled (its
+        timeout fired): a commit or release must not be dropped from the pool's queue, and
+        the caller must not reuse what ``fn`` still reads (see ``call_owned``)."""
+        return await asyncio.shield(self.call(fn, *args))
+
+    async def call_owned(self, fn: Callable, undo: Callable[[Any], Any], *args: Any) -> Any:
+        """``call`` of a store call whose result holds resources (page reservations, reader
+        pins). If the request is cancelled while ``fn`` is queued or running, ``undo(result)``
+        runs on the pool once ``fn`` returns, so nothing is leaked; then CancelledError."""
+        fut = asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(lambda f: self._undo(f, undo))
+            raise
+
+    def _undo(self, fut: asyncio.Future, undo: Callable[[Any], Any]) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        try:
+            self.pool.submit(undo, fut.result())
+        except RuntimeError:  # pool shut down (server stopping): undo inline
+            undo(fut.result())
+
 
 def _json_error(message: str, status: int) -> web.Response:
     return web.json_response(P.error_body(message, status), status=status,
