@@ -216,12 +216,15 @@ class ChunkStore(DirectIO, KVStoreBase):
                 out.append(None if item is None else self._read_checked(ns.layout, *item, buf))
         finally:
             with self._lock:
+                # promote while still reader-pinned: a chunk removed during the read is in
+                # _doomed now; once its last pin drops it is freed and leaves _doomed, and a
+                # promotion then would bring the removed chunk back
+                if self.config.promote_on_hit:
+                    self._mover.promote(plan, out, self._doomed)
                 for item in plan:
                     if item is not None:
                         self._pins.drop_reader(item[0])
                         self._maybe_free(item[0])
-                if self.config.promote_on_hit:
-                    self._mover.promote(plan, out, self._doomed)
         for item, kv in zip(plan, out):
             if kv is None:
                 self.metrics.inc("misses")
