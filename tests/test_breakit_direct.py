@@ -152,7 +152,7 @@ def _clean(request):
 
 # ---- disconnects and framing ------------------------------------------------------------------
 BODY4 = put_body(KEYS[:4], [chunk(i) for i in range(4)])
-HDR = len(put_body(KEYS[:4], [chunk(i) for i in range(4)])) - 4 * CB  # preamble + header
+HDR = len(BODY4) - 4 * CB  # preamble + header
 
 
 @pytest.mark.parametrize("cut", [3, 8, HDR - 5, HDR, HDR + 1, HDR + 100, HDR + CB,
@@ -442,3 +442,127 @@ def test_staged_put_timing_out_in_its_commit_does_not_lend_its_buffer_to_the_nex
     finally:
         srv.stop()
         srv.store.close()
+
+
+# ---- full arenas, durable puts ---------------------------------------------------------------
+def test_put_below_an_arena_full_of_pinned_chunks_goes_to_disk_bit_exact(tmp_path):
+    srv = make_server(cpu_chunks=2, disk=str(tmp_path / "db"))
+    try:
+        store = srv.store
+        assert do_put(srv, put_body(KEYS[:2], [chunk(0), chunk(1)]))[1]["stored"] == 2
+        assert store.pin(NS, KEYS[:2]) == 2
+        status, ans = do_put(srv, put_body(KEYS[:5], [chunk(i) for i in range(5)]))
+        assert status == 200 and ans["stored"] == 3
+        store.flush(10)
+        assert all(store.tiers[1].contains(k) for k in KEYS[2:5])
+        assert not any(store.tiers[0].contains(k) for k in KEYS[2:5])
+        # a get of pinned CPU chunks and disk chunks at once, while the arena stays pinned
+        status, got = do_get(srv, KEYS[:5])
+        assert status == 200 and all(torch.equal(g, chunk(i)) for i, g in enumerate(got))
+        assert store.stats()["rejected_chunks"] == 0
+        store.unpin(NS, KEYS[:2])
+        settled(srv)
+        # a checksum failure in the staged path gives the budget and the pages back too
+        e, v = P.entry_for(KEYS[6], chunk(6))
+        bad = P.ChunkEntry(e.key, e.nbytes, e.dtype, e.shape, "0" * 16)
+        store.pin(NS, store.tiers[0].keys())
+        status, ans = do_put(srv, P.put_header(NS, [bad]) + bytes(v))
+        assert status == 400 and "checksum" in ans["error"]
+        store.unpin(NS, store.tiers[0].keys())
+        settled(srv)
+        assert store.exists(NS, KEYS[6:7]) == [False]
+    finally:
+        srv.stop()
+        srv.store.close()
+
+
+def test_durable_put_over_direct_io_commits_to_disk_and_its_cpu_copy_is_exact(tmp_path):
+    srv = make_server(disk=str(tmp_path / "db"))
+    try:
+        status, ans = do_put(srv, put_body(KEYS[:3], [chunk(i) for i in range(3)], durable=True))
+        assert status == 200 and ans == {"stored": 3, "num_chunks": 3, "durable": True}
+        disk = srv.store.tiers[1]
+        assert all(disk.contains(k) and not disk.is_pending(k) for k in KEYS[:3])
+        # a durable re-put of stored keys: nothing new, still durable, same bytes
+        status, ans = do_put(srv, put_body(KEYS[:3], [chunk(i) for i in range(3)], durable=True))
+        assert status == 200 and ans["stored"] == 0 and ans["durable"]
+        status, got = do_get(srv, KEYS[:3])
+        assert all(torch.equal(g, chunk(i)) for i, g in enumerate(got))
+        settled(srv)
+    finally:
+        srv.stop()
+        srv.store.close()
+
+
+# ---- the real CLI: SIGTERM during uploads, restart on the same disk path ----------------------
+def _start_cli(tmp_path, *extra):
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--port", "0",
+                             "--cpu-bytes", "1MiB", "--disk-path", str(tmp_path / "db"),
+                             "--disk-bytes", "64MiB", "--auth-token", TOKEN, *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert "listening on" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+    host, port = line.strip().rsplit("//", 1)[1].split(":")
+
+    class Srv:
+        pass
+    srv = Srv()
+    srv.host, srv.port, srv.proc = host, int(port), proc
+    return srv
+
+
+def test_sigterm_mid_upload_lets_it_finish_flushes_and_a_restart_serves_it(tmp_path):
+    import signal
+    srv = _start_cli(tmp_path)
+    try:
+        kvs = [chunk(300 + i) for i in range(4)]
+        body = put_body(KEYS[:4], kvs, durable=True)  # only disk-tier chunks outlive a restart
+        cut = len(body) - 3 * CB + 10  # inside the second payload
+        s = raw_post(srv, "/v1/put", f"Content-Length: {len(body)}\r\n", body[:cut])
+        time.sleep(0.3)
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        s.sendall(body[cut:])
+        reply = read_reply(s)
+        s.close()
+        assert reply.startswith(b"HTTP/1.1 200") and b'"stored": 4' in reply, reply[-200:]
+        assert srv.proc.wait(20) == 0
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+            srv.proc.wait()
+    srv = _start_cli(tmp_path)  # restart on the same disk path: the chunks were flushed
+    try:
+        status, got = do_get(srv, KEYS[:5])
+        assert status == 200 and got[4] is None
+        assert all(torch.equal(g, kv) for g, kv in zip(got, kvs))
+    finally:
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(20) == 0
+
+
+def test_sigterm_with_an_upload_that_never_finishes_exits_after_the_drain_timeout(tmp_path):
+    import signal
+    srv = _start_cli(tmp_path, "--shutdown-timeout-s", "1")
+    try:
+        assert do_put(srv, put_body(KEYS[:2], [chunk(0), chunk(1)], durable=True))[0] == 200
+        body = put_body(KEYS[2:4], [chunk(2), chunk(3)], durable=True)
+        s = raw_post(srv, "/v1/put", f"Content-Length: {len(body)}\r\n", body[:-7])
+        time.sleep(0.2)
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(20) == 0
+        s.close()
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+            srv.proc.wait()
+    srv = _start_cli(tmp_path)
+    try:
+        status, got = do_get(srv, KEYS[:4])
+        assert status == 200 and got[2] is None and got[3] is None  # nothing torn
+        assert torch.equal(got[0], chunk(0)) and torch.equal(got[1], chunk(1))
+    finally:
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(20) == 0
