@@ -61,6 +61,13 @@ _CUMULATIVE_STATS = {
 _GAUGE_STATS = frozenset({"kvstore_save_queue_bytes", "kvstore_remote_breaker_open"})
 
 
+def _increase(last: float, value: float) -> float:
+    """Increase of a cumulative count from ``last`` to ``value``; a value below ``last`` means
+    the count restarted from 0 (a new engine or connector), so all of it is new (as
+    Prometheus' ``rate()`` reads a counter reset)."""
+    return value - last if value >= last else value
+
+
 class ServerMetrics:
     """The server's metric series on a private registry. Thread-safe.
 
@@ -116,7 +123,8 @@ class ServerMetrics:
         (fraction 0..1), and the cumulative token counts ``prefix_cache_queries_tokens``,
         ``prefix_cache_hits_tokens`` (the engine's) and ``external_prefix_cache_queries``,
         ``external_prefix_cache_hits`` (the store's, merged in by the server). A cumulative
-        value that went down (engine restarted) is taken as the new baseline.
+        value that went down (engine or connector restarted, counting from 0 again) is added
+        whole and becomes the new baseline.
         """
         if "num_running" in stats:
             self.num_running.set(stats["num_running"])
@@ -129,7 +137,7 @@ class ServerMetrics:
                 if key not in stats:
                     continue
                 value = float(stats[key])
-                inc = value - self._last.get(key, 0.0)
+                inc = _increase(self._last.get(key, 0.0), value)
                 if inc > 0:
                     getattr(self, attr).inc(inc)
                 self._last[key] = value
@@ -160,7 +168,7 @@ class ServerMetrics:
         return series
 
     def _add(self, counter, last_key: str, value: float) -> None:
-        inc = value - self._last.get(last_key, 0.0)
+        inc = _increase(self._last.get(last_key, 0.0), value)
         if inc > 0:
             counter.inc(inc)
         self._last[last_key] = value
