@@ -413,9 +413,13 @@ def build_connector(args: argparse.Namespace) -> Any | None:
     when a store flag is given).
 
     Raises:
-        SystemExit: inconsistent store flags, or the connector module is missing.
+        SystemExit: inconsistent store flags (--kvstore-tail-chunk-size without a store), or
+            the connector module is missing.
     """
     if all(getattr(args, f, None) is None for f in STORE_FLAGS):
+        if getattr(args, "kvstore_tail_chunk_size", 0):  # would be ignored silently
+            raise SystemExit("--kvstore-tail-chunk-size needs a store: --kvstore-cpu-bytes, "
+                             "--kvstore-disk-path or --kvstore-url")
         return None
     if args.kvstore_disk_bytes and not args.kvstore_disk_path:
         raise SystemExit("--kvstore-disk-bytes needs --kvstore-disk-path")
