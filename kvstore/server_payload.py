@@ -226,12 +226,13 @@ async def _read_put(request: web.Request, state: _ServerState, store: KVStoreBas
     """Read and validate a put body: header first, then each payload against its checksum.
 
     Payloads land straight in pages reserved in the store's CPU tier when it has one
-    (``ChunkStore.reserve_chunks``; not for durable puts, which go through buffers to the disk
-    tier). A chunk for which the CPU tier has no room (every chunk pinned) is read and
-    dropped (None in ``items``; the store counts it rejected) unless the store has a lower
-    tier to take it. Other payloads land in buffers of the server's pool (appended to ``bufs`` for the caller to give
-    back) once their bytes fit in the server's byte budget (``budget[0]`` is set to what was
-    taken, for the caller to release). ``items`` receives one ``Reservation`` or tensor per
+    (``ChunkStore.reserve_chunks``, chunk by chunk just before each payload is read; not for
+    durable puts, which go through buffers to the disk tier). A chunk for which the CPU tier
+    has no room (every chunk pinned), and every chunk after it, is read and dropped (None in
+    ``items``; the store counts it rejected) unless the store has a lower tier to take it.
+    Other payloads land in buffers of the server's pool (appended to ``bufs`` for the caller
+    to give back) once their bytes fit in the server's byte budget (``budget[0]`` is set to
+    what was taken, for the caller to release). ``items`` receives one ``Reservation`` or tensor per
     chunk (the caller releases reservations on failure).
 
     Nothing is handed to the store until every payload has arrived and checked out.
@@ -256,24 +257,29 @@ async def _read_put(request: web.Request, state: _ServerState, store: KVStoreBas
     if declared is not None and declared != expected:
         raise P.ProtocolError(f"body is {declared} bytes but its header declares {expected}")
     layout = ns.layout
-    staged = [True] * len(entries)
-    if state.direct and not durable:
-        items.extend(await state.call_owned(store.reserve_chunks, store.release_reservations,
-                                            ns, [e.key for e in entries]))
-        # no room in the CPU tier (all pinned): stage for a lower tier, or read and drop
-        lower = bool(getattr(store, "has_lower_tiers", True))
-        staged = [it is None and lower for it in items]
-    else:
-        items.extend([None] * len(entries))
-    payload = sum(e.nbytes for e, st in zip(entries, staged) if st)
-    if payload:
-        await state.budget.acquire(payload, state.budget_wait_s())
-        budget[0] = payload
-    scratch, carry = None, [None]
+    direct = state.direct and not durable
+    lower = bool(getattr(store, "has_lower_tiers", True))
+    items.extend([None] * len(entries))
+    if not direct:
+        await _take_budget(state, budget, P.payload_total(entries))
+    scratch, carry, room = None, [None], True
     for i, e in enumerate(entries):
+        staged = not direct
+        if direct and room:
+            # reserved as its payload is about to arrive, not all at once: the pages set aside
+            # (and the chunks evicted for them) never run ahead of the bytes received by more
+            # than one chunk, so a stalled or vanished uploader evicts at most one chunk
+            (items[i],) = await state.call_owned(store.reserve_chunks,
+                                                 store.release_reservations, ns, [e.key])
+            room = items[i] is not None  # (no room: nor for the chunks chained after it)
+        if direct:
+            # no room in the CPU tier (all pinned): stage for a lower tier, or read and drop
+            staged = items[i] is None and lower
+            if staged and not budget[0]:  # one budget wait per request (no hold-and-wait)
+                await _take_budget(state, budget, P.payload_total(entries[i:]))
         if isinstance(items[i], Reservation):
             views = items[i].memoryviews()
-        elif not staged[i]:  # stored already, or no room anywhere: read through scratch
+        elif not staged:  # stored already, or no room anywhere: read through scratch
             scratch = scratch or memoryview(bytearray(DROP_SCRATCH))
             views = [scratch[:min(DROP_SCRATCH, e.nbytes - o)]
                      for o in range(0, e.nbytes, DROP_SCRATCH)]
@@ -292,6 +298,14 @@ async def _read_put(request: web.Request, state: _ServerState, store: KVStoreBas
     if carry[0] is not None or (declared is None and await reader.read(1)):
         raise P.ProtocolError("trailing bytes after the last declared payload")
     return ns, entries, durable
+
+
+async def _take_budget(state: _ServerState, budget: list[int], nbytes: int) -> None:
+    """Take ``nbytes`` of the in-flight byte budget for a put (``budget[0]``: what it holds,
+    for the caller to release). Raises P.ProtocolError(503) after the budget wait."""
+    if nbytes:
+        await state.budget.acquire(nbytes, state.budget_wait_s())
+        budget[0] = nbytes
 
 
 #: Bytes of the scratch buffer that the payload of a dropped chunk is read through.

@@ -566,3 +566,31 @@ def test_sigterm_with_an_upload_that_never_finishes_exits_after_the_drain_timeou
     finally:
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(20) == 0
+
+
+def test_a_stalled_or_vanished_uploader_evicts_at_most_one_chunk():
+    """Reserving every chunk of a put when its header arrived evicted the whole arena for a
+    ~1 KB header: a client that then stalled or vanished left an empty cache (no disk tier:
+    the 8 evicted chunks were lost). Pages are now reserved as each payload is about to
+    arrive."""
+    srv = make_server(cpu_chunks=8)
+    try:
+        kvs = [chunk(i) for i in range(8)]
+        assert do_put(srv, put_body(KEYS[:8], kvs))[1]["stored"] == 8
+        other = Namespace("tiny-model", LAYOUT, cache_salt="b")
+        okeys = other.chunk_keys(list(range(32)))
+        parts = [P.entry_for(k, chunk(50 + i)) for i, k in enumerate(okeys)]
+        body = P.put_header(other, [e for e, _ in parts]) + bytes(parts[0][1])[:100]
+        s = raw_post(srv, "/v1/put", f"Content-Length: {len(body) - 100 + 8 * CB}\r\n", body)
+        time.sleep(0.3)
+        assert srv.store.tiers[0].num_chunks == 7  # was 0: all 8 evicted for the header
+        s.close()
+        settled(srv)
+        assert sum(srv.store.exists(NS, KEYS[:8])) == 7  # the policy's one victim only
+        assert srv.store.exists(other, okeys[:8]) == [False] * 8
+        status, got = do_get(srv, KEYS[:8])
+        assert sum(g is None for g in got) == 1
+        assert all(torch.equal(g, kv) for g, kv in zip(got, kvs) if g is not None)
+    finally:
+        srv.stop()
+        srv.store.close()
