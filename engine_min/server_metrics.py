@@ -29,7 +29,7 @@ and the KV connector's own figures (every ``kvstore_*`` key of ``LLMEngine.stats
                                               and bytes, fallbacks (lookup/load), dropped
                                               saves, save errors, remote skipped calls, ...
     engine_kvstore_hit_tokens_by_tier_total{tier}  counter, hit tokens by the tier that held them
-    engine_kvstore_{lookup,load,save}_seconds_sum / _count_total   counters (mean = sum/count)
+    engine_kvstore_{lookup,load,save}_seconds_total / _count_total   counters (mean = ratio)
     engine_kvstore_{lookup,load,save}_seconds_max, engine_kvstore_save_queue_bytes,
     engine_kvstore_remote_breaker_open        gauges
 """
@@ -161,7 +161,8 @@ class ServerMetrics:
     def _series(self, key: str, kind, labels=()):
         series = self._kv_series.get(key)
         if series is None:
-            series = kind("engine_" + key, f"KV connector: {key[len('kvstore_'):]} (see "
+            name = key[:-len("_sum")] if key.endswith("_seconds_sum") else key  # -> _seconds_total
+            series = kind("engine_" + name, f"KV connector: {key[len('kvstore_'):]} (see "
                           "connectors.engine_min.EngineMinConnector.get_stats).", list(labels),
                           registry=self.registry)
             self._kv_series[key] = series

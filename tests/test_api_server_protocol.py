@@ -182,7 +182,7 @@ def test_metrics_mirror_the_connectors_stats_as_counters_and_gauges():
                  "engine_kvstore_load_fallbacks_total 1.0",
                  'engine_kvstore_hit_tokens_by_tier_total{tier="cpu"} 256.0',
                  'engine_kvstore_hit_tokens_by_tier_total{tier="disk"} 512.0',
-                 "engine_kvstore_load_seconds_sum_total 0.75",
+                 "engine_kvstore_load_seconds_total 0.75",
                  "engine_kvstore_load_count_total 3.0",
                  "engine_kvstore_load_seconds_max 0.4",
                  "engine_kvstore_save_queue_bytes 0.0",
