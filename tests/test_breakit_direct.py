@@ -24,6 +24,7 @@ from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
 from kvstore.server import STATE_KEY, ServerLimits, ThreadedServer, create_app
 from kvstore.store import ChunkStore
+from test_server import parse_get_body
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float16", chunk_size=4)
 CB = LAYOUT.chunk_bytes  # 256
@@ -64,19 +65,7 @@ def do_get(srv, keys):
                            {"Content-Type": "application/json"})
     if status != 200:
         return status, json.loads(data)
-    hdr_len = P.decode_preamble(data[:8])
-    entries = P.parse_get_response_header(json.loads(data[8:8 + hdr_len]), NS, keys)
-    out, pos = [], 8 + hdr_len
-    for e in entries:
-        if not e.found:
-            out.append(None)
-            continue
-        raw = bytearray(data[pos:pos + e.nbytes])
-        pos += e.nbytes
-        assert P.checksum(raw) == e.xxh3
-        out.append(torch.frombuffer(raw, dtype=torch.float16).reshape(LAYOUT.shape()))
-    assert pos == len(data)
-    return status, out
+    return status, parse_get_body(data, NS, keys)
 
 
 def raw_post(srv, path, head_extra: str, body: bytes) -> socket.socket:

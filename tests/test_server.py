@@ -96,6 +96,12 @@ def do_get(srv, keys, ns=NS):
                               {"Content-Type": "application/json"})
     if status != 200:
         return status, json.loads(data)
+    return status, parse_get_body(data, ns, keys)
+
+
+def parse_get_body(data: bytes, ns, keys) -> list:
+    """Chunks (``ns.layout.shape()``, fp16) or None per key of a whole get response body;
+    asserts every checksum and that the body ends after the last payload."""
     hdr_len = P.decode_preamble(data[:8])
     entries = P.parse_get_response_header(json.loads(data[8:8 + hdr_len]), ns, keys)
     out, pos = [], 8 + hdr_len
@@ -106,9 +112,9 @@ def do_get(srv, keys, ns=NS):
         raw = bytearray(data[pos:pos + e.nbytes])
         pos += e.nbytes
         assert P.checksum(raw) == e.xxh3
-        out.append(torch.frombuffer(raw, dtype=torch.float16).reshape(LAYOUT.shape()))
+        out.append(torch.frombuffer(raw, dtype=torch.float16).reshape(ns.layout.shape()))
     assert pos == len(data)
-    return status, out
+    return out
 
 
 def stored(srv, keys, ns=NS):
