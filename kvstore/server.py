@@ -32,6 +32,7 @@ import logging
 import time
 from typing import Any
 
+from aiohttp import helpers as _aiohttp_helpers
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -133,7 +134,8 @@ async def stats(request: web.Request) -> web.Response:
                      "max_batch_keys": state.limits.max_batch_keys,
                      "max_inflight_bytes": state.limits.max_inflight_bytes,
                      "inflight_bytes": state.budget.held,
-                     "inflight_bytes_peak": state.budget.peak}
+                     "inflight_bytes_peak": state.budget.peak,
+                     "http_parser": "python" if _aiohttp_helpers.NO_EXTENSIONS else "c"}
     return _ok(out)
 
 

@@ -43,6 +43,13 @@ def test_flags_beat_env_beat_file(tmp_path):
         serve_config.resolve({}, {}, str(toml))
 
 
+def test_http_parser_setting_is_checked():
+    assert serve_config.resolve({}, {}).http_parser == "python"
+    assert serve_config.resolve({}, {"KVSTORE_HTTP_PARSER": "c"}).http_parser == "c"
+    with pytest.raises(ValueError, match="http_parser must be 'python' or 'c'"):
+        serve_config.resolve({"http_parser": "rust"}, {})
+
+
 def test_max_inflight_bytes_auto_default_flag_and_env():
     assert serve_config.resolve({}, {}).max_inflight_bytes == 64 << 20  # 1GiB cpu / 16
     assert serve_config.resolve({"cpu_bytes": "128MiB"}, {}).max_inflight_bytes == 32 << 20
@@ -225,6 +232,7 @@ def test_sigterm_stops_accepting_finishes_in_flight_flushes_and_exits_0(tmp_path
         assert cli.main(["stats", d.url, "--auth-token", TOKEN]) == 0
         table = capsys.readouterr().out
         assert "tiers.cpu.num_chunks" in table and "stored_chunks" in table
+        assert c.stats()["server"]["http_parser"] == "python"  # the default of kvstore serve
     entries = [P.entry_for(k, kv) for k, kv in zip(KEYS[8:12], kvs[8:12])]
     body = P.put_header(NS, [e for e, _ in entries], durable=True) + \
         b"".join(bytes(v) for _, v in entries)
@@ -252,9 +260,10 @@ def test_sigterm_stops_accepting_finishes_in_flight_flushes_and_exits_0(tmp_path
 
 
 def test_clear_and_stats_commands_against_a_live_daemon(tmp_path, capsys):
-    d = Daemon(tmp_path / "log", "--cpu-bytes", "1MiB")
+    d = Daemon(tmp_path / "log", "--cpu-bytes", "1MiB", "--http-parser", "c")
     try:
         with d.client() as c:
+            assert c.stats()["server"]["http_parser"] == "c"
             c.put_chunks(NS, KEYS[:3], [chunk(i) for i in range(3)])
         ns_json = json.dumps(NS.to_dict())
         assert cli.main(["clear", d.url, "--auth-token", TOKEN, "--namespace", ns_json]) == 0
