@@ -473,11 +473,14 @@ def serve_main(args: argparse.Namespace) -> None:
     except ValueError as exc:  # ModelLoadError is a ValueError; so are bad engine sizes
         raise SystemExit(f"error: {exc}") from exc
     app = create_app(engine, name)
-    logger.info("serving %s on http://%s:%d (max_model_len %d)", name, args.host, args.port,
-                app[SERVING_KEY].max_model_len)
+    max_len = app[SERVING_KEY].max_model_len
+
+    def started(text: str) -> None:  # aiohttp's banner, with the bound port (also for --port 0)
+        where = text.splitlines()[0].strip("= ").removeprefix("Running on ")
+        logger.info("serving %s on %s (max_model_len %d)", name, where, max_len)
     try:
         web.run_app(app, host=args.host, port=args.port, handler_cancellation=True,
-                    access_log=None, print=None)
+                    access_log=None, print=started)
     finally:
         if connector is not None:
             connector.close()  # flush queued saves to the store
