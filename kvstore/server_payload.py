@@ -322,8 +322,9 @@ async def _read_exact(reader, n: int) -> bytes:
 async def _read_into(reader, view: memoryview, hasher, carry: list) -> None:
     """Fill ``view`` from ``reader``, feeding each piece to ``hasher`` while it is in cache.
 
-    Reads whole received pieces (``readany``: no joining copy inside the reader); the part of
-    a piece beyond ``view`` is left in ``carry[0]`` (a memoryview) for the next call.
+    Reads one received piece at a time (``readchunk``; ``readany`` joins every piece buffered
+    so far into a new bytes object, a copy); the part of a piece beyond ``view`` is left in
+    ``carry[0]`` (a memoryview) for the next call.
 
     Raises:
         P.ProtocolError: the body ended first.
@@ -332,7 +333,9 @@ async def _read_into(reader, view: memoryview, hasher, carry: list) -> None:
     while pos < n:
         data, carry[0] = carry[0], None
         if data is None:
-            got = await reader.readany()
+            got, boundary = await reader.readchunk()
+            while not got and boundary:  # an empty read at an HTTP chunk boundary: go on
+                got, boundary = await reader.readchunk()
             if not got:
                 raise P.ProtocolError(f"truncated payload: got {pos} of {n} bytes")
             data = memoryview(got)
