@@ -65,21 +65,6 @@ class Reservation:
         """``views`` as writable memoryviews (for ``socket.recv_into``-style filling)."""
         return [memoryview(v.numpy()) for v in self.views]
 
-    def tensor(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """The reserved bytes as one tensor of ``shape``/``dtype``: a view when the pages are
-        one run (the usual case), else a copy.
-
-        Raises:
-            ValueError: ``shape``/``dtype`` do not take exactly ``nbytes`` bytes.
-        """
-        n = 1
-        for s in shape:
-            n *= s
-        if n * torch.empty((), dtype=dtype).element_size() != self.nbytes:
-            raise ValueError(f"{list(shape)} {dtype} is not {self.nbytes} bytes")
-        flat = self.views[0] if len(self.views) == 1 else torch.cat(self.views)
-        return flat.view(dtype).view(tuple(shape))
-
 
 @dataclass(eq=False)
 class BorrowedChunks:

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from kvstore import protocol as P
 from kvstore.api import KVStoreBase
-from kvstore.direct import Reservation
+from kvstore.direct import BorrowedChunks, Reservation
 from kvstore.server_state import STATE_KEY, STORE_KEY, _check_fits, _ns_keys, _ok, _ServerState, _shaped
 
 
@@ -47,25 +47,33 @@ async def get(request: web.Request) -> web.StreamResponse:
         if all(c is None for c in chunks):
             raise P.ProtocolError(f"none of the {len(keys)} keys is stored", 404)
         entries, views = await state.call(_describe, keys, chunks)
-        del chunks
-        head = P.get_response_header(entries)
-        resp = web.StreamResponse(headers={"Content-Type": P.BINARY_CONTENT_TYPE,
-                                           P.VERSION_HEADER: str(P.PROTOCOL_VERSION)})
         total = sum(v.nbytes for v in views)
-        resp.content_length = len(head) + total
-        await resp.prepare(request)
-        await resp.write(head)
-        while views:
-            v = views.pop(0)  # drop each chunk as soon as it is sent
-            for off in range(0, v.nbytes, WRITE_SLICE):
-                await resp.write(v[off:off + WRITE_SLICE])
-            del v
-        await resp.write_eof()
+        pieces = [[v] for v in views]
+        del chunks, views  # each chunk is freed as soon as _send has sent it
+        resp = await _send(request, entries, total, pieces)
     finally:
         if filled:  # (else a cancelled get_chunks may still write into them: not pooled)
             state.buffers.give(bufs)  # asyncio has copied whatever the socket did not take
         state.budget.release(budget)
     state.bytes_out.inc(total)
+    return resp
+
+
+async def _send(request: web.Request, entries, total: int, chunks) -> web.StreamResponse:
+    """Stream a get answer: the header of ``entries``, then each found chunk's byte pieces
+    (``chunks``: per found chunk, a list of memoryviews; ``total`` bytes in all) in slices of
+    ``WRITE_SLICE``. Each chunk's list is dropped as soon as it is sent."""
+    head = P.get_response_header(entries)
+    resp = web.StreamResponse(headers={"Content-Type": P.BINARY_CONTENT_TYPE,
+                                       P.VERSION_HEADER: str(P.PROTOCOL_VERSION)})
+    resp.content_length = len(head) + total
+    await resp.prepare(request)
+    await resp.write(head)
+    while chunks:
+        for mv in chunks.pop(0):
+            for off in range(0, mv.nbytes, WRITE_SLICE):
+                await resp.write(mv[off:off + WRITE_SLICE])
+    await resp.write_eof()
     return resp
 
 
@@ -76,7 +84,7 @@ async def _get_direct(request: web.Request, state: "_ServerState", ns, keys) -> 
     store = request.app[STORE_KEY]
     # a timeout landing during a store call must neither leak the pins nor drop them while
     # read_lower still reads (and promotes) under them
-    borrowed = await state.call_owned(store.borrow_chunks, _release_borrowed, ns, keys)
+    borrowed = await state.call_owned(store.borrow_chunks, BorrowedChunks.release, ns, keys)
     budget, total, lower = 0, 0, None
     try:
         if borrowed.lower:
@@ -87,19 +95,10 @@ async def _get_direct(request: web.Request, state: "_ServerState", ns, keys) -> 
         if all(p is None for p in borrowed.parts):
             raise P.ProtocolError(f"none of the {len(keys)} keys is stored", 404)
         entries = await state.call(_describe_parts, keys, borrowed.parts, ns.layout)
-        head = P.get_response_header(entries)
-        resp = web.StreamResponse(headers={"Content-Type": P.BINARY_CONTENT_TYPE,
-                                           P.VERSION_HEADER: str(P.PROTOCOL_VERSION)})
         total = sum(e.nbytes for e in entries if e.found)
-        resp.content_length = len(head) + total
-        await resp.prepare(request)
-        await resp.write(head)
-        for parts in borrowed.parts:
-            for v in parts or ():
-                mv = memoryview(v.numpy())
-                for off in range(0, mv.nbytes, WRITE_SLICE):
-                    await resp.write(mv[off:off + WRITE_SLICE])
-        await resp.write_eof()
+        resp = await _send(request, entries, total,
+                           [[memoryview(v.numpy()) for v in parts] for parts in borrowed.parts
+                            if parts is not None])
         await _flushed(request, state.limits.request_timeout_s)
     finally:
         _drop_unsent(request)
@@ -107,10 +106,6 @@ async def _get_direct(request: web.Request, state: "_ServerState", ns, keys) -> 
         await asyncio.shield(_release_after(state, lower, borrowed))
     state.bytes_out.inc(total)
     return resp
-
-
-def _release_borrowed(borrowed) -> None:
-    borrowed.release()
 
 
 async def _release_after(state: "_ServerState", lower, borrowed) -> None:
