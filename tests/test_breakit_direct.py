@@ -75,6 +75,14 @@ def raw_post(srv, path, head_extra: str, body: bytes) -> socket.socket:
     return s
 
 
+def exchange(srv, path, head_extra: str, body: bytes) -> bytes:
+    """``raw_post`` a whole request, read the reply, close."""
+    s = raw_post(srv, path, head_extra, body)
+    reply = read_reply(s)
+    s.close()
+    return reply
+
+
 def read_reply(s: socket.socket, timeout=5.0) -> bytes:
     s.settimeout(timeout)
     out = b""
@@ -166,9 +174,7 @@ def test_half_closed_truncated_body_is_a_clear_error(server, cut):
 
 
 def test_content_length_larger_than_the_header_declares_is_400(server):
-    s = raw_post(server, "/v1/put", f"Content-Length: {len(BODY4) + 10}\r\n", BODY4 + b"x" * 10)
-    reply = read_reply(s)
-    s.close()
+    reply = exchange(server, "/v1/put", f"Content-Length: {len(BODY4) + 10}\r\n", BODY4 + b"x" * 10)
     assert reply.startswith(b"HTTP/1.1 400") and b"header declares" in reply
     settled(server)
     assert server.store.tiers[0].num_chunks == 0
@@ -204,26 +210,20 @@ def _chunked(body: bytes, piece=100) -> bytes:
 
 
 def test_chunked_transfer_encoding_works_and_trailing_bytes_are_refused(server):
-    s = raw_post(server, "/v1/put", "Transfer-Encoding: chunked\r\n", _chunked(BODY4))
-    reply = read_reply(s)
-    s.close()
+    reply = exchange(server, "/v1/put", "Transfer-Encoding: chunked\r\n", _chunked(BODY4))
     assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
     status, got = do_get(server, KEYS[:4])
     assert all(torch.equal(g, chunk(i)) for i, g in enumerate(got))
     server.store.clear()
-    s = raw_post(server, "/v1/put", "Transfer-Encoding: chunked\r\n", _chunked(BODY4 + b"zz"))
-    reply = read_reply(s)
-    s.close()
+    reply = exchange(server, "/v1/put", "Transfer-Encoding: chunked\r\n", _chunked(BODY4 + b"zz"))
     assert reply.startswith(b"HTTP/1.1 400") and b"trailing bytes" in reply
     settled(server)
     assert server.store.tiers[0].num_chunks == 0
 
 
 def test_chunked_body_that_ends_early_stores_nothing(server):
-    s = raw_post(server, "/v1/put", "Transfer-Encoding: chunked\r\n",
+    reply = exchange(server, "/v1/put", "Transfer-Encoding: chunked\r\n",
                  _chunked(BODY4[:HDR + CB + 7]))
-    reply = read_reply(s)
-    s.close()
     assert reply.startswith(b"HTTP/1.1 400") and b"truncated payload" in reply
     settled(server)
     assert server.store.tiers[0].num_chunks == 0

@@ -5,19 +5,10 @@ a CPU tier of 2 chunks over a disk tier."""
 import torch
 
 from kvstore.config import StoreConfig
-from kvstore.keys import Namespace
-from kvstore.layout import KVLayout
 from kvstore.store import ChunkStore
+from test_store_direct import CB, LAY, NS, kv
 
-LAY = KVLayout(2, 1, 4, "float16", 4)
-CB = LAY.chunk_bytes  # 128
-NS = Namespace("tiny", LAY)
 KEYS = NS.chunk_keys(list(range(4 * 4)))  # 4 chained keys
-
-
-def kv(seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(LAY.shape(), generator=g).half()  # [2, 2, 4, 1, 4]
 
 
 def spilled_store(tmp_path):
