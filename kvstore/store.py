@@ -131,6 +131,16 @@ class ChunkStore(DirectIO, KVStoreBase):
                 return t
         return None
 
+    def _commit_reserved(self, res: Reservation, key: ChunkKey, parent: ChunkKey | None) -> bool:
+        """Make a filled reservation the chunk ``key`` (in place). False if the reservation
+        was released already (e.g. the store was closed)."""
+        layout = self._layouts[key.ns_id]
+        try:
+            res.tier.commit(key, res.pages, layout.shape(), layout.torch_dtype, parent)
+            return True
+        except KeyError:
+            return False
+
     # ---- removal and pins -----------------------------------------------------------------------
     def _delete_everywhere(self, key: ChunkKey) -> None:
         for t in self.tiers:
@@ -267,34 +277,25 @@ class ChunkStore(DirectIO, KVStoreBase):
         with self._lock:
             self._expire_leases()
             for i, (key, item) in enumerate(zip(keys, items)):
-                res = item if isinstance(item, Reservation) else None
-                if item is None:  # dropped by the caller (no room was reserved)
-                    self.metrics.inc("rejected_chunks")
-                    continue
                 if item is ALREADY_STORED:
                     continue
-                if key in self._doomed:  # removed while pinned, put again: keep it
-                    self._doomed.discard(key)
-                elif self._locate(key) is not None:
-                    pass
-                elif res is not None:
-                    layout = self._layouts[key.ns_id]
-                    try:
-                        res.tier.commit(key, res.pages, layout.shape(), layout.torch_dtype,
-                                        keys[i - 1] if i > 0 else None)
-                        stored += 1
-                        continue
-                    except KeyError:  # released already (e.g. the store was closed)
-                        self.metrics.inc("rejected_chunks")
-                else:
-                    parent = keys[i - 1] if i > 0 else None
-                    if any(self._mover.insert(j, key, item, parent) for j in range(len(self.tiers))):
-                        stored += 1
-                    else:
-                        self.metrics.inc("rejected_chunks")
+                res = item if isinstance(item, Reservation) else None
+                if item is not None and (key in self._doomed or self._locate(key) is not None):
+                    self._doomed.discard(key)  # removed while pinned, put again: keep it
+                    if res is not None:
+                        res.tier.release(res.pages)
                     continue
-                if res is not None:
-                    res.tier.release(res.pages)
+                parent = keys[i - 1] if i > 0 else None
+                if item is None:  # dropped by the caller (no room was reserved)
+                    ok = False
+                elif res is not None:
+                    ok = self._commit_reserved(res, key, parent)
+                else:
+                    ok = any(self._mover.insert(j, key, item, parent)
+                             for j in range(len(self.tiers)))
+                stored += ok
+                if not ok:
+                    self.metrics.inc("rejected_chunks")
         self.metrics.inc("stored_chunks", stored)
         self.metrics.observe("put", time.perf_counter() - t0)
         return stored
