@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    from engine_min.server import add_serve_args
+    from engine_min.serve_cli import add_serve_args
     add_serve_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
     return p
 
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 on bad input, with the reason on stderr)."""
     args = build_parser().parse_args(argv)
     if args.command == "serve":
-        from engine_min.server import serve_main
+        from engine_min.serve_cli import serve_main
         return serve_main(args) or 0
     from engine_min.config import EngineConfig
     from engine_min.engine import LLMEngine

@@ -1,4 +1,5 @@
-"""``python -m engine_min serve``: an OpenAI-compatible HTTP server over one ``LLMEngine``.
+"""An OpenAI-compatible HTTP server over one ``LLMEngine`` (its command line, ``python -m
+engine_min serve``, is ``engine_min.serve_cli``).
 
 Threads::
 
@@ -22,16 +23,13 @@ a request without ``model`` uses the served model.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
-import os
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -356,143 +354,6 @@ class ServerThread:
         self.stop()
 
 
-STORE_FLAGS = ("kvstore_cpu_bytes", "kvstore_disk_path", "kvstore_disk_bytes", "kvstore_url")
-
-
-def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``serve`` flags to ``parser`` (sizes accept ``512MiB``, ``2GiB``, bytes)."""
-    from kvstore.units import parse_size
-
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
-    g.add_argument("--served-model-name", default=None,
-                   help="model name in the API (default: the model file's stem)")
-    e = parser.add_argument_group("engine")
-    e.add_argument("--model", default=None,
-                   help="GGUF file or safetensors folder (default: embedded SmolLM2-135M)")
-    e.add_argument("--dtype", default=None, help="float32 (default), float16 or bfloat16")
-    e.add_argument("--kv-cache-bytes", type=parse_size, default=None, metavar="SIZE",
-                   help="bytes of the engine's KV block pool")
-    e.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
-    e.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one engine step")
-    e.add_argument("--max-num-seqs", type=int, default=None, help="most running requests")
-    e.add_argument("--max-model-len", type=int, default=None,
-                   help="prompt + completion limit (default: the model's context)")
-    e.add_argument("--no-prefix-caching", action="store_true",
-                   help="disable the engine's own prefix cache")
-    s = parser.add_argument_group("kv store (off unless one of these is given)")
-    s.add_argument("--kvstore-cpu-bytes", type=parse_size, default=None, metavar="SIZE",
-                   help="in-process store: CPU tier bytes")
-    s.add_argument("--kvstore-disk-path", default=None, metavar="DIR",
-                   help="in-process store: disk tier directory")
-    s.add_argument("--kvstore-disk-bytes", type=parse_size, default=None, metavar="SIZE",
-                   help="in-process store: disk tier bytes (needs --kvstore-disk-path)")
-    s.add_argument("--kvstore-url", default=None, metavar="URL",
-                   help="remote store daemon (kvstore serve), e.g. http://127.0.0.1:8500")
-    s.add_argument("--kvstore-auth-token", default=os.environ.get("KVSTORE_AUTH_TOKEN"),
-                   metavar="TOKEN", help="bearer token of a daemon started with --auth-token "
-                   "(default $KVSTORE_AUTH_TOKEN)")
-    s.add_argument("--kvstore-chunk-size", type=int, default=256,
-                   help="tokens per store chunk (a multiple of the block size; default 256)")
-    s.add_argument("--kvstore-tail-chunk-size", type=int, default=0, metavar="N",
-                   help="also store a prompt's tokens past its last full chunk as pieces of N "
-                   "tokens (a multiple of the block size dividing the chunk size), so a hit "
-                   "recomputes < N tokens instead of up to a chunk; 0 (default) = off")
-    parser.add_argument("--log-level", default="info", help="logging level (default info)")
-    return parser
-
-
-def build_connector(args: argparse.Namespace) -> Any | None:
-    """The KV connector the store flags ask for, or ``None`` when no store flag is given.
-
-    The store is in-process tiers (``--kvstore-cpu-bytes``, ``--kvstore-disk-path``,
-    ``--kvstore-disk-bytes``), a remote daemon (``--kvstore-url``), or both (local tiers in
-    front of the daemon); ``connectors.factory.connector_from_args`` builds it (imported only
-    when a store flag is given).
-
-    Raises:
-        SystemExit: inconsistent store flags (--kvstore-tail-chunk-size without a store), or
-            the connector module is missing.
-    """
-    if all(getattr(args, f, None) is None for f in STORE_FLAGS):
-        if getattr(args, "kvstore_tail_chunk_size", 0):  # would be ignored silently
-            raise SystemExit("--kvstore-tail-chunk-size needs a store: --kvstore-cpu-bytes, "
-                             "--kvstore-disk-path or --kvstore-url")
-        return None
-    if args.kvstore_disk_bytes and not args.kvstore_disk_path:
-        raise SystemExit("--kvstore-disk-bytes needs --kvstore-disk-path")
-    try:
-        from connectors.factory import connector_from_args
-    except ImportError as exc:
-        raise SystemExit(f"the KV store connector for engine_min is not available ({exc}); "
-                         f"run without --kvstore-* flags") from exc
-    try:
-        return connector_from_args(args)
-    except ValueError as exc:
-        raise SystemExit(f"error: bad --kvstore-* flags: {exc}") from exc
-
-
-def build_engine(args: argparse.Namespace, connector: Any | None = None) -> Any:
-    """An ``LLMEngine`` from the engine flags (unset flags keep ``EngineConfig``'s defaults)."""
-    from engine_min.config import EngineConfig
-    from engine_min.engine import LLMEngine
-
-    kw = {"model": args.model, "dtype": args.dtype, "kv_cache_bytes": args.kv_cache_bytes,
-          "block_size": args.block_size, "max_num_batched_tokens": args.max_num_batched_tokens,
-          "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len}
-    kw = {k: v for k, v in kw.items() if v is not None}
-    if args.no_prefix_caching:
-        kw["enable_prefix_caching"] = False
-    return LLMEngine(EngineConfig(**kw), connector=connector)
-
-
-def served_model_name(args: argparse.Namespace) -> str:
-    """``--served-model-name``, else the stem of the model file (or folder) name."""
-    if args.served_model_name:
-        return args.served_model_name
-    if args.model:
-        return Path(args.model.rstrip("/")).stem
-    from engine_min.weights import default_model_path
-    return Path(default_model_path()).stem
-
-
-def serve_main(args: argparse.Namespace) -> None:
-    """Build the engine (and connector) from ``args`` and serve until interrupted.
-
-    Raises:
-        SystemExit: bad flags, a model that cannot be loaded, or an unusable KV pool size.
-    """
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    connector = build_connector(args)
-    try:
-        engine = build_engine(args, connector)
-        name = served_model_name(args)
-    except ValueError as exc:  # ModelLoadError is a ValueError; so are bad engine sizes
-        raise SystemExit(f"error: {exc}") from exc
-    app = create_app(engine, name)
-    max_len = app[SERVING_KEY].max_model_len
-
-    def started(text: str) -> None:  # aiohttp's banner, with the bound port (also for --port 0)
-        where = text.splitlines()[0].strip("= ").removeprefix("Running on ")
-        logger.info("serving %s on %s (max_model_len %d)", name, where, max_len)
-    try:
-        web.run_app(app, host=args.host, port=args.port, handler_cancellation=True,
-                    access_log=None, print=started)
-    finally:
-        if connector is not None:
-            connector.close()  # flush queued saves to the store
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m engine_min.server [flags]``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m engine_min.server",
-        description="OpenAI-compatible HTTP server for engine_min.")
-    serve_main(add_serve_args(parser).parse_args(argv))
-
-
 if __name__ == "__main__":
+    from engine_min.serve_cli import main
     main()

@@ -193,7 +193,7 @@ def test_metrics_mirror_the_connectors_stats_as_counters_and_gauges():
 def _args(*argv):
     import argparse
 
-    from engine_min.server import add_serve_args
+    from engine_min.serve_cli import add_serve_args
     return add_serve_args(argparse.ArgumentParser()).parse_args(list(argv))
 
 
@@ -208,7 +208,7 @@ def test_serve_flags_defaults_and_sizes():
 
 
 def test_kvstore_auth_token_flag_reaches_the_daemon_client(monkeypatch):
-    from engine_min.server import build_connector
+    from engine_min.serve_cli import build_connector
     monkeypatch.delenv("KVSTORE_AUTH_TOKEN", raising=False)
     assert _args().kvstore_auth_token is None
     from kvstore.config import StoreConfig
@@ -230,7 +230,7 @@ def test_kvstore_auth_token_flag_reaches_the_daemon_client(monkeypatch):
 
 
 def test_build_connector_is_none_without_store_flags_and_checks_combinations():
-    from engine_min.server import build_connector
+    from engine_min.serve_cli import build_connector
     assert build_connector(_args("--kv-cache-bytes", "64MiB")) is None
     for argv, words in [
         (("--kvstore-disk-bytes", "1GiB"), "needs --kvstore-disk-path"),

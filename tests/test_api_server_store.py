@@ -13,8 +13,8 @@ pytest.importorskip("connectors.factory")  # the engine_min connector (issue: co
 
 from engine_min.config import EngineConfig  # noqa: E402
 from engine_min.engine import LLMEngine  # noqa: E402
-from engine_min.server import (ServerThread, add_serve_args, build_connector,  # noqa: E402
-                               create_app)
+from engine_min.serve_cli import add_serve_args, build_connector  # noqa: E402
+from engine_min.server import ServerThread, create_app  # noqa: E402
 
 MODEL = "smollm2-store"
 CHUNK = 32

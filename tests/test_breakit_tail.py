@@ -165,7 +165,7 @@ def test_tail_chunk_size_not_a_multiple_of_the_block_size_is_refused_at_binding(
 def test_tail_flag_without_any_store_flag_is_a_clear_error_not_ignored():
     import argparse
 
-    from engine_min.server import add_serve_args, build_connector
+    from engine_min.serve_cli import add_serve_args, build_connector
     parse = add_serve_args(argparse.ArgumentParser()).parse_args
     assert build_connector(parse([])) is None
     assert build_connector(parse(["--kvstore-tail-chunk-size", "0"])) is None

@@ -209,7 +209,7 @@ def test_tail_chunk_size_is_validated():
 
 
 def test_server_flag_and_factory_pass_the_tail_chunk_size(tmp_path):
-    from engine_min.server import add_serve_args, build_connector
+    from engine_min.serve_cli import add_serve_args, build_connector
     parse = add_serve_args(argparse.ArgumentParser()).parse_args
     c = build_connector(parse(["--kvstore-cpu-bytes", "8MiB", "--kvstore-chunk-size", "32"]))
     assert c.tail_chunk_size == 0

@@ -544,7 +544,7 @@ def test_factory_validates_and_builds_each_store_kind(tmp_path):
 def test_server_flags_build_the_connector_through_the_factory(tmp_path):
     import argparse
 
-    from engine_min.server import add_serve_args, build_connector
+    from engine_min.serve_cli import add_serve_args, build_connector
     parse = add_serve_args(argparse.ArgumentParser()).parse_args
     assert build_connector(parse([])) is None
     c = build_connector(parse(["--kvstore-cpu-bytes", "8MiB", "--kvstore-disk-path",
