@@ -23,15 +23,21 @@ def kv(i):
 
 def test_page_allocator_and_runs():
     a = PageAllocator(6)
-    assert a.alloc(2) == (0, 1) and a.alloc(3) == (2, 3, 4)
-    a.free((0, 1))
-    assert a.alloc(2) == (0, 1)  # a freed run comes back in order
+    assert a.alloc(2) == ((0, 2),) and a.alloc(3) == ((2, 3),)  # (first page, page count)
+    a.free(((0, 2),))
+    assert a.alloc(2) == ((0, 2),)  # a freed run comes back in order
     with pytest.raises(TierFullError, match="need 2 pages, 1 free"):
         a.alloc(2)
-    a.check_integrity([0, 1, 2, 3, 4])
+    a.check_integrity([(0, 2), (2, 3)])
     with pytest.raises(AssertionError):
-        a.check_integrity([0, 1, 2, 3])  # page 4 leaked
-    assert page_runs((3, 4, 0, 1), 64, 200) == ((192, 128), (0, 72))
+        a.check_integrity([(0, 2), (2, 2)])  # page 4 leaked
+    a.free(((2, 3),))
+    a.free(((0, 2),))
+    assert a._free == [(0, 6)] and a.num_free == 6  # adjacent extents merge back into one
+    x, _ = a.alloc(2), a.alloc(2)
+    a.free(x)  # stack: pages 0, 1 first, then 4, 5
+    assert a.alloc(3) == ((0, 2), (4, 1)) and a.num_used == 5
+    assert page_runs(((3, 2), (0, 2)), 64, 200) == ((192, 128), (0, 72))
 
 
 @pytest.mark.parametrize("make", [lambda: CpuTier(128 * 4, 64, pin_memory=False),
@@ -62,7 +68,7 @@ def test_memory_tier_splits_a_chunk_over_non_adjacent_pages():
         t.put(KEYS[i], kv(i), None)  # pages (0,1) (2,3) (4,5)
     t.delete(KEYS[0])
     t.delete(KEYS[2])  # free stack now yields 4, 5 ... then 0, 1
-    t.allocator._free = [1, 4, 5, 0]  # next pops: 0, 5 -> two runs
+    t.allocator._free = [(1, 1), (4, 1), (5, 1), (0, 1)]  # next pops: 0, 5 -> two runs
     t.put(KEYS[9], kv(9), None)
     assert t._entries[KEYS[9]].runs == ((0, 64), (320, 64))
     assert torch.equal(t.read(KEYS[9]), kv(9))

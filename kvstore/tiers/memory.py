@@ -1,10 +1,13 @@
 """A preallocated byte pool cut into fixed-size pages, holding chunks of any size.
 
 The pool is one ``uint8`` tensor of ``num_pages * page_bytes`` bytes, allocated once. A chunk
-takes ``ceil(nbytes / page_bytes)`` pages from a free list (a stack, so a freed run is handed
-out again in the same order and chunks of one size stay contiguous); no malloc per chunk, no
-external fragmentation, and namespaces with different chunk sizes share one pool. Copies go
-run by run (maximal stretches of consecutive pages), usually a single run.
+takes ``ceil(nbytes / page_bytes)`` pages; no malloc per chunk, no external fragmentation, and
+namespaces with different chunk sizes share one pool. Pages are handed out as *extents*
+(``(first page, page count)`` runs of consecutive pages) from a stack, so a freed chunk's pages
+come back first and in their order, chunks of one size stay contiguous, and the cost of an
+allocation grows with its number of runs, not of pages: small pages (4 KiB, so small chunks
+waste little) cost a 5.9 MB chunk no more than 64 KiB pages do. Copies go run by run, usually a
+single run.
 
 The GPU tier (``gpu.py``) and the CPU tier (``cpu.py``) are this class with a different pool.
 """
@@ -17,73 +20,105 @@ import torch
 from kvstore.keys import ChunkKey
 from kvstore.tiers.base import Tier, TierFullError
 
+#: ``(first page id, number of pages)``: a run of consecutive pages.
+Extent = tuple[int, int]
+
 
 class PageAllocator:
-    """Free list of page ids ``0..num_pages-1``.
+    """Free pages ``0..num_pages-1``, kept as a stack of extents.
 
-    ``alloc(n)`` pops n pages (``TierFullError`` if fewer are free); ``free(pages)`` returns them.
+    Pages leave in the order a stack of single page ids would give them (``free`` pushes a
+    chunk's pages so that its first page is popped first), but the stack holds maximal runs:
+    ``alloc`` and ``free`` cost O(extents), whatever the page size. A pushed extent that ends
+    where the top one starts is merged with it (the popping order is the same).
+
+    ``alloc(n)`` returns a tuple of extents covering exactly ``n`` pages, adjacent ones merged
+    (``TierFullError`` if fewer than ``n`` are free); ``free(extents)`` takes them back.
     """
 
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() yields 0, 1, 2...
+        self._free: list[Extent] = [(0, num_pages)] if num_pages else []
+        self._num_free = num_pages
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self._num_free
 
-    def alloc(self, n: int) -> tuple[int, ...]:
-        if n > len(self._free):
-            raise TierFullError(f"need {n} pages, {len(self._free)} free")
-        pages = self._free[len(self._free) - n:][::-1]
-        del self._free[len(self._free) - n:]
-        return tuple(pages)
+    def alloc(self, n: int) -> tuple[Extent, ...]:
+        if n > self._num_free:
+            raise TierFullError(f"need {n} pages, {self._num_free} free")
+        out: list[Extent] = []
+        left = n
+        while left:
+            first, count = self._free.pop()
+            if count > left:
+                self._free.append((first + left, count - left))
+                count = left
+            if out and out[-1][0] + out[-1][1] == first:
+                out[-1] = (out[-1][0], out[-1][1] + count)
+            else:
+                out.append((first, count))
+            left -= count
+        self._num_free -= n
+        return tuple(out)
 
-    def free(self, pages: tuple[int, ...]) -> None:
-        self._free.extend(reversed(pages))
+    def free(self, extents: tuple[Extent, ...]) -> None:
+        for first, count in reversed(extents):
+            if self._free and first + count == self._free[-1][0]:
+                count += self._free.pop()[1]
+            self._free.append((first, count))
+        self._num_free += sum(c for _, c in extents)
 
-    def check_integrity(self, used_pages: list[int]) -> None:
-        """``used_pages``: every page the owner holds. Raise ``AssertionError`` on a leak, a
+    def check_integrity(self, used: list[Extent]) -> None:
+        """``used``: every extent the owner holds. Raise ``AssertionError`` on a leak, a
         double free or a page both free and used."""
-        free = set(self._free)
-        used = set(used_pages)
-        assert len(free) == len(self._free), "page allocator: a page is free twice"
-        assert len(used) == len(used_pages), "page allocator: a page is held by two chunks"
-        assert not (free & used), "page allocator: a page is both free and used"
-        assert len(free) + len(used) == self.num_pages, (
-            f"page allocator: free {len(free)} + used {len(used)} != total {self.num_pages}")
+        free_pages = [p for f, c in self._free for p in range(f, f + c)]
+        used_pages = [p for f, c in used for p in range(f, f + c)]
+        free, used_set = set(free_pages), set(used_pages)
+        assert len(free) == len(free_pages), "page allocator: a page is free twice"
+        assert len(used_set) == len(used_pages), "page allocator: a page is held by two chunks"
+        assert not (free & used_set), "page allocator: a page is both free and used"
+        assert len(free) == self._num_free, "page allocator: free count drifted"
+        assert len(free) + len(used_set) == self.num_pages, (
+            f"page allocator: free {len(free)} + used {len(used_set)} != total {self.num_pages}")
 
 
-def page_runs(pages: tuple[int, ...], page_bytes: int, nbytes: int) -> tuple[tuple[int, int], ...]:
-    """``(byte offset in pool, length)`` of each maximal run of consecutive pages, covering
-    exactly ``nbytes`` bytes of data in page order."""
+def num_pages(extents: tuple[Extent, ...]) -> int:
+    """Pages covered by ``extents``."""
+    return sum(c for _, c in extents)
+
+
+def page_runs(extents: tuple[Extent, ...], page_bytes: int,
+              nbytes: int) -> tuple[tuple[int, int], ...]:
+    """``(byte offset in pool, length)`` of each extent, covering exactly ``nbytes`` bytes of
+    data in extent order (the last run stops at the data's end)."""
     runs = []
-    start = prev = pages[0]
     left = nbytes
-    for p in pages[1:] + (None,):
-        if p is not None and p == prev + 1:
-            prev = p
-            continue
-        length = min((prev - start + 1) * page_bytes, left)
-        runs.append((start * page_bytes, length))
+    for first, count in extents:
+        length = min(count * page_bytes, left)
+        runs.append((first * page_bytes, length))
         left -= length
-        if p is not None:
-            start = prev = p
     return tuple(runs)
 
 
 @dataclass(frozen=True)
 class _Entry:
-    pages: tuple[int, ...]
+    pages: tuple[Extent, ...]
     runs: tuple[tuple[int, int], ...]
     nbytes: int
     shape: tuple[int, ...]
     dtype: torch.dtype
     parent: ChunkKey | None
+
+
+def entry_bytes(e: _Entry, page_bytes: int) -> int:
+    """Pool bytes a stored chunk takes (whole pages)."""
+    return num_pages(e.pages) * page_bytes
 
 
 class MemoryTier(Tier):
@@ -130,16 +165,17 @@ class MemoryTier(Tier):
                 self.allocator.free(pages)
                 raise
             self._entries[key] = entry
-            self._policy_call("on_insert", key, len(pages) * self.page_bytes, parent)
+            self._policy_call("on_insert", key, entry_bytes(entry, self.page_bytes), parent)
 
     # ---- direct writes: reserve pages, fill them in place, then commit ---------------------
-    def reserve(self, nbytes: int) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+    def reserve(self, nbytes: int) -> tuple[tuple[Extent, ...], tuple[tuple[int, int], ...]]:
         """Set aside pages for a chunk of ``nbytes`` bytes whose data will be written in place
         (e.g. straight from a socket) before ``commit``. The pages count as used but no key
         sees them. The caller made room first.
 
         Returns:
-            ``(pages, runs)``: the page ids and the ``(byte offset in pool, length)`` runs
+            ``(pages, runs)``: the page extents (opaque to callers) and the
+            ``(byte offset in pool, length)`` runs
             covering exactly ``nbytes`` (see ``run_views``).
 
         Raises:
@@ -154,7 +190,7 @@ class MemoryTier(Tier):
         """1-D ``uint8`` views of the pool, one per run (no copy; writable)."""
         return [self.pool[off:off + n] for off, n in runs]
 
-    def commit(self, key: ChunkKey, pages: tuple[int, ...], shape: tuple[int, ...],
+    def commit(self, key: ChunkKey, pages: tuple[Extent, ...], shape: tuple[int, ...],
                dtype: torch.dtype, parent: ChunkKey | None) -> None:
         """Make reserved ``pages`` (already filled) the chunk ``key`` of ``shape``/``dtype``.
 
@@ -166,11 +202,12 @@ class MemoryTier(Tier):
             if key in self._entries:
                 raise KeyError(f"{key!r} already in {self.name} tier")
             nbytes = self._reserved.pop(pages)
-            self._entries[key] = _Entry(pages, page_runs(pages, self.page_bytes, nbytes), nbytes,
-                                        tuple(shape), dtype, parent)
-            self._policy_call("on_insert", key, len(pages) * self.page_bytes, parent)
+            entry = _Entry(pages, page_runs(pages, self.page_bytes, nbytes), nbytes,
+                           tuple(shape), dtype, parent)
+            self._entries[key] = entry
+            self._policy_call("on_insert", key, entry_bytes(entry, self.page_bytes), parent)
 
-    def release(self, pages: tuple[int, ...]) -> None:
+    def release(self, pages: tuple[Extent, ...]) -> None:
         """Give back reserved ``pages`` that will not be committed. Idempotent."""
         with self._lock:
             if self._reserved.pop(pages, None) is not None:
@@ -243,19 +280,19 @@ class MemoryTier(Tier):
 
     def nbytes_of(self, key: ChunkKey) -> int:
         e = self._entries.get(key)
-        return len(e.pages) * self.page_bytes if e else 0
+        return entry_bytes(e, self.page_bytes) if e else 0
 
     def _index_items(self):
-        return [(k, len(e.pages) * self.page_bytes, e.parent) for k, e in self._entries.items()]
+        return [(k, entry_bytes(e, self.page_bytes), e.parent) for k, e in self._entries.items()]
 
     def check_integrity(self) -> None:
         with self._lock:
             super().check_integrity()
-            used = [p for e in self._entries.values() for p in e.pages]
-            used += [p for pages in self._reserved for p in pages]
+            used = [x for e in self._entries.values() for x in e.pages]
+            used += [x for pages in self._reserved for x in pages]
             self.allocator.check_integrity(used)
             for k, e in self._entries.items():
-                assert len(e.pages) * self.page_bytes == self.footprint(e.nbytes), f"{k!r}: page count"
+                assert entry_bytes(e, self.page_bytes) == self.footprint(e.nbytes), f"{k!r}: page count"
                 assert sum(n for _, n in e.runs) == e.nbytes, f"{k!r}: runs do not cover the chunk"
 
     def close(self) -> None:
