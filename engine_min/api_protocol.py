@@ -175,7 +175,9 @@ def _content_text(content: Any, i: int) -> str:
     raise _bad_type(f"messages[{i}].content", "a string or a list of text parts")
 
 
-def _parse_messages(body: dict) -> list[dict]:
+def parse_messages(body: dict) -> list[dict]:
+    """``body["messages"]`` as ``[{"role", "content": str}]`` (``developer`` read as
+    ``system``, text parts joined). Raises ``ApiError`` (400)."""
     msgs = body.get("messages")
     if msgs is None:
         raise ApiError("'messages' is required.", param="messages", code="missing_field")
@@ -296,7 +298,7 @@ def parse_completion_request(body: dict) -> ApiRequest:
 def parse_chat_request(body: dict) -> ApiRequest:
     """Validate a ``POST /v1/chat/completions`` body. Raises ``ApiError`` (400)."""
     common = _parse_common(body, "chat")
-    return ApiRequest(messages=_parse_messages(body), **common)
+    return ApiRequest(messages=parse_messages(body), **common)
 
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16

@@ -16,10 +16,13 @@ event loop (``/health``, streams), then wait on their queue. A text prompt longe
 is cancelled, or a write to the closed transport fails) gets its request aborted, which frees
 its KV blocks.
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /debug/stats`` (the
-engine's ``stats()`` snapshot as JSON). Unknown model names get 404 (``model_not_found``);
-a request without ``model`` uses the served model.
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``; a
+chat stream's role chunk goes out with the first token, as vLLM's), ``POST /tokenize`` and
+``POST /detokenize`` (vLLM's shapes; ``engine_min.tokenize_routes``), ``GET /v1/models``,
+``GET /health``, ``GET /metrics`` (Prometheus), ``GET /debug/stats`` (the engine's ``stats()``
+snapshot as JSON). Unknown model names get 404 (``model_not_found``); a request without
+``model`` uses the served model. Every error, unknown routes (404) and methods (405) included,
+is an OpenAI error object (``engine_min.http_errors``).
 """
 from __future__ import annotations
 
@@ -37,7 +40,9 @@ from jinja2 import TemplateError
 
 from engine_min import api_protocol as proto
 from engine_min.engine_loop import EngineLoop
+from engine_min.http_errors import error_response, openai_error_middleware
 from engine_min.server_metrics import ServerMetrics
+from engine_min.tokenize_routes import add_tokenize_routes
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +53,7 @@ def _dumps_lenient(obj: Any) -> str:
     return json.dumps(obj, default=str)
 
 
-def _json_error(exc: proto.ApiError) -> web.Response:
-    return web.json_response(proto.error_body(exc.message, exc.type, exc.param, exc.code),
-                             status=exc.status)
+_json_error = error_response
 
 
 #: generous upper bound of characters per token: a text prompt (or the messages' content) longer
@@ -97,9 +100,7 @@ class OpenAIServing:
             req = proto.parse_chat_request(body)
         else:
             req = proto.parse_completion_request(body)
-        if req.model is not None and req.model != self.model_name:
-            raise proto.ApiError(f"The model `{req.model}` does not exist.", param="model",
-                                 code="model_not_found", status=404)
+        self.check_model(req.model)
         self._check_chars(req)
         if req.kind == "chat":
             try:
@@ -108,9 +109,9 @@ class OpenAIServing:
             except (ValueError, TypeError, TemplateError) as exc:
                 raise proto.ApiError(f"The chat template rejected the messages: {exc}",
                                      param="messages", code="invalid_value") from exc
-            prompt_ids = self._encode(text, "messages")
+            prompt_ids = self.encode(text, "messages")
         elif isinstance(req.prompt, str):
-            prompt_ids = self._encode(req.prompt, "prompt")
+            prompt_ids = self.encode(req.prompt, "prompt")
         else:
             prompt_ids = list(req.prompt)
         if not prompt_ids:
@@ -125,6 +126,13 @@ class OpenAIServing:
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return _Prepared(req, f"{prefix}-{uuid.uuid4().hex}", prompt_ids, sampling)
 
+    def check_model(self, model: str | None) -> None:
+        """Refuse (404 ``model_not_found``) a request naming a model this server does not
+        serve; ``None`` (no ``model`` field) means the served one."""
+        if model is not None and model != self.model_name:
+            raise proto.ApiError(f"The model `{model}` does not exist.", param="model",
+                                 code="model_not_found", status=404)
+
     def _check_chars(self, req: proto.ApiRequest) -> None:
         """Refuse text that cannot fit the context whatever it encodes to (400), before the
         tokenizer runs: more than ``max_model_len * MAX_CHARS_PER_TOKEN`` characters."""
@@ -134,14 +142,20 @@ class OpenAIServing:
             n, param = len(req.prompt), "prompt"
         else:
             return
+        self.check_text_length(n, param)
+
+    def check_text_length(self, num_chars: int, param: str) -> None:
+        """Refuse (400 ``context_length_exceeded``) ``num_chars`` characters of text in field
+        ``param`` when over ``max_model_len * MAX_CHARS_PER_TOKEN``."""
         limit = self.max_model_len * MAX_CHARS_PER_TOKEN
-        if n > limit:
+        if num_chars > limit:
             raise proto.ApiError(f"This model's maximum context length is {self.max_model_len} "
-                                 f"tokens. However, your {param} has {n} characters, more than "
-                                 f"the {limit} that could fit it.", param=param,
+                                 f"tokens. However, your {param} has {num_chars} characters, "
+                                 f"more than the {limit} that could fit it.", param=param,
                                  code="context_length_exceeded")
 
-    def _encode(self, text: str, param: str) -> list[int]:
+    def encode(self, text: str, param: str) -> list[int]:
+        """Token ids of ``text`` (request field ``param``); 400 if it cannot be tokenized."""
         try:
             return list(self.tokenizer.encode(text))
         except ValueError as exc:  # text the tokenizer cannot take (not valid Unicode)
@@ -222,9 +236,15 @@ class OpenAIServing:
 
     async def _stream_events(self, resp: web.StreamResponse, p: _Prepared,
                              outputs: asyncio.Queue) -> None:
-        if p.req.kind == "chat":
-            await resp.write(self._chunk(p, None, None, role=True))
+        """Write the request's SSE chunks as its outputs arrive.
+
+        A chat stream's ``{"role": "assistant", "content": ""}`` chunk goes out together with
+        the first generated token (after prefill), as vLLM's ``serving_chat`` sends it: clients
+        (``vllm bench serve --backend openai-chat``, genai-perf) time the first chunk that has
+        ``choices`` as the first token, so sent at acceptance it made their TTFT the queueing
+        time instead of the prefill."""
         streamer = proto.TextStreamer(p.req.sampling.get("stop", ()))
+        role_sent = p.req.kind != "chat"
         while True:
             out = await outputs.get()
             if isinstance(out, Exception):
@@ -233,6 +253,9 @@ class OpenAIServing:
                 await resp.write(proto.sse(proto.error_body(err.message, err.type, err.param,
                                                             err.code)))
                 break
+            if not role_sent and (out.output_token_ids or out.finished):
+                await resp.write(self._chunk(p, None, None, role=True))
+                role_sent = True
             delta = streamer.delta(out.text, out.finished)
             if p.req.kind == "chat":
                 if delta:
@@ -292,7 +315,8 @@ def create_app(engine: Any, model_name: str, max_model_len: int | None = None) -
     """
     engine_loop = EngineLoop(engine, ServerMetrics())
     serving = OpenAIServing(engine_loop, model_name, max_model_len or model_max_len(engine))
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app = web.Application(client_max_size=64 * 1024 * 1024,
+                          middlewares=[openai_error_middleware])
     app[SERVING_KEY] = serving
     app.router.add_post("/v1/completions", serving.completions)
     app.router.add_post("/v1/chat/completions", serving.chat_completions)
@@ -300,6 +324,7 @@ def create_app(engine: Any, model_name: str, max_model_len: int | None = None) -
     app.router.add_get("/health", serving.health)
     app.router.add_get("/metrics", serving.metrics)
     app.router.add_get("/debug/stats", serving.debug_stats)
+    add_tokenize_routes(app, serving)
 
     async def _start(_app: web.Application) -> None:
         engine_loop.start()
