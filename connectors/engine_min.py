@@ -67,7 +67,7 @@ from connectors.layered_store import remote_breaker
 from connectors.engine_min_load import LoadWorker, _borrower, _Piece
 from connectors.save_queue import SaveQueue
 from kernels import ops
-from kvstore.api import KVStoreBase
+from kvstore.api import KVStoreBase, chain_parents
 from kvstore.keys import ChunkKey, Namespace, chain_hashes
 from kvstore.layout import KVLayout
 
@@ -354,12 +354,14 @@ class EngineMinConnector(LoadWorker, KVConnectorBase):
         C, F = self.chunk_size, self.tail_chunk_size
         full_end = lookup[4] if lookup is not None else self.bcm.floor_to_chunk(seq.num_tokens)
         keys = self._keys(st, seq, min(plan.last_chunk, full_end // C))
-        pieces = [_Piece(c * C, C, self.ns, keys[c], tiers.get(c * C, "unknown"))
+        pieces = [_Piece(c * C, C, self.ns, keys[c], tiers.get(c * C, "unknown"),
+                         keys[c - 1] if c else None)
                   for c in range(plan.first_chunk, len(keys))]
         if plan.end > full_end:    # the rest comes from tail pieces (found by the lookup)
             j0, j1 = max(full_end, local) // F, -(-plan.end // F)
             tail = self._tail_keys(st, seq, j1)
-            pieces += [_Piece(j * F, F, self.tail_ns, tail[j], tiers.get(j * F, "unknown"))
+            pieces += [_Piece(j * F, F, self.tail_ns, tail[j], tiers.get(j * F, "unknown"),
+                              tail[j - 1] if j * F > full_end else None)
                        for j in range(j0, j1)]
         st.pending = (plan, pieces, list(block_ids))
         st.count_hits = first_admission
@@ -394,9 +396,13 @@ class EngineMinConnector(LoadWorker, KVConnectorBase):
         st.saved = rng.stop * self.chunk_size
         if not self._reserve(len(rng), len(rng) * self.layout.chunk_bytes):
             return
-        keys = self._keys(st, seq, rng.stop)[rng.start:rng.stop]
+        all_keys = self._keys(st, seq, rng.stop)
+        keys = all_keys[rng.start:rng.stop]
         kvs = [ops.gather_chunk(self.kv_cache, self.bcm.chunk_blocks(block_ids, c)) for c in rng]
-        self._saves.submit(self.ns, keys, kvs, len(rng) * self.layout.chunk_bytes)
+        # a save continuing chunks saved earlier names its first chunk's parent (the store
+        # keeps prefixes reachable only with true parents)
+        parents = chain_parents(keys, all_keys[rng.start - 1]) if rng.start else None
+        self._saves.submit(self.ns, keys, kvs, len(rng) * self.layout.chunk_bytes, parents)
 
     def _queue_tail_save(self, seq: Any, st: _Request, end: int, block_ids: list[int]) -> None:
         """Gather the tail pieces past the last full chunk of ``[0, end)`` that are not saved
@@ -412,11 +418,16 @@ class EngineMinConnector(LoadWorker, KVConnectorBase):
         nbytes = (hi - lo) * self.tail_ns.layout.chunk_bytes
         if not self._reserve(hi - lo, nbytes):
             return
-        keys = self._tail_keys(st, seq, hi)[lo:hi]
+        all_keys = self._tail_keys(st, seq, hi)
+        keys = all_keys[lo:hi]
         per = F // self.bcm.block_size
         kvs = [ops.gather_chunk(self.kv_cache, list(block_ids[j * per:(j + 1) * per]))
                for j in range(lo, hi)]
-        self._saves.submit(self.tail_ns, keys, kvs, nbytes)
+        # pieces are looked up from the last full chunk on: the piece there starts a chain
+        # (no parent); one continuing pieces saved earlier names the piece before it
+        continues = lo * F > self.bcm.floor_to_chunk(end)
+        parents = chain_parents(keys, all_keys[lo - 1]) if continues else None
+        self._saves.submit(self.tail_ns, keys, kvs, nbytes, parents)
 
     def _reserve(self, n_chunks: int, nbytes: int) -> bool:
         """Room in the save queue for ``nbytes`` (counted as queued), or a counted drop."""

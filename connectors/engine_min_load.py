@@ -38,6 +38,7 @@ class _Piece:
     ns: Namespace
     key: ChunkKey
     tier: str
+    parent: ChunkKey | None = None  # the piece before it in its chain (None: starts one)
 
 
 @dataclass
@@ -120,7 +121,10 @@ class LoadWorker:
                 finally:
                     borrowed.release()
                 continue
-            kvs = self.store.get_chunks(ns, keys)
+            if self.store.get_takes_parents:  # it keeps copies: they need true parents
+                kvs = self.store.get_chunks(ns, keys, [p.parent for p in group])
+            else:
+                kvs = self.store.get_chunks(ns, keys)
             for p, kv in zip(group, kvs):
                 if not self._scatter(ld, p, kv, want):
                     return

@@ -151,11 +151,13 @@ class CircuitBreakerStore(KVStoreBase):
                           ns, keys)
 
     def put_chunks(self, ns: Namespace, keys: Sequence[ChunkKey],
-                   kvs: Sequence[torch.Tensor]) -> int:
+                   kvs: Sequence[torch.Tensor],
+                   parents: Sequence[ChunkKey | None] | None = None) -> int:
+        args = (ns, keys, kvs) if parents is None else (ns, keys, kvs, parents)
         if self.put_timeout_s is None:
-            return self._call("put", self.remote.put_chunks, ns, keys, kvs)
+            return self._call("put", self.remote.put_chunks, *args)
         return self._call("put", functools.partial(self.remote.put_chunks,
-                                                   timeout_s=self.put_timeout_s), ns, keys, kvs)
+                                                   timeout_s=self.put_timeout_s), *args)
 
     def exists(self, ns: Namespace, keys: Sequence[ChunkKey]) -> list[bool]:
         return self._call("exists", self.remote.exists, ns, keys)
@@ -227,7 +229,15 @@ class LayeredStore(KVStoreBase):
                 self._remote_failed("lookup", exc)
         return LookupResult(len(tiers), ns.layout.chunk_size, tuple(tiers), len(keys))
 
-    def get_chunks(self, ns: Namespace, keys: Sequence[ChunkKey]) -> list[torch.Tensor | None]:
+    get_takes_parents = True
+
+    def get_chunks(self, ns: Namespace, keys: Sequence[ChunkKey],
+                   parents: Sequence[ChunkKey | None] | None = None) -> list[torch.Tensor | None]:
+        """Local chunks, then the local misses from the remote store; those are copied into
+        the local store with their parents: ``parents`` (as ``put_chunks`` takes them), or,
+        when None, key i-1 for key i (the keys taken as consecutive chunks of one prompt) and
+        ``keys[0]``, whose parent is unknown then, not copied (a copy with a wrong parent
+        could outlive its prefix)."""
         out = list(self.local.get_chunks(ns, keys))
         miss = [i for i, kv in enumerate(out) if kv is None]
         if miss:
@@ -236,21 +246,24 @@ class LayeredStore(KVStoreBase):
             except Exception as exc:  # noqa: BLE001
                 self._remote_failed("get", exc)
                 return out
-            fetched_keys, fetched = [], []
+            fetched_keys, fetched, fetched_parents = [], [], []
             for i, kv in zip(miss, got):
                 out[i] = kv
-                if kv is not None:
+                if kv is not None and (parents is not None or i > 0):
                     fetched_keys.append(keys[i])
                     fetched.append(kv)
+                    fetched_parents.append(parents[i] if parents is not None else keys[i - 1])
             if fetched:
-                self.local.put_chunks(ns, fetched_keys, fetched)
+                self.local.put_chunks(ns, fetched_keys, fetched, fetched_parents)
         return out
 
     def put_chunks(self, ns: Namespace, keys: Sequence[ChunkKey],
-                   kvs: Sequence[torch.Tensor]) -> int:
-        n = self.local.put_chunks(ns, keys, kvs)
+                   kvs: Sequence[torch.Tensor],
+                   parents: Sequence[ChunkKey | None] | None = None) -> int:
+        args = (ns, keys, kvs) if parents is None else (ns, keys, kvs, parents)
+        n = self.local.put_chunks(*args)
         try:
-            n = max(n, self.remote.put_chunks(ns, keys, kvs))
+            n = max(n, self.remote.put_chunks(*args))
         except ValueError:
             raise
         except Exception as exc:  # noqa: BLE001

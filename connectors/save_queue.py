@@ -60,11 +60,12 @@ class SaveQueue:
             return True
 
     def submit(self, ns: Namespace, keys: Sequence[ChunkKey], kvs: Sequence[torch.Tensor],
-               nbytes: int) -> None:
+               nbytes: int, parents: Sequence[ChunkKey | None] | None = None) -> None:
         """Queue one reserved item (``nbytes`` as passed to ``try_reserve``); ``kvs`` are the
         gathered chunks ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]``, owned by the
-        queue from now on."""
-        self._q.put((ns, keys, kvs, nbytes))
+        queue from now on; ``parents`` as ``KVStoreBase.put_chunks`` takes them (passed on
+        only when not None)."""
+        self._q.put((ns, keys, kvs, nbytes, parents))
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Wait until every submitted item is written. False on timeout."""
@@ -87,11 +88,12 @@ class SaveQueue:
             item = self._q.get()
             if item is None:
                 return
-            ns, keys, kvs, nbytes = item
+            ns, keys, kvs, nbytes, parents = item
             del item
             t0 = time.perf_counter()
             try:
-                stored, error = self._put(ns, keys, kvs), None
+                args = (ns, keys, kvs) if parents is None else (ns, keys, kvs, parents)
+                stored, error = self._put(*args), None
             except Exception as exc:  # noqa: BLE001 - a failed save only costs a future hit
                 stored, error = None, exc
             del kvs

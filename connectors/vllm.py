@@ -71,7 +71,7 @@ except ImportError as e:  # pragma: no cover - exercised only without vLLM
     raise ImportError("connectors.vllm needs vLLM (build .venv-vllm with "
                       "tools/make_vllm_env.sh)") from e
 
-from kvstore.api import KVStoreBase
+from kvstore.api import KVStoreBase, chain_parents
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.layout import KVLayout
 
@@ -150,6 +150,9 @@ class ChunkTransfer:
             chunks of ``keys``.
         block_ids: the request's block table (block ``j`` holds tokens
             ``[j*block_size, (j+1)*block_size)``).
+        parent: (saves) key of the chunk before ``keys[0]`` when a save continues chunks
+            stored earlier, None when ``keys[0]`` starts its chain (the store keeps prefixes
+            reachable only with true parents).
     """
 
     request_id: str
@@ -159,6 +162,7 @@ class ChunkTransfer:
     start: int
     end: int
     block_ids: list[int]
+    parent: ChunkKey | None = None
 
 
 @dataclass
@@ -489,8 +493,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         out, run = [], []
         for j in todo + [None]:
             if run and (j is None or j != run[-1] + 1):
+                parent = keys[run[0] - 1 - key0] if run[0] > key0 else None
                 out.append(ChunkTransfer(req_id, ns, run[0], [keys[k - key0] for k in run],
-                                         run[0] * C, (run[-1] + 1) * C, block_ids))
+                                         run[0] * C, (run[-1] + 1) * C, block_ids, parent))
                 run = []
             if j is not None:
                 run.append(j)
@@ -636,7 +641,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 continue
             self._count(save_copy_s=time.perf_counter() - t0)
             try:
-                self._save_q.put_nowait((t.ns, t.keys, kvs))
+                self._save_q.put_nowait((t.ns, t.keys, kvs, t.parent))
             except queue.Full:
                 self._count(dropped_saves=len(t.keys))
 
@@ -646,10 +651,14 @@ class KVStoreConnector(KVConnectorBase_V1):
             try:
                 if item is None:
                     return
-                ns, keys, kvs = item
+                ns, keys, kvs, parent = item
                 t0 = time.perf_counter()
                 try:
-                    self._call(self.store.put_chunks, ns, keys, kvs)
+                    if parent is None:
+                        self._call(self.store.put_chunks, ns, keys, kvs)
+                    else:
+                        self._call(self.store.put_chunks, ns, keys, kvs,
+                                   chain_parents(keys, parent))
                     which = "saved_tail_chunks" if ns.layout != self.layout else "saved_chunks"
                     self._count(**{which: len(keys), "save_s": time.perf_counter() - t0})
                 except Exception as e:

@@ -24,6 +24,14 @@ import torch
 from kvstore.keys import ChunkKey, Namespace
 
 
+def chain_parents(keys: Sequence[ChunkKey], first_parent: ChunkKey | None = None
+                  ) -> list[ChunkKey | None]:
+    """Parents of consecutive chunks of one prompt: ``first_parent`` for ``keys[0]`` (the key
+    of the chunk before it, None when ``keys[0]`` is the prompt's first chunk), then key i-1
+    for key i. The form ``put_chunks`` takes (``parents=``)."""
+    return [first_parent if i == 0 else keys[i - 1] for i in range(len(keys))]
+
+
 @dataclass(frozen=True)
 class LookupResult:
     """Result of a lookup: how many *leading* chunks of a prefix are stored, and where.
@@ -73,14 +81,28 @@ class KVStoreBase(ABC):
         frequency) and may promote a chunk to a faster tier.
         """
 
+    #: Declared capability: ``get_chunks`` accepts ``parents=`` (each key's parent, as
+    #: ``put_chunks`` takes them) because it stores copies of what it fetched (a layered
+    #: store), which must keep their true parents. Callers pass them only when this is True.
+    get_takes_parents: bool = False
+
     @abstractmethod
     def put_chunks(self, ns: Namespace, keys: Sequence[ChunkKey],
-                   kvs: Sequence[torch.Tensor]) -> int:
+                   kvs: Sequence[torch.Tensor],
+                   parents: Sequence[ChunkKey | None] | None = None) -> int:
         """Store chunks; keys already present are skipped. Returns the number newly stored.
+
+        ``parents[i]`` is the key of the chunk before ``keys[i]`` in its prompt (None for a
+        prompt's first chunk); None means ``chain_parents(keys)``: the keys are a prompt's
+        chunks from its first one. A chunk saved in a later call than its parent must be given
+        the parent (``chain_parents(keys, key_before)``): the store keeps stored prefixes
+        reachable (never evicts a parent and keeps its child) only with true parents. A chunk
+        whose parent is stored nowhere may be refused.
 
         Raises:
             ValueError: a tensor's shape or dtype does not match ``ns.layout`` (message names
-                expected and got), or ``len(keys) != len(kvs)``. Nothing is stored then.
+                expected and got), ``len(keys) != len(kvs)``, or a bad ``parents`` (count,
+                type, another namespace). Nothing is stored then.
         """
 
     @abstractmethod

@@ -12,6 +12,7 @@ A refused connection (nothing listens on the port: the daemon is down) fails fas
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import threading
@@ -233,6 +234,14 @@ class AsyncKVStoreClient:
             return await resp.json()
         return await self._call("GET", "/v1/stats", handle, idempotent=True, timeout_s=timeout_s)
 
+    async def whoami(self, *, timeout_s: float | None = None) -> dict:
+        """``{"tenant", "role", "cache_salt"}`` of this client's token (``kvstore.tenants``):
+        namespaces must carry ``cache_salt`` (or ``cache_salt + "/..."``) unless it is None."""
+        async def handle(resp):
+            return await resp.json()
+        return await self._call("GET", "/v1/whoami", handle, idempotent=True,
+                                timeout_s=timeout_s)
+
     async def metrics_text(self, *, timeout_s: float | None = None) -> str:
         """The server's Prometheus exposition text."""
         async def handle(resp):
@@ -255,22 +264,32 @@ class AsyncKVStoreClient:
                                 headers={"Content-Type": "application/json"})
 
     async def put_chunks(self, ns: Namespace, keys: Sequence[ChunkKey],
-                         kvs: Sequence[torch.Tensor], *, durable: bool | None = None,
-                         timeout_s: float | None = None) -> int:
+                         kvs: Sequence[torch.Tensor],
+                         parents: Sequence[ChunkKey | None] | None = None, *,
+                         durable: bool | None = None, timeout_s: float | None = None) -> int:
         """Store chunks (streamed, no copy of the tensors). With ``durable`` the server answers
-        only after the disk tier has flushed them. Returns the number newly stored.
+        only after the disk tier has flushed them. ``parents`` as ``KVStoreBase.put_chunks``
+        (sent as each entry's ``"parent"`` where it is not the previous key; the first
+        entry's always). Returns the number newly stored.
 
         Raises:
-            ValueError: ``len(keys) != len(kvs)`` or a tensor not matching ``ns.layout``
-                (checked here before sending; the server checks again).
+            ValueError: ``len(keys) != len(kvs)``, a bad ``parents`` count, or a tensor not
+                matching ``ns.layout`` (checked here before sending; the server checks again).
         """
         if len(keys) != len(kvs):
             raise ValueError(f"{len(keys)} keys but {len(kvs)} tensors")
+        if parents is not None and len(parents) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(parents)} parents")
         if not keys:
             return 0
         for kv in kvs:
             ns.layout.validate(kv)
-        parts = [P.entry_for(k, kv) for k, kv in zip(keys, kvs)]
+        entries = [P.entry_for(k, kv) for k, kv in zip(keys, kvs)]
+        if parents is not None:
+            entries = [(dataclasses.replace(e, parent=p, parent_given=True)
+                        if i == 0 or p != keys[i - 1] else e, v)
+                       for i, ((e, v), p) in enumerate(zip(entries, parents))]
+        parts = entries
         head = P.put_header(ns, [e for e, _ in parts],
                             self.durable if durable is None else durable)
         length = len(head) + sum(v.nbytes for _, v in parts)
@@ -372,8 +391,8 @@ class KVStoreClient(KVStoreBase):
     def get_chunks(self, ns, keys, *, timeout_s=None) -> list[torch.Tensor | None]:
         return self._run(self._async.get_chunks(ns, keys, timeout_s=timeout_s), timeout_s)
 
-    def put_chunks(self, ns, keys, kvs, *, durable=None, timeout_s=None) -> int:
-        return self._run(self._async.put_chunks(ns, keys, kvs, durable=durable,
+    def put_chunks(self, ns, keys, kvs, parents=None, *, durable=None, timeout_s=None) -> int:
+        return self._run(self._async.put_chunks(ns, keys, kvs, parents, durable=durable,
                                                 timeout_s=timeout_s), timeout_s)
 
     def exists(self, ns, keys, *, timeout_s=None) -> list[bool]:
@@ -393,6 +412,9 @@ class KVStoreClient(KVStoreBase):
 
     def stats(self, *, timeout_s=None) -> dict:
         return self._run(self._async.stats(timeout_s=timeout_s), timeout_s)
+
+    def whoami(self, *, timeout_s=None) -> dict:
+        return self._run(self._async.whoami(timeout_s=timeout_s), timeout_s)
 
     def metrics_text(self, *, timeout_s=None) -> str:
         return self._run(self._async.metrics_text(timeout_s=timeout_s), timeout_s)

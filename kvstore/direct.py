@@ -54,12 +54,14 @@ class Reservation:
         views: writable 1-D ``uint8`` tensors over the pages, in chunk byte order; their
             lengths sum to ``nbytes``.
         nbytes: the chunk's size in bytes.
+        key: the chunk the pages are for.
     """
 
     tier: MemoryTier
     pages: tuple[int, ...]
     views: list[torch.Tensor]
     nbytes: int
+    key: ChunkKey | None = None
 
     def memoryviews(self) -> list[memoryview]:
         """``views`` as writable memoryviews (for ``socket.recv_into``-style filling)."""
@@ -111,44 +113,58 @@ class DirectIO:
     """Direct I/O methods of ``kvstore.store.ChunkStore`` (a mixin: they use the store's lock,
     pins, tier mover and metrics, and ``_place`` for commits)."""
 
-    def reserve_chunks(self, ns: Namespace, keys: Sequence[ChunkKey]) -> list:
+    def reserve_chunks(self, ns: Namespace, keys: Sequence[ChunkKey],
+                       parents: Sequence[ChunkKey | None] | None = None) -> list:
         """Set aside room for the chunks ``keys`` of ``ns`` in the top tier when it is host
-        memory, evicting (and spilling) unpinned chunks as a put would. Fill each
+        memory, evicting (and spilling) unpinned chunks as a put would (never a stored
+        ancestor of the chunk: an open reservation counts as stored for that walk, so
+        reserving a batch chunk by chunk keeps the prefix it continues). Fill each
         reservation's views, then ``commit_chunks`` (or ``release_reservations`` on any
         failure).
 
+        Args:
+            parents: each key's parent, as ``put_chunks`` takes them (None: chained).
+
         Returns:
             Per key: a ``Reservation``; ``ALREADY_STORED`` (``kvstore.direct``) when the key is
-            stored already (nothing reserved); or None where the top tier is not host memory
-            or cannot make room (every chunk pinned): put those chunks as tensors instead.
+            stored already (nothing reserved); or None where the top tier is not host memory,
+            cannot make room (every chunk pinned, or only the chunk's own prefix could go), or
+            the chunk's parent is neither stored nor reserved (it would be refused at commit):
+            put those chunks as tensors instead, or drop them.
 
         Raises:
-            ValueError: the namespace does not fit the tiers, or a key of another namespace.
-            RuntimeError: store closed.
+            ValueError: the namespace does not fit the tiers, a key of another namespace, or
+                bad ``parents``. RuntimeError: store closed.
         """
         self._check_keys(ns, keys)
+        parents = self._check_parents(ns, keys, parents)
         nbytes = ns.layout.chunk_bytes
         out: list = [None] * len(keys)
         direct = bool(self.tiers) and is_direct(self.tiers[0])
         top = self.tiers[0] if direct else None
+        mover = self._mover
         with self._lock:
             self._expire_leases()
             room = True
-            for i, k in enumerate(keys):
+            for i, (k, p) in enumerate(zip(keys, parents)):
                 if self._locate(k) is not None:
                     out[i] = ALREADY_STORED
-                elif direct and room and self._mover.make_room(0, nbytes):
+                elif direct and room and (p is None or mover.present(p) or p in self._reserved) \
+                        and mover.make_room(0, nbytes, lambda k=k, p=p: mover.lineage(k, p)):
                     pages, runs = top.reserve(nbytes)
-                    out[i] = Reservation(top, pages, top.run_views(runs), nbytes)
+                    out[i] = Reservation(top, pages, top.run_views(runs), nbytes, k)
+                    self._reserved[k] = p
                 else:
                     room = False
         return out
 
-    def commit_chunks(self, ns: Namespace, keys: Sequence[ChunkKey], items: Sequence) -> int:
+    def commit_chunks(self, ns: Namespace, keys: Sequence[ChunkKey], items: Sequence,
+                      parents: Sequence[ChunkKey | None] | None = None) -> int:
         """Store chunks given as filled ``Reservation``s (made visible in place, no copy),
         tensors (copied, as ``put_chunks``) or None (dropped: counted as rejected, e.g. when
         ``reserve_chunks`` found no room and no lower tier could take it). Every reservation
-        passed is consumed: committed, or released when its key is already stored.
+        passed is consumed: committed, or released when its key is already stored or its
+        parent (``parents``, as ``put_chunks`` takes them) is stored nowhere.
 
         Returns:
             How many chunks were newly stored.
@@ -161,6 +177,7 @@ class DirectIO:
             self._check_keys(ns, keys)
             if len(keys) != len(items):
                 raise ValueError(f"commit_chunks: {len(keys)} keys but {len(items)} items")
+            parents = self._check_parents(ns, keys, parents)
             for it in items:
                 if isinstance(it, Reservation):
                     if it.nbytes != ns.layout.chunk_bytes:
@@ -171,13 +188,13 @@ class DirectIO:
         except BaseException:
             self.release_reservations(items)
             raise
-        return self._place(keys, items)
+        return self._place(keys, items, parents)
 
     def release_reservations(self, items: Sequence) -> None:
         """Give back the reservations among ``items`` (others are ignored). Idempotent."""
-        for it in items:
+        for it in items:  # (no store lock: the event loop calls this; a dict pop is atomic)
             if isinstance(it, Reservation):
-                it.tier.release(it.pages)
+                self._end_reservation(it)
 
     def borrow_chunks(self, ns: Namespace, keys: Sequence[ChunkKey]) -> BorrowedChunks:
         """Pin the stored chunks among ``keys`` and hand out views of those in a host memory

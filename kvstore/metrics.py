@@ -30,7 +30,11 @@ _COUNTERS = {
     "corruptions": ("Stored chunks that failed a check on read or open (served as misses)", True),
     "dropped_writes": ("Disk writes dropped because lmdb's map was full", True),
     "errors": ("Internal errors survived (eviction policy failures, writer failures)", True),
-    "rejected_chunks": ("Chunks that no tier could take (all pinned or too large)", False),
+    "rejected_chunks": ("Chunks not stored: no tier could take them (all pinned, too large, or "
+                        "room only by evicting their own prefix) or their parent chunk is "
+                        "stored nowhere", False),
+    "stale_index_entries": ("Indexed chunks a read could not serve (value missing, corrupt or "
+                            "of the wrong shape), dropped from the index", True),
 }
 
 

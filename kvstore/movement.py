@@ -19,59 +19,187 @@ log = logging.getLogger("kvstore.store")
 
 
 class TierMover:
-    """Places chunks in ``tiers`` (fastest first), evicting and spilling as needed."""
+    """Places chunks in ``tiers`` (fastest first), evicting and spilling as needed, and keeps
+    every stored prefix reachable.
+
+    Prefix rule (what "reachable" means: a lookup walks a prompt's chunks from the first one
+    and stops at the first one stored nowhere, so a chunk is only ever served if its parent,
+    grandparent, ... are stored too):
+
+    * room for a chunk is never made by evicting one of its own stored ancestors out of the
+      store (``keep``): the chunk would be stranded the moment it lands. When only such
+      chunks could make room, the chunk is not stored (a put that overflows keeps its head
+      chunks, not its tail);
+    * a victim that leaves the store (no copy in another tier, no room below to spill to)
+      takes its stored descendants with it, deepest first, in every tier; a victim whose
+      descendants cannot all go (pinned, or ancestors of the chunk being placed) is skipped.
+      Victims with no stored child anywhere are chosen first, so this is rare.
+
+    Presence: a key is stored when some tier holds it and it is not in ``doomed`` (removed
+    while pinned). Open reservations (``reserved``: key -> parent, chunks whose bytes are
+    arriving) count as stored for the ancestor walk, so making room for chunk i of a batch
+    never evicts the stored prefix that chunk i-1, not yet committed, continues.
+
+    Not thread-safe: the store calls it under its lock.
+    """
 
     def __init__(self, tiers: list[Tier], metrics: StoreMetrics,
-                 evictable: Callable[[ChunkKey], bool]) -> None:
+                 evictable: Callable[[ChunkKey], bool], doomed: set[ChunkKey] | None = None,
+                 reserved: dict[ChunkKey, ChunkKey | None] | None = None) -> None:
         self.tiers = tiers
         self.metrics = metrics
         self.evictable = evictable
+        self.doomed = doomed if doomed is not None else set()
+        self.reserved = reserved if reserved is not None else {}
 
+    # ---- the prefix graph over all tiers ------------------------------------------------------
+    def present(self, key: ChunkKey) -> bool:
+        """Stored in some tier and not removed."""
+        return key not in self.doomed and any(t.contains(key) for t in self.tiers)
+
+    def parent_of(self, key: ChunkKey) -> ChunkKey | None:
+        """Recorded parent of ``key`` (the first one a tier records; an open reservation's
+        otherwise), None for a first chunk or an unknown key."""
+        for t in self.tiers:
+            p = t.parent_of(key)
+            if p is not None:
+                return p
+        return self.reserved.get(key)
+
+    def lineage(self, key: ChunkKey, parent: ChunkKey | None) -> set[ChunkKey]:
+        """``key`` and its stored (or reserved) ancestors, following recorded parents from
+        ``parent`` up to the first one stored nowhere (a cycle, which only a lying client can
+        make, ends the walk too)."""
+        out = {key}
+        p = parent
+        while p is not None and p not in out and (self.present(p) or p in self.reserved):
+            out.add(p)
+            p = self.parent_of(p)
+        return out
+
+    def live_children(self, key: ChunkKey) -> set[ChunkKey]:
+        """Stored keys (any tier, not removed) whose recorded parent is ``key``."""
+        out: set[ChunkKey] = set()
+        for t in self.tiers:
+            out |= t.children_of(key)
+        return out - self.doomed
+
+    def descendants(self, key: ChunkKey) -> list[ChunkKey]:
+        """Stored descendants of ``key``, breadth first (so reversed: deepest first)."""
+        seen, order, frontier = {key}, [], [key]
+        while frontier:
+            nxt = []
+            for k in frontier:
+                for c in self.live_children(k):
+                    if c not in seen:
+                        seen.add(c)
+                        order.append(c)
+                        nxt.append(c)
+            frontier = nxt
+        return order
+
+    def elsewhere(self, key: ChunkKey, i: int) -> bool:
+        """Whether a tier other than i holds ``key`` too."""
+        return any(t.contains(key) for j, t in enumerate(self.tiers) if j != i)
+
+    def strands_nothing(self, key: ChunkKey, i: int) -> bool:
+        """Whether dropping ``key`` from tier i (with no spill) leaves every stored chunk's
+        parent stored: another tier holds it, or no stored chunk names it as parent."""
+        return self.elsewhere(key, i) or not self.live_children(key)
+
+    # ---- placement ----------------------------------------------------------------------------
     def insert(self, i: int, key: ChunkKey, kv: torch.Tensor, parent: ChunkKey | None,
-               owned: bool = False) -> bool:
-        """Put ``kv`` into tier i, evicting (and spilling) as needed. False if it cannot fit."""
-        if not self.make_room(i, kv.numel() * kv.element_size()):
+               owned: bool = False, keep: frozenset = frozenset()) -> bool:
+        """Put ``kv`` into tier i, evicting (and spilling) as needed. False if it cannot fit
+        without evicting ``keep`` or ``key``'s own stored ancestors out of the store."""
+        nbytes = kv.numel() * kv.element_size()
+        if not self.make_room(i, nbytes, lambda: keep | self.lineage(key, parent)):
             return False
         self.tiers[i].put(key, kv, parent, owned=owned)
         return True
 
-    def make_room(self, i: int, nbytes: int) -> bool:
+    def make_room(self, i: int, nbytes: int,
+                  keep: Callable[[], set[ChunkKey]] = lambda: set()) -> bool:
         """Evict unpinned victims of tier i until a chunk of ``nbytes`` fits. False if it
-        cannot (larger than the tier, or every remaining chunk pinned)."""
+        cannot (larger than the tier, or no victim may go: pinned, in ``keep()`` (called once,
+        when the first victim is needed) or holding up a descendant that may not go)."""
         tier = self.tiers[i]
         if tier.footprint(nbytes) > tier.capacity_bytes:
             return False
+        protected: set[ChunkKey] | None = None
+        skip: set[ChunkKey] = set()
         while not tier.can_fit(nbytes):
-            victim = tier.next_victim(self.evictable)
+            if protected is None:
+                protected = keep()
+            victim = self._pick(i, protected, skip)
             if victim is None:
                 return False
-            self.evict(i, victim)
+            if not self.evict(i, victim, protected):
+                skip.add(victim)
         return True
 
+    def _pick(self, i: int, keep: set[ChunkKey], skip: set[ChunkKey]) -> ChunkKey | None:
+        """Tier i's next victim by its policy: first among those whose eviction strands
+        nothing by itself (a lower tier to spill to, another copy, or no stored child), then,
+        in the last tier, one whose descendants may all go with it."""
+        tier = self.tiers[i]
+        last = i + 1 == len(self.tiers)
+
+        def simple(k: ChunkKey) -> bool:
+            if k in skip or not self.evictable(k):
+                return False
+            if not last or self.elsewhere(k, i):
+                return True  # it stays stored (spilled below, or another copy)
+            return k not in keep and not self.live_children(k)
+
+        victim = tier.next_victim(simple)
+        if victim is not None or not last:
+            return victim
+        return tier.next_victim(lambda k: k not in skip and k not in keep and self.evictable(k)
+                                and self._may_leave(k, keep))
+
+    def _may_leave(self, key: ChunkKey, keep: set[ChunkKey]) -> bool:
+        return key not in keep and all(d not in keep and self.evictable(d)
+                                       for d in self.descendants(key))
+
     def write_through(self, i: int, keys: Sequence[ChunkKey], kvs: Sequence[torch.Tensor],
-                      which: Sequence[int]) -> int:
-        """Copy chunks ``keys[j]`` (``j`` in ``which``) into tier i unless already there
-        (key j-1 is key j's parent), evicting as needed. Returns how many found no room."""
+                      which: Sequence[int], parents: Sequence[ChunkKey | None]) -> int:
+        """Copy chunks ``keys[j]`` (``j`` in ``which``, in order; ``parents[j]`` its parent)
+        into tier i unless already there, evicting as needed. Returns how many were not
+        copied: no room, or a parent stored nowhere."""
         tier, rejected = self.tiers[i], 0
         for j in which:
-            key, kv = keys[j], kvs[j]
+            key, kv, parent = keys[j], kvs[j], parents[j]
             if tier.contains(key):
                 continue
-            if self.make_room(i, kv.numel() * kv.element_size()):
-                tier.put(key, kv, keys[j - 1] if j else None)
-            else:
+            if (parent is not None and not self.present(parent)) \
+                    or not self.insert(i, key, kv, parent):
                 rejected += 1
         return rejected
 
-    def evict(self, i: int, key: ChunkKey) -> None:
-        """Drop ``key`` from tier i, spilling it to tier i+1 first when it is not there."""
+    def evict(self, i: int, key: ChunkKey, keep: set[ChunkKey] = frozenset()) -> bool:
+        """Drop ``key`` from tier i, spilling it to tier i+1 first when it is not there. When
+        it leaves the store, its stored descendants go first (deepest first, every tier).
+        Returns False (nothing changed) when it would leave the store but may not: it is in
+        ``keep``, or a descendant is pinned or in ``keep``."""
         tier = self.tiers[i]
-        if i + 1 < len(self.tiers) and not self.tiers[i + 1].contains(key):
+        stays = self.elsewhere(key, i)
+        if not stays and i + 1 < len(self.tiers):
             data = tier.read(key, getattr(tier, "device", "cpu"))
-            if data is not None and self.insert(i + 1, key, data, tier.parent_of(key), owned=True):
+            if data is not None and self.insert(i + 1, key, data, self.parent_of(key), owned=True,
+                                                keep=frozenset(keep)):
                 self.metrics.inc("spills", tier=tier.name)
+                stays = True
+        if not stays:
+            if not self._may_leave(key, keep):
+                return False
+            for d in reversed(self.descendants(key)):
+                for t in self.tiers:
+                    if t.delete(d):
+                        self.metrics.inc("evictions", tier=t.name)
         tier.delete(key)
         self.metrics.inc("evictions", tier=tier.name)
+        return True
 
     def promote(self, plan: Sequence[tuple[ChunkKey, Tier] | None],
                 out: Sequence[torch.Tensor | None], doomed: set[ChunkKey]) -> None:
@@ -87,7 +215,7 @@ class TierMover:
             if key in doomed or any(t.contains(key) for t in self.tiers[:src]):
                 continue
             try:
-                if self.insert(0, key, kv, tier.parent_of(key)):
+                if self.insert(0, key, kv, self.parent_of(key)):
                     self.metrics.inc("promotions", tier=tier.name)
             except Exception:
                 log.exception("promotion of %r failed", key)
@@ -100,22 +228,23 @@ def unreachable_bytes(tiers: Sequence[Tier], doomed: set[ChunkKey]) -> int:
     (removed while pinned) count as absent."""
     present = {k for t in tiers for k in t.keys()} - doomed
     parent = {}
-    for t in reversed(tiers):
+    for t in reversed(tiers):  # the fastest tier's record wins, unless it records none
         for k in t.keys():
-            parent[k] = t.parent_of(k)
+            parent[k] = t.parent_of(k) or parent.get(k)
     reachable: dict[ChunkKey, bool] = {}
 
     def ok(k: ChunkKey) -> bool:
-        path = []
+        path, on_path = [], set()
         while k not in reachable:
             p = parent.get(k)
             if p is None:
                 reachable[k] = True
                 break
-            if p not in present:
+            if p not in present or k in on_path:  # (a parent cycle never reaches a root)
                 reachable[k] = False
                 break
             path.append(k)
+            on_path.add(k)
             k = p
         verdict = reachable[k]
         for q in path:

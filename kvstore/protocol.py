@@ -14,7 +14,15 @@ Header of a put request body::
 
     {"namespace": Namespace.to_dict(), "durable": bool,
      "chunks": [{"key": hex, "nbytes": int, "dtype": "float16",
-                 "shape": [L, 2, T, H, D], "xxh3": 16-hex xxh3_64 of the payload}, ...]}
+                 "shape": [L, 2, T, H, D], "xxh3": 16-hex xxh3_64 of the payload,
+                 "parent": hex or null (optional)}, ...]}
+
+``parent`` is the key of the chunk before this one in its prompt (null: the prompt's first
+chunk), validated like ``key`` (hex of a key of the request's namespace, not the chunk's own
+key). An entry without it has the previous entry's key as its parent (the first entry: none),
+so a batch of a prompt's chunks from its first one needs no parent field; a batch continuing
+a prompt stored by an earlier put names its first chunk's parent. The store keeps prefixes
+reachable (``kvstore.movement``) only with true parents.
 
 Header of a get response body (``found: false`` entries carry no payload)::
 
@@ -26,6 +34,7 @@ unsupported version is refused with 400. Errors are JSON ``{"error": str, "statu
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from dataclasses import dataclass
@@ -61,6 +70,9 @@ class ChunkEntry:
     """One chunk's header entry: key, payload size, dtype, shape and checksum.
 
     ``found`` is False only in get responses for missing keys (then no payload follows).
+    ``parent`` (put only): the chunk's parent key, None for a first chunk; ``parent_given``
+    says whether the header carries it (``to_dict`` writes ``"parent"`` only then; without
+    it the previous entry's key is the parent: ``put_parents``).
     """
 
     key: ChunkKey
@@ -69,12 +81,17 @@ class ChunkEntry:
     shape: tuple[int, ...] = ()
     xxh3: str = ""
     found: bool = True
+    parent: ChunkKey | None = None
+    parent_given: bool = False
 
     def to_dict(self) -> dict:
         if not self.found:
             return {"key": self.key.hex(), "found": False}
-        return {"key": self.key.hex(), "found": True, "nbytes": self.nbytes,
-                "dtype": self.dtype, "shape": list(self.shape), "xxh3": self.xxh3}
+        out = {"key": self.key.hex(), "found": True, "nbytes": self.nbytes,
+               "dtype": self.dtype, "shape": list(self.shape), "xxh3": self.xxh3}
+        if self.parent_given:
+            out["parent"] = None if self.parent is None else self.parent.hex()
+        return out
 
 
 def checksum(buf: bytes | memoryview) -> str:
@@ -265,6 +282,7 @@ def parse_put_header(header: dict, max_keys: int) -> tuple[Namespace, list[Chunk
     entries = [_parse_put_entry(ns, layout, c) for c in chunks]
     if len({e.key for e in entries}) != len(entries):
         raise ProtocolError("duplicate key in one put batch")
+    entries = [_parse_parent(ns, c, e) for c, e in zip(chunks, entries)]
     durable = header.get("durable", False)
     if not isinstance(durable, bool):
         raise ProtocolError("'durable' must be a boolean")
@@ -288,6 +306,25 @@ def _parse_put_entry(ns: Namespace, layout: KVLayout, c: Any) -> ChunkEntry:
     if not isinstance(xxh, str) or len(xxh) != 16:
         raise ProtocolError(f"'xxh3' must be 16 hex digits, got {xxh!r}")
     return ChunkEntry(key, nbytes, dtype, tuple(shape), xxh.lower())
+
+
+def _parse_parent(ns: Namespace, c: dict, e: ChunkEntry) -> ChunkEntry:
+    """``e`` with the header's ``"parent"`` (hex of a key of ``ns``, or null) when ``c`` has
+    one. Raises ProtocolError on a bad parent."""
+    if "parent" not in c:
+        return e
+    value = c["parent"]
+    parent = None if value is None else parse_key(ns, value)
+    if parent == e.key:
+        raise ProtocolError(f"chunk {e.key.hex()[:16]}... names itself as its parent")
+    return dataclasses.replace(e, parent=parent, parent_given=True)
+
+
+def put_parents(entries: Sequence[ChunkEntry]) -> list[ChunkKey | None]:
+    """Each put entry's parent: the one its header entry gives, else the previous entry's key
+    (the first entry: None)."""
+    return [e.parent if e.parent_given else (entries[i - 1].key if i else None)
+            for i, e in enumerate(entries)]
 
 
 def put_header(ns: Namespace, entries: Sequence[ChunkEntry], durable: bool = False) -> bytes:

@@ -166,16 +166,17 @@ async def put(request: web.Request) -> web.Response:
     try:
         ns, entries, durable = await _read_put(request, state, store, budget, bufs, items)
         keys = [e.key for e in entries]
+        parents = P.put_parents(entries)
         handed = busy = True  # the store owns the reservations; it may read bufs until done
         # shielded: a timeout landing now must not drop the commit from the pool's queue
         # (its reservations would leak) nor pool bufs the store is still copying from
         try:
             if state.direct:
-                stored = await state.call_shielded(store.commit_chunks, ns, keys, items)
+                stored = await state.call_shielded(store.commit_chunks, ns, keys, items, parents)
             else:
-                stored = await state.call_shielded(store.put_chunks, ns, keys, items)
+                stored = await state.call_shielded(store.put_chunks, ns, keys, items, parents)
             if durable:
-                await state.call_shielded(persist, store, ns, keys, items)
+                await state.call_shielded(persist, store, ns, keys, items, parents)
         except asyncio.CancelledError:
             raise  # the shielded call may still read bufs: they are not pooled
         except BaseException:
@@ -202,7 +203,7 @@ def can_persist(store: KVStoreBase) -> bool:
     return callable(getattr(store, "persist", None))
 
 
-def persist(store: KVStoreBase, ns, keys, tensors) -> None:
+def persist(store: KVStoreBase, ns, keys, tensors, parents=None) -> None:
     """Make just-put chunks durable with ``store.persist`` (write through to the disk tier and
     wait for the commit). Blocking; call on the store pool.
 
@@ -210,7 +211,7 @@ def persist(store: KVStoreBase, ns, keys, tensors) -> None:
         P.ProtocolError(507): some chunk is not committed on disk (no room: everything pinned
             or the tier too small; or the write was dropped).
     """
-    n = store.persist(ns, keys, tensors)
+    n = store.persist(ns, keys, tensors, parents=parents)
     if n is not None and n < len(keys):
         raise P.ProtocolError(f"disk tier has no room for a durable put: {n} of {len(keys)} "
                               "chunks committed", 507)
@@ -258,6 +259,7 @@ async def _read_put(request: web.Request, state: _ServerState, store: KVStoreBas
     if not direct:
         await _take_budget(state, budget, P.payload_total(entries))
     scratch, carry, room = None, [None], True
+    parents = P.put_parents(entries)
     for i, e in enumerate(entries):
         staged = not direct
         if direct and room:
@@ -265,7 +267,8 @@ async def _read_put(request: web.Request, state: _ServerState, store: KVStoreBas
             # (and the chunks evicted for them) never run ahead of the bytes received by more
             # than one chunk, so a stalled or vanished uploader evicts at most one chunk
             (items[i],) = await state.call_owned(store.reserve_chunks,
-                                                 store.release_reservations, ns, [e.key])
+                                                 store.release_reservations, ns, [e.key],
+                                                 [parents[i]])
             room = items[i] is not None  # (no room: nor for the chunks chained after it)
         if direct:
             # no room in the CPU tier (all pinned): stage for a lower tier, or read and drop

@@ -33,7 +33,7 @@ from typing import Sequence
 
 import torch
 
-from kvstore.api import KVStoreBase, LookupResult
+from kvstore.api import KVStoreBase, LookupResult, chain_parents
 from kvstore.config import StoreConfig
 from kvstore.direct import ALREADY_STORED, DirectIO, Reservation
 from kvstore.keys import ChunkKey, Namespace
@@ -82,12 +82,18 @@ class ChunkStore(DirectIO, KVStoreBase):
             self.tiers.append(DiskTier(config.disk_path, config.disk_bytes, config.disk_policy,
                                        config.disk_codec))
         self._pins = PinTable()
-        self._mover = TierMover(self.tiers, self.metrics, self._pins.evictable)
         self._doomed: set[ChunkKey] = set()  # removed while pinned: invisible, freed at last unpin
+        #: open reservations (``reserve_chunks``): key -> parent, until committed or released
+        self._reserved: dict[ChunkKey, ChunkKey | None] = {}
+        self._mover = TierMover(self.tiers, self.metrics, self._pins.evictable, self._doomed,
+                                self._reserved)
         self._layouts: dict[bytes, KVLayout] = {}
-        for t in self.tiers:
+        for i, t in enumerate(self.tiers):
             t.listener = self._on_tier_event
-            t.evictable = self._pins.evictable
+            # a tier evicting on its own (the disk tier when lmdb's map is full) may take only
+            # an unpinned chunk whose going strands no stored chunk
+            t.evictable = (lambda k, i=i: self._pins.evictable(k)
+                           and self._mover.strands_nothing(k, i))
             self.metrics.bind_tier(t.name, lambda t=t: t.used_bytes, lambda t=t: t.capacity_bytes,
                                    lambda t=t: t.num_chunks)
             if isinstance(t, DiskTier) and t.num_bad_at_open:
@@ -105,6 +111,30 @@ class ChunkStore(DirectIO, KVStoreBase):
         if ns.ns_id not in self._layouts:
             self.config.check_layout(ns.layout)
             self._layouts[ns.ns_id] = ns.layout
+
+    def _check_parents(self, ns: Namespace, keys: Sequence[ChunkKey],
+                       parents: Sequence[ChunkKey | None] | None) -> list[ChunkKey | None]:
+        """Per-key parents: ``chain_parents(keys)`` when ``parents`` is None.
+
+        Raises:
+            ValueError: a count other than ``len(keys)``, a parent that is not a ``ChunkKey``
+                or None, of another namespace, or equal to its own key.
+        """
+        if parents is None:
+            return chain_parents(keys)
+        parents = list(parents)
+        if len(parents) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(parents)} parents")
+        for k, p in zip(keys, parents):
+            if p is None:
+                continue
+            if not isinstance(p, ChunkKey):
+                raise ValueError(f"a parent must be a ChunkKey or None, got {type(p).__name__}")
+            if p.ns_id != ns.ns_id:
+                raise ValueError(f"parent {p!r} of {k!r} belongs to another namespace")
+            if p == k:
+                raise ValueError(f"{k!r} is given as its own parent")
+        return parents
 
     def _check_keys(self, ns: Namespace, keys: Sequence[ChunkKey]) -> None:
         if self._closed:
@@ -137,9 +167,16 @@ class ChunkStore(DirectIO, KVStoreBase):
         layout = self._layouts[key.ns_id]
         try:
             res.tier.commit(key, res.pages, layout.shape(), layout.torch_dtype, parent)
-            return True
         except KeyError:
             return False
+        self._reserved.pop(key, None)
+        return True
+
+    def _end_reservation(self, res: Reservation) -> None:
+        """Give back a reservation's pages (idempotent) and forget its key."""
+        res.tier.release(res.pages)
+        if res.key is not None:
+            self._reserved.pop(res.key, None)
 
     # ---- removal and pins -----------------------------------------------------------------------
     def _delete_everywhere(self, key: ChunkKey) -> None:
@@ -245,49 +282,75 @@ class ChunkStore(DirectIO, KVStoreBase):
 
     def _read_checked(self, layout: KVLayout, key: ChunkKey, tier: Tier,
                       buf: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Read the reader-pinned ``key`` from ``tier`` (which indexed it). A read that cannot
+        serve an indexed chunk (value missing, corrupt, wrong shape or dtype) is a stale index
+        entry: the entry is dropped from the tier (so the next lookup no longer reports it),
+        counted in ``stale_index_entries`` and the chunk is a miss."""
         if buf is not None and isinstance(tier, MemoryTier):
             kv = tier.read(key, self.config.return_device, out=buf)
         else:
             kv = tier.read(key, self.config.return_device)
-        if kv is None:
-            return None
-        if tuple(kv.shape) != layout.shape() or kv.dtype != layout.torch_dtype:
+        if kv is not None and (tuple(kv.shape) != layout.shape() or kv.dtype != layout.torch_dtype):
             log.warning("%s tier returned %s %s for %r, layout says %s %s; deleted", tier.name,
                         list(kv.shape), kv.dtype, key, list(layout.shape()), layout.torch_dtype)
             self.metrics.inc("corruptions", tier=tier.name)
-            with self._lock:
-                tier.delete(key)
-            return None
+            kv = None
+        if kv is None:
+            self._drop_stale(key, tier)
         return kv
 
-    def put_chunks(self, ns: Namespace, keys: Sequence[ChunkKey], kvs: Sequence[torch.Tensor]) -> int:
+    def _drop_stale(self, key: ChunkKey, tier: Tier) -> None:
+        """Forget an indexed chunk that ``tier`` could not read (the tier may have dropped it
+        already, e.g. the disk tier on a checksum failure). The chunk was reader-pinned, so
+        neither eviction nor ``remove`` took it meanwhile: the index was wrong."""
+        log.warning("%s tier indexed %r but could not serve it; dropped from the index",
+                    tier.name, key)
+        with self._lock:
+            tier.delete(key)
+        self.metrics.inc("stale_index_entries", tier=tier.name)
+
+    def put_chunks(self, ns: Namespace, keys: Sequence[ChunkKey], kvs: Sequence[torch.Tensor],
+                   parents: Sequence[ChunkKey | None] | None = None) -> int:
+        """As ``KVStoreBase.put_chunks``. A chunk whose parent is stored in no tier is not
+        stored (it could never be reached; counted in ``rejected_chunks``), nor is one that
+        fits only by evicting its own stored ancestors (``kvstore.movement``).
+
+        Raises:
+            ValueError: see ``KVStoreBase.put_chunks``; nothing is stored then.
+        """
         self._check_keys(ns, keys)
         if len(keys) != len(kvs):
             raise ValueError(f"put_chunks: {len(keys)} keys but {len(kvs)} tensors")
+        parents = self._check_parents(ns, keys, parents)
         for kv in kvs:
             ns.layout.validate(kv)
-        return self._place(keys, kvs)
+        return self._place(keys, kvs, parents)
 
-    def _place(self, keys: Sequence[ChunkKey], items: Sequence) -> int:
-        """Store ``items[i]`` (a tensor, or a filled ``Reservation``) as ``keys[i]``; key i-1
-        is key i's parent. A key already stored (or removed while pinned and put again) keeps
-        its value and its reservation is released. Returns how many were newly stored."""
+    def _place(self, keys: Sequence[ChunkKey], items: Sequence,
+               parents: Sequence[ChunkKey | None]) -> int:
+        """Store ``items[i]`` (a tensor, or a filled ``Reservation``) as ``keys[i]`` with the
+        parent ``parents[i]``, in order. A key already stored (or removed while pinned and put
+        again) keeps its value and its reservation is released; a key whose parent is stored
+        nowhere is rejected. Returns how many were newly stored."""
         t0 = time.perf_counter()
         stored = 0
         with self._lock:
             self._expire_leases()
-            for i, (key, item) in enumerate(zip(keys, items)):
+            for key, item, parent in zip(keys, items, parents):
                 if item is ALREADY_STORED:
                     continue
                 res = item if isinstance(item, Reservation) else None
                 if item is not None and (key in self._doomed or self._locate(key) is not None):
                     self._doomed.discard(key)  # removed while pinned, put again: keep it
                     if res is not None:
-                        res.tier.release(res.pages)
+                        self._end_reservation(res)
                     continue
-                parent = keys[i - 1] if i > 0 else None
                 if item is None:  # dropped by the caller (no room was reserved)
                     ok = False
+                elif parent is not None and not self._mover.present(parent):
+                    ok = False  # its prefix is gone: a lookup could never reach it
+                    if res is not None:
+                        self._end_reservation(res)
                 elif res is not None:
                     ok = self._commit_reserved(res, key, parent)
                 else:
@@ -296,6 +359,8 @@ class ChunkStore(DirectIO, KVStoreBase):
                 stored += ok
                 if not ok:
                     self.metrics.inc("rejected_chunks")
+                    if res is not None:
+                        self._end_reservation(res)
         self.metrics.inc("stored_chunks", stored)
         self.metrics.observe("put", time.perf_counter() - t0)
         return stored
@@ -370,17 +435,20 @@ class ChunkStore(DirectIO, KVStoreBase):
         return next((t for t in self.tiers if isinstance(t, DiskTier)), None)
 
     def persist(self, ns: Namespace, keys: Sequence[ChunkKey], kvs: Sequence[torch.Tensor],
-                timeout: float | None = None) -> int:
+                timeout: float | None = None,
+                parents: Sequence[ChunkKey | None] | None = None) -> int:
         """Make chunks durable: write each one through to the disk tier (unless it is already
         there), then wait until the disk writer has committed them. Memory tiers are not
         touched; a chunk removed (while pinned) is skipped. Blocking.
 
         Args:
             ns: namespace of ``keys``.
-            keys: chunk keys (consecutive chunks of one prompt: key i-1 is key i's parent).
+            keys: chunk keys.
             kvs: one tensor per key, ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]``
                 with the namespace's dtype.
             timeout: seconds to wait for the commit (None: no limit).
+            parents: each key's parent, as ``put_chunks`` takes them (None: key i-1 is key
+                i's parent, key 0 a first chunk).
 
         Returns:
             How many of ``keys`` are committed on disk (less than ``len(keys)`` when the disk
@@ -396,12 +464,13 @@ class ChunkStore(DirectIO, KVStoreBase):
         self._check_keys(ns, keys)
         if len(keys) != len(kvs):
             raise ValueError(f"persist: {len(keys)} keys but {len(kvs)} tensors")
+        parents = self._check_parents(ns, keys, parents)
         for kv in kvs:
             ns.layout.validate(kv)
         with self._lock:
             self._expire_leases()
             live = [j for j, k in enumerate(keys) if k not in self._doomed]
-            rejected = self._mover.write_through(self.tiers.index(disk), keys, kvs, live)
+            rejected = self._mover.write_through(self.tiers.index(disk), keys, kvs, live, parents)
             self.metrics.inc("rejected_chunks", rejected)
         disk.wait_committed(keys, timeout)
         with self._lock:

@@ -78,6 +78,11 @@ class EvictionPolicy(ABC):
                 fallback = key
         return fallback
 
+    def children(self, key: Key) -> set[Key]:
+        """Tracked keys whose recorded parent is ``key`` (a new set; ``key`` need not be
+        tracked)."""
+        return set(self._children.get(key, ()))
+
     def keys(self) -> set[Key]:
         return set(self._nbytes)
 

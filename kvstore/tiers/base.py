@@ -126,6 +126,11 @@ class Tier(ABC):
     def can_fit(self, nbytes: int) -> bool:
         return self.footprint(nbytes) <= self.free_bytes
 
+    def children_of(self, key: ChunkKey) -> set[ChunkKey]:
+        """Keys stored here whose recorded parent is ``key`` (a new set)."""
+        with self._lock:
+            return self.policy.children(key)
+
     # ---- policy calls that cannot take the tier down ------------------------------------------
     def touch(self, key: ChunkKey) -> None:
         """Tell the policy ``key`` was read."""

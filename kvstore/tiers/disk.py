@@ -29,6 +29,7 @@ from kvstore.codec import HEADER_BYTES_MAX, CorruptChunkError, pack_value, unpac
 from kvstore.keys import ChunkKey
 from kvstore.layout import DTYPES, dtype_name
 from kvstore.tiers.base import Tier, TierFullError
+from kvstore.tiers.pathlock import PathLock
 
 log = logging.getLogger("kvstore.tiers.disk")
 
@@ -59,8 +60,13 @@ def default_map_bytes(capacity_bytes: int) -> int:
 class DiskTier(Tier):
     """lmdb-backed tier at ``path`` (a directory, created if missing).
 
+    The tier holds an exclusive lock on ``path`` (``kvstore.tiers.pathlock``) from open to
+    ``close``: one open disk tier per path, in any process.
+
     Raises:
         ValueError: capacity <= 0. lmdb.Error: the environment cannot be opened.
+        DiskPathInUse (an ``OSError``): another open disk tier holds ``path`` (the message
+            names the path and the holder's pid).
     """
 
     def __init__(self, path: str, capacity_bytes: int, policy_name: str = "lru",
@@ -71,8 +77,8 @@ class DiskTier(Tier):
         os.makedirs(path, exist_ok=True)
         self.path = path
         self.codec = codec
-        self.env = lmdb.open(path, map_size=map_bytes or default_map_bytes(capacity_bytes),
-                             subdir=True, readahead=False, max_readers=512, metasync=False)
+        self._path_lock = PathLock(path)
+        self.env = None
         self._index: dict[ChunkKey, _DiskEntry] = {}
         self._pending: dict[ChunkKey, _PutOp] = {}
         self._queue: deque = deque()
@@ -81,7 +87,15 @@ class DiskTier(Tier):
         self._used = 0
         self._cond = threading.Condition(self._lock)
         self._closed = False
-        self._reindex()
+        try:
+            self.env = lmdb.open(path, map_size=map_bytes or default_map_bytes(capacity_bytes),
+                                 subdir=True, readahead=False, max_readers=512, metasync=False)
+            self._reindex()
+        except BaseException:
+            if self.env is not None:
+                self.env.close()
+            self._path_lock.release()
+            raise
         self._writer = threading.Thread(target=self._writer_loop, name="kvstore-disk-writer", daemon=True)
         self._writer.start()
 
@@ -336,5 +350,8 @@ class DiskTier(Tier):
             self._closed = True
             self._cond.notify_all()
         self._writer.join()
-        self.env.sync(True)
-        self.env.close()
+        try:
+            self.env.sync(True)
+            self.env.close()
+        finally:
+            self._path_lock.release()
