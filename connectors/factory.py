@@ -16,11 +16,14 @@ Sizes accept ints or text (``"512MiB"``). ``url`` accepts ``http://HOST:PORT`` o
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any
 from urllib.parse import urlsplit
 
 from connectors.engine_min import DEFAULT_MODEL_ID, EngineMinConnector
 from connectors.layered_store import CircuitBreakerStore, LayeredStore
+
+log = logging.getLogger("kvstore.connectors.factory")
 
 #: disk tier size when only ``disk_path`` is given.
 DEFAULT_DISK_BYTES = "4GiB"
@@ -64,7 +67,10 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
         deadline_s: longest wait of a lookup and base wait of a step's loads; also the client's
             per-call timeout for the daemon.
         model_id, revision: chunk-key namespace identity.
-        auth_token: daemon bearer token.
+        auth_token: daemon bearer token. A tenant's token (``kvstore serve --tenants-file``)
+            binds the connector to its tenant's salt: the daemon is asked for it once here
+            (``GET /v1/whoami``, see ``daemon_tenant_salt``) and every namespace carries it
+            (a ``cache_salt`` in ``connector_kwargs`` becomes a sub-salt ``tenant/salt``).
         save_generated: save generated tokens' full chunks at request end.
         tail_chunk_size: also store the tokens past the last full chunk as pieces of this
             many tokens (a multiple of the block size dividing ``chunk_size``); 0 (default) =
@@ -92,6 +98,11 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
         from kvstore.client import KVStoreClient
         timeout_s = max(deadline_s, 0.05)
         client = KVStoreClient(_http_url(url), auth_token=auth_token, timeout_s=timeout_s)
+        if auth_token:
+            from kvstore.tenants import bind_salt
+            connector_kwargs["cache_salt"] = bind_salt(
+                daemon_tenant_salt(client, max(timeout_s, WHOAMI_TIMEOUT_S)),
+                connector_kwargs.get("cache_salt", ""))
         # Saves are background work: a long deadline, so a big save on a busy host does not
         # trip the breaker; gets get the connector's per-chunk load allowance.
         stores.append(CircuitBreakerStore(
@@ -103,6 +114,26 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
                               revision=revision, deadline_s=deadline_s,
                               save_generated=save_generated, tail_chunk_size=tail_chunk_size,
                               **connector_kwargs)
+
+
+#: Deadline of the one ``whoami`` call a daemon-backed connector makes at start (seconds).
+WHOAMI_TIMEOUT_S = 2.0
+
+
+def daemon_tenant_salt(client: Any, timeout_s: float) -> str | None:
+    """The salt the daemon binds ``client``'s token to (``GET /v1/whoami``), or None for an
+    unbound (admin) token. A daemon that cannot be asked (down, an old version, a wrong
+    token) also gives None, logged: the connector then names unsalted namespaces, which a
+    tenant token is refused (403), so it recomputes; it never reads another tenant's chunks.
+    """
+    from kvstore.client import RemoteError, StoreUnavailable
+    try:
+        salt = client.whoami(timeout_s=timeout_s).get("cache_salt")
+    except (StoreUnavailable, RemoteError, ValueError) as e:
+        log.warning("kvstore daemon %s: cannot learn this token's tenant salt (%s); its "
+                    "requests may be refused until the engine restarts", client.url, e)
+        return None
+    return salt if isinstance(salt, str) else None
 
 
 def connector_from_args(args: argparse.Namespace) -> EngineMinConnector | None:

@@ -20,6 +20,10 @@ Use (a vLLM ``KVTransferConfig``)::
   for the same model id, revision and KV layout, so both engines share chunks only when the
   layouts (layers, KV heads, head_dim, dtype, chunk size) match; otherwise they are namespaced
   apart. A request's ``cache_salt`` becomes the namespace's salt.
+* ``auth_token``: the daemon's bearer token. A tenant's token (``kvstore serve --tenants-file``)
+  binds every namespace to the tenant's salt, which the connector asks the daemon for once
+  (``GET /v1/whoami``); a request's ``cache_salt`` then becomes the sub-salt
+  ``<tenant salt>/<cache_salt>`` (``kvstore.tenants.bind_salt``).
 * ``tail_chunk_size`` (default: vLLM's block size when it divides ``chunk_size``, else 0 =
   off): the prompt tokens past the last full chunk are also stored as pieces of this many
   tokens, in a namespace of their own (the same layout with this chunk size), so a hit
@@ -74,6 +78,7 @@ except ImportError as e:  # pragma: no cover - exercised only without vLLM
 from kvstore.api import KVStoreBase, chain_parents
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.layout import KVLayout
+from kvstore.tenants import bind_salt
 
 from connectors.vllm_layout import PagedLayout, derive_paged_layout  # noqa: F401 (public here too)
 
@@ -254,6 +259,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.pin_lease_s = float(extra.get("pin_lease_s", 30.0))
         self._remote = bool(extra.get("kvstore_url"))
         self._store_spec, self.store = _acquire_store(extra)
+        #: the daemon tenant's salt (``kvstore.tenants``): every namespace carries it
+        self._tenant_salt = None
+        if self._remote and extra.get("auth_token"):
+            from connectors.factory import daemon_tenant_salt
+            self._tenant_salt = daemon_tenant_salt(self.store, self.timeout_s)
+            self._ns_base = dataclasses.replace(self._ns_base, cache_salt=bind_salt(
+                self._tenant_salt, self._ns_base.cache_salt))
+            self._ns_cache = {}
         self.counters: dict[str, float] = {
             "lookups": 0, "lookup_errors": 0, "hit_tokens": 0, "local_tokens": 0,
             "external_tokens": 0, "loads": 0, "loaded_chunks": 0, "loaded_tokens": 0,
@@ -298,7 +311,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         return out
 
     def _ns(self, request: Any) -> Namespace:
-        salt = getattr(request, "cache_salt", None) or ""
+        salt = bind_salt(self._tenant_salt, getattr(request, "cache_salt", None) or "")
         ns = self._ns_cache.get(salt)
         if ns is None:
             b = self._ns_base

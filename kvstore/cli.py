@@ -34,8 +34,15 @@ def _serve_parser(sub) -> None:
     p.add_argument("--auth-token", help="bearer token clients must send on every route but "
                                         "/healthz and /readyz, /metrics included (also "
                                         "$KVSTORE_AUTH_TOKEN)")
+    p.add_argument("--tenants-file",
+                   help="YAML/TOML/JSON file of tenants: name -> {token, role (admin, tenant, "
+                        "reader), salt}; each tenant's token may name only namespaces with its "
+                        "salt (see kvstore.tenants)")
+    p.add_argument("--page-bytes",
+                   help="allocation unit of the memory tiers, a multiple of 64 (default 4KiB): "
+                        "a chunk takes whole pages, so smaller pages waste less on small chunks")
     p.add_argument("--insecure", action="store_const", const=True,
-                   help="allow a non-loopback bind without --auth-token")
+                   help="allow a non-loopback bind without --auth-token or --tenants-file")
     p.add_argument("--log-level", help="debug, info, warning, error (default info)")
     p.add_argument("--max-body-bytes", help="largest request body (default 1GiB); larger -> 413")
     p.add_argument("--max-batch-keys", type=int, help="most keys per request (default 1024)")
@@ -135,9 +142,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     choose_http_parser(cfg.http_parser)
     return_freed_buffers_to_os()
+    tenants = None
+    if cfg.tenants_file:
+        from kvstore.tenants import TenantTable
+        tenants = TenantTable.from_file(cfg.tenants_file)
     store = build_store(cfg)
     try:
-        asyncio.run(_serve(cfg, store))
+        asyncio.run(_serve(cfg, store, tenants))
     finally:
         log.info("closing the store (flushing disk writes)")
         store.close()
@@ -186,9 +197,10 @@ def build_store(cfg) -> Any:
         raise ValueError(f"cannot create the store's memory tiers: {e}") from None
 
 
-async def _serve(cfg, store) -> None:
+async def _serve(cfg, store, tenants=None) -> None:
     from kvstore.server import ServerLimits, create_app, serve_until_signal
-    limits = ServerLimits(auth_token=cfg.auth_token, max_body_bytes=cfg.max_body_bytes,
+    limits = ServerLimits(auth_token=cfg.auth_token, tenants=tenants,
+                          max_body_bytes=cfg.max_body_bytes,
                           max_batch_keys=cfg.max_batch_keys,
                           request_timeout_s=cfg.request_timeout_s, max_lease_s=cfg.max_lease_s,
                           max_inflight_bytes=cfg.max_inflight_bytes)

@@ -18,6 +18,14 @@ Routes (wire format in ``kvstore.protocol``):
     POST /v1/clear       JSON {namespace} or {all: true} -> {removed}
     POST /v1/pin         JSON {namespace, keys, lease_s} -> {pinned, lease_s}
     POST /v1/unpin       JSON {namespace, keys}        -> {unpinned}
+    GET  /v1/whoami      JSON {tenant, role, cache_salt}: the caller's identity and the salt
+                         its namespaces must carry (``kvstore.tenants``)
+
+Auth (``kvstore.tenants``): with a token or tenants configured, every route but /healthz and
+/readyz needs ``Authorization: Bearer TOKEN`` of a known tenant (else 401). A tenant may name
+only namespaces of its own salt (else 403; readers may only look up, check and get);
+``clear {"all": true}``, /v1/stats and /metrics (aggregates over all tenants) need an admin
+token (else 403). ``--auth-token`` alone is one admin.
 
 Store calls run on a thread pool so a slow disk tier never blocks the event loop. This module
 holds the app, auth/timeout middleware and the JSON routes; the binary get/put routes are in
@@ -26,7 +34,6 @@ holds the app, auth/timeout middleware and the JSON routes; the binary get/put r
 from __future__ import annotations
 
 import asyncio
-import hmac
 import inspect
 import logging
 import time
@@ -43,8 +50,10 @@ from kvstore.api import KVStoreBase
 from kvstore.server_budget import BufferPool, ByteBudget  # noqa: F401
 from kvstore.server_payload import can_persist, get, persist, put  # noqa: F401
 from kvstore.server_run import ThreadedServer, serve_until_signal, set_ready  # noqa: F401
-from kvstore.server_state import (READ_BUFSIZE, STATE_KEY, STORE_KEY, ServerLimits,  # noqa: F401
-                                  _json_body, _json_error, _ns_keys, _ok, _ServerState)
+from kvstore.server_state import (READ_BUFSIZE, STATE_KEY, STORE_KEY, TENANT_KEY,  # noqa: F401
+                                  ServerLimits, _json_body, _json_error, _ns_keys, _ok,
+                                  _ServerState, authorize, caller)
+from kvstore.tenants import OPEN, WRITE, Forbidden
 
 log = logging.getLogger("kvstore.server")
 UNAUTHENTICATED = frozenset({"/healthz", "/readyz"})
@@ -83,15 +92,20 @@ async def _middleware(request: web.Request, handler) -> web.StreamResponse:
 
 async def _guarded(request: web.Request, handler, state: _ServerState) -> web.StreamResponse:
     limits = state.limits
-    if limits.auth_token and request.path not in UNAUTHENTICATED \
-            and not _token_ok(request, limits.auth_token):
-        return _json_error("missing or wrong bearer token", 401)
+    tenant = OPEN
+    if state.tenants is not None and request.path not in UNAUTHENTICATED:
+        tenant = state.tenants.authenticate(request.headers.get("Authorization"))
+        if tenant is None:
+            return _json_error("missing or wrong bearer token", 401)
+    request[TENANT_KEY] = tenant
     try:
         P.check_version(request.headers.get(P.VERSION_HEADER))
         async with asyncio.timeout(limits.request_timeout_s):
             return await handler(request)
     except P.ProtocolError as e:
         return _json_error(str(e), e.status)
+    except Forbidden as e:
+        return _json_error(str(e), 403)
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -118,6 +132,7 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    caller(request).require_admin("/metrics")
     state: _ServerState = request.app[STATE_KEY]
     text = generate_latest(state.registry)
     if state.store_registry is not None:
@@ -126,6 +141,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def stats(request: web.Request) -> web.Response:
+    caller(request).require_admin("/v1/stats")
     state: _ServerState = request.app[STATE_KEY]
     out = dict(await state.call(request.app[STORE_KEY].stats))
     out["server"] = {"protocol_version": P.PROTOCOL_VERSION, "ready": state.ready,
@@ -158,8 +174,12 @@ async def exists(request: web.Request) -> web.Response:
     return _ok({"exists": [bool(x) for x in found]})
 
 
+async def whoami(request: web.Request) -> web.Response:
+    return _ok(caller(request).whoami())
+
+
 async def remove(request: web.Request) -> web.Response:
-    _, ns, keys = await _ns_keys(request)
+    _, ns, keys = await _ns_keys(request, WRITE)
     n = await request.app[STATE_KEY].call(request.app[STORE_KEY].remove, ns, keys)
     return _ok({"removed": int(n)})
 
@@ -167,15 +187,17 @@ async def remove(request: web.Request) -> web.Response:
 async def clear(request: web.Request) -> web.Response:
     body = await _json_body(request)
     if body.get("all") is True:
+        caller(request).require_admin('clear {"all": true}')
         ns = None
     else:
         ns = P.parse_namespace(body.get("namespace"))
+        authorize(request, ns, WRITE)
     n = await request.app[STATE_KEY].call(request.app[STORE_KEY].clear, ns)
     return _ok({"removed": int(n)})
 
 
 async def pin(request: web.Request) -> web.Response:
-    body, ns, keys = await _ns_keys(request)
+    body, ns, keys = await _ns_keys(request, WRITE)
     state: _ServerState = request.app[STATE_KEY]
     lease = body.get("lease_s")
     # ``not > 0`` also refuses NaN (a NaN lease would never expire); infinity is capped below
@@ -188,7 +210,7 @@ async def pin(request: web.Request) -> web.Response:
 
 
 async def unpin(request: web.Request) -> web.Response:
-    _, ns, keys = await _ns_keys(request)
+    _, ns, keys = await _ns_keys(request, WRITE)
     n = await request.app[STATE_KEY].call(request.app[STORE_KEY].unpin, ns, keys)
     return _ok({"unpinned": int(n)})
 
@@ -224,6 +246,7 @@ def create_app(store: KVStoreBase, limits: ServerLimits | None = None,
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/stats", stats)
+    app.router.add_get("/v1/whoami", whoami)
     for name, fn in (("lookup", lookup), ("exists", exists), ("get", get), ("put", put),
                      ("remove", remove), ("clear", clear), ("pin", pin), ("unpin", unpin)):
         app.router.add_post(f"/v1/{name}", fn)

@@ -17,6 +17,8 @@ from kvstore import protocol as P
 from kvstore.api import KVStoreBase
 from kvstore.direct import BorrowedChunks, Reservation
 from kvstore.server_state import STATE_KEY, STORE_KEY, _check_fits, _ns_keys, _ok, _ServerState, _shaped
+from kvstore.server_state import authorize
+from kvstore.tenants import WRITE
 
 
 #: Get payloads go to the transport in slices of this many bytes: asyncio copies what the
@@ -243,6 +245,7 @@ async def _read_put(request: web.Request, state: _ServerState, store: KVStoreBas
     hdr_len = P.decode_preamble(await _read_exact(reader, P.PREAMBLE_BYTES))
     header = P.parse_json(await _read_exact(reader, hdr_len), "put header")
     ns, entries, durable = P.parse_put_header(header, limits.max_batch_keys)
+    authorize(request, ns, WRITE)  # 403 before any payload byte is read
     _check_fits(store, ns)
     if durable and not can_persist(store):
         raise P.ProtocolError("durable put needs a disk tier (serve with --disk-path and "

@@ -15,9 +15,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from kvstore import protocol as P
 from kvstore.api import KVStoreBase
 from kvstore.server_budget import BufferPool, ByteBudget
+from kvstore.tenants import OPEN, READ, Tenant, TenantTable
 
 STORE_KEY = web.AppKey("store", KVStoreBase)
 STATE_KEY = web.AppKey("state", object)
+#: request key of the authenticated caller (``kvstore.tenants.Tenant``)
+TENANT_KEY = (web.RequestKey("tenant", Tenant) if hasattr(web, "RequestKey")  # aiohttp >= 3.12
+              else "kvstore.tenant")
 UNAUTHENTICATED = frozenset({"/healthz", "/readyz"})
 #: Socket read buffer per connection: aiohttp's 64 KiB default pauses the transport every
 #: 128 KiB, which halves put throughput with 5.9 MB chunks. It is also memory outside the
@@ -32,7 +36,9 @@ class ServerLimits:
     Attributes:
         auth_token: bearer token required on every route except /healthz and /readyz,
             /metrics included (None: no auth, loopback only unless the CLI was told
-            ``--insecure``).
+            ``--insecure``). It is an admin tenant named ``admin`` (``kvstore.tenants``).
+        tenants: tenants with their own tokens, roles and salts (``kvstore.tenants``); with
+            ``auth_token`` too, that token is one more admin.
         max_body_bytes: largest request body (bytes); larger -> 413.
         max_batch_keys: most keys/chunks in one request; more -> 413.
         request_timeout_s: wall-clock limit of one request (seconds); beyond -> 504.
@@ -46,12 +52,36 @@ class ServerLimits:
     """
 
     auth_token: str | None = None
+    tenants: TenantTable | None = None
     max_body_bytes: int = 1 << 30
     max_batch_keys: int = 1024
     request_timeout_s: float = 60.0
     max_lease_s: float = 300.0
     store_threads: int = 4
     max_inflight_bytes: int = 256 << 20
+
+
+def tenant_table(limits: ServerLimits) -> TenantTable | None:
+    """The credentials of ``limits``: its tenants, plus ``auth_token`` as an admin named
+    ``admin``; None when neither is set.
+
+    Raises:
+        ValueError: the auth token is also a tenant's token.
+    """
+    tenants = list(limits.tenants.tenants) if limits.tenants is not None else []
+    if limits.auth_token:
+        tenants += TenantTable.single(limits.auth_token).tenants
+    return TenantTable(tenants) if tenants else None
+
+
+def caller(request: web.Request) -> Tenant:
+    """The authenticated tenant of ``request`` (set by the auth middleware)."""
+    return request.get(TENANT_KEY, OPEN)
+
+
+def authorize(request: web.Request, ns, access: str = READ) -> None:
+    """Refuse (403, ``kvstore.tenants.Forbidden``) a namespace the caller may not use this way."""
+    caller(request).check(ns.cache_salt, access)
 
 
 def _shaped(buf: torch.Tensor, layout) -> torch.Tensor:
@@ -63,6 +93,8 @@ class _ServerState:
 
     def __init__(self, limits: ServerLimits, store_registry: CollectorRegistry | None):
         self.limits = limits
+        #: who may call (None: no auth, every caller is ``kvstore.tenants.OPEN``)
+        self.tenants = tenant_table(limits)
         self.ready = True
         self.active = 0  # requests being served (drain waits for 0)
         self.pool = ThreadPoolExecutor(limits.store_threads, thread_name_prefix="kvstore-io")
@@ -159,10 +191,13 @@ def _check_fits(store: KVStoreBase, ns) -> None:
             raise P.ProtocolError(str(e)) from None
 
 
-async def _ns_keys(request: web.Request):
+async def _ns_keys(request: web.Request, access: str = READ):
+    """``(body, namespace, keys)`` of a JSON request, once the caller may use the namespace
+    for ``access`` (403 otherwise) and it fits the store (400 otherwise)."""
     body = await _json_body(request)
     state: _ServerState = request.app[STATE_KEY]
     ns = P.parse_namespace(body.get("namespace"))
+    authorize(request, ns, access)
     _check_fits(request.app[STORE_KEY], ns)
     keys = P.parse_keys(ns, body.get("keys"), state.limits.max_batch_keys)
     return body, ns, keys

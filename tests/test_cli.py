@@ -173,8 +173,9 @@ class Daemon:
 
 
 def _serve_args(disk: Path, cpu_bytes: str = "64KiB") -> list[str]:
+    # 64 KiB pages: one 256-byte chunk per page, so "256KiB" is a 4-chunk CPU tier
     return ["--cpu-bytes", cpu_bytes, "--disk-path", str(disk), "--disk-bytes", "64MiB",
-            "--policy", "lru"]
+            "--policy", "lru", "--page-bytes", "64KiB"]
 
 
 def test_sigkill_then_restart_serves_every_durable_chunk_bit_exact(tmp_path):
