@@ -13,6 +13,7 @@ import os
 import sys
 from typing import Any, Sequence
 
+from kvstore.disk_inspect import inspect_disk  # noqa: F401 (the inspect command; re-exported)
 from kvstore.units import format_size
 
 log = logging.getLogger("kvstore.cli")
@@ -257,59 +258,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     report = inspect_disk(args.disk_path, limit=args.limit, verify=args.verify)
     print(json.dumps(report, indent=2, sort_keys=True) if args.json else format_table(report))
     return 0
-
-
-def inspect_disk(path: str, limit: int = 20, verify: bool = False) -> dict:
-    """Offline summary of a disk tier: opens the lmdb read-only (a running server is not
-    disturbed) and decodes every value's header (``kvstore.codec``).
-
-    Returns:
-        ``{"path", "num_chunks", "stored_bytes", "raw_bytes", "num_bad", "codecs": {codec: n},
-        "layouts": {"dtype [shape]": n}, "namespaces": {ns_id_hex: n}, "chunks": [...]}`` with
-        the first ``limit`` chunks (key, parent, dtype, shape, codec, sizes); with ``verify``
-        every payload is decoded and checksummed too (``num_bad`` counts failures).
-
-    Raises:
-        ValueError: ``path`` holds no lmdb environment, or one lmdb cannot open.
-    """
-    import lmdb
-    from collections import Counter
-    from kvstore.codec import CorruptChunkError, unpack_header, unpack_value
-    if not os.path.exists(os.path.join(path, "data.mdb")):
-        raise ValueError(f"{path!r} holds no disk tier (no data.mdb)")
-    try:
-        env = lmdb.open(path, readonly=True, lock=False, subdir=True, readahead=False)
-    except lmdb.Error as e:
-        raise ValueError(f"{path!r} is not a readable disk tier: {e}") from None
-    rep: dict = {"path": os.path.abspath(path), "num_chunks": 0, "stored_bytes": 0,
-                 "raw_bytes": 0, "num_bad": 0}
-    codecs, layouts, namespaces, chunks = Counter(), Counter(), Counter(), []
-    try:
-        with env.begin(buffers=True) as txn:
-            for raw_key, value in txn.cursor():
-                key = bytes(raw_key)
-                try:
-                    h = unpack_value(value, key)[0] if verify else unpack_header(value)
-                    if h.key != key:
-                        raise CorruptChunkError("header key differs from the lmdb key")
-                except CorruptChunkError:
-                    rep["num_bad"] += 1
-                    continue
-                rep["num_chunks"] += 1
-                rep["stored_bytes"] += len(value)
-                rep["raw_bytes"] += h.raw_nbytes
-                codecs[h.codec] += 1
-                layouts[f"{h.dtype} {list(h.shape)}"] += 1
-                namespaces[key[:16].hex()] += 1
-                if not limit or len(chunks) < limit:
-                    chunks.append({"key": key.hex(), "parent": h.parent.hex() if h.parent else None,
-                                   "dtype": h.dtype, "shape": list(h.shape), "codec": h.codec,
-                                   "stored_bytes": len(value), "raw_bytes": h.raw_nbytes})
-    finally:
-        env.close()
-    rep.update(codecs=dict(codecs), layouts=dict(layouts), namespaces=dict(namespaces),
-               chunks=chunks)
-    return rep
 
 
 def flatten(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
