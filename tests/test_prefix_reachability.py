@@ -264,3 +264,18 @@ def test_two_tiers_spill_and_promote_keep_parents(tmp_path):
     assert [disk.parent_of(k) for k in keys] == [None] + keys[:3]  # 1, 2 stayed there too
     assert store.stats()["unreachable_bytes"] == 0
     store.close()
+
+
+def test_daemon_put_continuing_a_prefix_evicts_other_prompts_not_its_own_head(daemon):
+    """Pages are reserved chunk by chunk as the bytes arrive: reserving chunk 4 must not evict
+    chunk 2, whose child (chunk 3) is reserved but not yet committed."""
+    a = NS.chunk_keys(prompt(4))
+    b = NS.chunk_keys(prompt(2, base=1000))
+    kv = chunks(kv_of(4), 4)
+    with KVStoreClient(daemon.url, timeout_s=5.0) as c:
+        assert c.put_chunks(NS, a[:2], kv[:2]) == 2
+        assert c.put_chunks(NS, b, chunks(kv_of(2, seed=1), 2)) == 2
+        assert c.put_chunks(NS, a[2:], kv[2:], chain_parents(a[2:], a[1])) == 2
+        assert "".join("1" if e else "0" for e in c.exists(NS, a + b)) == "111100"
+        assert c.lookup_keys(NS, a).num_hit_chunks == 4
+        assert c.stats()["unreachable_bytes"] == 0

@@ -3,6 +3,7 @@ restarts over prompts drawn from a random prefix tree, on small stores of one to
 (so every put evicts, spills and promotes), with reachability recounted by brute force after
 every step:
 
+* puts go through ``put_chunks`` or, as the daemon's, through page reservations;
 * every stored chunk records its true parent in every tier that holds it, whatever call
   stored it, and after a restart (the disk header);
 * ``unreachable_bytes`` equals the bytes of the stored chunks whose ancestors are not all
@@ -22,6 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvstore.api import chain_parents
 from kvstore.codec import HEADER_BYTES_MAX
 from kvstore.config import StoreConfig
+from kvstore.direct import Reservation
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
 from kvstore.store import ChunkStore
@@ -88,6 +90,33 @@ class ReachabilityMachine(RuleBasedStateMachine):
             n = self.store.put_chunks(NS, part, [value(k) for k in part],
                                       chain_parents(part, keys[i - 1] if i else None))
             assert 0 <= n <= len(part)
+            i += size
+
+    @rule(path=PROMPTS, split=SPLITS)
+    def put_direct(self, path, split):
+        """As the daemon puts: reserve each chunk's pages just before its bytes arrive (one
+        key at a time), fill them, commit the batch (no room: a tensor for a lower tier, or
+        dropped)."""
+        keys = self.keys(path)
+        i = 0
+        for size in split + [len(keys)]:
+            part = keys[i:i + size]
+            if not part:
+                break
+            parents = chain_parents(part, keys[i - 1] if i else None)
+            items = []
+            for k, p in zip(part, parents):
+                (item,) = self.store.reserve_chunks(NS, [k], [p])
+                if isinstance(item, Reservation):
+                    src = value(k).reshape(-1).view(torch.uint8)
+                    pos = 0
+                    for v in item.views:
+                        v.copy_(src[pos:pos + v.numel()])
+                        pos += v.numel()
+                elif item is None and self.store.has_lower_tiers:
+                    item = value(k)
+                items.append(item)
+            self.store.commit_chunks(NS, part, items, parents)
             i += size
 
     @rule(path=PROMPTS)
