@@ -54,6 +54,17 @@ def _serve_parser(sub) -> None:
     p.add_argument("--http-parser", choices=("python", "c"),
                    help="aiohttp's HTTP parser: python (default; passes body pieces through "
                         "without a copy, +15-20%% put throughput) or c")
+    p.add_argument("--max-connections",
+                   help="cap on open client connections; at the cap a new one closes the "
+                        "oldest idle one (503 when all are busy). Default auto: the "
+                        "file-descriptor limit minus max(64, limit/8) minus 64 (256 -> 128); "
+                        "0 = no cap")
+    p.add_argument("--idle-timeout-s", type=float,
+                   help="close a connection that sends no complete request headers this long "
+                        "after connecting or after its last response (default 30)")
+    p.add_argument("--max-namespaces", type=int,
+                   help="namespaces the store keeps checked at once; the least recently used "
+                        "beyond are forgotten and counted (default 4096)")
     p.add_argument("--max-inflight-bytes",
                    help="payload bytes requests may hold at once; more wait (up to the "
                         "request timeout, then 503); CPU-tier chunks take none (read and sent in "
@@ -211,7 +222,8 @@ async def _serve(cfg, store, tenants=None) -> None:
         # One parseable line on stdout: scripts and tests wait for it (and read the port).
         print(f"kvstore serve: listening on http://{bound[0]}:{bound[1]}", flush=True)
     await serve_until_signal(app, cfg.host, cfg.port, shutdown_timeout_s=cfg.shutdown_timeout_s,
-                             on_listen=on_listen)
+                             on_listen=on_listen, max_connections=cfg.max_connections,
+                             idle_timeout_s=cfg.idle_timeout_s)
 
 
 def _client(args):

@@ -35,11 +35,15 @@ class StoreConfig:
             ``ceil(chunk_bytes / page_bytes)`` pages, so chunks of any size share one arena.
         disk_codec: ``auto`` (byte-shuffle + lz4, raw when that saves < 10%), ``raw``, ``lz4``,
             ``shuffle-lz4``.
+        max_namespaces: namespaces whose layout check the store remembers
+            (``ChunkStore.register``); the least recently used beyond are forgotten and counted
+            (``namespace_evictions``). A forgotten namespace loses nothing: its chunks stay and
+            its next call checks its layout again (a few microseconds).
 
     Raises:
         ValueError: negative or unparsable sizes, no tier at all, a disk tier without a path,
-            an unknown policy or codec, a page size that is not a positive multiple of 64, or a
-            memory tier smaller than one page.
+            an unknown policy or codec, a page size that is not a positive multiple of 64, a
+            memory tier smaller than one page, or a non-positive ``max_namespaces``.
     """
 
     gpu_bytes: int | str = 0
@@ -54,6 +58,7 @@ class StoreConfig:
     promote_on_hit: bool = True
     page_bytes: int | str = "64KiB"
     disk_codec: str = "auto"
+    max_namespaces: int = 4096
 
     def __post_init__(self) -> None:
         for name in ("gpu_bytes", "cpu_bytes", "disk_bytes", "page_bytes"):
@@ -72,6 +77,8 @@ class StoreConfig:
             raise ValueError(f"unknown disk_codec {self.disk_codec!r}; choose one of {DISK_CODECS}")
         if self.page_bytes <= 0 or self.page_bytes % 64:
             raise ValueError(f"page_bytes must be a positive multiple of 64, got {self.page_bytes}")
+        if type(self.max_namespaces) is not int or self.max_namespaces <= 0:
+            raise ValueError(f"max_namespaces must be a positive int, got {self.max_namespaces!r}")
         for tier in ("gpu", "cpu"):
             cap = getattr(self, f"{tier}_bytes")
             if 0 < cap < self.page_bytes:

@@ -188,7 +188,7 @@ class DirectIO:
         except BaseException:
             self.release_reservations(items)
             raise
-        return self._place(keys, items, parents)
+        return self._place(keys, items, parents, ns.layout)
 
     def release_reservations(self, items: Sequence) -> None:
         """Give back the reservations among ``items`` (others are ignored). Idempotent."""

@@ -33,6 +33,8 @@ _COUNTERS = {
     "rejected_chunks": ("Chunks not stored: no tier could take them (all pinned, too large, or "
                         "room only by evicting their own prefix) or their parent chunk is "
                         "stored nowhere", False),
+    "namespace_evictions": ("Namespaces the store stopped tracking (max_namespaces reached; "
+                            "least recently used first)", False),
     "stale_index_entries": ("Indexed chunks a read could not serve (value missing, corrupt or "
                             "of the wrong shape), dropped from the index", True),
 }

@@ -143,11 +143,18 @@ def decode_preamble(buf: bytes) -> int:
 
 
 def parse_json(blob: bytes | str, what: str = "body") -> dict:
-    """Decode a JSON object. Raises ProtocolError on malformed JSON or a non-object."""
+    """Decode a JSON object (``NaN``/``Infinity`` are read as floats, as Python writes them:
+    each field's check refuses them where a number is expected).
+
+    Raises:
+        ProtocolError: malformed JSON, non-UTF-8 bytes, an integer of more than 4,300 digits
+            (Python's int/str conversion limit), nesting deeper than the recursion limit, or a
+            non-object.
+    """
     try:
         obj = json.loads(blob)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ProtocolError(f"malformed JSON in {what}: {e}") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
+        raise ProtocolError(f"malformed JSON in {what}: {str(e)[:200]}") from None
     if not isinstance(obj, dict):
         raise ProtocolError(f"{what} must be a JSON object, got {type(obj).__name__}")
     return obj
@@ -184,6 +191,9 @@ def _ns_cache_key(obj: dict) -> tuple | None:
     return key
 
 
+_LAYOUT_INTS = ("num_layers", "num_kv_heads", "head_dim", "chunk_size")
+
+
 def parse_namespace(obj: Any) -> Namespace:
     """Namespace from its ``to_dict()`` form (recent ones cached). Raises ProtocolError naming
     the problem."""
@@ -193,11 +203,18 @@ def parse_namespace(obj: Any) -> Namespace:
     ns = _NS_CACHE.get(ck) if ck is not None else None
     if ns is not None:
         return ns
+    layout = obj.get("layout")
+    if isinstance(layout, dict):  # exact ints: int() would take 2.7, "3", true or overflow
+        for name in _LAYOUT_INTS:
+            v = layout.get(name)
+            if type(v) is not int:
+                raise ProtocolError(f"bad namespace: layout.{name} must be an integer, "
+                                    f"got {str(v)[:40]!r}")
     try:
         ns = Namespace.from_dict(obj)
         ns.ns_id  # validates and caches the digest
-    except (KeyError, TypeError, ValueError) as e:
-        raise ProtocolError(f"bad namespace: {e!r}") from None
+    except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as e:
+        raise ProtocolError(f"bad namespace: {str(e)[:200]!r}") from None
     if ck is not None:
         if len(_NS_CACHE) >= _NS_CACHE_MAX:
             _NS_CACHE.clear()
@@ -205,8 +222,18 @@ def parse_namespace(obj: Any) -> Namespace:
     return ns
 
 
+#: Prefix hash bytes of each ``Namespace.hash_algo`` (``kvstore.keys``: sha256 and blake2b
+#: digests are 32 bytes, xxh3_128 16).
+PREFIX_HASH_BYTES = {"sha256": 32, "blake2b": 32, "xxh3_128": 16}
+
+
 def parse_key(ns: Namespace, value: Any) -> ChunkKey:
-    """A hex key that must belong to ``ns`` (tenant isolation: ns_id prefix must match)."""
+    """A hex key that must belong to ``ns`` (tenant isolation: ns_id prefix must match) and
+    have the prefix-hash length of ``ns.hash_algo`` (``PREFIX_HASH_BYTES``).
+
+    Raises:
+        ProtocolError: not a hex string, a key of another namespace or of another length.
+    """
     if not isinstance(value, str):
         raise ProtocolError(f"key must be a hex string, got {type(value).__name__}")
     try:
@@ -215,6 +242,10 @@ def parse_key(ns: Namespace, value: Any) -> ChunkKey:
         raise ProtocolError(f"bad key {value[:100]!r}: {e}") from None
     if key.ns_id != ns.ns_id:
         raise ProtocolError(f"key {value[:16]}... does not belong to the request's namespace")
+    want = PREFIX_HASH_BYTES[ns.hash_algo]
+    if len(key.prefix_hash) != want:  # no client of this namespace could ever name it
+        raise ProtocolError(f"key {value[:16]}... has a {len(key.prefix_hash)}-byte prefix "
+                            f"hash; namespace hash_algo {ns.hash_algo} makes {want}-byte ones")
     return key
 
 
@@ -227,7 +258,7 @@ def parse_keys(ns: Namespace, values: Any, max_keys: int) -> list[ChunkKey]:
     # fast path: every key a hex string of this namespace with the same length; decoded at once
     if values and all(v.__class__ is str for v in values):
         n = len(values[0])
-        if n in (64, 96) and all(len(v) == n for v in values):
+        if n == 2 * (16 + PREFIX_HASH_BYTES[ns.hash_algo]) and all(len(v) == n for v in values):
             try:
                 raw = bytes.fromhex("".join(values))
             except ValueError:

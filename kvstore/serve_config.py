@@ -53,6 +53,18 @@ class ServeConfig:
             capacity, at least 32 MiB; 0 = no budget. Chunks put into or sent from the CPU
             tier take none of it (direct I/O); it bounds staging: durable puts, chunks read
             from the disk tier, and puts that find the CPU tier full of pinned chunks.
+        max_connections: cap on open client connections (``kvstore.server_conns``); at the cap
+            a new connection closes the oldest idle one, or gets 503 when all are busy.
+            None = auto: the soft ``RLIMIT_NOFILE`` minus ``max(64, limit // 8)`` descriptors
+            kept for the store and 64 for a burst of accepts (256 -> 128, 1,024 -> 832);
+            0 = no cap.
+        idle_timeout_s: a connection that has not sent a complete request's headers this many
+            seconds after connecting or after its last response is closed (silent or
+            trickling clients; aiohttp's ``keepalive_timeout``).
+        max_namespaces: namespaces whose layout the store keeps checked at once
+            (``ChunkStore.register``); beyond, the least recently used is forgotten (counted
+            in ``kvstore_namespace_evictions_total``; its chunks stay, a later request
+            checks its layout again).
 
     Raises:
         ValueError: a bad size (``page_bytes`` not a positive multiple of 64), port, log level
@@ -78,6 +90,9 @@ class ServeConfig:
     request_timeout_s: float = 60.0
     max_lease_s: float = 300.0
     shutdown_timeout_s: float = 30.0
+    max_connections: int | str | None = None
+    idle_timeout_s: float = 30.0
+    max_namespaces: int = 4096
     http_parser: str = "python"
     max_inflight_bytes: int | str | None = None
 
@@ -90,8 +105,15 @@ class ServeConfig:
         else:
             object.__setattr__(self, "max_inflight_bytes", parse_size(self.max_inflight_bytes))
         for name, typ in (("port", int), ("max_batch_keys", int), ("request_timeout_s", float),
-                          ("max_lease_s", float), ("shutdown_timeout_s", float)):
+                          ("max_lease_s", float), ("shutdown_timeout_s", float),
+                          ("idle_timeout_s", float), ("max_namespaces", int)):
             object.__setattr__(self, name, typ(getattr(self, name)))
+        if self.max_connections is None or str(self.max_connections).lower() == "auto":
+            object.__setattr__(self, "max_connections", default_max_connections())
+        object.__setattr__(self, "max_connections", int(self.max_connections))
+        if self.max_connections < 0 or self.max_namespaces <= 0:
+            raise ValueError(f"max_connections must be >= 0 (0: no cap) and max_namespaces "
+                             f"> 0, got {self.max_connections} and {self.max_namespaces}")
         object.__setattr__(self, "insecure", _to_bool(self.insecure))
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
@@ -104,7 +126,7 @@ class ServeConfig:
                              f"{', '.join(sorted(POLICIES))}")
         if self.max_batch_keys <= 0 or self.max_body_bytes <= 0:
             raise ValueError("max_batch_keys and max_body_bytes must be positive")
-        for name in ("request_timeout_s", "max_lease_s"):
+        for name in ("request_timeout_s", "max_lease_s", "idle_timeout_s"):
             if not 0 < getattr(self, name) < math.inf:  # also refuses NaN
                 raise ValueError(f"{name} must be a positive number of seconds, got "
                                  f"{getattr(self, name)}")
@@ -129,7 +151,21 @@ class ServeConfig:
                 "page_bytes": self.page_bytes,
                 "device": self.device if self.gpu_bytes else "cpu",
                 "gpu_policy": self.policy, "cpu_policy": self.policy,
-                "disk_policy": self.policy}
+                "disk_policy": self.policy, "max_namespaces": self.max_namespaces}
+
+
+def default_max_connections(nofile: int | None = None) -> int:
+    """The connection cap that leaves room below the file-descriptor limit: ``nofile`` (default:
+    this process's soft ``RLIMIT_NOFILE``; unlimited counts as 65,536) minus
+    ``max(64, nofile // 8)`` descriptors kept for the store (disk tier, logs, pipes) minus 64
+    for sockets accepted but not yet counted (``kvstore.server_conns.ACCEPT_BATCH``), and at
+    least 1. E.g. 256 -> 128, 1,024 -> 832, 65,536 -> 57,280."""
+    import resource
+    if nofile is None:
+        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if nofile == resource.RLIM_INFINITY or nofile <= 0:
+        nofile = 65536
+    return max(1, nofile - max(64, nofile // 8) - 64)
 
 
 def is_loopback(host: str) -> bool:

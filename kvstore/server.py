@@ -48,6 +48,7 @@ from kvstore import protocol as P
 from kvstore.api import KVStoreBase
 # re-exported: kvstore.server stays the public import path of these
 from kvstore.server_budget import BufferPool, ByteBudget  # noqa: F401
+from kvstore.server_conns import ConnectionGuard
 from kvstore.server_payload import can_persist, get, persist, put  # noqa: F401
 from kvstore.server_run import ThreadedServer, serve_until_signal, set_ready  # noqa: F401
 from kvstore.server_state import (READ_BUFSIZE, STATE_KEY, STORE_KEY, TENANT_KEY,  # noqa: F401
@@ -80,9 +81,11 @@ async def _middleware(request: web.Request, handler) -> web.StreamResponse:
     t0 = time.perf_counter()
     state.in_flight.inc()
     state.active += 1
+    conn = state.conns.begin(request)  # the connection is busy: never evicted as idle
     try:
         resp = await _guarded(request, handler, state)
     finally:
+        state.conns.end(conn)
         state.in_flight.dec()
         state.active -= 1
     state.requests.labels(route, str(resp.status)).inc()
@@ -98,6 +101,12 @@ async def _guarded(request: web.Request, handler, state: _ServerState) -> web.St
         if tenant is None:
             return _json_error("missing or wrong bearer token", 401)
     request[TENANT_KEY] = tenant
+    te = request.headers.get("Transfer-Encoding")
+    if te is not None and te.strip().lower() != "chunked":  # RFC 9112 6.1: unknown coding
+        resp = _json_error(f"Transfer-Encoding {te[:64]!r} is not implemented (only chunked)",
+                           501)
+        resp.force_close()  # the body's framing is unknown: the connection cannot be reused
+        return resp
     try:
         P.check_version(request.headers.get(P.VERSION_HEADER))
         async with asyncio.timeout(limits.request_timeout_s):
@@ -113,7 +122,8 @@ async def _guarded(request: web.Request, handler, state: _ServerState) -> web.St
     except TimeoutError:
         return _json_error(f"request exceeded {limits.request_timeout_s} s", 504)
     except (ConnectionResetError, asyncio.IncompleteReadError) as e:
-        log.info("client went away mid-request on %s: %r", request.path, e)
+        state.conns.client_errors.labels("disconnect").inc()
+        log.debug("client went away mid-request on %s: %r", request.path, e)
         return _json_error(f"client went away: {e!r}", 400)
     except Exception as e:  # noqa: BLE001 - the server stays up; the error goes to the client
         log.exception("internal error on %s", request.path)
@@ -242,6 +252,8 @@ def create_app(store: KVStoreBase, limits: ServerLimits | None = None,
     state.direct = all(callable(getattr(store, m, None)) for m in
                        ("reserve_chunks", "commit_chunks", "release_reservations", "borrow_chunks"))
     app[STATE_KEY] = state
+    #: connection cap, idle timeout and client-error counters (set up by the runner)
+    state.conns = ConnectionGuard(state.registry)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)

@@ -8,6 +8,9 @@ from typing import Any
 
 from aiohttp import web
 
+from kvstore.server_conns import (DEFAULT_IDLE_TIMEOUT_S, ConnectionGuard, GuardedTCPSite,
+                                  default_max_connections)
+
 log = logging.getLogger("kvstore.server")
 
 
@@ -21,22 +24,42 @@ def set_ready(app: web.Application, ready: bool) -> None:
     app[_state_key()].ready = ready
 
 
+def _guard(app: web.Application, max_connections: int | None,
+           idle_timeout_s: float | None) -> ConnectionGuard:
+    """The app's ``ConnectionGuard`` set to a cap (None: ``default_max_connections()``, 0: no
+    cap) and an idle timeout (None: aiohttp's default)."""
+    guard: ConnectionGuard = app[_state_key()].conns
+    guard.max_connections = default_max_connections() if max_connections is None \
+        else max_connections
+    guard.idle_timeout_s = idle_timeout_s
+    guard.install_accept_log(asyncio.get_running_loop())
+    return guard
+
+
 async def serve_until_signal(app: web.Application, host: str, port: int, *,
-                             shutdown_timeout_s: float = 30.0, on_listen=None) -> None:
+                             shutdown_timeout_s: float = 30.0, on_listen=None,
+                             max_connections: int | None = None,
+                             idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S) -> None:
     """Serve ``app`` until SIGTERM/SIGINT, then drain: /readyz turns 503, the listening socket
     closes (no new connections), in-flight requests finish (up to ``shutdown_timeout_s``), and
     the app's cleanup runs. The caller closes (flushes) the store afterwards.
 
     Args:
         on_listen: called with the bound ``(host, port)`` once listening (port 0 resolves).
+        max_connections: cap on open connections (``kvstore.server_conns``; None: derived from
+            ``RLIMIT_NOFILE``, 0: no cap).
+        idle_timeout_s: a connection without a complete request's headers this many seconds
+            after connecting or after its last response is closed (None: aiohttp's default).
     """
     import signal
+    guard = _guard(app, max_connections, idle_timeout_s)
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=shutdown_timeout_s,
-                           access_log=None)
+                           access_log=None, **guard.runner_kwargs())
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
+    site = GuardedTCPSite(runner, host, port, guard, reuse_address=True)
     await site.start()
     bound = site._server.sockets[0].getsockname()[:2]  # type: ignore[union-attr]
+    log.info("connection cap %d, idle timeout %s s", guard.max_connections, idle_timeout_s)
     if on_listen is not None:
         on_listen(bound)
     stop = asyncio.Event()
@@ -65,21 +88,26 @@ class ThreadedServer:
     closed on stop (the caller owns it).
     """
 
-    def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0, *,
+                 max_connections: int = 0, idle_timeout_s: float | None = None):
+        """``max_connections`` and ``idle_timeout_s`` as ``serve_until_signal`` (defaults
+        here: no cap, aiohttp's idle timeout)."""
         import threading
         self.app = app
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-server",
                                         daemon=True)
         self._thread.start()
-        self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=5,
-                                     access_log=None)
         self.host, self.port = asyncio.run_coroutine_threadsafe(
-            self._start(host, port), self._loop).result(30)
+            self._start(host, port, max_connections, idle_timeout_s), self._loop).result(30)
 
-    async def _start(self, host: str, port: int):
+    async def _start(self, host: str, port: int, max_connections: int,
+                     idle_timeout_s: float | None):
+        guard = _guard(self.app, max_connections, idle_timeout_s)
+        self._runner = web.AppRunner(self.app, handle_signals=False, shutdown_timeout=5,
+                                     access_log=None, **guard.runner_kwargs())
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
+        site = GuardedTCPSite(self._runner, host, port, guard)
         await site.start()
         return site._server.sockets[0].getsockname()[:2]  # type: ignore[union-attr]
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from typing import Sequence
 
 import torch
@@ -87,7 +88,10 @@ class ChunkStore(DirectIO, KVStoreBase):
         self._reserved: dict[ChunkKey, ChunkKey | None] = {}
         self._mover = TierMover(self.tiers, self.metrics, self._pins.evictable, self._doomed,
                                 self._reserved)
-        self._layouts: dict[bytes, KVLayout] = {}
+        #: layouts of the namespaces checked by ``register``, least recently used first
+        #: (at most ``config.max_namespaces``)
+        self._layouts: OrderedDict[bytes, KVLayout] = OrderedDict()
+        self._layouts_lock = threading.Lock()
         for i, t in enumerate(self.tiers):
             t.listener = self._on_tier_event
             # a tier evicting on its own (the disk tier when lmdb's map is full) may take only
@@ -103,14 +107,34 @@ class ChunkStore(DirectIO, KVStoreBase):
 
     # ---- helpers ------------------------------------------------------------------------------
     def register(self, ns: Namespace) -> None:
-        """Check ``ns``'s chunk size against every tier (done on first use otherwise).
+        """Check ``ns``'s chunk size against every tier (done on first use otherwise). The
+        store remembers the last ``config.max_namespaces`` namespaces checked; the least
+        recently used beyond are forgotten (counted in ``namespace_evictions``), so requests
+        naming ever new namespaces hold a bounded amount of memory. Forgetting loses nothing:
+        the next call checks the layout again.
 
         Raises:
             ValueError: a tier smaller than one chunk.
         """
-        if ns.ns_id not in self._layouts:
-            self.config.check_layout(ns.layout)
-            self._layouts[ns.ns_id] = ns.layout
+        layouts, ns_id = self._layouts, ns.ns_id
+        try:
+            layouts.move_to_end(ns_id)  # known: now the most recently used
+            return
+        except KeyError:
+            pass
+        self.config.check_layout(ns.layout)
+        evicted = 0
+        with self._layouts_lock:
+            layouts[ns_id] = ns.layout
+            while len(layouts) > self.config.max_namespaces:
+                layouts.popitem(last=False)
+                evicted += 1
+        self.metrics.inc("namespace_evictions", evicted)
+
+    @property
+    def num_namespaces(self) -> int:
+        """Namespaces remembered by ``register`` now (at most ``config.max_namespaces``)."""
+        return len(self._layouts)
 
     def _check_parents(self, ns: Namespace, keys: Sequence[ChunkKey],
                        parents: Sequence[ChunkKey | None] | None) -> list[ChunkKey | None]:
@@ -161,10 +185,10 @@ class ChunkStore(DirectIO, KVStoreBase):
                 return t
         return None
 
-    def _commit_reserved(self, res: Reservation, key: ChunkKey, parent: ChunkKey | None) -> bool:
-        """Make a filled reservation the chunk ``key`` (in place). False if the reservation
-        was released already (e.g. the store was closed)."""
-        layout = self._layouts[key.ns_id]
+    def _commit_reserved(self, res: Reservation, key: ChunkKey, parent: ChunkKey | None,
+                         layout: KVLayout) -> bool:
+        """Make a filled reservation the chunk ``key`` of ``layout`` (in place). False if the
+        reservation was released already (e.g. the store was closed)."""
         try:
             res.tier.commit(key, res.pages, layout.shape(), layout.torch_dtype, parent)
         except KeyError:
@@ -324,10 +348,10 @@ class ChunkStore(DirectIO, KVStoreBase):
         parents = self._check_parents(ns, keys, parents)
         for kv in kvs:
             ns.layout.validate(kv)
-        return self._place(keys, kvs, parents)
+        return self._place(keys, kvs, parents, ns.layout)
 
     def _place(self, keys: Sequence[ChunkKey], items: Sequence,
-               parents: Sequence[ChunkKey | None]) -> int:
+               parents: Sequence[ChunkKey | None], layout: KVLayout) -> int:
         """Store ``items[i]`` (a tensor, or a filled ``Reservation``) as ``keys[i]`` with the
         parent ``parents[i]``, in order. A key already stored (or removed while pinned and put
         again) keeps its value and its reservation is released; a key whose parent is stored
@@ -352,7 +376,7 @@ class ChunkStore(DirectIO, KVStoreBase):
                     if res is not None:
                         self._end_reservation(res)
                 elif res is not None:
-                    ok = self._commit_reserved(res, key, parent)
+                    ok = self._commit_reserved(res, key, parent, layout)
                 else:
                     ok = any(self._mover.insert(j, key, item, parent)
                              for j in range(len(self.tiers)))
@@ -495,7 +519,8 @@ class ChunkStore(DirectIO, KVStoreBase):
                               "policy": t.policy_name} for t in self.tiers}
             out = {"tiers": tiers, "num_pinned_chunks": len(self._pins.pinned_keys()),
                    "num_removed_pinned_chunks": len(self._doomed),
-                   "unreachable_bytes": self.unreachable_bytes()}
+                   "unreachable_bytes": self.unreachable_bytes(),
+                   "num_namespaces": self.num_namespaces}
         out.update(self.metrics.snapshot())
         return out
 
