@@ -156,3 +156,13 @@ def test_a_lookup_hit_that_a_read_cannot_serve_leaves_the_index(tmp_path, fault)
     store = disk_store(tmp_path)  # and after a restart
     assert store.exists(NS, KEYS[:3]) == [True, False, True]
     store.close()
+
+
+def test_an_engine_connector_on_a_disk_path_in_use_is_a_clear_flag_error(tmp_path):
+    from connectors.factory import create_connector
+    first = create_connector(disk_path=str(tmp_path), disk_bytes="1MiB")
+    with pytest.raises(ValueError, match=f"in use by process {os.getpid()}") as err:
+        create_connector(disk_path=str(tmp_path), disk_bytes="1MiB")
+    assert str(tmp_path) in str(err.value)
+    first.close()
+    create_connector(disk_path=str(tmp_path), disk_bytes="1MiB").close()

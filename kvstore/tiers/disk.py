@@ -65,8 +65,8 @@ class DiskTier(Tier):
 
     Raises:
         ValueError: capacity <= 0. lmdb.Error: the environment cannot be opened.
-        DiskPathInUse (an ``OSError``): another open disk tier holds ``path`` (the message
-            names the path and the holder's pid).
+        DiskPathInUse (an ``OSError`` and a ``ValueError``): another open disk tier holds
+            ``path`` (the message names the path and the holder's pid).
     """
 
     def __init__(self, path: str, capacity_bytes: int, policy_name: str = "lru",

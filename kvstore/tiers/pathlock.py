@@ -21,8 +21,10 @@ import os
 LOCK_NAME = "kvstore.lock"
 
 
-class DiskPathInUse(OSError):
-    """The disk path is held by another open disk tier (another process, or this one).
+class DiskPathInUse(OSError, ValueError):
+    """The disk path is held by another open disk tier (another process, or this one). An
+    ``OSError`` and a ``ValueError``, so that command lines reporting either as a bad flag
+    (``kvstore serve``, ``engine_min serve --kvstore-disk-path``) name the path and holder.
 
     Attributes:
         path: the disk tier's directory.
