@@ -68,7 +68,7 @@ from connectors.engine_min_load import LoadWorker, _borrower, _Piece
 from connectors.save_queue import SaveQueue
 from kernels import ops
 from kvstore.api import KVStoreBase, chain_parents
-from kvstore.keys import ChunkKey, Namespace, chain_hashes
+from kvstore.keys import IDENTITY_FIELDS, ChunkKey, Namespace, chain_hashes
 from kvstore.layout import KVLayout
 
 log = logging.getLogger("connectors.engine_min")
@@ -114,8 +114,9 @@ class EngineMinConnector(LoadWorker, KVConnectorBase):
             ``close()`` when ``owns_store``.
         chunk_size: tokens per store chunk; a multiple of the engine's block size (checked at
             ``register_kv_caches``).
-        model_id: model identity in the chunk-key namespace.
-        revision: weights revision in the namespace.
+        model_id: model identity in the chunk-key namespace; None (default) = the engine's
+            (``register_model``), else ``DEFAULT_MODEL_ID``.
+        revision: weights revision in the namespace; None (default) = the engine's, else "".
         cache_salt: tenant salt (different salts never share chunks).
         hash_algo: chunk-key hash (``kvstore.keys.HASH_ALGOS``).
         deadline_s: longest wait for one lookup, and base wait for one step's loads (seconds).
@@ -135,7 +136,8 @@ class EngineMinConnector(LoadWorker, KVConnectorBase):
     """
 
     def __init__(self, store: KVStoreBase, *, chunk_size: int = 256,
-                 model_id: str = DEFAULT_MODEL_ID, revision: str = "", cache_salt: str = "",
+                 model_id: str | None = None, revision: str | None = None,
+                 cache_salt: str = "",
                  hash_algo: str = "sha256", deadline_s: float = 0.5,
                  deadline_s_per_chunk: float = 0.05, save_queue_bytes: int = 512 << 20,
                  save_generated: bool = True, owns_store: bool = True,
@@ -160,6 +162,7 @@ class EngineMinConnector(LoadWorker, KVConnectorBase):
         self.owns_store = owns_store
         self.tail_chunk_size = tail_chunk_size
         self.tail_ns: Namespace | None = None
+        self.model_identity: dict[str, str] = {}
         # a ChunkStore lends views of its host-memory pages: loads scatter from them directly
         self._borrow = _borrower(store)
         # a daemon client reports the daemon's tier names: shown as "remote:<tier>"
@@ -224,6 +227,20 @@ class EngineMinConnector(LoadWorker, KVConnectorBase):
                                "(pass the connector to LLMEngine)")
 
     # ---- worker side: binding -----------------------------------------------------------------
+    def register_model(self, identity: dict[str, str]) -> None:
+        """What the engine loaded that changes the KV of the same token ids (its
+        ``kv_identity``: ``model_id``, ``revision``, ``weights_fingerprint``, ``compute_dtype``,
+        ``rope``, ``quantization``, ``kv_quantization``, ``adapter``; strings): goes into the
+        namespace that ``register_kv_caches`` builds. Called by the engine before it."""
+        self.model_identity = dict(identity)
+
+    def _namespace(self, layout: KVLayout) -> Namespace:
+        ident = self.model_identity
+        model_id = self.model_id or ident.get("model_id") or DEFAULT_MODEL_ID
+        revision = self.revision if self.revision is not None else ident.get("revision", "")
+        return Namespace(model_id, layout, revision, self.cache_salt, self.hash_algo,
+                         **{f: str(ident.get(f) or "") for f in IDENTITY_FIELDS})
+
     def register_kv_caches(self, kv_cache: torch.Tensor, block_size: int) -> None:
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2 or kv_cache.shape[3] != block_size:
             raise ValueError(f"kv_cache must be [num_layers, 2, num_blocks, block_size="
@@ -235,7 +252,8 @@ class EngineMinConnector(LoadWorker, KVConnectorBase):
         layout = KVLayout(num_layers=int(kv_cache.shape[0]), num_kv_heads=int(kv_cache.shape[4]),
                           head_dim=int(kv_cache.shape[5]), dtype=kv_cache.dtype,
                           chunk_size=self.chunk_size)
-        self.ns = Namespace(self.model_id, layout, self.revision, self.cache_salt, self.hash_algo)
+        self.ns = self._namespace(layout)
+        log.info("kvstore namespace: %s", self.ns.describe())
         self.tail_ns = None
         if self.tail_chunk_size:   # connectors.vllm's tail namespace: chunk size F, rest equal
             self.tail_ns = dataclasses.replace(self.ns, layout=dataclasses.replace(
@@ -465,7 +483,8 @@ class EngineMinConnector(LoadWorker, KVConnectorBase):
         out = {"external_prefix_cache_queries": c["queried_tokens"],
                "external_prefix_cache_hits": c["hit_tokens"],
                "kvstore_hit_tokens_by_tier": tiers,
-               "kvstore_save_queue_bytes": self._saves.queued_bytes}
+               "kvstore_save_queue_bytes": self._saves.queued_bytes,
+               "store_namespace": None if self.ns is None else self.ns.to_dict()}
         out.update({f"kvstore_{k}": v for k, v in c.items()})
         for d in lat.values():
             out.update(d)

@@ -20,7 +20,7 @@ import logging
 from typing import Any
 from urllib.parse import urlsplit
 
-from connectors.engine_min import DEFAULT_MODEL_ID, EngineMinConnector
+from connectors.engine_min import EngineMinConnector
 from connectors.layered_store import CircuitBreakerStore, LayeredStore
 
 log = logging.getLogger("kvstore.connectors.factory")
@@ -52,7 +52,7 @@ SAVE_TIMEOUT_S = 30.0
 def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None = None,
                      disk_bytes: int | str | None = None, url: str | None = None,
                      chunk_size: int = 256, deadline_s: float = 0.5, *,
-                     model_id: str = DEFAULT_MODEL_ID, revision: str = "",
+                     model_id: str | None = None, revision: str | None = None,
                      auth_token: str | None = None, save_generated: bool = True,
                      tail_chunk_size: int = 0,
                      **connector_kwargs: Any) -> EngineMinConnector:
@@ -66,7 +66,10 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
         chunk_size: tokens per chunk (a multiple of the engine's block size).
         deadline_s: longest wait of a lookup and base wait of a step's loads; also the client's
             per-call timeout for the daemon.
-        model_id, revision: chunk-key namespace identity.
+        model_id, revision: chunk-key namespace names; None (default) = the engine's own
+            (its ``kv_identity``: the model's metadata name, or its ``--model-id`` /
+            ``--model-revision``). The namespace always holds the engine's weights
+            fingerprint, dtype and RoPE too (``EngineMinConnector.register_model``).
         auth_token: daemon bearer token. A tenant's token (``kvstore serve --tenants-file``)
             binds the connector to its tenant's salt: the daemon is asked for it once here
             (``GET /v1/whoami``, see ``daemon_tenant_salt``) and every namespace carries it

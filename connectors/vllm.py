@@ -15,11 +15,12 @@ Use (a vLLM ``KVTransferConfig``)::
   worker-side connectors of one process (the uni-process executor); with several worker
   processes use the daemon.
 * ``cpu_bytes`` (default ``"1GiB"``), ``disk_bytes``, ``disk_path``: in-process tiers.
-* ``model_id`` (default: vLLM's served model name), ``revision``, ``chunk_size`` (default 256),
-  ``hash_algo``: the chunk-key namespace (``kvstore.keys.Namespace``). Keys equal engine_min's
-  for the same model id, revision and KV layout, so both engines share chunks only when the
-  layouts (layers, KV heads, head_dim, dtype, chunk size) match; otherwise they are namespaced
-  apart. A request's ``cache_salt`` becomes the namespace's salt.
+* ``model_id`` (default: vLLM's served model name), ``revision``, ``weights_fingerprint``
+  (``"auto"``, ``"off"`` or a given string), ``chunk_size`` (default 256), ``hash_algo``: the
+  chunk-key namespace (``kvstore.keys.Namespace``), which also holds everything else in vLLM's
+  config that changes the KV of the same tokens (the weights' content fingerprint, dtype, RoPE,
+  weight and KV-cache quantization, a request's LoRA adapter; ``connectors.vllm_identity``).
+  A request's ``cache_salt`` becomes the namespace's salt.
 * ``auth_token``: the daemon's bearer token. A tenant's token (``kvstore serve --tenants-file``)
   binds every namespace to the tenant's salt, which the connector asks the daemon for once
   (``GET /v1/whoami``); a request's ``cache_salt`` then becomes the sub-salt
@@ -80,6 +81,7 @@ from kvstore.keys import ChunkKey, Namespace
 from kvstore.layout import KVLayout
 from kvstore.tenants import bind_salt
 
+from connectors.vllm_identity import adapter_identity, request_namespace, vllm_namespace
 from connectors.vllm_layout import PagedLayout, derive_paged_layout  # noqa: F401 (public here too)
 
 if TYPE_CHECKING:
@@ -239,12 +241,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         chunk_size = int(extra.get("chunk_size", 256))
         self.layout = KVLayout(len(self._layer_names), int(spec.num_kv_heads),
                                int(spec.head_size), spec.dtype, chunk_size)
-        model_id = str(extra.get("model_id") or vllm_config.model_config.served_model_name
-                       or vllm_config.model_config.model)
-        self._ns_base = Namespace(model_id=model_id, layout=self.layout,
-                                  revision=str(extra.get("revision", "")),
-                                  hash_algo=str(extra.get("hash_algo", "sha256")))
-        self._ns_cache: dict[str, Namespace] = {"": self._ns_base}
+        self._ns_base = vllm_namespace(vllm_config, self.layout, extra)
+        if role == KVConnectorRole.SCHEDULER:
+            log.info("kvstore namespace: %s", self._ns_base.describe())
+        self._ns_cache: dict[tuple, Namespace] = {("", ""): self._ns_base}
         tail = extra.get("tail_chunk_size")
         if tail is None:
             bs = self._block_size
@@ -254,7 +254,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             raise ValueError(f"tail_chunk_size {tail} must divide chunk_size {chunk_size} "
                              f"and be smaller (0 disables tail pieces)")
         self.tail_chunk_size = tail
-        self._tail_ns_cache: dict[str, Namespace] = {}
+        self._tail_ns_cache: dict[bytes, Namespace] = {}
         self.timeout_s = float(extra.get("timeout_s", 2.0))
         self.pin_lease_s = float(extra.get("pin_lease_s", 30.0))
         self._remote = bool(extra.get("kvstore_url"))
@@ -311,12 +311,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         return out
 
     def _ns(self, request: Any) -> Namespace:
+        """The request's namespace: the base one with its ``cache_salt`` and LoRA adapter."""
         salt = bind_salt(self._tenant_salt, getattr(request, "cache_salt", None) or "")
-        ns = self._ns_cache.get(salt)
+        lora = getattr(request, "lora_request", None)
+        ck = (salt, adapter_identity(lora)) if lora is not None else (salt, "")
+        ns = self._ns_cache.get(ck)
         if ns is None:
-            b = self._ns_base
-            ns = Namespace(b.model_id, b.layout, b.revision, salt, b.hash_algo)
-            self._ns_cache[salt] = ns
+            ns = self._ns_cache[ck] = request_namespace(self._ns_base, salt, lora)
         return ns
 
     def _tail_ns(self, ns: Namespace) -> Namespace | None:
@@ -324,11 +325,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         same salt), or None when tail pieces are off."""
         if not self.tail_chunk_size:
             return None
-        t = self._tail_ns_cache.get(ns.cache_salt)
+        t = self._tail_ns_cache.get(ns.ns_id)
         if t is None:
             lay = dataclasses.replace(ns.layout, chunk_size=self.tail_chunk_size)
             t = dataclasses.replace(ns, layout=lay)
-            self._tail_ns_cache[ns.cache_salt] = t
+            self._tail_ns_cache[ns.ns_id] = t
         return t
 
     def _call(self, fn, *args):

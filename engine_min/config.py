@@ -36,6 +36,14 @@ class EngineConfig:
         max_model_len: longest prompt + output in tokens; None = the model's context length.
         enable_prefix_caching: reuse full KV blocks across requests by chained block hash.
         seed: seed of the sampler's generator for requests without their own seed.
+        model_id: the model's name in the KV identity (a KV store's namespace); None = read
+            from the model's metadata (``engine_min.identity.model_name``).
+        model_revision: the weights revision in the KV identity; None = from the model path
+            (a hub cache snapshot's commit) or ``""``.
+        weights_fingerprint: put the fingerprint of the loaded weights' content in the KV
+            identity (default). False: only ``model_id``/``model_revision`` name the weights,
+            and whoever sets it vouches that every engine sharing those names loads the same
+            weights (else a store can change answers).
 
     Raises:
         ValueError: a non-positive size or an unknown dtype.
@@ -50,9 +58,16 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
+    model_id: str | None = None
+    model_revision: str | None = None
+    weights_fingerprint: bool = True
 
     def __post_init__(self) -> None:
         torch_dtype(self.dtype)
+        if self.model_id is not None and not (isinstance(self.model_id, str) and
+                                              self.model_id.strip()):
+            raise ValueError(f"EngineConfig.model_id must be a non-empty string, got "
+                             f"{self.model_id!r}")
         for name in ("block_size", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:

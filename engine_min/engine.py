@@ -11,6 +11,7 @@ import torch
 
 from engine_min.block_manager import BlockManager
 from engine_min.config import EngineConfig
+from engine_min.identity import load_identity
 from engine_min.model import LlamaModel
 from engine_min.model_runner import ModelRunner
 from engine_min.sampler import Sampler, SamplingParams
@@ -32,6 +33,8 @@ class LLMEngine:
         model_config: ModelConfig (num_layers, num_kv_heads, head_dim, max_position, ...).
         kv_cache: the KV pool ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
         max_model_len: longest prompt + output (model context, config cap and pool size).
+        kv_identity: what changes the KV of the same token ids (model id, revision, weights
+            fingerprint, dtype, RoPE...; ``engine_min.identity.kv_identity``), strings.
 
     Raises:
         ModelLoadError: the model cannot be found or is unsupported.
@@ -45,6 +48,7 @@ class LLMEngine:
         reader = open_gguf(self.model_path) if gguf else None
         self.model_config, sd = load_model(self.model_path, reader)  # GGUF header parsed once
         self.tokenizer = load_tokenizer(self.model_path, reader)
+        self.kv_identity = load_identity(self.model_path, reader, config, self.model_config)
         del reader
         self.model = LlamaModel(self.model_config, sd, config.torch_dtype)
         del sd
@@ -80,6 +84,7 @@ class LLMEngine:
     def set_connector(self, connector) -> None:
         """Attach a KV connector (or detach with None) at all three seams: engine (stats),
         scheduler (admission) and model runner (load / save), and bind it to the KV pool with
+        ``connector.register_model(kv_identity)`` (when it has it) and
         ``connector.register_kv_caches(kv_cache, block_size)``.
 
         Raises:
@@ -91,6 +96,9 @@ class LLMEngine:
                                "finish or abort them first")
         self.connector = self.scheduler.connector = self.runner.connector = connector
         if connector is not None and hasattr(connector, "register_kv_caches"):
+            register_model = getattr(connector, "register_model", None)
+            if register_model is not None:  # what changes the KV: the store's namespace
+                register_model(self.kv_identity)
             connector.register_kv_caches(self.kv_cache, self.config.block_size)
 
     def reset_prefix_cache(self) -> bool:

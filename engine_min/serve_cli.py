@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -26,11 +25,24 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
-    g.add_argument("--served-model-name", default=None,
-                   help="model name in the API (default: the model file's stem)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model name(s) in the API, as vLLM's: responses report the first, "
+                   "requests may name any (default: the model's id, from its metadata or "
+                   "--model-id)")
     e = parser.add_argument_group("engine")
     e.add_argument("--model", default=None,
                    help="GGUF file or safetensors folder (default: embedded SmolLM2-135M)")
+    e.add_argument("--model-id", default=None, metavar="ID",
+                   help="the model's name in the KV store namespace and the default served "
+                   "name (default: from the model's metadata, e.g. "
+                   "HuggingFaceTB/SmolLM2-135M-Instruct for the embedded GGUF)")
+    e.add_argument("--model-revision", default=None, metavar="REV",
+                   help="weights revision in the KV store namespace (default: a hub "
+                   "snapshot's commit, else empty)")
+    e.add_argument("--no-weights-fingerprint", action="store_true",
+                   help="leave the weights' content fingerprint out of the KV store "
+                   "namespace: engines then share chunks by --model-id/--model-revision "
+                   "alone, and whoever sets this vouches that they load the same weights")
     e.add_argument("--dtype", default=None, help="float32 (default), float16 or bfloat16")
     e.add_argument("--kv-cache-bytes", type=parse_size, default=None, metavar="SIZE",
                    help="bytes of the engine's KV block pool")
@@ -101,21 +113,40 @@ def build_engine(args: argparse.Namespace, connector: Any | None = None) -> Any:
 
     kw = {"model": args.model, "dtype": args.dtype, "kv_cache_bytes": args.kv_cache_bytes,
           "block_size": args.block_size, "max_num_batched_tokens": args.max_num_batched_tokens,
-          "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len}
+          "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
+          "model_id": getattr(args, "model_id", None),
+          "model_revision": getattr(args, "model_revision", None)}
     kw = {k: v for k, v in kw.items() if v is not None}
     if args.no_prefix_caching:
         kw["enable_prefix_caching"] = False
+    if getattr(args, "no_weights_fingerprint", False):
+        kw["weights_fingerprint"] = False
     return LLMEngine(EngineConfig(**kw), connector=connector)
 
 
-def served_model_name(args: argparse.Namespace) -> str:
-    """``--served-model-name``, else the stem of the model file (or folder) name."""
-    if args.served_model_name:
-        return args.served_model_name
-    if args.model:
-        return Path(args.model.rstrip("/")).stem
-    from engine_min.weights import default_model_path
-    return Path(default_model_path()).stem
+def served_model_names(args: argparse.Namespace, engine: Any) -> list[str]:
+    """``--served-model-name`` (one or more; the first is reported in responses), else the
+    engine's model id (``engine.kv_identity["model_id"]``: ``--model-id`` or the model's
+    metadata name, e.g. ``HuggingFaceTB/SmolLM2-135M-Instruct``).
+
+    Raises:
+        ValueError: an empty name.
+    """
+    names = list(args.served_model_name or [engine.kv_identity["model_id"]])
+    if any(not n.strip() for n in names):
+        raise ValueError(f"--served-model-name: empty name in {names}")
+    return list(dict.fromkeys(names))  # duplicates dropped, order kept
+
+
+def log_identity(engine: Any, names: list[str]) -> None:
+    """Log what the engine serves and, with a store, the namespace its chunks live in."""
+    ident = engine.kv_identity
+    logger.info("model %s (revision %s, weights %s), served as %s", ident["model_id"],
+                ident["revision"] or "-", ident["weights_fingerprint"] or "not fingerprinted",
+                ", ".join(names))
+    ns = getattr(engine.connector, "ns", None)
+    if ns is not None:
+        logger.info("kvstore namespace %s: %s", ns.ns_id.hex(), ns.to_dict())
 
 
 def serve_main(args: argparse.Namespace) -> None:
@@ -129,10 +160,12 @@ def serve_main(args: argparse.Namespace) -> None:
     connector = build_connector(args)
     try:
         engine = build_engine(args, connector)
-        name = served_model_name(args)
+        names = served_model_names(args, engine)
     except ValueError as exc:  # ModelLoadError is a ValueError; so are bad engine sizes
         raise SystemExit(f"error: {exc}") from exc
-    app = create_app(engine, name)
+    log_identity(engine, names)
+    name = names[0]
+    app = create_app(engine, names)
     max_len = app[SERVING_KEY].max_model_len
 
     def started(text: str) -> None:  # aiohttp's banner, with the bound port (also for --port 0)

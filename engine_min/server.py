@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from aiohttp import web
 from jinja2 import TemplateError
@@ -78,15 +78,21 @@ class OpenAIServing:
 
     Args:
         engine_loop: the ``EngineLoop`` owning the engine.
-        model_name: the name ``/v1/models`` lists and requests must use (or omit).
+        model_name: the served name, or several (as vLLM's ``--served-model-name``):
+            ``/v1/models`` lists each, a request may name any (or omit it), responses report
+            the first.
         max_model_len: prompt + completion limit in tokens.
     """
 
-    def __init__(self, engine_loop: EngineLoop, model_name: str, max_model_len: int):
+    def __init__(self, engine_loop: EngineLoop, model_name: str | Sequence[str],
+                 max_model_len: int):
         self.engine_loop = engine_loop
         self.engine = engine_loop.engine
         self.tokenizer = self.engine.tokenizer
-        self.model_name = model_name
+        self.model_names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+        if not self.model_names:
+            raise ValueError("at least one served model name is needed")
+        self.model_name = self.model_names[0]
         self.max_model_len = max_model_len
         self.vocab_size = self.engine.model_config.vocab_size
         self.created = int(time.time())
@@ -129,7 +135,7 @@ class OpenAIServing:
     def check_model(self, model: str | None) -> None:
         """Refuse (404 ``model_not_found``) a request naming a model this server does not
         serve; ``None`` (no ``model`` field) means the served one."""
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise proto.ApiError(f"The model `{model}` does not exist.", param="model",
                                  code="model_not_found", status=404)
 
@@ -277,9 +283,9 @@ class OpenAIServing:
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.created,
+            "id": name, "object": "model", "created": self.created,
             "owned_by": "engine_min", "root": self.model_name,
-            "max_model_len": self.max_model_len}]})
+            "max_model_len": self.max_model_len} for name in self.model_names]})
 
     async def health(self, request: web.Request) -> web.Response:
         if not self.engine_loop.alive:
@@ -304,13 +310,15 @@ def model_max_len(engine: Any) -> int:
     return int(engine.max_model_len)
 
 
-def create_app(engine: Any, model_name: str, max_model_len: int | None = None) -> web.Application:
+def create_app(engine: Any, model_name: str | Sequence[str],
+               max_model_len: int | None = None) -> web.Application:
     """An aiohttp app serving ``engine``; the engine thread starts and stops with the app.
 
     Args:
         engine: an ``LLMEngine`` (or anything with its surface); the app's engine thread becomes
             its only caller.
-        model_name: the served model name.
+        model_name: the served model name, or several (the first is reported; any is
+            accepted in a request's ``model``).
         max_model_len: prompt + completion limit; default ``model_max_len(engine)``.
     """
     engine_loop = EngineLoop(engine, ServerMetrics())

@@ -78,18 +78,58 @@ def chain_hashes(seed: bytes, tokens: Sequence[int] | np.ndarray, unit: int,
     return out
 
 
+#: Namespace fields that name what besides the model id and KV layout changes a token's KV;
+#: left out of ``to_dict`` (so of the digest) while empty: a namespace without them keeps the
+#: keys it had before these fields existed.
+IDENTITY_FIELDS = ("weights_fingerprint", "compute_dtype", "rope", "quantization",
+                   "kv_quantization", "adapter")
+
+
+def canonical_json(value) -> str:
+    """``value`` as compact JSON with sorted keys (``""`` for None/empty), the form every
+    process writes the same way; a str is taken as already canonical.
+
+    Raises:
+        TypeError: a value JSON cannot encode.
+    """
+    if value is None or value == {} or value == "":
+        return ""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
 @dataclass(frozen=True)
 class Namespace:
     """What a chunk's KV depends on besides its tokens.
 
-    Two namespaces with any field different never share a key.
+    Two namespaces with any field different never share a key. A connector fills every field
+    that changes the KV of the same token ids from what its engine actually loaded (see
+    ``connectors.engine_min`` and ``connectors.vllm``); the user names nothing by default.
 
     Attributes:
         model_id: model name or path-independent identity (e.g. ``"HuggingFaceTB/SmolLM2-135M-Instruct"``).
-        revision: weights revision (a file digest or tag).
-        layout: KV layout (layers, heads, head_dim, dtype, chunk_size).
+        layout: KV layout (layers, heads, head_dim, KV dtype, chunk_size).
+        revision: weights revision (a tag or commit), ``""`` when not named.
         cache_salt: optional tenant salt; tenants with different salts never share chunks.
         hash_algo: ``"sha256"`` (default), ``"blake2b"`` or ``"xxh3_128"``.
+        weights_fingerprint: digest of the loaded weights' content (e.g. ``"xxh3_128:<32 hex>"``,
+            ``engine_min.weights.weights_fingerprint``); ``""`` = not computed.
+        compute_dtype: dtype the model computes in, when it differs from the KV dtype or the
+            engine reports it (``"float32"``...); ``""`` = not reported.
+        rope: RoPE parameters (theta and scaling) as canonical JSON; a dict is accepted and
+            written canonically (``canonical_json``). ``""`` = not reported.
+        quantization: weight quantization method (vLLM's ``quantization``, e.g. ``"awq"``);
+            ``""`` = none (engine_min dequantizes at load; the fingerprint covers the values).
+        kv_quantization: KV cache quantization (scales / method); ``""`` = none.
+        adapter: LoRA (or other adapter) identity applied to the KV; ``""`` = none.
+
+    ``IDENTITY_FIELDS`` left empty are not part of ``to_dict`` nor the digest (namespaces
+    without them keep their keys).
+
+    Raises:
+        ValueError: an unknown ``hash_algo``.
+        TypeError: a field value that is not a string (``rope`` may be a dict).
     """
 
     model_id: str
@@ -97,25 +137,54 @@ class Namespace:
     revision: str = ""
     cache_salt: str = ""
     hash_algo: str = "sha256"
+    weights_fingerprint: str = ""
+    compute_dtype: str = ""
+    rope: str = ""
+    quantization: str = ""
+    kv_quantization: str = ""
+    adapter: str = ""
 
     def __post_init__(self) -> None:
         _hasher(self.hash_algo)  # validates
+        object.__setattr__(self, "rope", canonical_json(self.rope))
+        for name in ("model_id", "revision", "cache_salt") + IDENTITY_FIELDS:
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"Namespace.{name} must be a str, got "
+                                f"{type(getattr(self, name)).__name__}")
 
     def to_dict(self) -> dict:
-        return {"model_id": self.model_id, "revision": self.revision,
-                "layout": self.layout.to_dict(), "cache_salt": self.cache_salt,
-                "hash_algo": self.hash_algo}
+        """The wire form, JSON-able (``from_dict`` inverts it): every field, except
+        ``IDENTITY_FIELDS`` that are empty (so a namespace without them has its old form)."""
+        out = {"model_id": self.model_id, "revision": self.revision,
+               "layout": self.layout.to_dict(), "cache_salt": self.cache_salt,
+               "hash_algo": self.hash_algo}
+        out.update((f, getattr(self, f)) for f in IDENTITY_FIELDS if getattr(self, f))
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> "Namespace":
+        """Inverse of ``to_dict``; absent optional fields take their defaults.
+
+        Raises:
+            KeyError: no ``model_id`` or ``layout``. ValueError / TypeError: bad values.
+        """
+        extra = {f: str(d.get(f) or "") for f in IDENTITY_FIELDS}
         return cls(model_id=str(d["model_id"]), layout=KVLayout.from_dict(d["layout"]),
                    revision=str(d.get("revision", "")), cache_salt=str(d.get("cache_salt", "")),
-                   hash_algo=str(d.get("hash_algo", "sha256")))
+                   hash_algo=str(d.get("hash_algo", "sha256")), **extra)
+
+    def describe(self) -> str:
+        """One line for logs: model id, revision, fingerprint, KV dtype, chunk size, ns id."""
+        parts = [self.model_id, f"revision={self.revision or '-'}",
+                 f"weights={self.weights_fingerprint or '-'}", f"kv_dtype={self.layout.dtype}",
+                 f"chunk_size={self.layout.chunk_size}"]
+        parts += [f"{f}={getattr(self, f)}" for f in IDENTITY_FIELDS[1:] if getattr(self, f)]
+        return " ".join(parts) + f" ns_id={self.ns_id.hex()}"
 
     @cached_property
     def digest(self) -> bytes:
-        """32-byte seed of the hash chain (always sha256 of the canonical JSON). Cached: the
-        namespace is frozen, and lookups ask for it on every call."""
+        """32-byte seed of the hash chain (always sha256 of the canonical JSON of
+        ``to_dict()``). Cached: the namespace is frozen, and lookups ask for it on every call."""
         blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(b"kvstore-ns-v1" + blob).digest()
 

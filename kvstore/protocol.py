@@ -43,7 +43,7 @@ from typing import Any, Sequence
 import torch
 import xxhash
 
-from kvstore.keys import ChunkKey, Namespace
+from kvstore.keys import IDENTITY_FIELDS, ChunkKey, Namespace
 from kvstore.layout import KVLayout, dtype_name
 
 PROTOCOL_VERSION = 1
@@ -180,7 +180,7 @@ _NS_CACHE_MAX = 1024
 
 def _ns_cache_key(obj: dict) -> tuple | None:
     layout = obj.get("layout")
-    if not isinstance(layout, dict) or len(obj) > 5:
+    if not isinstance(layout, dict) or len(obj) > 5 + len(IDENTITY_FIELDS):
         return None
     try:
         key = tuple((k, v) for k, v in sorted(obj.items()) if k != "layout") + \

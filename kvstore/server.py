@@ -8,7 +8,8 @@ Routes (wire format in ``kvstore.protocol``):
                          token required when the server has one, like every /v1 route:
                          metrics name namespaces' traffic; give Prometheus the token with
                          ``authorization: {type: Bearer, credentials: T}`` in the scrape job)
-    GET  /v1/stats       JSON: store.stats() plus a "server" section
+    GET  /v1/stats       JSON: store.stats() plus "namespaces" (held, with chunk counts) and
+                         a "server" section
     POST /v1/lookup      JSON {namespace, keys}        -> {num_hit_chunks, chunk_size, tiers, ...}
     POST /v1/exists      JSON {namespace, keys}        -> {exists: [bool]}
     POST /v1/get         JSON {namespace, keys}        -> binary message; 404 if no key is found,
@@ -154,6 +155,7 @@ async def stats(request: web.Request) -> web.Response:
     caller(request).require_admin("/v1/stats")
     state: _ServerState = request.app[STATE_KEY]
     out = dict(await state.call(request.app[STORE_KEY].stats))
+    out["namespaces"] = await state.call(state.namespace_stats, request.app[STORE_KEY])
     out["server"] = {"protocol_version": P.PROTOCOL_VERSION, "ready": state.ready,
                      "in_flight": int(state.in_flight._value.get()),
                      "max_body_bytes": state.limits.max_body_bytes,

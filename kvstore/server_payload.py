@@ -246,7 +246,7 @@ async def _read_put(request: web.Request, state: _ServerState, store: KVStoreBas
     header = P.parse_json(await _read_exact(reader, hdr_len), "put header")
     ns, entries, durable = P.parse_put_header(header, limits.max_batch_keys)
     authorize(request, ns, WRITE)  # 403 before any payload byte is read
-    _check_fits(store, ns)
+    _check_fits(store, ns, state)
     if durable and not can_persist(store):
         raise P.ProtocolError("durable put needs a disk tier (serve with --disk-path and "
                               "--disk-bytes)")

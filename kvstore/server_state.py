@@ -27,6 +27,8 @@ UNAUTHENTICATED = frozenset({"/healthz", "/readyz"})
 #: 128 KiB, which halves put throughput with 5.9 MB chunks. It is also memory outside the
 #: in-flight byte budget: a put waiting for budget has up to 2x this read ahead per connection.
 READ_BUFSIZE = 1 << 20
+#: namespaces whose fields /v1/stats can show (the latest named by requests)
+MAX_NOTED_NAMESPACES = 1024
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,34 @@ class _ServerState:
         self.inflight_bytes = Gauge("kvstore_server_inflight_payload_bytes", "Payload bytes "
                                     "held by requests (budget: max_inflight_bytes)", registry=r)
         self.inflight_bytes.set_function(lambda: self.budget.held)
+        #: namespaces named by requests since start, by ns_id (for /v1/stats), oldest first
+        self.namespaces: dict[bytes, Any] = {}
+
+    def note_namespace(self, ns) -> None:
+        """Remember ``ns`` (a request named it) for ``namespace_stats``; keeps the latest
+        ``MAX_NOTED_NAMESPACES``."""
+        if ns.ns_id not in self.namespaces:
+            if len(self.namespaces) >= MAX_NOTED_NAMESPACES:
+                self.namespaces.pop(next(iter(self.namespaces)))
+            self.namespaces[ns.ns_id] = ns
+
+    def namespace_stats(self, store: KVStoreBase) -> list[dict]:
+        """The namespaces ``store`` holds chunks of, most chunks first: ``{"ns_id": hex,
+        "num_chunks": chunks over all tiers (a chunk in two tiers counted once), "namespace":
+        its ``to_dict()`` or None when no request named it since start (chunks on disk from
+        before a restart)}``. Reads each tier's key snapshot (``Tier.keys``)."""
+        keys: set = set()
+        for tier in getattr(store, "tiers", ()):
+            keys.update(tier.keys())
+        counts: dict[bytes, int] = {}
+        for k in keys:
+            counts[k.ns_id] = counts.get(k.ns_id, 0) + 1
+        out = []
+        for ns_id, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+            ns = self.namespaces.get(ns_id)
+            out.append({"ns_id": ns_id.hex(), "num_chunks": n,
+                        "namespace": None if ns is None else ns.to_dict()})
+        return out
 
     def budget_wait_s(self) -> float:
         """How long a request may wait for payload budget: 90% of the request timeout, so the
@@ -181,14 +211,17 @@ async def _json_body(request: web.Request) -> dict:
     return P.parse_json(await request.read(), "request body")
 
 
-def _check_fits(store: KVStoreBase, ns) -> None:
-    """Refuse (400) a namespace whose chunk does not fit the store's tiers (``register``)."""
+def _check_fits(store: KVStoreBase, ns, state: "_ServerState | None" = None) -> None:
+    """Refuse (400) a namespace whose chunk does not fit the store's tiers (``register``);
+    note an accepted one in ``state`` (``/v1/stats`` lists it)."""
     register = getattr(store, "register", None)
     if register is not None:
         try:
             register(ns)
         except ValueError as e:
             raise P.ProtocolError(str(e)) from None
+    if state is not None:
+        state.note_namespace(ns)
 
 
 async def _ns_keys(request: web.Request, access: str = READ):
@@ -198,7 +231,7 @@ async def _ns_keys(request: web.Request, access: str = READ):
     state: _ServerState = request.app[STATE_KEY]
     ns = P.parse_namespace(body.get("namespace"))
     authorize(request, ns, access)
-    _check_fits(request.app[STORE_KEY], ns)
+    _check_fits(request.app[STORE_KEY], ns, state)
     keys = P.parse_keys(ns, body.get("keys"), state.limits.max_batch_keys)
     return body, ns, keys
 
