@@ -279,3 +279,22 @@ def test_daemon_put_continuing_a_prefix_evicts_other_prompts_not_its_own_head(da
         assert "".join("1" if e else "0" for e in c.exists(NS, a + b)) == "111100"
         assert c.lookup_keys(NS, a).num_hit_chunks == 4
         assert c.stats()["unreachable_bytes"] == 0
+
+
+def test_engine_connector_saves_per_prefill_step_and_at_request_end_with_true_parents():
+    """The connector saves a prompt's chunks as prefill steps complete them and its answer's
+    at request end: every chunk after the first call names its parent."""
+    from test_connector_unit import FakeEngine, make_conn
+    toks = list(range(100, 116))
+    conn = make_conn(ChunkStore(StoreConfig(cpu_bytes="1MiB", page_bytes="4KiB")), chunk=4)
+    eng = FakeEngine(conn, budget=6, prefix_caching=False)  # 6-token prefill steps
+    seq = eng.add("a", toks, max_tokens=9)  # 24 tokens with KV at the end: 6 chunks
+    eng.run()
+    assert conn.wait_for_save(5)
+    store, ns = conn.store, conn.ns
+    keys = ns.chunk_keys(seq.token_ids[:24])
+    assert store.exists(ns, keys) == [True] * 6
+    assert [store.tiers[0].parent_of(k) for k in keys] == [None] + keys[:5]
+    store.remove(ns, keys[2:3])
+    assert store.stats()["unreachable_bytes"] == 3 * 4096  # chunks 4-6, one 4 KiB page each
+    conn.close()
