@@ -1,5 +1,7 @@
-"""Command line: ``python -m engine_min generate --prompt TEXT [--chat] [--max-tokens N] [--model PATH]``
-and ``python -m engine_min serve [flags]`` (see engine_min.server)."""
+"""Command line: ``python -m engine_min generate --prompt TEXT [--chat] [--max-tokens N] [--model PATH]``,
+``python -m engine_min serve [flags]`` (see engine_min.serve_cli) and
+``python -m engine_min export-tokenizer DIR [--model PATH]`` (a Hugging Face tokenizer folder
+of the model, for clients that load a tokenizer by path)."""
 from __future__ import annotations
 
 import argparse
@@ -23,7 +25,36 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     from engine_min.serve_cli import add_serve_args
     add_serve_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
+    x = sub.add_parser("export-tokenizer", help="write the model's tokenizer as a Hugging Face "
+                       "tokenizer folder (for clients that load one: vllm bench serve "
+                       "--tokenizer DIR, transformers.AutoTokenizer)")
+    x.add_argument("dir", help="folder to write (created if missing)")
+    x.add_argument("--model", default=None, help="GGUF file or HF safetensors folder "
+                   "(default: embedded SmolLM2-135M-Instruct)")
     return p
+
+
+def export_tokenizer_main(args: argparse.Namespace) -> int:
+    """``export-tokenizer DIR``: write the tokenizer folder and print what was written.
+    Returns 2 (reason on stderr) when the model cannot be read or DIR cannot be written."""
+    from engine_min.identity import model_name
+    from engine_min.tokenizer import export_tokenizer, load_tokenizer
+    from engine_min.weights import ModelLoadError, default_model_path, gguf_field, open_gguf
+    try:
+        path = args.model or default_model_path()
+        reader = open_gguf(path) if str(path).endswith(".gguf") else None
+        tok = load_tokenizer(path, reader)
+        model_id, _ = model_name(path, reader)
+        ctx = 0
+        if reader is not None:
+            arch = gguf_field(reader, "general.architecture")
+            ctx = int(gguf_field(reader, f"{arch}.context_length", 0) or 0)
+        files = export_tokenizer(tok, args.dir, model_id, ctx or 2048)
+    except (ModelLoadError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {', '.join(files)} of {model_id} to {args.dir}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from engine_min.serve_cli import serve_main
         return serve_main(args) or 0
+    if args.command == "export-tokenizer":
+        return export_tokenizer_main(args)
     from engine_min.config import EngineConfig
     from engine_min.engine import LLMEngine
     from engine_min.sampler import SamplingParams

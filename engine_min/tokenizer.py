@@ -142,3 +142,49 @@ def _from_hf_folder(folder: Path) -> Tokenizer:
     if template is None and jt.is_file():
         template = jt.read_text()
     return Tokenizer(tok, special_id("eos_token"), special_id("bos_token"), template)
+
+
+def export_tokenizer(tokenizer: Tokenizer, out_dir: str | os.PathLike, model_id: str,
+                     model_max_length: int) -> list[str]:
+    """Write ``tokenizer`` as a Hugging Face tokenizer folder, so clients that load one by
+    path (``transformers.AutoTokenizer.from_pretrained(out_dir)``, ``vllm bench serve
+    --tokenizer out_dir``) count and render tokens exactly as this engine does.
+
+    Files (the layout ``PreTrainedTokenizerFast.save_pretrained`` writes):
+    ``tokenizer.json`` (the ``tokenizers`` pipeline itself: vocabulary, merges, pre-tokenizer,
+    decoder, special tokens; no post-processor, so no BOS is added, as here),
+    ``tokenizer_config.json`` (class, ``chat_template``, BOS/EOS/PAD tokens,
+    ``model_max_length`` in tokens, ``add_bos_token: false``) and ``special_tokens_map.json``.
+
+    Args:
+        tokenizer: the engine's tokenizer.
+        out_dir: folder to write (created if missing; these three files are replaced).
+        model_id: recorded as ``name_or_path``.
+        model_max_length: the engine's prompt + completion limit in tokens.
+
+    Returns:
+        the written file names.
+
+    Raises:
+        OSError: the folder cannot be written.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = tokenizer._tok
+    tok.save(str(out / "tokenizer.json"))
+    name = (lambda i: tok.id_to_token(i) if i is not None else None)
+    specials = {"bos_token": name(tokenizer.bos_token_id), "eos_token": name(tokenizer.eos_token_id),
+                "pad_token": name(tokenizer.eos_token_id)}
+    specials = {k: v for k, v in specials.items() if v is not None}
+    extra = [t.content for t in tok.get_added_tokens_decoder().values()
+             if t.special and t.content not in specials.values()]
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "name_or_path": model_id,
+              "model_max_length": int(model_max_length), "add_bos_token": False,
+              "add_eos_token": False, "clean_up_tokenization_spaces": False,
+              "additional_special_tokens": extra, **specials}
+    if tokenizer.chat_template:
+        config["chat_template"] = tokenizer.chat_template
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(
+        {**specials, "additional_special_tokens": extra}, indent=2) + "\n")
+    return ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
