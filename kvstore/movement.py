@@ -82,7 +82,9 @@ class TierMover:
         out: set[ChunkKey] = set()
         for t in self.tiers:
             out |= t.children_of(key)
-        return out - self.doomed
+        # (membership tests only: a disk writer thread may call this while the store's
+        # thread changes ``doomed``)
+        return {k for k in out if k not in self.doomed}
 
     def descendants(self, key: ChunkKey) -> list[ChunkKey]:
         """Stored descendants of ``key``, breadth first (so reversed: deepest first)."""

@@ -85,13 +85,21 @@ class ChunkStore(StoreAdmin, DirectIO, KVStoreBase):
         self._lock = threading.RLock()
         self._closed = False
         self.tiers: list[Tier] = []
-        if config.gpu_bytes:
-            self.tiers.append(GpuTier(config.gpu_bytes, config.page_bytes, config.device, config.gpu_policy))
-        if config.cpu_bytes:
-            self.tiers.append(CpuTier(config.cpu_bytes, config.page_bytes, config.cpu_policy))
-        if config.disk_bytes:
-            self.tiers.append(DiskTier(config.disk_path, config.disk_bytes, config.disk_policy,
-                                       config.disk_codec))
+        # the disk tier first: a disk path in use is refused before any arena is allocated
+        disk = DiskTier(config.disk_path, config.disk_bytes, config.disk_policy,
+                        config.disk_codec) if config.disk_bytes else None
+        try:
+            if config.gpu_bytes:
+                self.tiers.append(GpuTier(config.gpu_bytes, config.page_bytes, config.device,
+                                          config.gpu_policy))
+            if config.cpu_bytes:
+                self.tiers.append(CpuTier(config.cpu_bytes, config.page_bytes, config.cpu_policy))
+        except BaseException:
+            if disk is not None:
+                disk.close()  # (releases the disk path)
+            raise
+        if disk is not None:
+            self.tiers.append(disk)
         self._pins = PinTable()
         self._doomed: set[ChunkKey] = set()  # removed while pinned: invisible, freed at last unpin
         #: open reservations (``reserve_chunks``): key -> parent, until committed or released
@@ -112,8 +120,12 @@ class ChunkStore(StoreAdmin, DirectIO, KVStoreBase):
                                    lambda t=t: t.num_chunks)
             if isinstance(t, DiskTier) and t.num_bad_at_open:
                 self.metrics.inc("corruptions", t.num_bad_at_open, tier=t.name)
-        for ns in namespaces:
-            self.register(ns)
+        try:
+            for ns in namespaces:
+                self.register(ns)
+        except BaseException:
+            self.close()  # (releases the disk path)
+            raise
 
     # ---- helpers ------------------------------------------------------------------------------
     def register(self, ns: Namespace) -> None:

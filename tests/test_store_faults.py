@@ -166,3 +166,12 @@ def test_an_engine_connector_on_a_disk_path_in_use_is_a_clear_flag_error(tmp_pat
     assert str(tmp_path) in str(err.value)
     first.close()
     create_connector(disk_path=str(tmp_path), disk_bytes="1MiB").close()
+
+
+def test_a_store_that_fails_to_open_releases_its_disk_path(tmp_path):
+    big = Namespace("big", KVLayout(64, 8, 128, "float32", 256))  # chunks larger than the tiers
+    with pytest.raises(ValueError):
+        ChunkStore(StoreConfig(cpu_bytes="1MiB", disk_bytes="1MiB", disk_path=str(tmp_path)),
+                   [big])
+    assert holder_pid(str(tmp_path)) is None
+    disk_store(tmp_path).close()  # the path is free again
