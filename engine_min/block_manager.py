@@ -31,8 +31,12 @@ class BlockManager:
         hash_seed: seed of the hash chain (identifies model + dtype; bytes).
 
     Attributes:
-        num_query_tokens: prompt tokens looked up at admission (prefix-cache queries).
-        num_hit_tokens: tokens taken from the cache at admission instead of computed.
+        num_query_tokens: tokens looked up at first admissions (prefix-cache queries; each
+            request once, with its prompt).
+        num_hit_tokens: of those, tokens taken from the cache instead of computed.
+        num_preempted_query_tokens / num_preempted_hit_tokens: the same at re-admissions after
+            a preemption (prompt + generated tokens; hits there are mostly the request's own
+            freed blocks), kept apart as vLLM's ``PrefixCacheStats.preempted_*``.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
@@ -47,6 +51,8 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
+        self.num_preempted_query_tokens = 0
+        self.num_preempted_hit_tokens = 0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -124,18 +130,24 @@ class BlockManager:
                 copies.append((hits[-1], dst))
                 seq.block_table.append(dst)
                 self._release(hits[-1])
-            cached = min(len(hits) * self.block_size, seq.num_tokens - 1)
-            seq.num_computed_tokens = cached
-            self.num_hit_tokens += cached
+            seq.num_computed_tokens = min(len(hits) * self.block_size, seq.num_tokens - 1)
         need = -(-num_tokens // self.block_size)
         while len(seq.block_table) < need:
             seq.block_table.append(self._pop_free())
         return copies
 
-    def count_query(self, seq: Sequence) -> None:
-        """Count seq's tokens as prefix-cache queries (once per admission)."""
-        if self.enable_prefix_caching:
-            self.num_query_tokens += seq.num_tokens
+    def record_query(self, num_tokens: int, num_hit_tokens: int, preempted: bool) -> None:
+        """Count one admission's lookup: ``num_tokens`` queried, ``num_hit_tokens`` of them
+        taken from the cache; into the ``num_preempted_*`` counters when ``preempted`` (a
+        re-admission). Nothing is counted with prefix caching off."""
+        if not self.enable_prefix_caching:
+            return
+        if preempted:
+            self.num_preempted_query_tokens += num_tokens
+            self.num_preempted_hit_tokens += num_hit_tokens
+        else:
+            self.num_query_tokens += num_tokens
+            self.num_hit_tokens += num_hit_tokens
 
     def cache_blocks(self, seq: Sequence) -> None:
         """Publish the hashes of seq's full blocks whose KV is now computed."""

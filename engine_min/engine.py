@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import os
 import time
 
@@ -16,9 +17,12 @@ from engine_min.model import LlamaModel
 from engine_min.model_runner import ModelRunner
 from engine_min.sampler import Sampler, SamplingParams
 from engine_min.scheduler import Scheduler
-from engine_min.sequence import RequestOutput, Sequence
+from engine_min.sequence import RequestOutput, SeqFailure, Sequence
+from engine_min.step_isolation import execute_isolated
 from engine_min.tokenizer import load_tokenizer
 from engine_min.weights import default_model_path, load_model, open_gguf
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -80,6 +84,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
+        self.num_failed_requests = 0
 
     def set_connector(self, connector) -> None:
         """Attach a KV connector (or detach with None) at all three seams: engine (stats),
@@ -165,26 +170,47 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled forward pass; one output per request that got a token or finished."""
-        outputs, self._pending = self._pending, []
+        """Run one scheduled forward pass; one output per request that got a token or finished.
+
+        A fault stays with its request: an error raised admitting (connector), computing (the
+        forward pass; policy in ``engine_min.step_isolation``), sampling, stop-checking or
+        detokenizing one sequence finishes that request alone with finish reason ``"error"``
+        (``RequestOutput.error`` says where and why; its blocks are freed); the rest of the
+        batch goes on as if it had not been there.
+        """
         sched = self.scheduler.schedule()
+        outputs, self._pending = self._pending, []
+        outputs += [self._fail(f) for f in sched.failed]
         if sched.is_empty:
             return outputs
-        ordered, logits = self.runner.execute(sched)
-        samplers = [it for it in ordered if it.samples]
-        tokens = self.sampler.sample(logits, [it.seq.sampling for it in samplers],
-                                     [it.seq.generator for it in samplers])
+        res = execute_isolated(self.runner, sched)
+        outputs += [self._fail(f) for f in res.failed]
+        samplers = [it for it in res.ordered if it.samples]
+        tokens = self.sampler.sample_rows(res.logits, [it.seq.sampling for it in samplers],
+                                          [it.seq.generator for it in samplers]) if samplers else []
         sampled = dict(zip((id(it.seq) for it in samplers), tokens))
-        for it in ordered:
-            seq = it.seq
-            if it.num_new_tokens == seq.num_tokens - seq.num_computed_tokens and \
-                    seq.num_output_tokens == 0:
-                self.num_prompt_tokens += seq.num_prompt_tokens
-            seq.num_computed_tokens += it.num_new_tokens
-            self.block_manager.cache_blocks(seq)
-            if id(seq) in sampled:
-                outputs.append(self._append_token(seq, sampled[id(seq)]))
+        for it in res.ordered:
+            try:
+                self._advance(it)
+            except Exception as exc:  # noqa: BLE001 - fails this request alone
+                outputs.append(self._fail(SeqFailure(it.seq, "cache", exc)))
+                continue
+            token = sampled.get(id(it.seq))
+            if isinstance(token, Exception):
+                outputs.append(self._fail(SeqFailure(it.seq, "sample", token)))
+            elif token is not None:
+                outputs.append(self._append_token(it.seq, token))
         return outputs
+
+    def _advance(self, it) -> None:
+        """Count a completed prompt, move ``num_computed_tokens`` past this step's tokens and
+        publish the sequence's newly full blocks in the prefix cache."""
+        seq = it.seq
+        if it.num_new_tokens == seq.num_tokens - seq.num_computed_tokens and \
+                seq.num_output_tokens == 0:
+            self.num_prompt_tokens += seq.num_prompt_tokens
+        seq.num_computed_tokens += it.num_new_tokens
+        self.block_manager.cache_blocks(seq)
 
     def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
         now = time.perf_counter()
@@ -192,20 +218,49 @@ class LLMEngine:
         self.num_generated_tokens += 1
         if seq.first_token_time is None:
             seq.first_token_time = now
-        p = seq.sampling
-        seq.text = self.tokenizer.decode(seq.output_token_ids)
-        reason = None
-        if (token == self.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
-            reason = "stop"
-        elif p.stop and (cut := _find_stop(seq.text, p.stop)) is not None:
-            seq.text, reason = seq.text[:cut], "stop"
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
+        try:
+            seq.text = self._detokenize(seq)
+        except Exception as exc:  # noqa: BLE001 - fails this request alone
+            return self._fail(SeqFailure(seq, "detokenize", exc))
+        try:
+            reason = self._stop_reason(seq, token)
+        except Exception as exc:  # noqa: BLE001 - fails this request alone
+            return self._fail(SeqFailure(seq, "stop", exc))
         if reason is not None:
             self.scheduler.finish(seq, reason)
             seq.finish_time = now
             self._seqs.pop(seq.request_id, None)
         return RequestOutput.of(seq, [token])
+
+    def _detokenize(self, seq: Sequence) -> str:
+        """The text of seq's output tokens."""
+        return self.tokenizer.decode(seq.output_token_ids)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        """``"stop"`` / ``"length"`` when ``token`` (just appended) ends seq, else None; a
+        matched stop string is cut from ``seq.text``."""
+        p = seq.sampling
+        if (token == self.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if p.stop and (cut := _find_stop(seq.text, p.stop)) is not None:
+            seq.text = seq.text[:cut]
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _fail(self, failure: SeqFailure) -> RequestOutput:
+        """Finish ``failure.seq`` alone with finish reason ``"error"`` (blocks freed; the
+        connector saves only KV computed before the failing step) and report it."""
+        seq = failure.seq
+        seq.error = failure.describe()
+        logger.error("request %s failed: %s", seq.request_id, seq.error,
+                     exc_info=(type(failure.error), failure.error, failure.error.__traceback__))
+        self.scheduler.finish(seq, "error")
+        seq.finish_time = time.perf_counter()
+        self._seqs.pop(seq.request_id, None)
+        self.num_failed_requests += 1
+        return RequestOutput.of(seq, [])
 
     def generate(self, prompts: list[str | list[int]] | str,
                  sampling: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -236,8 +291,10 @@ class LLMEngine:
         return [final[r] for r in ids]
 
     def stats(self) -> dict:
-        """Counters and gauges: queue sizes, KV pool use, prefix-cache queries/hits (tokens),
-        and the connector's ``get_stats()`` (``external_prefix_cache_*``, ``kvstore_*``) if any."""
+        """Counters and gauges: queue sizes, KV pool use, prefix-cache queries/hits (tokens;
+        each request counted once, at its first admission; re-admissions after a preemption
+        apart in ``prefix_cache_preempted_*``), failed requests, and the connector's
+        ``get_stats()`` (``external_prefix_cache_*``, ``kvstore_*``) if any."""
         bm = self.block_manager
         total = bm.num_blocks - 1
         extra = {}
@@ -249,6 +306,9 @@ class LLMEngine:
                 "kv_usage": bm.num_used_blocks / total,
                 "prefix_cache_queries_tokens": bm.num_query_tokens,
                 "prefix_cache_hits_tokens": bm.num_hit_tokens,
+                "prefix_cache_preempted_queries_tokens": bm.num_preempted_query_tokens,
+                "prefix_cache_preempted_hits_tokens": bm.num_preempted_hit_tokens,
+                "num_failed_requests": self.num_failed_requests,
                 "num_prompt_tokens": self.num_prompt_tokens,
                 "num_generated_tokens": self.num_generated_tokens,
                 "num_preemptions": self.scheduler.num_preemptions,

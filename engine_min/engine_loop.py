@@ -3,6 +3,13 @@
 Handlers submit and abort requests through a ``SimpleQueue``; the thread drains it, runs
 ``engine.step()`` while requests are unfinished, and hands each ``RequestOutput`` (or an
 ``ApiError``) to the asyncio queue of its request with ``call_soon_threadsafe``.
+
+Failures: a request the engine failed alone (finish reason ``"error"``: its admission,
+forward, sampling, stop check or detokenizing raised) gets its own ``ApiError`` (HTTP 500,
+``server_error``, code ``request_failed``); the others in flight go on. Only an error that
+``engine.step()`` itself raises (nothing in the engine pins it on one request) fails every
+request in flight (code ``engine_error``, their blocks freed by aborting them); the thread keeps
+serving new requests either way.
 """
 from __future__ import annotations
 
@@ -31,6 +38,13 @@ class _Sink:
     queue: asyncio.Queue
     arrival_s: float
     last_token_s: float | None = None
+
+
+def request_failed(error: str) -> proto.ApiError:
+    """The error reply of a request that failed alone (``RequestOutput.error``): HTTP 500,
+    type ``server_error``, code ``request_failed``."""
+    return proto.ApiError(f"The request failed: {error}", status=500, type="server_error",
+                          code="request_failed")
 
 
 class EngineLoop:
@@ -139,7 +153,9 @@ class EngineLoop:
             logger.exception("engine step failed; aborting %d requests", len(self._sinks))
             self.error = exc
             for request_id, sink in list(self._sinks.items()):
-                self._deliver(sink, RuntimeError(f"engine step failed: {exc!r}"))
+                self._deliver(sink, proto.ApiError(f"The engine step failed: {exc!r}",
+                                                   status=500, type="server_error",
+                                                   code="engine_error"))
                 self._safe_abort(request_id)
             self._sinks.clear()
             return True
@@ -151,7 +167,7 @@ class EngineLoop:
             self._observe(sink, out, now)
             if out.finished:
                 del self._sinks[out.request_id]
-            self._deliver(sink, out)
+            self._deliver(sink, out if out.error is None else request_failed(out.error))
         return bool(outputs)
 
     def _observe(self, sink: _Sink, out: Any, now: float) -> None:

@@ -1,10 +1,29 @@
-"""Sampling parameters and the sampler (greedy, temperature, top-k, top-p, seeded)."""
+"""Sampling parameters and the sampler (greedy, temperature, top-k, top-p, seeded).
+
+Greedy below an epsilon: a temperature under ``SAMPLING_EPS`` (1e-5) samples greedily, exactly
+as temperature 0 (argmax; top_k and top_p do not apply; no generator draw). This is vLLM's rule
+(``_SAMPLING_EPS = 1e-5`` in ``vllm/sampling_params.py``, where ``temperature <
+_SAMPLING_EPS`` makes a request ``SamplingType.GREEDY``, and in ``vllm/v1/sample/sampler.py``).
+vLLM also raises temperatures in ``(0, 1e-2)`` to 1e-2 (``_MAX_TEMP``); we do not: a tiny
+temperature asks for the most likely token, and argmax is that token.
+
+Numerics: a sampled row is ``(logits - max(logits)) / temperature`` in float64, every value
+``<= 0`` with the most likely token at exactly 0, so no accepted temperature (1e-5 up to the
+largest float) overflows it or makes a NaN, and softmax always sees a finite maximum (dividing
+raw float32 logits by 1e-40 gave inf - inf = NaN, and ``torch.multinomial`` raised for the
+whole batch). A row holding a NaN or infinite logit is an error for that row
+only (``Sampler.sample_rows``).
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence as Seq
 
 import torch
+
+#: temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``)
+SAMPLING_EPS = 1e-5
 
 
 @dataclass
@@ -13,7 +32,9 @@ class SamplingParams:
 
     Attributes:
         max_tokens: most output tokens (>= 1).
-        temperature: 0 = greedy (argmax); > 0 divides the logits.
+        temperature: a finite number >= 0. Below ``SAMPLING_EPS`` (1e-5; 0 included) the
+            sampling is greedy (argmax, top_k and top_p ignored); otherwise the logits are
+            divided by it.
         top_k: keep the k most likely tokens (0 = all).
         top_p: keep the smallest set with cumulative probability >= top_p (1.0 = all).
         seed: per-request generator seed (same seed, same sampled tokens in any batch); None
@@ -23,7 +44,8 @@ class SamplingParams:
         ignore_eos: keep going past the EOS token.
 
     Raises:
-        ValueError: any value out of range, naming the field.
+        ValueError: any value out of range (a NaN or infinite temperature too), naming the
+            field.
     """
 
     max_tokens: int = 16
@@ -38,8 +60,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if (isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float))
+                or not math.isfinite(self.temperature) or self.temperature < 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 = disabled), got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
@@ -57,18 +80,22 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Argmax sampling: ``temperature < SAMPLING_EPS``."""
+        return self.temperature < SAMPLING_EPS
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set logits outside top-k / top-p to -inf. ``logits [vocab]`` float32 -> ``[vocab]``."""
+    """Set logits outside top-k / top-p to -inf. ``logits [vocab]`` (float32 or float64) ->
+    ``[vocab]`` of the same dtype.
+
+    The most likely token is always kept; ``logits`` must hold a finite maximum."""
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, idx = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p  # mass before this token
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = probs.cumsum(-1) - probs >= top_p  # mass before this token
         drop[0] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, idx, drop), float("-inf"))
     return logits
@@ -86,15 +113,52 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                generators: list[torch.Generator | None]) -> list[int]:
-        """Token ids for ``logits [n, vocab]`` (float32), one ``params``/generator per row."""
-        if all(p.greedy for p in params):
+        """Token ids for ``logits [n, vocab]`` (float32), one ``params``/generator per row.
+
+        Raises:
+            ValueError: the first row that cannot be sampled (``sample_rows`` keeps going).
+        """
+        tokens = self.sample_rows(logits, params, generators)
+        for t in tokens:
+            if isinstance(t, Exception):
+                raise t
+        return tokens
+
+    def sample_rows(self, logits: torch.Tensor, params: list[SamplingParams],
+                    generators: list[torch.Generator | None]) -> list[int | Exception]:
+        """Per row of ``logits [n, vocab]``: its token id, or the exception raised sampling it.
+
+        Rows are sampled in order, each at most once (a seeded row draws from its generator
+        exactly as it would alone), and one row's error never changes another row's token.
+        """
+        if all(p.greedy for p in params) and bool(torch.isfinite(logits).all()):
             return logits.argmax(dim=-1).tolist()
-        out = []
+        out: list[int | Exception] = []
         for row, p, gen in zip(logits, params, generators):
-            if p.greedy:
-                out.append(int(row.argmax()))
-                continue
-            row = filter_logits(row / p.temperature, p.top_k, p.top_p)
-            probs = torch.softmax(row, dim=-1)
-            out.append(int(torch.multinomial(probs, 1, generator=gen or self.generator)))
+            try:
+                out.append(self.sample_row(row, p, gen))
+            except Exception as exc:  # noqa: BLE001 - reported for this row only
+                out.append(exc)
         return out
+
+    def sample_row(self, row: torch.Tensor, p: SamplingParams,
+                   generator: torch.Generator | None) -> int:
+        """One token id from ``row [vocab]`` (float32) under ``p``; ``generator`` None uses the
+        shared one.
+
+        Raises:
+            ValueError: the row holds a NaN or infinite logit (a fault of the forward pass).
+        """
+        finite = torch.isfinite(row)
+        if not bool(finite.all()):
+            n_nan = int(torch.isnan(row).sum())
+            raise ValueError(f"logits hold {n_nan} NaN and {int((~finite).sum()) - n_nan} "
+                             f"infinite values of {row.numel()}; cannot sample")
+        if p.greedy:
+            return int(row.argmax())
+        row = row.double()
+        scaled = (row - row.max()) / p.temperature   # [vocab] float64, <= 0, the max at 0
+        if 0 < p.top_k < row.numel():  # on the raw order: a huge temperature rounds ties
+            scaled = scaled.masked_fill(row < torch.topk(row, p.top_k).values[-1], float("-inf"))
+        probs = torch.softmax(filter_logits(scaled, 0, p.top_p), dim=-1)
+        return int(torch.multinomial(probs, 1, generator=generator or self.generator))

@@ -15,14 +15,24 @@ Connector seams (all optional; ``connector=None`` skips them), at admission of a
   ``connector.update_state_after_alloc(seq, block_ids, num_external_tokens)``
       after its blocks are allocated (``block_ids`` = seq.block_table);
 and ``connector.request_finished(seq, block_ids)`` before a finished sequence's blocks are freed.
+A connector that raises costs one request at most: a lookup that raises counts as no external
+tokens (a recompute), ``update_state_after_alloc`` that raises fails that request alone
+(``SchedulerOutput.failed``; the engine finishes it with finish reason "error"), and
+``request_finished`` that raises is logged while the blocks are freed all the same.
+
+Prefix-cache counters (``BlockManager.record_query``): a request's lookup counts at its first
+admission only; re-admissions after a preemption count apart (``num_preempted_*``).
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from engine_min.block_manager import BlockManager
-from engine_min.sequence import Sequence, SequenceStatus
+from engine_min.sequence import SeqFailure, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,12 +57,15 @@ class SchedulerOutput:
         blocks_to_copy: ``[(src, dst)]`` whole-block KV copies to run before the forward.
         preempted: sequences preempted this step (now waiting, blocks freed).
         num_external_tokens: request_id -> tokens the connector loads this step.
+        failed: sequences that failed at admission (stage ``"admit"``): not scheduled, still
+            holding their blocks until the engine finishes them.
     """
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     num_external_tokens: dict[str, int] = field(default_factory=dict)
+    failed: list[SeqFailure] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -129,6 +142,7 @@ class Scheduler:
         self.bm.free_seq(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+        seq.num_preemptions += 1
         self.num_preemptions += 1
 
     def _admit(self, budget: int, out: SchedulerOutput) -> int:
@@ -142,26 +156,45 @@ class Scheduler:
             if not self.bm.can_allocate(seq, computed + n, hits):
                 break
             self.waiting.popleft()
-            self.bm.count_query(seq)
+            self.bm.record_query(seq.num_tokens, num_local, seq.num_preemptions > 0)
             out.blocks_to_copy += self.bm.allocate(seq, computed + n, hits)
             seq.num_computed_tokens = computed
             seq.num_cached_tokens = computed
-            if self.connector is not None:
-                self.connector.update_state_after_alloc(seq, list(seq.block_table), num_external)
-                out.num_external_tokens[seq.request_id] = num_external
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if not self._connector_alloc(seq, num_local, num_external, out):
+                continue
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return budget
 
     def _external_tokens(self, seq: Sequence, num_local: int) -> int:
-        """Tokens the connector can load beyond ``num_local`` (at least one token is left to compute)."""
+        """Tokens the connector can load beyond ``num_local`` (at least one token is left to
+        compute); 0 when it raises (logged: a recompute, never a failure)."""
         if self.connector is None:
             return 0
-        got = self.connector.get_num_new_matched_tokens(seq, num_local)
+        try:
+            got = self.connector.get_num_new_matched_tokens(seq, num_local)
+        except Exception:  # noqa: BLE001 - a store error costs a recompute
+            logger.exception("connector lookup for %s raised; recomputing", seq.request_id)
+            return 0
         n = got[0] if isinstance(got, tuple) else got
         return max(0, min(int(n or 0), seq.num_tokens - 1 - num_local))
+
+    def _connector_alloc(self, seq: Sequence, num_local: int, num_external: int,
+                         out: SchedulerOutput) -> bool:
+        """Tell the connector about seq's blocks; False (seq in ``out.failed``, rewound to its
+        ``num_local`` computed tokens so no unloaded KV is ever saved) when it raises."""
+        if self.connector is None:
+            return True
+        try:
+            self.connector.update_state_after_alloc(seq, list(seq.block_table), num_external)
+        except Exception as exc:  # noqa: BLE001 - fails this request alone
+            seq.num_computed_tokens = seq.num_cached_tokens = num_local
+            out.failed.append(SeqFailure(seq, "admit", exc))
+            return False
+        out.num_external_tokens[seq.request_id] = num_external
+        return True
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark seq finished, remove it from its queue and free its blocks."""
@@ -170,7 +203,10 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if self.connector is not None and hasattr(self.connector, "request_finished"):
-            self.connector.request_finished(seq, list(seq.block_table))
+            try:
+                self.connector.request_finished(seq, list(seq.block_table))
+            except Exception:  # noqa: BLE001 - the blocks are freed all the same
+                logger.exception("connector request_finished for %s raised", seq.request_id)
         self.bm.free_seq(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

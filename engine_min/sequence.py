@@ -36,6 +36,10 @@ class Sequence:
         block_table: KV block ids in token order.
         block_hashes: chained hashes of the full blocks of token_ids (filled lazily).
         num_cached_tokens: prompt tokens not computed at the last admission (hits + loaded).
+        num_preemptions: times the sequence was preempted (0 until its first preemption; a
+            re-admission is any admission after one).
+        error: why the request failed (``"<stage>: <ExceptionType>: <message>"``, finish
+            reason ``"error"``), else None.
         generator: per-request torch.Generator when ``sampling.seed`` is set.
     """
 
@@ -49,6 +53,8 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.error: str | None = None
         self.finish_reason: str | None = None
         self.text = ""
         self.arrival_time = time.perf_counter()
@@ -83,6 +89,26 @@ class Sequence:
 
 
 @dataclass
+class SeqFailure:
+    """A sequence that failed alone during one step.
+
+    Attributes:
+        seq: the sequence.
+        stage: where: ``"admit"`` (connector at admission), ``"forward"`` (its forward pass,
+            alone), ``"sample"``, ``"stop"`` (stop checks) or ``"detokenize"``.
+        error: the exception raised.
+    """
+
+    seq: Sequence
+    stage: str
+    error: BaseException
+
+    def describe(self) -> str:
+        """``"<stage>: <ExceptionType>: <message>"``."""
+        return f"{self.stage}: {type(self.error).__name__}: {self.error}"
+
+
+@dataclass
 class RequestOutput:
     """One request's progress, reported by ``LLMEngine.step``.
 
@@ -94,11 +120,14 @@ class RequestOutput:
         text: decoded output so far (cut before a matched stop string).
         finished: no more tokens will come.
         finish_reason: "stop" (EOS, stop id or string), "length" (max_tokens or max_model_len),
-            "abort", or None while running.
+            "abort", "error" (this request failed alone: ``error`` says why), or None while
+            running.
         num_prompt_tokens: prompt length.
         num_cached_tokens: prompt tokens not computed (engine prefix-cache hits + connector loads).
         arrival_time / first_token_time / finish_time: ``time.perf_counter()`` stamps
             (TTFT = first_token_time - arrival_time).
+        error: with finish_reason "error", the stage and exception that failed the request
+            (``"sample: ValueError: ..."``); None otherwise.
     """
 
     request_id: str
@@ -113,9 +142,11 @@ class RequestOutput:
     arrival_time: float
     first_token_time: float | None = None
     finish_time: float | None = None
+    error: str | None = None
 
     @classmethod
     def of(cls, seq: Sequence, new_token_ids: list[int]) -> "RequestOutput":
         return cls(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, list(new_token_ids),
                    seq.text, seq.is_finished, seq.finish_reason, seq.num_prompt_tokens,
-                   seq.num_cached_tokens, seq.arrival_time, seq.first_token_time, seq.finish_time)
+                   seq.num_cached_tokens, seq.arrival_time, seq.first_token_time, seq.finish_time,
+                   seq.error)

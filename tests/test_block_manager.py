@@ -43,10 +43,13 @@ def test_prefix_hit_shares_blocks_and_counts_tokens():
     compute_all(bm, a)                                 # blocks 1, 2 full and hashed; 3 partial
     assert len(bm.hash_to_block) == 2
     b = seq(list(range(8)) + [99, 98, 97], "b")        # same first two blocks
-    bm.count_query(b)
     hits, copies = admit(bm, b)
+    bm.record_query(b.num_tokens, b.num_computed_tokens, preempted=False)
     assert hits == [1, 2] and copies == [] and b.block_table == [1, 2, 4]
     assert b.num_computed_tokens == 8 and bm.num_hit_tokens == 8 and bm.num_query_tokens == 11
+    bm.record_query(12, 8, preempted=True)            # a re-admission counts apart
+    assert (bm.num_query_tokens, bm.num_hit_tokens) == (11, 8)
+    assert (bm.num_preempted_query_tokens, bm.num_preempted_hit_tokens) == (12, 8)
     assert bm.ref_count[1] == 2 and bm.ref_count[4] == 1
     bm.check_integrity()
 
