@@ -9,7 +9,8 @@ Requests: ``parse_completion_request`` (``POST /v1/completions``) and ``parse_ch
 tokenized prompt against the model's context length and resolves the default ``max_tokens``.
 
 Supported fields: ``model``, ``prompt`` (a string, a list of token ids, or a one-element list of
-either), ``messages``, ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``,
+either), ``messages``, ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (0 to 2;
+below 1e-5, ``engine_min.sampler.SAMPLING_EPS``, it is greedy exactly as 0, vLLM's rule), ``top_p``,
 ``top_k`` (extension; 0 or -1 disables), ``seed``, ``stop`` (string or list of strings),
 ``stop_token_ids`` and ``ignore_eos`` (extensions), ``n`` (1 only), ``stream``,
 ``stream_options.include_usage``. Unknown fields are ignored, as OpenAI-compatible servers do;
@@ -234,7 +235,10 @@ def _check_unsupported(body: dict, kind: str) -> None:
 
 
 def _parse_sampling(body: dict) -> dict:
-    """SamplingParams keyword arguments (without ``max_tokens``) from a request body."""
+    """SamplingParams keyword arguments (without ``max_tokens``) from a request body.
+
+    ``temperature`` must be a finite number in [0, 2]; any value below 1e-5 (1e-40 included)
+    is accepted and samples greedily (``engine_min.sampler.SamplingParams.greedy``)."""
     temperature = _opt(body, "temperature", _is_number, "a number")
     if temperature is not None and not 0.0 <= temperature <= 2.0:
         raise ApiError("'temperature' must be in [0, 2].", param="temperature",
