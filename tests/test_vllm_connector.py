@@ -11,6 +11,7 @@ file order and check counter deltas.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -251,17 +252,21 @@ def test_two_engine_processes_share_prefix_through_daemon(model_dir, prompts, ba
     assert rb["ttft_s"] < ra["ttft_s"], (rb["ttft_s"], ra["ttft_s"])
 
 
-def test_chunk_keys_match_engine_min_namespace(engine, prompts):
-    """Same model id, revision and layout as engine_min's connector -> the same chunk keys, so
-    both engines share chunks through one daemon (engine_min builds its Namespace this way)."""
+def test_namespace_names_what_vllm_loaded(engine, prompts, model_dir):
+    """Scheduler and worker build one namespace from vLLM's config: the model id, the content
+    fingerprint of the folder vLLM loaded, its dtype and RoPE, and the KV layout; keys follow
+    it, so another weights file (engine_min's GGUF included) never shares these chunks."""
+    from engine_min.identity import weights_fingerprint
     from kvstore.keys import Namespace
     from kvstore.layout import KVLayout
     w, s = engine["w"], engine["s"]
-    want = Namespace(MODEL_ID, KVLayout(30, 3, 64, "float32", CHUNK))
-    assert w._ns_base == s._ns_base == want
-    assert s._ns_base.chunk_keys(prompts["P"]) == want.chunk_keys(prompts["P"])
-    try:
-        from connectors.engine_min import DEFAULT_MODEL_ID
-    except ImportError:
-        return
-    assert DEFAULT_MODEL_ID == MODEL_ID
+    ns = s._ns_base
+    assert w._ns_base == ns
+    assert (ns.model_id, ns.revision) == (MODEL_ID, "")
+    assert ns.layout == KVLayout(30, 3, 64, "float32", CHUNK)
+    assert ns.weights_fingerprint == weights_fingerprint(model_dir) != ""
+    assert (ns.compute_dtype, ns.quantization, ns.kv_quantization, ns.adapter) == \
+        ("float32", "", "", "")
+    assert json.loads(ns.rope)["rope_theta"] == 100000.0
+    bare = Namespace(MODEL_ID, ns.layout)
+    assert set(ns.chunk_keys(prompts["P"])).isdisjoint(bare.chunk_keys(prompts["P"]))
