@@ -76,9 +76,28 @@ def post(url: str, body: dict | bytes) -> tuple[int, dict]:
         return err.code, json.loads(err.read())
 
 
+def stream_events(url: str, body: dict) -> list:
+    """The decoded ``data:`` events of a streamed completion (``[DONE]`` as a str)."""
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        text = resp.read().decode()
+    data = [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+    return [d if d == "[DONE]" else json.loads(d) for d in data]
+
+
 def stats(url: str) -> dict:
     with urllib.request.urlopen(url + "/debug/stats", timeout=30) as resp:
         return json.loads(resp.read())
+
+
+def failed_metric(url: str) -> float:
+    """``engine_request_success_total{finished_reason="error"}`` (0 before the first)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith('engine_request_success_total{finished_reason="error"}'):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 def wait_until(cond, timeout_s=120.0):
@@ -285,6 +304,11 @@ def test_http_fault_gets_its_own_500_and_the_other_request_200(engine, server, m
     assert good_status == 200 and good_body["choices"][0]["text"] == want["choices"][0]["text"]
     wait_until(lambda: stats(server.url)["kv_blocks_used"] == 0)  # stats follow each step
     assert stats(server.url)["num_failed_requests"] == failed0 + 1
+    assert failed_metric(server.url) == 1.0     # a new server: its first failed request
+    events = stream_events(server.url, {"prompt": BAD, "temperature": 0, "max_tokens": 8,
+                                        "stream": True})
+    assert {"error": {"message": "The request failed: detokenize: RuntimeError: injected fault",
+                      "type": "server_error", "param": None, "code": "request_failed"}} in events
     monkeypatch.undo()
     assert post(server.url, {"prompt": NEXT, "max_tokens": 8})[0] == 200
 
