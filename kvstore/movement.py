@@ -55,7 +55,12 @@ class TierMover:
     # ---- the prefix graph over all tiers ------------------------------------------------------
     def present(self, key: ChunkKey) -> bool:
         """Stored in some tier and not removed."""
-        return key not in self.doomed and any(t.contains(key) for t in self.tiers)
+        if key in self.doomed:
+            return False
+        for t in self.tiers:
+            if t.contains(key):
+                return True
+        return False
 
     def parent_of(self, key: ChunkKey) -> ChunkKey | None:
         """Recorded parent of ``key`` (the first one a tier records; an open reservation's
@@ -66,15 +71,25 @@ class TierMover:
                 return p
         return self.reserved.get(key)
 
-    def lineage(self, key: ChunkKey, parent: ChunkKey | None) -> set[ChunkKey]:
+    def lineage(self, key: ChunkKey, parent: ChunkKey | None,
+                memo: dict | None = None) -> set[ChunkKey]:
         """``key`` and its stored (or reserved) ancestors, following recorded parents from
         ``parent`` up to the first one stored nowhere (a cycle, which only a lying client can
-        make, ends the walk too)."""
-        out = {key}
-        p = parent
-        while p is not None and p not in out and (self.present(p) or p in self.reserved):
-            out.add(p)
-            p = self.parent_of(p)
+        make, ends the walk too).
+
+        ``memo`` (a dict the caller keeps for one batch of consecutive chunks) remembers the
+        last answer: when ``parent`` is the key it was for, the walk is not repeated (the
+        chunks of one put are each other's ancestors; the walk would cost O(depth) each)."""
+        if memo is not None and memo.get("key") == parent and parent is not None:
+            out = memo["lineage"] | {key}
+        else:
+            out = {key}
+            p = parent
+            while p is not None and p not in out and (self.present(p) or p in self.reserved):
+                out.add(p)
+                p = self.parent_of(p)
+        if memo is not None:
+            memo["key"], memo["lineage"] = key, out
         return out
 
     def live_children(self, key: ChunkKey) -> set[ChunkKey]:
@@ -111,11 +126,13 @@ class TierMover:
 
     # ---- placement ----------------------------------------------------------------------------
     def insert(self, i: int, key: ChunkKey, kv: torch.Tensor, parent: ChunkKey | None,
-               owned: bool = False, keep: frozenset = frozenset()) -> bool:
+               owned: bool = False, keep: frozenset = frozenset(),
+               memo: dict | None = None) -> bool:
         """Put ``kv`` into tier i, evicting (and spilling) as needed. False if it cannot fit
-        without evicting ``keep`` or ``key``'s own stored ancestors out of the store."""
+        without evicting ``keep`` or ``key``'s own stored ancestors out of the store.
+        ``memo``: see ``lineage``."""
         nbytes = kv.numel() * kv.element_size()
-        if not self.make_room(i, nbytes, lambda: keep | self.lineage(key, parent)):
+        if not self.make_room(i, nbytes, lambda: keep | self.lineage(key, parent, memo)):
             return False
         self.tiers[i].put(key, kv, parent, owned=owned)
         return True

@@ -166,6 +166,7 @@ class ReachabilityMachine(RuleBasedStateMachine):
         if self.store is None:
             return
         s = self.store
+        s.flush()  # a disk value's size changes when the writer commits it: count after that
         s.check_integrity()
         doomed = s._doomed
         present = {k for t in s.tiers for k in t.keys()} - doomed

@@ -68,15 +68,15 @@ class EvictionPolicy(ABC):
 
     # ---- queries ------------------------------------------------------------------------
     def next_victim(self, can_evict: Callable[[Key], bool] = lambda k: True) -> Key | None:
-        fallback = None
+        # keys with a stored child are skipped before ``can_evict`` is asked (it may cost
+        # more than a dict lookup); they are the second choice, in the same order
         for key in self._order():
-            if not can_evict(key):
-                continue
-            if not self._children.get(key):
+            if not self._children.get(key) and can_evict(key):
                 return key
-            if fallback is None:
-                fallback = key
-        return fallback
+        for key in self._order():
+            if self._children.get(key) and can_evict(key):
+                return key
+        return None
 
     def children(self, key: Key) -> set[Key]:
         """Tracked keys whose recorded parent is ``key`` (a new set; ``key`` need not be
