@@ -311,3 +311,25 @@ def test_vllm_connector_save_runs_name_the_parent_of_their_first_chunk():
         (0, 2, None), (3, 2, keys[2]), (7, 1, keys[6])]
     tail = KVStoreConnector._save_runs("r", NS, keys[5:], 5, [5, 6, 8], list(range(40)))
     assert [(t.first_chunk, t.parent) for t in tail] == [(5, None), (8, keys[7])]
+
+
+def test_engine_connector_loads_through_a_layered_store_copy_chunks_with_true_parents():
+    """Chunks 2-4 come from the remote store and are copied into the local one: the first of
+    them names chunk 1 (held locally) as its parent, which only the connector knows."""
+    from test_connector_unit import FakeEngine, kv_value, make_conn
+    local, remote = cpu_store(16), cpu_store(16)
+    conn = make_conn(LayeredStore(local, remote), chunk=8)
+    FakeEngine(conn, prefix_caching=False)  # binds the connector's namespace
+    toks = list(range(100, 133))
+    PrefixStore(remote, conn.ns).put(toks, kv_value(toks, 0, 32))
+    PrefixStore(local, conn.ns).put(toks[:8], kv_value(toks, 0, 8))
+    eng = FakeEngine(conn, prefix_caching=False)
+    seq = eng.add("r", toks)
+    eng.step()
+    assert seq.num_cached_tokens == 32
+    keys = conn.ns.chunk_keys(toks[:32])
+    assert [local.tiers[0].parent_of(k) for k in keys] == [None] + keys[:3]
+    local.remove(conn.ns, keys[1:2])
+    assert conn.ns.layout.chunk_bytes == 256  # two 128-byte pages per chunk
+    assert local.stats()["unreachable_bytes"] == 2 * 256  # chunks 3 and 4
+    conn.close()
