@@ -208,8 +208,8 @@ def test_daemon_puts_of_one_or_two_chunks_keep_the_head_of_a_long_prompt(daemon)
 
 def test_daemon_put_header_parent_is_validated_like_a_key(daemon):
     import json
-
-    import requests
+    import urllib.error
+    import urllib.request
 
     from kvstore import protocol as P
     keys = NS.chunk_keys(prompt(2))
@@ -222,9 +222,12 @@ def test_daemon_put_header_parent_is_validated_like_a_key(daemon):
                 "chunks": [dict(entry.to_dict(), parent=parent)]}
         blob = json.dumps(head).encode()
         body = P.PREAMBLE.pack(P.MAGIC, len(blob)) + blob + bytes(view)
-        r = requests.post(daemon.url + "/v1/put", data=body,
-                          headers={"Content-Type": P.BINARY_CONTENT_TYPE})
-        assert r.status_code == 400 and why in r.json()["error"], (parent, r.text)
+        req = urllib.request.Request(daemon.url + "/v1/put", data=body, method="POST",
+                                     headers={"Content-Type": P.BINARY_CONTENT_TYPE})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=10)
+        text = err.value.read().decode()
+        assert err.value.code == 400 and why in json.loads(text)["error"], (parent, text)
     assert daemon.store.exists(NS, keys) == [False, False]
 
 
