@@ -28,10 +28,11 @@ def test_format_size():
 
 def test_config_parses_and_validates(tmp_path):
     cfg = StoreConfig(gpu_bytes="6MiB", cpu_bytes="8MiB", disk_bytes="1GiB", disk_path=tmp_path)
-    assert (cfg.gpu_bytes, cfg.cpu_bytes, cfg.disk_bytes, cfg.page_bytes) == (6 * 2**20, 8 * 2**20, 2**30, 65536)
+    assert (cfg.gpu_bytes, cfg.cpu_bytes, cfg.disk_bytes, cfg.page_bytes) == (6 * 2**20, 8 * 2**20, 2**30, 4096)
     assert cfg.tiers == ("gpu", "cpu", "disk") and cfg.disk_path == str(tmp_path)
     assert StoreConfig.from_dict(cfg.to_dict()) == cfg
-    assert cfg.footprint("cpu", 5898240) == 90 * 65536 and cfg.footprint("disk", 100) == 100
+    assert cfg.footprint("cpu", 5898240) == 1440 * 4096 and cfg.footprint("disk", 100) == 100
+    assert cfg.footprint("cpu", 4097) == 8192  # whole pages
     cfg.check_layout(KVLayout(30, 3, 64, "float16", 256))
     with pytest.raises(AttributeError):
         cfg.cpu_bytes = 1  # frozen
