@@ -13,18 +13,21 @@ prefix cache; ``kvstore-cpu``: plus ``--kvstore-cpu-bytes``; both on the same sm
 For each run it reports the client's mean TTFT (``mean_ttft_ms`` of vllm bench's result file),
 the server's (``server_ttft_mean_ms``: the increase of ``engine_time_to_first_token_seconds``'s
 ``_sum`` over that of its ``_count`` across the run, from ``/metrics``), the requests vllm bench
-counted as failed, and whether it aligned its prompts through ``/tokenize`` (its log says
-``/tokenize unavailable, skipping alignment`` when a server lacks the route). The two TTFTs
+counted as failed, whether it could check its prompts' token counts through ``/tokenize``
+(``aligned``; its log says ``/tokenize unavailable, skipping alignment`` when a server lacks the
+route) and whether the server counted them differently (``realigned``: vllm bench then cut the
+prompts to length through ``/detokenize``). The two TTFTs
 differ by the HTTP round trip and the SSE write, so a large gap is a measurement bug (a chat
 stream that sent its first chunk before prefill read ~10 ms on the client).
 
-vllm bench needs a tokenizer it can load locally (the served name is not downloadable here):
-``--tokenizer DIR`` takes a Hugging Face tokenizer folder; without it one is written once to
-``results/client_parity/tokenizer`` from the GGUF's own tokenizer by ``transformers``
-(``AutoTokenizer.from_pretrained(..., gguf_file=...)``, in the vLLM environment).
+vllm bench needs a tokenizer it can load locally (the served name, the model's Hugging Face
+id, is not downloaded here): ``--tokenizer DIR`` takes a Hugging Face tokenizer folder; without
+it ``python -m engine_min export-tokenizer`` writes the engine's own once to
+``results/client_parity/tokenizer``.
 
 Output (``--json``): ``{"runs": {"<config>/<backend>": {"ttft_mean_ms", "server_ttft_mean_ms",
-"failed", "completed", "aligned"}}, "workload": {...}, "commands": {...}}``.
+"failed", "completed", "server_ttft_count", "aligned", "realigned", "wall_s"}}, "workload":
+{...}, "commands": {...}}`` (TTFTs in milliseconds, ``wall_s`` in seconds).
 """
 from __future__ import annotations
 
@@ -88,17 +91,15 @@ def _get(url: str) -> bytes:
 
 
 def ensure_tokenizer(path: Path) -> Path:
-    """A Hugging Face tokenizer folder of the served GGUF at ``path`` (written once)."""
-    if (path / "tokenizer.json").is_file():
-        return path
-    from engine_min.weights import default_model_path
-    gguf = Path(default_model_path())
-    code = ("import sys; from transformers import AutoTokenizer; "
-            "t = AutoTokenizer.from_pretrained(sys.argv[1], gguf_file=sys.argv[2]); "
-            "t.save_pretrained(sys.argv[3])")
-    python = VLLM_BIN.parent / "python"
-    subprocess.run([str(python), "-c", code, str(gguf.parent), gguf.name, str(path)],
-                   check=True, capture_output=True, timeout=600)
+    """A Hugging Face tokenizer folder of the served model at ``path``, written by ``python -m
+    engine_min export-tokenizer`` unless one is there.
+
+    Raises:
+        subprocess.CalledProcessError: the export failed.
+    """
+    if not (path / "tokenizer.json").is_file():
+        subprocess.run([sys.executable, "-m", "engine_min", "export-tokenizer", str(path)],
+                       check=True, capture_output=True, timeout=600)
     return path
 
 
@@ -136,7 +137,8 @@ def one_run(config: str, backend: str, opts: ServerOptions, tokenizer: Path,
            "server_ttft_mean_ms": round(1000 * sum_s / count, 1) if count else None,
            "failed": int(result["failed"]), "completed": int(result["completed"]),
            "server_ttft_count": int(count),
-           "aligned": "/tokenize unavailable" not in output}
+           "aligned": "/tokenize unavailable" not in output,
+           "realigned": "tokenizer mismatch" in output}
     return row, " ".join(cmd)
 
 
@@ -145,8 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     ap.add_argument("--tokenizer", type=Path, default=None,
-                    help="Hugging Face tokenizer folder for vllm bench (default: written from "
-                    "the GGUF to results/client_parity/tokenizer)")
+                    help="Hugging Face tokenizer folder for vllm bench (default: the engine's, "
+                    "exported to results/client_parity/tokenizer)")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
     ap.add_argument("--kv-cache-bytes", default="32MiB", help="engine KV pool (default 32MiB)")
