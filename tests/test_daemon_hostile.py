@@ -248,6 +248,70 @@ def test_accept_failures_are_counted_and_logged_once_per_interval(tmp_path):
     assert "Traceback" not in log and len(log) < 4000
 
 
+def _metrics_text(port: int) -> str:
+    return get(port, "/metrics")[1].decode()
+
+
+def test_at_the_cap_a_never_used_idle_connection_is_closed_before_a_used_one():
+    store = ChunkStore(StoreConfig(cpu_bytes=1 << 20, page_bytes=256))
+    srv = ThreadedServer(create_app(store), max_connections=2)
+    try:
+        used = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+        used.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert used.recv(4096).startswith(b"HTTP/1.1 200 OK")  # served, now idle keep-alive
+        silent = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+        time.sleep(0.2)
+        status, _ = get(srv.port, "/healthz")  # a third connection: ``silent`` makes room
+        assert status == 200
+        assert closed_by_server([silent], time.monotonic() + 5) == 1
+        used.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")  # still open and served
+        assert used.recv(4096).startswith(b"HTTP/1.1 200 OK")
+        text = _metrics_text(srv.port)
+        assert metric(text, 'kvstore_server_connections_closed_total{reason="idle_evicted"}') == 1
+        assert metric(text, 'kvstore_server_connections_closed_total{reason="refused_busy"}') == 0
+        used.close()
+    finally:
+        srv.stop()
+        store.close()
+
+
+def test_at_the_cap_with_every_connection_busy_a_new_one_gets_503_and_nothing_is_lost():
+    store = ChunkStore(StoreConfig(cpu_bytes=1 << 20, page_bytes=256))
+    srv = ThreadedServer(create_app(store), max_connections=2)
+    try:
+        bodies = [put_body(NS, NS.chunk_keys([i] * 4)) for i in (1, 2)]  # two prompts' chunks
+        busy = []
+        for body in bodies:  # two uploads in progress: half their body sent
+            head = (f"POST /v1/put HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                    f"{P.BINARY_CONTENT_TYPE}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+            s.sendall(head + body[:len(body) // 2])
+            busy.append(s)
+        time.sleep(0.3)
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+            answer = b""
+            while True:
+                got = s.recv(4096)
+                if not got:
+                    break
+                answer += got
+        assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1]) == {
+            "error": "connection limit reached; every connection is busy", "status": 503}
+        for s, body in zip(busy, bodies):  # the uploads finish and are stored
+            s.sendall(body[len(body) // 2:])
+            reply = s.recv(4096)
+            assert reply.startswith(b"HTTP/1.1 200 OK") and b'"stored": 1' in reply
+            s.close()
+        assert sum(t["num_chunks"] for t in store.stats()["tiers"].values()) == 2
+        time.sleep(0.2)
+        text = _metrics_text(srv.port)
+        assert metric(text, 'kvstore_server_connections_closed_total{reason="refused_busy"}') == 1
+    finally:
+        srv.stop()
+        store.close()
+
+
 # ---- 2. inputs that used to reach a 500 -------------------------------------------------------
 HUGE = "9" * 4301  # one digit over Python's int/str conversion limit
 
