@@ -5,7 +5,9 @@ of the model, for clients that load a tokenizer by path)."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,12 +47,15 @@ def export_tokenizer_main(args: argparse.Namespace) -> int:
         reader = open_gguf(path) if str(path).endswith(".gguf") else None
         tok = load_tokenizer(path, reader)
         model_id, _ = model_name(path, reader)
-        ctx = 0
         if reader is not None:
             arch = gguf_field(reader, "general.architecture")
             ctx = int(gguf_field(reader, f"{arch}.context_length", 0) or 0)
-        files = export_tokenizer(tok, args.dir, model_id, ctx or 2048)
-    except (ModelLoadError, OSError) as e:
+        else:  # a Hugging Face folder: its config.json
+            cfg = json.loads((Path(path) / "config.json").read_text())
+            arch = cfg.get("model_type", "llama")
+            ctx = int(cfg.get("max_position_embeddings") or 0)
+        files = export_tokenizer(tok, args.dir, model_id, ctx or 2048, arch or "llama")
+    except (ModelLoadError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {', '.join(files)} of {model_id} to {args.dir}")

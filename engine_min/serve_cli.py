@@ -139,14 +139,12 @@ def served_model_names(args: argparse.Namespace, engine: Any) -> list[str]:
 
 
 def log_identity(engine: Any, names: list[str]) -> None:
-    """Log what the engine serves and, with a store, the namespace its chunks live in."""
+    """Log what the engine serves (model id, revision, weights fingerprint, served names); the
+    connector logs the store namespace built from it when it binds."""
     ident = engine.kv_identity
     logger.info("model %s (revision %s, weights %s), served as %s", ident["model_id"],
                 ident["revision"] or "-", ident["weights_fingerprint"] or "not fingerprinted",
                 ", ".join(names))
-    ns = getattr(engine.connector, "ns", None)
-    if ns is not None:
-        logger.info("kvstore namespace %s: %s", ns.ns_id.hex(), ns.to_dict())
 
 
 def serve_main(args: argparse.Namespace) -> None:

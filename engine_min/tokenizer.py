@@ -145,7 +145,7 @@ def _from_hf_folder(folder: Path) -> Tokenizer:
 
 
 def export_tokenizer(tokenizer: Tokenizer, out_dir: str | os.PathLike, model_id: str,
-                     model_max_length: int) -> list[str]:
+                     model_max_length: int, model_type: str = "llama") -> list[str]:
     """Write ``tokenizer`` as a Hugging Face tokenizer folder, so clients that load one by
     path (``transformers.AutoTokenizer.from_pretrained(out_dir)``, ``vllm bench serve
     --tokenizer out_dir``) count and render tokens exactly as this engine does.
@@ -154,13 +154,17 @@ def export_tokenizer(tokenizer: Tokenizer, out_dir: str | os.PathLike, model_id:
     ``tokenizer.json`` (the ``tokenizers`` pipeline itself: vocabulary, merges, pre-tokenizer,
     decoder, special tokens; no post-processor, so no BOS is added, as here),
     ``tokenizer_config.json`` (class, ``chat_template``, BOS/EOS/PAD tokens,
-    ``model_max_length`` in tokens, ``add_bos_token: false``) and ``special_tokens_map.json``.
+    ``model_max_length`` in tokens, ``add_bos_token: false``), ``special_tokens_map.json``
+    and a ``config.json`` holding only ``model_type``, ``vocab_size``, BOS/EOS ids and
+    ``max_position_embeddings`` (vLLM reads the config next to a tokenizer to pick its mode
+    and logs errors without one; there are no weights here).
 
     Args:
         tokenizer: the engine's tokenizer.
         out_dir: folder to write (created if missing; these three files are replaced).
         model_id: recorded as ``name_or_path``.
         model_max_length: the engine's prompt + completion limit in tokens.
+        model_type: the architecture (``"llama"``, ``"mistral"``, ``"qwen2"``).
 
     Returns:
         the written file names.
@@ -187,4 +191,8 @@ def export_tokenizer(tokenizer: Tokenizer, out_dir: str | os.PathLike, model_id:
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps(
         {**specials, "additional_special_tokens": extra}, indent=2) + "\n")
-    return ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+    (out / "config.json").write_text(json.dumps(
+        {"model_type": model_type, "vocab_size": tokenizer.vocab_size,
+         "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+         "max_position_embeddings": int(model_max_length)}, indent=2) + "\n")
+    return ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json"]

@@ -123,7 +123,10 @@ def exported(tmp_path_factory):
 
 def test_export_tokenizer_writes_a_hf_folder(exported):
     assert sorted(p.name for p in exported.iterdir()) == \
-        ["special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+        ["config.json", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+    assert json.loads((exported / "config.json").read_text()) == {
+        "model_type": "llama", "vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2,
+        "max_position_embeddings": 8192}
     cfg = json.loads((exported / "tokenizer_config.json").read_text())
     assert cfg["name_or_path"] == SHIPPED_ID and cfg["model_max_length"] == 8192
     assert (cfg["bos_token"], cfg["eos_token"], cfg["pad_token"]) == \
@@ -162,14 +165,17 @@ def test_export_tokenizer_into_a_file_path_fails_clearly(tmp_path, capsys):
 def test_startup_log_names_model_fingerprint_and_namespace(engine, caplog):
     from connectors.factory import create_connector
     conn = create_connector(cpu_bytes="16MiB", chunk_size=16)
-    engine.set_connector(conn)
+    fp = engine.kv_identity["weights_fingerprint"]
+    with caplog.at_level(logging.INFO):
+        engine.set_connector(conn)
+        log_identity(engine, NAMES)
     try:
-        with caplog.at_level(logging.INFO, logger="engine_min.server"):
-            log_identity(engine, NAMES)
         text = caplog.text
-        fp = engine.kv_identity["weights_fingerprint"]
-        assert f"model {SHIPPED_ID} (revision -, weights {fp}), served as smollm2" in text
-        assert f"kvstore namespace {conn.ns.ns_id.hex()}" in text and fp in text
+        assert f"model {SHIPPED_ID} (revision -, weights {fp}), served as smollm2, " \
+            f"{SHIPPED_ID}, alias-b" in text
+        assert f"kvstore namespace: {SHIPPED_ID} revision=- weights={fp} kv_dtype=float32 " \
+            f"chunk_size=16 compute_dtype=float32 " \
+            f'rope={{"scaling":null,"theta":100000.0}} ns_id={conn.ns.ns_id.hex()}' in text
         assert conn.ns.weights_fingerprint == fp and conn.ns.model_id == SHIPPED_ID
     finally:
         engine.set_connector(None)
