@@ -168,7 +168,7 @@ class Namespace:
         Raises:
             KeyError: no ``model_id`` or ``layout``. ValueError / TypeError: bad values.
         """
-        extra = {f: str(d.get(f) or "") for f in IDENTITY_FIELDS}
+        extra = {f: d.get(f) or "" for f in IDENTITY_FIELDS}  # checked by __post_init__
         return cls(model_id=str(d["model_id"]), layout=KVLayout.from_dict(d["layout"]),
                    revision=str(d.get("revision", "")), cache_salt=str(d.get("cache_salt", "")),
                    hash_algo=str(d.get("hash_algo", "sha256")), **extra)

@@ -233,6 +233,14 @@ def test_namespace_wire_form_round_trips_and_old_form_keeps_its_digest():
     assert plain.digest == hashlib.sha256(b"kvstore-ns-v1" + blob).digest()
     with pytest.raises(TypeError, match="weights_fingerprint"):
         Namespace("m", LAYOUT, weights_fingerprint=123)
+    # on the wire: a non-string identity field is a 400 naming it, never coerced
+    from kvstore import protocol as P
+    bad = {**BASE.to_dict(), "adapter": ["lora"]}
+    with pytest.raises(P.ProtocolError, match="adapter") as err:
+        P.parse_namespace(bad)
+    assert err.value.status == 400
+    assert P.parse_namespace({**BASE.to_dict(), "rope": {"theta": 100000.0, "scaling": None}}) \
+        == BASE                                       # a dict rope is written canonically
 
 
 # ---- engine_min: flags -> identity -> namespace --------------------------------------------
