@@ -254,6 +254,9 @@ class EngineMinConnector(LoadWorker, KVConnectorBase):
                           chunk_size=self.chunk_size)
         self.ns = self._namespace(layout)
         log.info("kvstore namespace: %s", self.ns.describe())
+        if not self.model_identity.get("weights_fingerprint") and self.revision is None:
+            log.warning("kvstore namespace has no weights fingerprint (the engine gave none): "
+                        "engines share its chunks by model id %r alone", self.ns.model_id)
         self.tail_ns = None
         if self.tail_chunk_size:   # connectors.vllm's tail namespace: chunk size F, rest equal
             self.tail_ns = dataclasses.replace(self.ns, layout=dataclasses.replace(
