@@ -303,3 +303,26 @@ def test_engine_connector_with_a_tenant_token_hits_its_own_chunks_only(daemon):
     conn, _, seq = run("not-a-tenant-token-0123", toks)  # unknown: recomputes, never fails
     assert seq.is_finished and seq.num_cached_tokens == 0
     conn.close()
+
+
+def test_kvstore_serve_reads_the_tenants_file_and_never_logs_a_token(tmp_path):
+    """The real command: ``kvstore serve --auth-token T --tenants-file F`` (T is one more admin)."""
+    from test_cli import Daemon
+    f = tmp_path / "tenants.yaml"
+    f.write_text(TENANTS_YAML)
+    d = Daemon(tmp_path / "log", "--cpu-bytes", "1MiB", "--tenants-file", str(f))
+    try:
+        with KVStoreClient(d.url, auth_token=TOKENS["alice"], timeout_s=10) as a, \
+                KVStoreClient(d.url, auth_token="wrong-token-0123456789", timeout_s=10) as w, \
+                d.client(timeout_s=10) as admin:
+            assert a.whoami() == {"tenant": "alice", "role": "tenant", "cache_salt": "alice"}
+            assert a.put_chunks(NS_A, KA, [chunk(i) for i in range(3)]) == 3
+            assert status_of(a.clear) == 403 and status_of(a.get_chunks, NS_B, KB) == 403
+            assert status_of(w.whoami) == 401
+            assert admin.whoami() == {"tenant": "admin", "role": "admin", "cache_salt": None}
+            assert admin.clear() == 3
+    finally:
+        assert d.stop() == 0
+    log = (tmp_path / "log").read_text()
+    assert "stopped" in log  # the info-level log of the whole run
+    assert all(t not in log for t in TOKENS.values()) and "wrong-token" not in log
