@@ -61,14 +61,6 @@ log = logging.getLogger("kvstore.server")
 UNAUTHENTICATED = frozenset({"/healthz", "/readyz"})
 
 
-def _token_ok(request: web.Request, token: str) -> bool:
-    got = request.headers.get("Authorization", "")
-    scheme, _, value = got.partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    return hmac.compare_digest(value.strip().encode(), token.encode())
-
-
 @web.middleware
 async def _middleware(request: web.Request, handler) -> web.StreamResponse:
     """Auth, protocol version, per-request timeout, JSON errors and metrics for every route."""
