@@ -36,7 +36,7 @@ $(VLLM_STAMP): tools/make_vllm_env.sh pyproject.toml
 	PY=$(PY) tools/make_vllm_env.sh $(VLLM_VENV)
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q -ra tests/test_vllm_connector.py tests/test_vllm_cli.py
+	$(VLLM_VENV)/bin/python -m pytest -q -ra tests/test_vllm_connector.py tests/test_vllm_cli.py tests/test_vllm_tenants.py
 
 demo: $(STAMP)
 	$(VPY) -m bench.demo
