@@ -150,7 +150,7 @@ class DirectIO:
                 if self._locate(k) is not None:
                     out[i] = ALREADY_STORED
                 elif direct and room and (p is None or mover.present(p) or p in self._reserved) \
-                        and mover.make_room(0, nbytes, lambda k=k, p=p: mover.lineage(k, p)):
+                        and mover.make_room(0, nbytes, lambda k=k, p=p: mover.protect(k, p)):
                     pages, runs = top.reserve(nbytes)
                     out[i] = Reservation(top, pages, top.run_views(runs), nbytes, k)
                     self._reserved[k] = p

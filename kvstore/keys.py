@@ -209,6 +209,10 @@ class ChunkKey:
         prefix_hash: 32 bytes (sha256/blake2b) or 16 bytes (xxh3_128).
 
     ``bytes(key)`` (= ns_id || prefix_hash) is the storage key on disk and on the wire.
+
+    The hash is computed once, at construction (keys are hashed on every index, policy and
+    pin lookup); a pickled key recomputes it when unpickled (``str``/``bytes`` hashes differ
+    between processes).
     """
 
     ns_id: bytes
@@ -219,6 +223,18 @@ class ChunkKey:
             raise ValueError(f"ns_id must be 16 bytes, got {len(self.ns_id)}")
         if len(self.prefix_hash) not in (16, 32):
             raise ValueError(f"prefix_hash must be 16 or 32 bytes, got {len(self.prefix_hash)}")
+        object.__setattr__(self, "_hash", hash((self.ns_id, self.prefix_hash)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self.prefix_hash == other.prefix_hash and self.ns_id == other.ns_id
+
+    def __reduce__(self):
+        return (self.__class__, (self.ns_id, self.prefix_hash))
 
     def __bytes__(self) -> bytes:
         return self.ns_id + self.prefix_hash

@@ -71,26 +71,41 @@ class TierMover:
                 return p
         return self.reserved.get(key)
 
-    def lineage(self, key: ChunkKey, parent: ChunkKey | None,
-                memo: dict | None = None) -> set[ChunkKey]:
+    def lineage(self, key: ChunkKey, parent: ChunkKey | None) -> set[ChunkKey]:
         """``key`` and its stored (or reserved) ancestors, following recorded parents from
         ``parent`` up to the first one stored nowhere (a cycle, which only a lying client can
-        make, ends the walk too).
-
-        ``memo`` (a dict the caller keeps for one batch of consecutive chunks) remembers the
-        last answer: when ``parent`` is the key it was for, the walk is not repeated (the
-        chunks of one put are each other's ancestors; the walk would cost O(depth) each)."""
-        if memo is not None and memo.get("key") == parent and parent is not None:
-            out = memo["lineage"] | {key}
-        else:
-            out = {key}
-            p = parent
-            while p is not None and p not in out and (self.present(p) or p in self.reserved):
-                out.add(p)
-                p = self.parent_of(p)
-        if memo is not None:
-            memo["key"], memo["lineage"] = key, out
+        make, ends the walk too). O(depth): ``Protected.full`` calls it at most once per
+        ``make_room``, and only when no victim with no stored child could go."""
+        out = {key}
+        p = parent
+        while p is not None and p not in out and (self.present(p) or p in self.reserved):
+            out.add(p)
+            p = self.parent_of(p)
         return out
+
+    def near_lineage(self, key: ChunkKey, parent: ChunkKey | None) -> set[ChunkKey]:
+        """``key``, the reserved (not yet stored) ancestors it continues, and the first stored
+        ancestor above them: the only members of ``lineage(key, parent)`` that can have no
+        stored child (every stored ancestor above the first has one: the next on the path).
+        O(reserved ancestors), independent of the prompt's length."""
+        out = {key}
+        p = parent
+        while p is not None and p not in out:
+            if self.present(p):
+                out.add(p)
+                break
+            if p not in self.reserved:
+                break
+            out.add(p)
+            p = self.parent_of(p)
+        return out
+
+    def protect(self, key: ChunkKey, parent: ChunkKey | None,
+                outer: "Protected | None" = None) -> "Protected":
+        """What making room for ``key`` (child of ``parent``) may not take out of the store:
+        its own stored ancestors, and whatever ``outer`` protects (the placement that caused
+        this one: a spill)."""
+        return Protected(self, key, parent, outer)
 
     def live_children(self, key: ChunkKey) -> set[ChunkKey]:
         """Stored keys (any tier, not removed) whose recorded parent is ``key``."""
@@ -126,26 +141,28 @@ class TierMover:
 
     # ---- placement ----------------------------------------------------------------------------
     def insert(self, i: int, key: ChunkKey, kv: torch.Tensor, parent: ChunkKey | None,
-               owned: bool = False, keep: frozenset = frozenset(),
-               memo: dict | None = None) -> bool:
+               owned: bool = False, keep: "Protected | None" = None) -> bool:
         """Put ``kv`` into tier i, evicting (and spilling) as needed. False if it cannot fit
-        without evicting ``keep`` or ``key``'s own stored ancestors out of the store.
-        ``memo``: see ``lineage``."""
+        without evicting what ``keep`` protects or ``key``'s own stored ancestors out of the
+        store."""
         nbytes = kv.numel() * kv.element_size()
-        if not self.make_room(i, nbytes, lambda: keep | self.lineage(key, parent, memo)):
+        if not self.make_room(i, nbytes, lambda: self.protect(key, parent, keep)):
             return False
         self.tiers[i].put(key, kv, parent, owned=owned)
         return True
 
     def make_room(self, i: int, nbytes: int,
-                  keep: Callable[[], set[ChunkKey]] = lambda: set()) -> bool:
+                  keep: Callable[[], "Protected"] | None = None) -> bool:
         """Evict unpinned victims of tier i until a chunk of ``nbytes`` fits. False if it
-        cannot (larger than the tier, or no victim may go: pinned, in ``keep()`` (called once,
-        when the first victim is needed) or holding up a descendant that may not go)."""
+        cannot (larger than the tier, or no victim may go: pinned, protected by ``keep()``
+        (called once, when the first victim is needed; None: nothing protected) or holding up
+        a descendant that may not go)."""
         tier = self.tiers[i]
         if tier.footprint(nbytes) > tier.capacity_bytes:
             return False
-        protected: set[ChunkKey] | None = None
+        if keep is None:
+            keep = lambda: Protected(self, None, None)  # noqa: E731
+        protected: Protected | None = None
         skip: set[ChunkKey] = set()
         while not tier.can_fit(nbytes):
             if protected is None:
@@ -157,7 +174,7 @@ class TierMover:
                 skip.add(victim)
         return True
 
-    def _pick(self, i: int, keep: set[ChunkKey], skip: set[ChunkKey]) -> ChunkKey | None:
+    def _pick(self, i: int, keep: "Protected", skip: set[ChunkKey]) -> ChunkKey | None:
         """Tier i's next victim by its policy: first among those whose eviction strands
         nothing by itself (a lower tier to spill to, another copy, or no stored child), then,
         in the last tier, one whose descendants may all go with it."""
@@ -174,10 +191,14 @@ class TierMover:
         victim = tier.next_victim(simple)
         if victim is not None or not last:
             return victim
-        return tier.next_victim(lambda k: k not in skip and k not in keep and self.evictable(k)
+        full = keep.full()  # (a stored ancestor is refused before its descendants are walked)
+        return tier.next_victim(lambda k: k not in skip and k not in full and self.evictable(k)
                                 and self._may_leave(k, keep))
 
-    def _may_leave(self, key: ChunkKey, keep: set[ChunkKey]) -> bool:
+    def _may_leave(self, key: ChunkKey, keep: "Protected") -> bool:
+        """Whether ``key`` and all its stored descendants may leave the store: none pinned,
+        none protected. A stored ancestor of the protected chunk has the first stored one of
+        ``keep.near`` among its descendants (or is it), so checking ``near`` is enough."""
         return key not in keep and all(d not in keep and self.evictable(d)
                                        for d in self.descendants(key))
 
@@ -196,17 +217,19 @@ class TierMover:
                 rejected += 1
         return rejected
 
-    def evict(self, i: int, key: ChunkKey, keep: set[ChunkKey] = frozenset()) -> bool:
+    def evict(self, i: int, key: ChunkKey, keep: "Protected | None" = None) -> bool:
         """Drop ``key`` from tier i, spilling it to tier i+1 first when it is not there. When
         it leaves the store, its stored descendants go first (deepest first, every tier).
         Returns False (nothing changed) when it would leave the store but may not: it is in
         ``keep``, or a descendant is pinned or in ``keep``."""
+        if keep is None:
+            keep = Protected(self, None, None)
         tier = self.tiers[i]
         stays = self.elsewhere(key, i)
         if not stays and i + 1 < len(self.tiers):
             data = tier.read(key, getattr(tier, "device", "cpu"))
             if data is not None and self.insert(i + 1, key, data, self.parent_of(key), owned=True,
-                                                keep=frozenset(keep)):
+                                                keep=keep):
                 self.metrics.inc("spills", tier=tier.name)
                 stays = True
         if not stays:
@@ -239,6 +262,51 @@ class TierMover:
             except Exception:
                 log.exception("promotion of %r failed", key)
                 self.metrics.inc("errors", tier=top.name)
+
+
+class Protected:
+    """The chunks a placement may not evict out of the store: the chunk being placed and its
+    stored ancestors (plus those of ``outer``, the placement that caused this one).
+
+    Membership (``in``) answers for ``near`` only: the chunk, its reserved ancestors and its
+    first stored ancestor (``TierMover.near_lineage``, bounded by the reserved chunks, not by
+    the prompt's length). That is exact for the two questions eviction asks: a victim with no
+    stored child is an ancestor only if it is in ``near``; a victim that would take its
+    stored descendants along is an ancestor (or has one among them) exactly when the first
+    stored ancestor is among it and its descendants, which ``_may_leave`` walks anyway.
+    ``full()`` is the whole ancestor walk, O(depth), done once and only for the last-resort
+    pass over victims with stored children (to refuse ancestors without walking their
+    descendants). A stored chunk whose parent is stored nowhere is unreachable already: the
+    walk stops there.
+    """
+
+    __slots__ = ("mover", "key", "parent", "near", "outer", "_full")
+
+    def __init__(self, mover: TierMover, key: ChunkKey | None, parent: ChunkKey | None,
+                 outer: "Protected | None" = None) -> None:
+        self.mover, self.key, self.parent, self.outer = mover, key, parent, outer
+        self.near = mover.near_lineage(key, parent) if key is not None else set()
+        self._full: set[ChunkKey] | None = None
+
+    def __contains__(self, key: ChunkKey) -> bool:
+        p = self
+        while p is not None:
+            if key in p.near:
+                return True
+            p = p.outer
+        return False
+
+    def full(self) -> set[ChunkKey]:
+        """Every protected key: each placement's whole ancestor walk (computed once)."""
+        if self._full is None:
+            out: set[ChunkKey] = set()
+            p = self
+            while p is not None:
+                if p.key is not None:
+                    out |= self.mover.lineage(p.key, p.parent)
+                p = p.outer
+            self._full = out
+        return self._full
 
 
 def unreachable_bytes(tiers: Sequence[Tier], doomed: set[ChunkKey]) -> int:

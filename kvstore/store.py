@@ -365,7 +365,7 @@ class ChunkStore(StoreAdmin, DirectIO, KVStoreBase):
         again) keeps its value and its reservation is released; a key whose parent is stored
         nowhere is rejected. Returns how many were newly stored."""
         t0 = time.perf_counter()
-        stored, memo = 0, {}  # memo: the ancestor walk of the previous chunk (TierMover)
+        stored = 0
         with self._lock:
             self._expire_leases()
             for key, item, parent in zip(keys, items, parents):
@@ -386,7 +386,7 @@ class ChunkStore(StoreAdmin, DirectIO, KVStoreBase):
                 elif res is not None:
                     ok = self._commit_reserved(res, key, parent, layout)
                 else:
-                    ok = any(self._mover.insert(j, key, item, parent, memo=memo)
+                    ok = any(self._mover.insert(j, key, item, parent)
                              for j in range(len(self.tiers)))
                 stored += ok
                 if not ok:

@@ -10,10 +10,13 @@ Policies are not thread-safe; the tier that owns one serialises calls.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 from abc import ABC, abstractmethod
 from typing import Callable, Hashable, Iterator
 
 Key = Hashable
+_ABSENT = object()
 
 
 class EvictionPolicy(ABC):
@@ -30,14 +33,25 @@ class EvictionPolicy(ABC):
       ``can_evict`` (e.g. all pinned). Does not remove it: the tier evicts it and then calls
       ``on_remove``. First choice: the first evictable key in policy order with no stored child;
       otherwise the first evictable key in policy order.
+
+    Ranked policies (``ranked = True``: LRU, FIFO, LFU) keep in ``_ranks`` a sortable rank per
+    key that orders keys as ``_order`` does (smallest first), set by their event hooks. Their
+    first choice comes from a heap of the keys with no stored child (stale entries dropped
+    when met, the heap rebuilt when it grows past twice the tracked keys), so it costs
+    O(log n) per victim plus the keys ``can_evict`` refuses, not a scan over every key that
+    has a child (a long prompt stored in one tier is all keys with a child but its last).
     """
 
     name = "base"
+    ranked = False
 
     def __init__(self) -> None:
         self._nbytes: dict[Key, int] = {}
         self._parent: dict[Key, Key | None] = {}
         self._children: dict[Key, set[Key]] = {}  # parent -> stored children (parent may be absent)
+        self._ranks: dict[Key, object] = {}  # ranked policies: key -> rank (order: smallest first)
+        self._leaf_heap: list[tuple[object, int, Key]] = []  # (rank, tie, key), may be stale
+        self._tie = itertools.count()
 
     # ---- events -------------------------------------------------------------------------
     def on_insert(self, key: Key, nbytes: int, parent: Key | None = None) -> None:
@@ -48,10 +62,12 @@ class EvictionPolicy(ABC):
         if parent is not None:
             self._children.setdefault(parent, set()).add(key)
         self._insert(key)
+        self._push_leaf(key)
 
     def on_access(self, key: Key) -> None:
         if key in self._nbytes:
             self._access(key)
+            self._push_leaf(key)
 
     def on_remove(self, key: Key) -> None:
         if key not in self._nbytes:
@@ -65,18 +81,56 @@ class EvictionPolicy(ABC):
                 kids.discard(key)
                 if not kids:
                     del self._children[parent]
+                    if parent in self._nbytes:
+                        self._push_leaf(parent)
 
     # ---- queries ------------------------------------------------------------------------
     def next_victim(self, can_evict: Callable[[Key], bool] = lambda k: True) -> Key | None:
         # keys with a stored child are skipped before ``can_evict`` is asked (it may cost
         # more than a dict lookup); they are the second choice, in the same order
-        for key in self._order():
-            if not self._children.get(key) and can_evict(key):
-                return key
+        if self.ranked:
+            victim = self._first_leaf(can_evict)
+            if victim is not None:
+                return victim
+        else:
+            for key in self._order():
+                if not self._children.get(key) and can_evict(key):
+                    return key
         for key in self._order():
             if self._children.get(key) and can_evict(key):
                 return key
         return None
+
+    # ---- leaves of a ranked policy ------------------------------------------------------------
+    def _push_leaf(self, key: Key) -> None:
+        """Record ``key`` (tracked) in the leaf heap at its current rank if it has no child."""
+        if not self.ranked or self._children.get(key):
+            return
+        heap = self._leaf_heap
+        if len(heap) > 2 * len(self._nbytes) + 64:  # mostly stale: rebuild, O(1) amortized
+            heap[:] = [(r, next(self._tie), k) for k, r in self._ranks.items()
+                       if not self._children.get(k)]
+            heapq.heapify(heap)
+            return  # the rebuild took ``key`` at its current rank
+        heapq.heappush(heap, (self._ranks[key], next(self._tie), key))
+
+    def _first_leaf(self, can_evict: Callable[[Key], bool]) -> Key | None:
+        """The smallest-ranked key with no stored child that ``can_evict`` accepts."""
+        heap, ranks, children = self._leaf_heap, self._ranks, self._children
+        held, seen, found = [], set(), None
+        while heap:
+            rank, _, key = heap[0]
+            if key in seen or ranks.get(key, _ABSENT) != rank or children.get(key):
+                heapq.heappop(heap)  # stale: removed, re-ranked, got a child, or a duplicate
+                continue
+            seen.add(key)
+            if can_evict(key):
+                found = key
+                break
+            held.append(heapq.heappop(heap))
+        for entry in held:
+            heapq.heappush(heap, entry)
+        return found
 
     def children(self, key: Key) -> set[Key]:
         """Tracked keys whose recorded parent is ``key`` (a new set; ``key`` need not be
@@ -105,6 +159,13 @@ class EvictionPolicy(ABC):
         for parent, kids in self._children.items():
             for kid in kids:
                 assert self._parent.get(kid) == parent, f"{self.name}: child index stale for {kid!r}"
+        if self.ranked:
+            assert set(self._ranks) == set(self._nbytes), f"{self.name}: ranks and index disagree"
+            assert sorted(self._nbytes, key=self._ranks.__getitem__) == ordered, \
+                f"{self.name}: ranks do not order the keys as the policy does"
+            live = {k for r, _, k in self._leaf_heap if self._ranks.get(k, _ABSENT) == r}
+            leaves = {k for k in self._nbytes if not self._children.get(k)}
+            assert leaves <= live, f"{self.name}: {len(leaves - live)} leaves missing from the heap"
 
     # ---- subclass hooks -------------------------------------------------------------------
     @abstractmethod

@@ -5,7 +5,8 @@ from kvstore.eviction.lru import LRUPolicy
 
 
 class FIFOPolicy(LRUPolicy):
-    """LRU's insertion-ordered ``OrderedDict`` without the move on access; O(1) per event."""
+    """LRU's insertion-ordered ``OrderedDict`` without the move on access; O(1) per event.
+    Rank: the event clock at insert."""
 
     name = "fifo"
 

@@ -1,6 +1,7 @@
 """Least frequently used: evict the key with the fewest accesses; ties go least recent first."""
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 
 from kvstore.eviction.base import EvictionPolicy
@@ -9,28 +10,34 @@ from kvstore.eviction.base import EvictionPolicy
 class LFUPolicy(EvictionPolicy):
     """Frequency buckets (``freq -> OrderedDict`` in recency order). An insert counts as one use.
 
-    O(1) per event; ``_order`` sorts only the distinct frequencies.
+    O(1) per event; ``_order`` sorts only the distinct frequencies. Rank: (frequency, event
+    clock when the key entered its bucket).
     """
 
     name = "lfu"
+    ranked = True
 
     def __init__(self) -> None:
         super().__init__()
         self._freq: dict = {}
         self._buckets: dict[int, OrderedDict] = {}
+        self._clock = itertools.count()
 
     def _insert(self, key) -> None:
         self._freq[key] = 1
         self._buckets.setdefault(1, OrderedDict())[key] = None
+        self._ranks[key] = (1, next(self._clock))
 
     def _access(self, key) -> None:
         f = self._freq[key]
         self._drop_from_bucket(key, f)
         self._freq[key] = f + 1
         self._buckets.setdefault(f + 1, OrderedDict())[key] = None
+        self._ranks[key] = (f + 1, next(self._clock))
 
     def _remove(self, key) -> None:
         self._drop_from_bucket(key, self._freq.pop(key))
+        del self._ranks[key]
 
     def _drop_from_bucket(self, key, f: int) -> None:
         bucket = self._buckets[f]
