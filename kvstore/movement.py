@@ -27,7 +27,7 @@ class TierMover:
     grandparent, ... are stored too):
 
     * room for a chunk is never made by evicting one of its own stored ancestors out of the
-      store (``keep``): the chunk would be stranded the moment it lands. When only such
+      store (``Protected``): the chunk would be stranded the moment it lands. When only such
       chunks could make room, the chunk is not stored (a put that overflows keeps its head
       chunks, not its tail);
     * a victim that leaves the store (no copy in another tier, no room below to spill to)
@@ -39,6 +39,10 @@ class TierMover:
     while pinned). Open reservations (``reserved``: key -> parent, chunks whose bytes are
     arriving) count as stored for the ancestor walk, so making room for chunk i of a batch
     never evicts the stored prefix that chunk i-1, not yet committed, continues.
+
+    Cost: placing a chunk does not walk its ancestors (``Protected``), and a tier's policy
+    finds a victim with no stored child without scanning the keys that have one
+    (``EvictionPolicy``), so a put's cost per chunk does not grow with its prompt's length.
 
     Not thread-safe: the store calls it under its lock.
     """
