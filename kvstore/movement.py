@@ -192,7 +192,9 @@ class TierMover:
                 return True  # it stays stored (spilled below, or another copy)
             return k not in keep and not self.live_children(k)
 
-        victim = tier.next_victim(simple)
+        # (in the last tier a key with a child stored here has a live child, unless that
+        # child was removed while pinned; such a key is found by the pass below)
+        victim = tier.next_victim(simple, leaves_only=last)
         if victim is not None or not last:
             return victim
         full = keep.full()  # (a stored ancestor is refused before its descendants are walked)

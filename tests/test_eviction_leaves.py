@@ -58,6 +58,7 @@ def test_a_chain_in_one_tier_gives_its_tail_and_the_heap_stays_bounded():
         p.on_insert(i, 10, i - 1 if i else None)
     assert p.next_victim() == 1999  # the only key with no stored child
     assert p.next_victim(lambda k: k != 1999) == 0  # then the oldest key with a child
+    assert p.next_victim(lambda k: k != 1999, leaves_only=True) is None
     for i in range(1999, 999, -1):  # evict tail first: each parent becomes a leaf in turn
         assert p.next_victim() == i
         p.on_remove(i)

@@ -32,7 +32,7 @@ class EvictionPolicy(ABC):
     * ``next_victim(can_evict)``: the key to evict next, or None when no key passes
       ``can_evict`` (e.g. all pinned). Does not remove it: the tier evicts it and then calls
       ``on_remove``. First choice: the first evictable key in policy order with no stored child;
-      otherwise the first evictable key in policy order.
+      otherwise the first evictable key in policy order (``leaves_only=True``: no otherwise).
 
     Ranked policies (``ranked = True``: LRU, FIFO, LFU) keep in ``_ranks`` a sortable rank per
     key that orders keys as ``_order`` does (smallest first), set by their event hooks. Their
@@ -85,7 +85,10 @@ class EvictionPolicy(ABC):
                         self._push_leaf(parent)
 
     # ---- queries ------------------------------------------------------------------------
-    def next_victim(self, can_evict: Callable[[Key], bool] = lambda k: True) -> Key | None:
+    def next_victim(self, can_evict: Callable[[Key], bool] = lambda k: True,
+                    leaves_only: bool = False) -> Key | None:
+        """See the class docstring; ``leaves_only``: no second choice (None when no key
+        without a stored child passes ``can_evict``)."""
         # keys with a stored child are skipped before ``can_evict`` is asked (it may cost
         # more than a dict lookup); they are the second choice, in the same order
         if self.ranked:
@@ -96,6 +99,8 @@ class EvictionPolicy(ABC):
             for key in self._order():
                 if not self._children.get(key) and can_evict(key):
                     return key
+        if leaves_only:
+            return None
         for key in self._order():
             if self._children.get(key) and can_evict(key):
                 return key

@@ -136,13 +136,15 @@ class Tier(ABC):
         """Tell the policy ``key`` was read."""
         self._policy_call("on_access", key)
 
-    def next_victim(self, can_evict: Callable[[ChunkKey], bool]) -> ChunkKey | None:
-        """The policy's next victim among keys passing ``can_evict``, or None. If the policy
-        raises, the error is logged and counted, the policy is rebuilt, and the first
-        evictable key of the index is returned instead."""
+    def next_victim(self, can_evict: Callable[[ChunkKey], bool],
+                    leaves_only: bool = False) -> ChunkKey | None:
+        """The policy's next victim among keys passing ``can_evict`` (``leaves_only``: among
+        keys with no child stored in this tier), or None. If the policy raises, the error is
+        logged and counted, the policy is rebuilt, and the first evictable key of the index
+        is returned instead."""
         with self._lock:
             try:
-                return self.policy.next_victim(can_evict)
+                return self.policy.next_victim(can_evict, leaves_only)
             except Exception:
                 self._policy_failed("next_victim")
                 return next((k for k in self.keys() if can_evict(k)), None)
