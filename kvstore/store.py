@@ -350,13 +350,24 @@ class ChunkStore(StoreAdmin, DirectIO, KVStoreBase):
         Raises:
             ValueError: see ``KVStoreBase.put_chunks``; nothing is stored then.
         """
+        parents = self._check_write(ns, keys, kvs, parents, "put_chunks")
+        return self._place(keys, kvs, parents, ns.layout)
+
+    def _check_write(self, ns: Namespace, keys: Sequence[ChunkKey], kvs: Sequence[torch.Tensor],
+                     parents: Sequence[ChunkKey | None] | None, op: str) -> list[ChunkKey | None]:
+        """Validate a write of ``kvs`` under ``keys`` (keys, counts, parents, each tensor's
+        shape and dtype against ``ns.layout``); returns the per-key parents.
+
+        Raises:
+            ValueError: any of those is wrong (the message names ``op``); nothing is stored.
+        """
         self._check_keys(ns, keys)
         if len(keys) != len(kvs):
-            raise ValueError(f"put_chunks: {len(keys)} keys but {len(kvs)} tensors")
+            raise ValueError(f"{op}: {len(keys)} keys but {len(kvs)} tensors")
         parents = self._check_parents(ns, keys, parents)
         for kv in kvs:
             ns.layout.validate(kv)
-        return self._place(keys, kvs, parents, ns.layout)
+        return parents
 
     def _place(self, keys: Sequence[ChunkKey], items: Sequence,
                parents: Sequence[ChunkKey | None], layout: KVLayout) -> int:

@@ -130,12 +130,7 @@ class StoreAdmin:
         disk = self._disk_tier()
         if disk is None:
             raise RuntimeError("persist needs a disk tier (configure disk_path and disk_bytes)")
-        self._check_keys(ns, keys)
-        if len(keys) != len(kvs):
-            raise ValueError(f"persist: {len(keys)} keys but {len(kvs)} tensors")
-        parents = self._check_parents(ns, keys, parents)
-        for kv in kvs:
-            ns.layout.validate(kv)
+        parents = self._check_write(ns, keys, kvs, parents, "persist")
         with self._lock:
             self._expire_leases()
             live = [j for j, k in enumerate(keys) if k not in self._doomed]
