@@ -175,7 +175,10 @@ def export_tokenizer(tokenizer: Tokenizer, out_dir: str | os.PathLike, model_id:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = tokenizer._tok
-    tok.save(str(out / "tokenizer.json"))
+    try:
+        tok.save(str(out / "tokenizer.json"))
+    except Exception as e:  # tokenizers reports I/O errors as a plain Exception
+        raise OSError(f"cannot write {out / 'tokenizer.json'}: {e}") from None
     name = (lambda i: tok.id_to_token(i) if i is not None else None)
     specials = {"bos_token": name(tokenizer.bos_token_id), "eos_token": name(tokenizer.eos_token_id),
                 "pad_token": name(tokenizer.eos_token_id)}

@@ -161,6 +161,17 @@ def test_export_tokenizer_into_a_file_path_fails_clearly(tmp_path, capsys):
     assert "error:" in capsys.readouterr().err
 
 
+def test_export_tokenizer_where_tokenizer_json_cannot_be_written_fails_clearly(tmp_path, capsys):
+    # tokenizers' own save raises a plain Exception (not OSError) for an I/O error: it used to
+    # escape as a traceback instead of an "error:" line and exit status 2
+    (tmp_path / "tokenizer.json").mkdir()
+    assert cli_main(["export-tokenizer", str(tmp_path)]) == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err == (f"error: cannot write {tmp_path / 'tokenizer.json'}: "
+                       f"Is a directory (os error 21)\n")
+
+
 # ---- startup log -----------------------------------------------------------------------------
 def test_startup_log_names_model_fingerprint_and_namespace(engine, caplog):
     from connectors.factory import create_connector
