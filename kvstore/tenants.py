@@ -35,7 +35,7 @@ them trusts every other one not to write wrong KV. The unsalted namespace (``cac
 is the namespace of a tenant configured with ``salt: ""`` and of clients of a daemon without
 tenants; a tenant with its own salt can neither read nor write it.
 
-Tokens: at least 16 characters of printable ASCII without spaces, unique; compared in constant
+Tokens: 16 to 4096 characters of printable ASCII without spaces, unique; compared in constant
 time against every tenant's token (no early exit), never logged (``Tenant``'s repr omits it).
 The single ``--auth-token`` mode is one admin tenant named ``admin``.
 """
@@ -51,6 +51,10 @@ from typing import Any, Mapping
 ROLES = ("admin", "tenant", "reader")
 READ, WRITE = "read", "write"
 MIN_TOKEN_CHARS = 16
+#: longest token: a client sends it in one header line, which an HTTP server caps (aiohttp:
+#: 8190 bytes with ``Authorization: Bearer ``, so 8168 characters); a longer token could never
+#: authenticate
+MAX_TOKEN_CHARS = 4096
 _NAME = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
 _TOKEN = re.compile(r"[\x21-\x7e]+")
 
@@ -159,8 +163,9 @@ class TenantTable:
         """Build from ``{"tenants": {name: {token, role, salt?}}}`` (or the inner mapping).
 
         Raises:
-            ValueError: not a mapping, an unknown field or role, a bad name, a token shorter
-                than ``MIN_TOKEN_CHARS`` or with spaces or non-ASCII, a salt with ``/`` or not
+            ValueError: not a mapping, an unknown field or role, a bad or non-string name, a
+                token shorter than ``MIN_TOKEN_CHARS``, longer than ``MAX_TOKEN_CHARS`` or with
+                spaces or non-ASCII, a salt with ``/`` or not
                 a string, duplicate tokens; the message names the tenant, never a token.
         """
         if isinstance(data, Mapping) and isinstance(data.get("tenants"), Mapping):
@@ -168,7 +173,7 @@ class TenantTable:
         if not isinstance(data, Mapping) or not data:
             raise ValueError(f"{where}: expected a non-empty mapping 'tenants: {{name: {{token, "
                              f"role, salt}}}}'")
-        return cls([_tenant(str(name), spec, where) for name, spec in data.items()])
+        return cls([_tenant(name, spec, where) for name, spec in data.items()])
 
     @classmethod
     def from_file(cls, path: str | Path) -> "TenantTable":
@@ -205,7 +210,9 @@ def bind_salt(tenant_salt: str | None, salt: str = "") -> str:
     return tenant_salt if not salt else f"{tenant_salt}/{salt}"
 
 
-def _tenant(name: str, spec: Any, where: str) -> Tenant:
+def _tenant(name: Any, spec: Any, where: str) -> Tenant:
+    if not isinstance(name, str):  # YAML reads an unquoted true, yes, on, null, 1.0 as non-strings
+        raise ValueError(f"{where}: tenant name {name!r} is not a string (quote it in YAML)")
     if not _NAME.fullmatch(name):
         raise ValueError(f"{where}: tenant name {name[:80]!r} must be 1-64 letters, digits or "
                          f"'_.@-'")
@@ -216,9 +223,10 @@ def _tenant(name: str, spec: Any, where: str) -> Tenant:
         raise ValueError(f"{where}: tenant {name!r} has unknown fields {unknown}; known: "
                          f"token, role, salt")
     token, role = spec.get("token"), spec.get("role", "tenant")
-    if not isinstance(token, str) or len(token) < MIN_TOKEN_CHARS or not _TOKEN.fullmatch(token):
-        raise ValueError(f"{where}: tenant {name!r} needs a token of at least "
-                         f"{MIN_TOKEN_CHARS} printable ASCII characters without spaces")
+    if (not isinstance(token, str) or not MIN_TOKEN_CHARS <= len(token) <= MAX_TOKEN_CHARS
+            or not _TOKEN.fullmatch(token)):
+        raise ValueError(f"{where}: tenant {name!r} needs a token of {MIN_TOKEN_CHARS} to "
+                         f"{MAX_TOKEN_CHARS} printable ASCII characters without spaces")
     if role not in ROLES:
         raise ValueError(f"{where}: tenant {name!r} has role {role!r}; choose one of {ROLES}")
     salt = spec.get("salt", None if role == "admin" else name)
