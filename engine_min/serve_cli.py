@@ -85,8 +85,8 @@ def build_connector(args: argparse.Namespace) -> Any | None:
     when a store flag is given).
 
     Raises:
-        SystemExit: inconsistent store flags (--kvstore-tail-chunk-size without a store), or
-            the connector module is missing.
+        SystemExit: inconsistent store flags (--kvstore-tail-chunk-size without a store), a
+            disk path that cannot be opened, or the connector module is missing.
     """
     if all(getattr(args, f, None) is None for f in STORE_FLAGS):
         if getattr(args, "kvstore_tail_chunk_size", 0):  # would be ignored silently
@@ -102,7 +102,7 @@ def build_connector(args: argparse.Namespace) -> Any | None:
                          f"run without --kvstore-* flags") from exc
     try:
         return connector_from_args(args)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # OSError: a disk path that is a file or not writable
         raise SystemExit(f"error: bad --kvstore-* flags: {exc}") from exc
 
 
