@@ -118,6 +118,13 @@ async def _guarded(request: web.Request, handler, state: _ServerState) -> web.St
         state.conns.client_errors.labels("disconnect").inc()
         log.debug("client went away mid-request on %s: %r", request.path, e)
         return _json_error(f"client went away: {e!r}", 400)
+    except web.RequestPayloadError as e:  # a body aiohttp cannot decode (bad gzip/deflate);
+        # counted (reason body) when aiohttp's read of the rest of the body logs it again
+        log.debug("undecodable request body on %s: %s", request.path, e)
+        resp = _json_error(f"cannot decode the request body: {str(e).splitlines()[-1].strip()}",
+                           400)
+        resp.force_close()  # the rest of the body cannot be read: the connection cannot be reused
+        return resp
     except Exception as e:  # noqa: BLE001 - the server stays up; the error goes to the client
         log.exception("internal error on %s", request.path)
         return _json_error(f"internal error: {type(e).__name__}: {e}", 500)

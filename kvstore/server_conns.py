@@ -61,6 +61,8 @@ _REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json
 
 def _reason(exc: BaseException | None) -> str | None:
     """The ``CLIENT_ERROR_REASONS`` label of an aiohttp parse error, None if not one."""
+    if isinstance(exc, web.RequestPayloadError):  # a body error, met reading the body
+        exc = exc.__cause__
     if isinstance(exc, H.LineTooLong):
         return "too_long"
     if isinstance(exc, (H.BadStatusLine, H.BadHttpMethod, H.InvalidURLError)):

@@ -10,7 +10,9 @@ its exact status and effect.
 * keys of the wrong length for the namespace's hash, ``Transfer-Encoding: gzip, chunked``;
 * per-namespace state bounded by ``max_namespaces``, evictions counted.
 """
+import gzip
 import json
+import logging
 import os
 import resource
 import select
@@ -460,6 +462,29 @@ def test_transfer_encoding_other_than_chunked_is_501_and_stores_nothing(server, 
             "Transfer-Encoding: chunked\r\n").encode() + auth
     status, ans = raw_request(server.port, head, _chunked(put_body(NS, KEYS[:2])))
     assert (status, ans["stored"]) == (200, 2)
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate"])
+def test_a_body_that_is_not_its_content_encoding_is_400_counted_and_not_logged(
+        server, coding, caplog):
+    # aiohttp raises RequestPayloadError when it reads such a body: it was a 500 with an ERROR
+    # traceback (twice: ours, then aiohttp's lingering read of the rest of the body)
+    sample = 'kvstore_server_client_errors_total{reason="body"}'
+    before = metric(_metrics_text(server.port), sample)
+    with caplog.at_level(logging.INFO):
+        for path, ctype in (("/v1/put", P.BINARY_CONTENT_TYPE),
+                            ("/v1/lookup", "application/json")):
+            status, ans = post(server.port, path, b"not compressed",
+                               {"Content-Encoding": coding}, ctype)
+            assert (status, ans["error"]) == (
+                400, f"cannot decode the request body: Can not decode content-encoding: {coding}")
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert metric(_metrics_text(server.port), sample) == before + 2
+    assert num_chunks(server.store) == 0
+    # a body that is what it says is decoded: a gzip lookup is answered
+    status, ans = post(server.port, "/v1/lookup", gzip.compress(lookup_body()),
+                       {"Content-Encoding": "gzip"})
+    assert (status, ans["num_hit_chunks"], ans["num_requested_chunks"]) == (200, 0, 3)
 
 
 # ---- 5. per-namespace state is bounded ----------------------------------------------------------
