@@ -55,8 +55,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 @web.middleware
 async def openai_error_middleware(request: web.Request, handler: Handler
                                   ) -> web.StreamResponse:
-    """Answer aiohttp's HTTP errors (status >= 400) and unhandled exceptions (500, logged) as
-    OpenAI error objects; everything else passes through unchanged (an exception after a
+    """Answer aiohttp's HTTP errors (status >= 400), a body it cannot decode (400, e.g. bad
+    gzip under ``Content-Encoding: gzip``) and unhandled exceptions (500, logged) as OpenAI
+    error objects; everything else passes through unchanged (an exception after a
     response started streaming too: aiohttp then closes the connection, as before)."""
     try:
         return await handler(request)
@@ -66,6 +67,12 @@ async def openai_error_middleware(request: web.Request, handler: Handler
         return _from_http_exception(request, exc)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
+    except web.RequestPayloadError as exc:  # a body aiohttp cannot decode (bad gzip/deflate)
+        detail = str(exc).splitlines()[-1].strip()
+        resp = error_response(proto.ApiError(f"Cannot decode the request body: {detail}",
+                                             code="invalid_body", status=400))
+        resp.force_close()  # the rest of the body cannot be read: the connection cannot be reused
+        return resp
     except Exception as exc:
         if request.writer.output_size > 0:  # a stream already started: aiohttp closes it
             raise

@@ -10,6 +10,7 @@ all answer OpenAI error objects, and the server keeps serving.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import urllib.error
 import urllib.request
@@ -159,6 +160,29 @@ def test_an_oversized_body_is_413(server):
     status, _, got = _call(server, "POST", "/tokenize", body)
     assert _error(status, got) == (413, "invalid_request_error", None, "request_too_large")
     assert got["error"]["message"] == "Request Entity Too Large: POST /tokenize."
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate"])
+def test_a_body_that_is_not_its_content_encoding_is_a_400_object(server, coding):
+    # aiohttp raises RequestPayloadError reading such a body: it was a 500 internal_error
+    for path in ("/tokenize", "/v1/completions"):
+        req = urllib.request.Request(server.url + path, data=b"not compressed", method="POST",
+                                     headers={"Content-Type": "application/json",
+                                              "Content-Encoding": coding})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=60)
+        got = json.loads(err.value.read())
+        assert _error(err.value.code, got) == (400, "invalid_request_error", None,
+                                               "invalid_body")
+        assert got["error"]["message"] == \
+            f"Cannot decode the request body: Can not decode content-encoding: {coding}"
+    # a body that is what it says is decoded
+    req = urllib.request.Request(server.url + "/tokenize", method="POST",
+                                 data=gzip.compress(json.dumps({"prompt": "Hello"}).encode()),
+                                 headers={"Content-Type": "application/json",
+                                          "Content-Encoding": "gzip"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert json.loads(resp.read())["tokens"] == [19556]
 
 
 def test_a_crashing_handler_is_a_500_object_and_the_server_keeps_serving(server, monkeypatch):
