@@ -155,7 +155,18 @@ class TenantTable:
     @classmethod
     def single(cls, token: str) -> "TenantTable":
         """The ``--auth-token`` mode: one admin named ``admin``, bound to no salt (any token
-        length is accepted, as before tenants existed)."""
+        length from 1 to ``MAX_TOKEN_CHARS`` is accepted, as before tenants existed).
+
+        Raises:
+            ValueError: a token no client could present in an ``Authorization`` header:
+                empty, over ``MAX_TOKEN_CHARS``, not printable ASCII, or with leading or
+                trailing spaces (``authenticate`` strips them).
+        """
+        if not (0 < len(token) <= MAX_TOKEN_CHARS and token.isascii() and token.isprintable()
+                and token == token.strip()):
+            raise ValueError(f"--auth-token must be 1 to {MAX_TOKEN_CHARS} printable ASCII "
+                             f"characters without leading or trailing spaces: no client "
+                             f"could send this one")
         return cls([Tenant("admin", "admin", None, token)])
 
     @classmethod

@@ -271,6 +271,19 @@ def test_stats_and_metrics_need_an_admin(daemon):
     assert "kvstore_server_requests_total" in c["ops"].metrics_text()
 
 
+@pytest.mark.parametrize("token", ["caf\u00e9-token", " padded", "padded ", "tab\there",
+                                   "L" * 4097])
+def test_an_auth_token_no_client_could_send_is_refused_at_start(token):
+    # each started a daemon that answered every request 401 (a non-ASCII header matches no
+    # token; authenticate strips spaces; aiohttp refuses a header line over 8190 bytes)
+    with pytest.raises(ValueError) as e:
+        TenantTable.single(token)
+    assert str(e.value) == ("--auth-token must be 1 to 4096 printable ASCII characters without "
+                            "leading or trailing spaces: no client could send this one")
+    assert TenantTable.single("a b").authenticate("Bearer a b").name == "admin"
+    assert TenantTable.single("L" * 4096).authenticate("Bearer " + "L" * 4096).name == "admin"
+
+
 def test_the_single_auth_token_is_one_admin_and_may_join_a_tenants_file(tmp_path):
     store = ChunkStore(StoreConfig(cpu_bytes=1 << 20, page_bytes=256))
     with ThreadedServer(create_app(store, ServerLimits(auth_token="tok"))) as srv, \
