@@ -294,7 +294,7 @@ def _fmt(name: str, value: Any) -> str:
         return f"{value:,} ({format_size(value)})" if value >= 1024 else f"{value}"
     if isinstance(value, float):
         return f"{value:.6g}"
-    if isinstance(value, int):
+    if isinstance(value, int) and not name.endswith("pid"):  # a pid is an id: kill/grep it
         return f"{value:,}"
     return str(value)
 

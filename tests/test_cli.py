@@ -138,6 +138,12 @@ def test_format_table_shows_sizes_readably():
                                  "ratio                     0.25"]
 
 
+def test_format_table_prints_a_pid_as_is():
+    # inspect's held_by_pid was "26,690", while the refusal names "process 26690"
+    assert cli.format_table({"held_by_pid": 26690, "num_chunks": 26690}).splitlines() == [
+        "held_by_pid  26690", "num_chunks   26,690"]
+
+
 # ---- the daemon as a process ---------------------------------------------------------------
 class Daemon:
     """``python -m kvstore serve --port 0 ...`` in a subprocess; ``url`` once it listens."""
