@@ -50,6 +50,9 @@ async def serve_until_signal(app: web.Application, host: str, port: int, *,
             ``RLIMIT_NOFILE``, 0: no cap).
         idle_timeout_s: a connection without a complete request's headers this many seconds
             after connecting or after its last response is closed (None: aiohttp's default).
+
+    Raises:
+        ValueError: ``host:port`` cannot be listened on (in use, not this host's), naming it.
     """
     import signal
     guard = _guard(app, max_connections, idle_timeout_s)
@@ -57,7 +60,11 @@ async def serve_until_signal(app: web.Application, host: str, port: int, *,
                            access_log=None, **guard.runner_kwargs())
     await runner.setup()
     site = GuardedTCPSite(runner, host, port, guard, reuse_address=True)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as e:  # port in use, an address not of this host, an unknown host name
+        await runner.cleanup()
+        raise ValueError(f"cannot listen on {host}:{port}: {e}") from None
     bound = site._server.sockets[0].getsockname()[:2]  # type: ignore[union-attr]
     log.info("connection cap %d, idle timeout %s s", guard.max_connections, idle_timeout_s)
     if on_listen is not None:

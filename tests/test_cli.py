@@ -138,6 +138,18 @@ def test_format_table_shows_sizes_readably():
                                  "ratio                     0.25"]
 
 
+def test_serve_on_a_port_in_use_exits_2_naming_it(capsys):
+    # the bind error escaped as a traceback (exit 1)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["serve", "--port", str(port), "--cpu-bytes", "1MiB"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"kvstore serve: cannot listen on 127.0.0.1:{port}: [Errno 98] error while attempting "
+        f"to bind on address ('127.0.0.1', {port}): address already in use")
+
+
 def test_format_table_prints_a_pid_as_is():
     # inspect's held_by_pid was "26,690", while the refusal names "process 26690"
     assert cli.format_table({"held_by_pid": 26690, "num_chunks": 26690}).splitlines() == [
