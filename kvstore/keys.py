@@ -99,6 +99,18 @@ def canonical_json(value) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
+def _text(d: dict, name: str, default: str | None) -> str:
+    """``d[name]``, which must be a string (absent: ``default``; no default: KeyError).
+    Not coerced: ``null`` or ``5`` read as ``"None"`` / ``"5"`` named another namespace than the
+    client meant."""
+    if name not in d and default is not None:
+        return default
+    value = d[name]
+    if not isinstance(value, str):
+        raise ValueError(f"namespace field {name!r} must be a string, got {type(value).__name__}")
+    return value
+
+
 @dataclass(frozen=True)
 class Namespace:
     """What a chunk's KV depends on besides its tokens.
@@ -169,9 +181,9 @@ class Namespace:
             KeyError: no ``model_id`` or ``layout``. ValueError / TypeError: bad values.
         """
         extra = {f: d.get(f) or "" for f in IDENTITY_FIELDS}  # checked by __post_init__
-        return cls(model_id=str(d["model_id"]), layout=KVLayout.from_dict(d["layout"]),
-                   revision=str(d.get("revision", "")), cache_salt=str(d.get("cache_salt", "")),
-                   hash_algo=str(d.get("hash_algo", "sha256")), **extra)
+        return cls(model_id=_text(d, "model_id", None), layout=KVLayout.from_dict(d["layout"]),
+                   revision=_text(d, "revision", ""), cache_salt=_text(d, "cache_salt", ""),
+                   hash_algo=_text(d, "hash_algo", "sha256"), **extra)
 
     def describe(self) -> str:
         """One line for logs: model id, revision, fingerprint, KV dtype, chunk size, ns id."""

@@ -213,7 +213,9 @@ def parse_namespace(obj: Any) -> Namespace:
     try:
         ns = Namespace.from_dict(obj)
         ns.ns_id  # validates and caches the digest
-    except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as e:
+    except KeyError as e:
+        raise ProtocolError(f"bad namespace: missing field {str(e)[:100]}") from None
+    except (TypeError, ValueError, OverflowError, RecursionError) as e:
         raise ProtocolError(f"bad namespace: {str(e)[:200]!r}") from None
     if ck is not None:
         if len(_NS_CACHE) >= _NS_CACHE_MAX:

@@ -376,3 +376,31 @@ def test_vllm_request_namespace_adds_salt_and_lora_adapter(tmp_path):
     ids = {base.ns_id, with_lora.ns_id, request_namespace(base, "t", None).ns_id,
            request_namespace(base, "", other).ns_id}
     assert len(ids) == 4
+
+
+@pytest.mark.parametrize("field,value", [("cache_salt", None), ("cache_salt", 5),
+                                         ("model_id", 7), ("revision", ["r"]),
+                                         ("hash_algo", None)])
+def test_namespace_text_fields_are_strings_not_coerced(field, value):
+    """``null`` or ``5`` used to be read as ``"None"`` / ``"5"``: another namespace than the
+    client meant. Now a ValueError naming the field, and on the wire a 400."""
+    d = BASE.to_dict()
+    d[field] = value
+    with pytest.raises(ValueError, match=f"namespace field '{field}' must be a string"):
+        Namespace.from_dict(d)
+    from kvstore.protocol import ProtocolError, parse_namespace
+    with pytest.raises(ProtocolError, match=f"namespace field '{field}' must be a string"):
+        parse_namespace(d)
+
+
+def test_a_namespace_without_model_id_names_the_missing_field():
+    from kvstore.protocol import ProtocolError, parse_namespace
+    d = BASE.to_dict()
+    del d["model_id"]
+    with pytest.raises(ProtocolError) as e:
+        parse_namespace(d)
+    assert str(e.value) == "bad namespace: missing field 'model_id'"
+    # absent optional fields still take their defaults
+    d = BASE.to_dict()
+    del d["cache_salt"], d["revision"]
+    assert Namespace.from_dict(d) == BASE
