@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 from typing import Any
 
 from aiohttp import web
@@ -133,9 +134,34 @@ def served_model_names(args: argparse.Namespace, engine: Any) -> list[str]:
         ValueError: an empty name.
     """
     names = list(args.served_model_name or [engine.kv_identity["model_id"]])
-    if any(not n.strip() for n in names):
-        raise ValueError(f"--served-model-name: empty name in {names}")
+    check_served_names(names)
     return list(dict.fromkeys(names))  # duplicates dropped, order kept
+
+
+def check_served_names(names: list[str] | None) -> None:
+    """Refuse an empty served name (None: no names given, nothing to check).
+
+    Raises:
+        ValueError: a name that is empty or only spaces.
+    """
+    if names and any(not n.strip() for n in names):
+        raise ValueError(f"--served-model-name: empty name in {names}")
+
+
+def check_listen(host: str, port: int) -> None:
+    """Fail fast, before the model loads (10-20 s), when ``host:port`` cannot be listened on
+    (a port in use, an address not of this host, a name that does not resolve). The server
+    binds again later; this only moves the common errors before the load.
+
+    Raises:
+        SystemExit: the address cannot be bound, with host, port and the OS's reason.
+    """
+    if port == 0:
+        return
+    try:
+        socket.create_server((host, port)).close()
+    except OSError as exc:
+        raise SystemExit(f"error: cannot listen on {host}:{port}: {exc}") from None
 
 
 def log_identity(engine: Any, names: list[str]) -> None:
@@ -155,6 +181,11 @@ def serve_main(args: argparse.Namespace) -> None:
     """
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        check_served_names(args.served_model_name)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from exc
+    check_listen(args.host, args.port)
     connector = build_connector(args)
     try:
         engine = build_engine(args, connector)

@@ -267,3 +267,23 @@ def test_tokenizer_encode_refuses_text_that_is_not_unicode():
     assert tok.encode("hi there") == [0, 1]
     with pytest.raises(ValueError, match=r"lone surrogate '\\udcff' at character 3"):
         tok.encode("hi \udcff")
+
+
+def test_a_port_in_use_or_an_empty_served_name_fails_before_the_model_loads(monkeypatch):
+    """Both were found only after the 10-20 s model load (the port as a bind traceback, exit 1);
+    now serve_main stops first, with the reason, and never builds an engine."""
+    import socket
+
+    from engine_min import serve_cli
+    built = []
+    monkeypatch.setattr(serve_cli, "build_engine", lambda *a, **k: built.append(a))
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as exc:
+            serve_cli.serve_main(_args("--port", str(port)))
+        assert str(exc.value).startswith(f"error: cannot listen on 127.0.0.1:{port}: [Errno 98]")
+    with pytest.raises(SystemExit) as exc:
+        serve_cli.serve_main(_args("--served-model-name", "a", " "))
+    assert str(exc.value) == "error: --served-model-name: empty name in ['a', ' ']"
+    assert built == []
+    serve_cli.check_listen("127.0.0.1", 0)      # port 0: the OS picks one later, nothing to check
