@@ -42,6 +42,18 @@ def tokens(path):
     return [10 * label + j for label in path for j in range(4)]
 
 
+def calls(keys, split):
+    """A prompt's keys cut into put calls of ``split`` sizes (the rest in a last call): yields
+    (keys of the call, their true parents: the first one's is the key before the call)."""
+    i = 0
+    for size in split + [len(keys)]:
+        part = keys[i:i + size]
+        if not part:
+            return
+        yield part, chain_parents(part, keys[i - 1] if i else None)
+        i += size
+
+
 def value(key):
     return torch.full(LAY.shape(), float(int.from_bytes(key.prefix_hash[:2], "little")))
 
@@ -81,29 +93,16 @@ class ReachabilityMachine(RuleBasedStateMachine):
     # ---- steps --------------------------------------------------------------------------------
     @rule(path=PROMPTS, split=SPLITS)
     def put(self, path, split):
-        keys = self.keys(path)
-        i = 0
-        for size in split + [len(keys)]:
-            part = keys[i:i + size]
-            if not part:
-                break
-            n = self.store.put_chunks(NS, part, [value(k) for k in part],
-                                      chain_parents(part, keys[i - 1] if i else None))
+        for part, parents in calls(self.keys(path), split):
+            n = self.store.put_chunks(NS, part, [value(k) for k in part], parents)
             assert 0 <= n <= len(part)
-            i += size
 
     @rule(path=PROMPTS, split=SPLITS)
     def put_direct(self, path, split):
         """As the daemon puts: reserve each chunk's pages just before its bytes arrive (one
         key at a time), fill them, commit the batch (no room: a tensor for a lower tier, or
         dropped)."""
-        keys = self.keys(path)
-        i = 0
-        for size in split + [len(keys)]:
-            part = keys[i:i + size]
-            if not part:
-                break
-            parents = chain_parents(part, keys[i - 1] if i else None)
+        for part, parents in calls(self.keys(path), split):
             items = []
             for k, p in zip(part, parents):
                 (item,) = self.store.reserve_chunks(NS, [k], [p])
@@ -117,7 +116,6 @@ class ReachabilityMachine(RuleBasedStateMachine):
                     item = value(k)
                 items.append(item)
             self.store.commit_chunks(NS, part, items, parents)
-            i += size
 
     @rule(path=PROMPTS)
     def get(self, path):
