@@ -42,7 +42,7 @@ import numpy as np
 import psutil
 import torch
 
-from kvstore.client import AsyncKVStoreClient, KVStoreClient
+from kvstore.daemon.client import AsyncKVStoreClient, KVStoreClient
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
 

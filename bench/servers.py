@@ -74,7 +74,7 @@ class ServerOptions:
 
 
 def _engine_cmd(port: int, opts: ServerOptions, extra: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "engine_min.server", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "engine_min.serve.server", "--host", "127.0.0.1", "--port", str(port),
            "--kv-cache-bytes", opts.kv_cache_bytes]
     if opts.max_num_batched_tokens:
         cmd += ["--max-num-batched-tokens", str(opts.max_num_batched_tokens)]
@@ -88,9 +88,9 @@ def _daemon_cmd(port: int, opts: ServerOptions) -> list[str]:
 
 
 def engine_help() -> str:
-    """``python -m engine_min.server --help`` output ("" if the module cannot run)."""
+    """``python -m engine_min.serve.server --help`` output ("" if the module cannot run)."""
     try:
-        return subprocess.run([sys.executable, "-m", "engine_min.server", "--help"],
+        return subprocess.run([sys.executable, "-m", "engine_min.serve.server", "--help"],
                               capture_output=True, text=True, timeout=120).stdout
     except (OSError, subprocess.SubprocessError):
         return ""
@@ -156,7 +156,7 @@ class ServerGroup:
             if self.no_prefix_caching_flag:
                 extra = ["--no-prefix-caching"]
             else:
-                self.notes.append("engine_min.server has no --no-prefix-caching: 'recompute' "
+                self.notes.append("engine_min.serve.server has no --no-prefix-caching: 'recompute' "
                                   "ran with the engine's prefix cache on")
         elif self.name == "kvstore-cpu":
             extra = ["--kvstore-cpu-bytes", self.opts.kvstore_cpu_bytes]

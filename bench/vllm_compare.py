@@ -17,7 +17,7 @@ Run in the vLLM environment::
     .venv-vllm/bin/python -m bench.vllm_compare [--docs 3] [--doc-tokens 1500] [--json out.json]
 
 Needs vLLM (tools/make_vllm_env.sh). ``--child SPEC_JSON`` is the per-process driver (also
-used by tests/test_vllm_connector.py): it prints one line ``RESULT <json>``.
+used by tests/connectors/test_vllm_connector.py): it prints one line ``RESULT <json>``.
 """
 from __future__ import annotations
 
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(res), flush=True)
         return 0
 
-    from connectors.vllm_model import convert
+    from bench.vllm_model import convert
     model_dir = str(convert())
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_dir)

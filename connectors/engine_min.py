@@ -63,7 +63,7 @@ import torch
 
 from connectors.base import KVConnectorBase
 from connectors.block_chunk_map import BlockChunkMap
-from connectors.layered_store import remote_breaker
+from kvstore.layered import remote_breaker
 from connectors.engine_min_load import LoadWorker, _borrower, _Piece
 from connectors.save_queue import SaveQueue
 from kernels import ops

@@ -21,7 +21,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from connectors.engine_min import EngineMinConnector
-from connectors.layered_store import CircuitBreakerStore, LayeredStore
+from kvstore.layered import CircuitBreakerStore, LayeredStore
 
 log = logging.getLogger("kvstore.connectors.factory")
 
@@ -98,11 +98,11 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
                           disk_path=disk_path)
         stores.append(ChunkStore(cfg))
     if url:
-        from kvstore.client import KVStoreClient
+        from kvstore.daemon.client import KVStoreClient
         timeout_s = max(deadline_s, 0.05)
         client = KVStoreClient(_http_url(url), auth_token=auth_token, timeout_s=timeout_s)
         if auth_token:
-            from kvstore.tenants import bind_salt
+            from kvstore.daemon.tenants import bind_salt
             connector_kwargs["cache_salt"] = bind_salt(
                 daemon_tenant_salt(client, max(timeout_s, WHOAMI_TIMEOUT_S)),
                 connector_kwargs.get("cache_salt", ""))
@@ -129,7 +129,7 @@ def daemon_tenant_salt(client: Any, timeout_s: float) -> str | None:
     token) also gives None, logged: the connector then names unsalted namespaces, which a
     tenant token is refused (403), so it recomputes; it never reads another tenant's chunks.
     """
-    from kvstore.client import RemoteError, StoreUnavailable
+    from kvstore.daemon.client import RemoteError, StoreUnavailable
     try:
         salt = client.whoami(timeout_s=timeout_s).get("cache_salt")
     except (StoreUnavailable, RemoteError, ValueError) as e:

@@ -10,7 +10,7 @@ Use (a vLLM ``KVTransferConfig``)::
 
 ``kv_connector_extra_config`` keys (all optional):
 
-* ``kvstore_url``: a ``kvstore serve`` daemon (``kvstore.client.KVStoreClient``). Without it the
+* ``kvstore_url``: a ``kvstore serve`` daemon (``kvstore.daemon.client.KVStoreClient``). Without it the
   store is an in-process ``kvstore.store.ChunkStore``, shared by the scheduler-side and
   worker-side connectors of one process (the uni-process executor); with several worker
   processes use the daemon.
@@ -24,7 +24,7 @@ Use (a vLLM ``KVTransferConfig``)::
 * ``auth_token``: the daemon's bearer token. A tenant's token (``kvstore serve --tenants-file``)
   binds every namespace to the tenant's salt, which the connector asks the daemon for once
   (``GET /v1/whoami``); a request's ``cache_salt`` then becomes the sub-salt
-  ``<tenant salt>/<cache_salt>`` (``kvstore.tenants.bind_salt``).
+  ``<tenant salt>/<cache_salt>`` (``kvstore.daemon.tenants.bind_salt``).
 * ``tail_chunk_size`` (default: vLLM's block size when it divides ``chunk_size``, else 0 =
   off): the prompt tokens past the last full chunk are also stored as pieces of this many
   tokens, in a namespace of their own (the same layout with this chunk size), so a hit
@@ -79,7 +79,7 @@ except ImportError as e:  # pragma: no cover - exercised only without vLLM
 from kvstore.api import KVStoreBase, chain_parents
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.layout import KVLayout
-from kvstore.tenants import bind_salt
+from kvstore.daemon.tenants import bind_salt
 
 from connectors.vllm_identity import adapter_identity, request_namespace, vllm_namespace
 from connectors.vllm_layout import PagedLayout, derive_paged_layout  # noqa: F401 (public here too)
@@ -117,7 +117,7 @@ def _acquire_store(extra: dict) -> tuple[tuple, KVStoreBase]:
             _STORES[spec] = (store, refs + 1)
             return spec, store
         if spec[0] == "remote":
-            from kvstore.client import KVStoreClient
+            from kvstore.daemon.client import KVStoreClient
             store = KVStoreClient(spec[1], timeout_s=spec[2], auth_token=spec[3])
         else:
             from kvstore.config import StoreConfig
@@ -259,7 +259,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.pin_lease_s = float(extra.get("pin_lease_s", 30.0))
         self._remote = bool(extra.get("kvstore_url"))
         self._store_spec, self.store = _acquire_store(extra)
-        #: the daemon tenant's salt (``kvstore.tenants``): every namespace carries it
+        #: the daemon tenant's salt (``kvstore.daemon.tenants``): every namespace carries it
         self._tenant_salt = None
         if self._remote and extra.get("auth_token"):
             from connectors.factory import daemon_tenant_salt

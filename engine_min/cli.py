@@ -1,5 +1,5 @@
 """Command line: ``python -m engine_min generate --prompt TEXT [--chat] [--max-tokens N] [--model PATH]``,
-``python -m engine_min serve [flags]`` (see engine_min.serve_cli) and
+``python -m engine_min serve [flags]`` (see engine_min.serve.cli) and
 ``python -m engine_min export-tokenizer DIR [--model PATH]`` (a Hugging Face tokenizer folder
 of the model, for clients that load a tokenizer by path)."""
 from __future__ import annotations
@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    from engine_min.serve_cli import add_serve_args
+    from engine_min.serve.cli import add_serve_args
     add_serve_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
     x = sub.add_parser("export-tokenizer", help="write the model's tokenizer as a Hugging Face "
                        "tokenizer folder (for clients that load one: vllm bench serve "
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 on bad input, with the reason on stderr)."""
     args = build_parser().parse_args(argv)
     if args.command == "serve":
-        from engine_min.serve_cli import serve_main
+        from engine_min.serve.cli import serve_main
         return serve_main(args) or 0
     if args.command == "export-tokenizer":
         return export_tokenizer_main(args)

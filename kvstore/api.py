@@ -3,7 +3,7 @@
 Two levels:
 
 * ``KVStoreBase`` works on chunk keys (``ChunkKey``) inside a ``Namespace``. The in-process
-  ``kvstore.store.ChunkStore`` and the remote ``kvstore.client.KVStoreClient`` both implement
+  ``kvstore.store.ChunkStore`` and the remote ``kvstore.daemon.client.KVStoreClient`` both implement
   it, so a connector can take either.
 * ``PrefixStore`` wraps any ``KVStoreBase`` with one namespace and speaks token ids: it turns a
   prompt into chained chunk keys and (de)concatenates chunk tensors.

@@ -1,0 +1,216 @@
+"""The ``serve`` command line of engine_min's OpenAI server: its flags, building the engine
+and the KV connector from them, and running the server (``python -m engine_min serve`` or
+``python -m engine_min.serve.server``). The HTTP app itself is ``engine_min.serve.server``."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+from typing import Any
+
+from aiohttp import web
+
+from engine_min.serve.server import SERVING_KEY, create_app
+
+logger = logging.getLogger("engine_min.serve.server")
+
+
+STORE_FLAGS = ("kvstore_cpu_bytes", "kvstore_disk_path", "kvstore_disk_bytes", "kvstore_url")
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``serve`` flags to ``parser`` (sizes accept ``512MiB``, ``2GiB``, bytes)."""
+    from kvstore.units import parse_size
+
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model name(s) in the API, as vLLM's: responses report the first, "
+                   "requests may name any (default: the model's id, from its metadata or "
+                   "--model-id)")
+    e = parser.add_argument_group("engine")
+    e.add_argument("--model", default=None,
+                   help="GGUF file or safetensors folder (default: embedded SmolLM2-135M)")
+    e.add_argument("--model-id", default=None, metavar="ID",
+                   help="the model's name in the KV store namespace and the default served "
+                   "name (default: from the model's metadata, e.g. "
+                   "HuggingFaceTB/SmolLM2-135M-Instruct for the embedded GGUF)")
+    e.add_argument("--model-revision", default=None, metavar="REV",
+                   help="weights revision in the KV store namespace (default: a hub "
+                   "snapshot's commit, else empty)")
+    e.add_argument("--no-weights-fingerprint", action="store_true",
+                   help="leave the weights' content fingerprint out of the KV store "
+                   "namespace: engines then share chunks by --model-id/--model-revision "
+                   "alone, and whoever sets this vouches that they load the same weights")
+    e.add_argument("--dtype", default=None, help="float32 (default), float16 or bfloat16")
+    e.add_argument("--kv-cache-bytes", type=parse_size, default=None, metavar="SIZE",
+                   help="bytes of the engine's KV block pool")
+    e.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
+    e.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one engine step")
+    e.add_argument("--max-num-seqs", type=int, default=None, help="most running requests")
+    e.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + completion limit (default: the model's context)")
+    e.add_argument("--no-prefix-caching", action="store_true",
+                   help="disable the engine's own prefix cache")
+    s = parser.add_argument_group("kv store (off unless one of these is given)")
+    s.add_argument("--kvstore-cpu-bytes", type=parse_size, default=None, metavar="SIZE",
+                   help="in-process store: CPU tier bytes")
+    s.add_argument("--kvstore-disk-path", default=None, metavar="DIR",
+                   help="in-process store: disk tier directory")
+    s.add_argument("--kvstore-disk-bytes", type=parse_size, default=None, metavar="SIZE",
+                   help="in-process store: disk tier bytes (needs --kvstore-disk-path)")
+    s.add_argument("--kvstore-url", default=None, metavar="URL",
+                   help="remote store daemon (kvstore serve), e.g. http://127.0.0.1:8500")
+    s.add_argument("--kvstore-auth-token", default=os.environ.get("KVSTORE_AUTH_TOKEN"),
+                   metavar="TOKEN", help="bearer token of a daemon started with --auth-token "
+                   "(default $KVSTORE_AUTH_TOKEN)")
+    s.add_argument("--kvstore-chunk-size", type=int, default=256,
+                   help="tokens per store chunk (a multiple of the block size; default 256)")
+    s.add_argument("--kvstore-tail-chunk-size", type=int, default=0, metavar="N",
+                   help="also store a prompt's tokens past its last full chunk as pieces of N "
+                   "tokens (a multiple of the block size dividing the chunk size), so a hit "
+                   "recomputes < N tokens instead of up to a chunk; 0 (default) = off")
+    parser.add_argument("--log-level", default="info", help="logging level (default info)")
+    return parser
+
+
+def build_connector(args: argparse.Namespace) -> Any | None:
+    """The KV connector the store flags ask for, or ``None`` when no store flag is given.
+
+    The store is in-process tiers (``--kvstore-cpu-bytes``, ``--kvstore-disk-path``,
+    ``--kvstore-disk-bytes``), a remote daemon (``--kvstore-url``), or both (local tiers in
+    front of the daemon); ``connectors.factory.connector_from_args`` builds it (imported only
+    when a store flag is given).
+
+    Raises:
+        SystemExit: inconsistent store flags (--kvstore-tail-chunk-size without a store), a
+            disk path that cannot be opened, or the connector module is missing.
+    """
+    if all(getattr(args, f, None) is None for f in STORE_FLAGS):
+        if getattr(args, "kvstore_tail_chunk_size", 0):  # would be ignored silently
+            raise SystemExit("--kvstore-tail-chunk-size needs a store: --kvstore-cpu-bytes, "
+                             "--kvstore-disk-path or --kvstore-url")
+        return None
+    if args.kvstore_disk_bytes and not args.kvstore_disk_path:
+        raise SystemExit("--kvstore-disk-bytes needs --kvstore-disk-path")
+    try:
+        from connectors.factory import connector_from_args
+    except ImportError as exc:
+        raise SystemExit(f"the KV store connector for engine_min is not available ({exc}); "
+                         f"run without --kvstore-* flags") from exc
+    try:
+        return connector_from_args(args)
+    except (ValueError, OSError) as exc:  # OSError: a disk path that is a file or not writable
+        raise SystemExit(f"error: bad --kvstore-* flags: {exc}") from exc
+
+
+def build_engine(args: argparse.Namespace, connector: Any | None = None) -> Any:
+    """An ``LLMEngine`` from the engine flags (unset flags keep ``EngineConfig``'s defaults)."""
+    from engine_min.config import EngineConfig
+    from engine_min.engine import LLMEngine
+
+    kw = {"model": args.model, "dtype": args.dtype, "kv_cache_bytes": args.kv_cache_bytes,
+          "block_size": args.block_size, "max_num_batched_tokens": args.max_num_batched_tokens,
+          "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
+          "model_id": getattr(args, "model_id", None),
+          "model_revision": getattr(args, "model_revision", None)}
+    kw = {k: v for k, v in kw.items() if v is not None}
+    if args.no_prefix_caching:
+        kw["enable_prefix_caching"] = False
+    if getattr(args, "no_weights_fingerprint", False):
+        kw["weights_fingerprint"] = False
+    return LLMEngine(EngineConfig(**kw), connector=connector)
+
+
+def served_model_names(args: argparse.Namespace, engine: Any) -> list[str]:
+    """``--served-model-name`` (one or more; the first is reported in responses), else the
+    engine's model id (``engine.kv_identity["model_id"]``: ``--model-id`` or the model's
+    metadata name, e.g. ``HuggingFaceTB/SmolLM2-135M-Instruct``).
+
+    Raises:
+        ValueError: an empty name.
+    """
+    names = list(args.served_model_name or [engine.kv_identity["model_id"]])
+    check_served_names(names)
+    return list(dict.fromkeys(names))  # duplicates dropped, order kept
+
+
+def check_served_names(names: list[str] | None) -> None:
+    """Refuse an empty served name (None: no names given, nothing to check).
+
+    Raises:
+        ValueError: a name that is empty or only spaces.
+    """
+    if names and any(not n.strip() for n in names):
+        raise ValueError(f"--served-model-name: empty name in {names}")
+
+
+def check_listen(host: str, port: int) -> None:
+    """Fail fast, before the model loads (10-20 s), when ``host:port`` cannot be listened on
+    (a port in use, an address not of this host, a name that does not resolve). The server
+    binds again later; this only moves the common errors before the load.
+
+    Raises:
+        SystemExit: the address cannot be bound, with host, port and the OS's reason.
+    """
+    if port == 0:
+        return
+    try:
+        socket.create_server((host, port)).close()
+    except OSError as exc:
+        raise SystemExit(f"error: cannot listen on {host}:{port}: {exc}") from None
+
+
+def log_identity(engine: Any, names: list[str]) -> None:
+    """Log what the engine serves (model id, revision, weights fingerprint, served names); the
+    connector logs the store namespace built from it when it binds."""
+    ident = engine.kv_identity
+    logger.info("model %s (revision %s, weights %s), served as %s", ident["model_id"],
+                ident["revision"] or "-", ident["weights_fingerprint"] or "not fingerprinted",
+                ", ".join(names))
+
+
+def serve_main(args: argparse.Namespace) -> None:
+    """Build the engine (and connector) from ``args`` and serve until interrupted.
+
+    Raises:
+        SystemExit: bad flags, a model that cannot be loaded, or an unusable KV pool size.
+    """
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        check_served_names(args.served_model_name)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from exc
+    check_listen(args.host, args.port)
+    connector = build_connector(args)
+    try:
+        engine = build_engine(args, connector)
+        names = served_model_names(args, engine)
+    except ValueError as exc:  # ModelLoadError is a ValueError; so are bad engine sizes
+        raise SystemExit(f"error: {exc}") from exc
+    log_identity(engine, names)
+    name = names[0]
+    app = create_app(engine, names)
+    max_len = app[SERVING_KEY].max_model_len
+
+    def started(text: str) -> None:  # aiohttp's banner, with the bound port (also for --port 0)
+        where = text.splitlines()[0].strip("= ").removeprefix("Running on ")
+        logger.info("serving %s on %s (max_model_len %d)", name, where, max_len)
+    try:
+        web.run_app(app, host=args.host, port=args.port, handler_cancellation=True,
+                    access_log=None, print=started)
+    finally:
+        if connector is not None:
+            connector.close()  # flush queued saves to the store
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m engine_min.serve.server [flags]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m engine_min.serve.server",
+        description="OpenAI-compatible HTTP server for engine_min.")
+    serve_main(add_serve_args(parser).parse_args(argv))

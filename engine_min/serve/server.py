@@ -1,0 +1,392 @@
+"""An OpenAI-compatible HTTP server over one ``LLMEngine`` (its command line, ``python -m
+engine_min serve``, is ``engine_min.serve.cli``).
+
+Threads::
+
+    aiohttp event loop (handlers)  --submit/abort (SimpleQueue)-->  engine thread (EngineLoop)
+          ^                                                             | engine.step()
+          +------ per-request asyncio.Queue <- call_soon_threadsafe ----+
+
+The engine is synchronous and single-threaded, so exactly one thread (``EngineLoop``) owns it:
+it drains submitted and aborted requests, runs ``step()`` while requests are unfinished, and
+hands each ``RequestOutput`` to the asyncio queue of its request. Handlers validate and
+tokenize (chat template included) on the default thread pool, so a long prompt never stalls the
+event loop (``/health``, streams), then wait on their queue. A text prompt longer than
+``MAX_CHARS_PER_TOKEN`` characters per token of the context is refused (400) before tokenizing. A client that disconnects (the handler
+is cancelled, or a write to the closed transport fails) gets its request aborted, which frees
+its KV blocks.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``; a
+chat stream's role chunk goes out with the first token, as vLLM's), ``POST /tokenize`` and
+``POST /detokenize`` (vLLM's shapes; ``engine_min.serve.tokenize_routes``), ``GET /v1/models``,
+``GET /health``, ``GET /metrics`` (Prometheus), ``GET /debug/stats`` (the engine's ``stats()``
+snapshot as JSON). Unknown model names get 404 (``model_not_found``); a request without
+``model`` uses the served model. Every error, unknown routes (404) and methods (405) included,
+is an OpenAI error object (``engine_min.serve.errors``).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from aiohttp import web
+from jinja2 import TemplateError
+
+from engine_min.serve import protocol as proto
+from engine_min.serve.engine_loop import EngineLoop
+from engine_min.serve.errors import error_response, openai_error_middleware
+from engine_min.serve.metrics import ServerMetrics
+from engine_min.serve.tokenize_routes import add_tokenize_routes
+
+logger = logging.getLogger(__name__)
+
+SERVING_KEY: web.AppKey["OpenAIServing"] = web.AppKey("serving")
+
+
+def _dumps_lenient(obj: Any) -> str:
+    return json.dumps(obj, default=str)
+
+
+_json_error = error_response
+
+
+#: generous upper bound of characters per token: a text prompt (or the messages' content) longer
+#: than ``max_model_len * MAX_CHARS_PER_TOKEN`` characters cannot fit the context, so it is
+#: refused before the tokenizer spends seconds on it (a 4.8 MB prompt took 3.6 s).
+MAX_CHARS_PER_TOKEN = 64
+
+
+@dataclass
+class _Prepared:
+    """A validated, tokenized request ready for the engine."""
+
+    req: proto.ApiRequest
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: Any
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class OpenAIServing:
+    """The HTTP handlers; one per app.
+
+    Args:
+        engine_loop: the ``EngineLoop`` owning the engine.
+        model_name: the served name, or several (as vLLM's ``--served-model-name``):
+            ``/v1/models`` lists each, a request may name any (or omit it), responses report
+            the first.
+        max_model_len: prompt + completion limit in tokens.
+    """
+
+    def __init__(self, engine_loop: EngineLoop, model_name: str | Sequence[str],
+                 max_model_len: int):
+        self.engine_loop = engine_loop
+        self.engine = engine_loop.engine
+        self.tokenizer = self.engine.tokenizer
+        self.model_names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+        if not self.model_names:
+            raise ValueError("at least one served model name is needed")
+        self.model_name = self.model_names[0]
+        self.max_model_len = max_model_len
+        self.vocab_size = self.engine.model_config.vocab_size
+        self.created = int(time.time())
+
+    # ---- request preparation ---------------------------------------------------------------
+    def _prepare(self, raw: bytes, kind: str) -> _Prepared:
+        from engine_min.sampler import SamplingParams
+
+        body = proto.loads_body(raw)
+        if kind == "chat":
+            req = proto.parse_chat_request(body)
+        else:
+            req = proto.parse_completion_request(body)
+        self.check_model(req.model)
+        self._check_chars(req)
+        if req.kind == "chat":
+            try:
+                text = self.tokenizer.apply_chat_template(req.messages,
+                                                          add_generation_prompt=True)
+            except (ValueError, TypeError, TemplateError) as exc:
+                raise proto.ApiError(f"The chat template rejected the messages: {exc}",
+                                     param="messages", code="invalid_value") from exc
+            prompt_ids = self.encode(text, "messages")
+        elif isinstance(req.prompt, str):
+            prompt_ids = self.encode(req.prompt, "prompt")
+        else:
+            prompt_ids = list(req.prompt)
+        if not prompt_ids:
+            raise proto.ApiError("The prompt encodes to zero tokens.", param="prompt",
+                                 code="empty_prompt")
+        max_tokens = proto.check_context(req, prompt_ids, self.max_model_len, self.vocab_size)
+        try:
+            sampling = SamplingParams(max_tokens=max_tokens, **req.sampling)
+        except (TypeError, ValueError) as exc:
+            raise proto.ApiError(f"Invalid sampling parameters: {exc}",
+                                 code="invalid_value") from exc
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        return _Prepared(req, f"{prefix}-{uuid.uuid4().hex}", prompt_ids, sampling)
+
+    def check_model(self, model: str | None) -> None:
+        """Refuse (404 ``model_not_found``) a request naming a model this server does not
+        serve; ``None`` (no ``model`` field) means the served one."""
+        if model is not None and model not in self.model_names:
+            raise proto.ApiError(f"The model `{model}` does not exist.", param="model",
+                                 code="model_not_found", status=404)
+
+    def _check_chars(self, req: proto.ApiRequest) -> None:
+        """Refuse text that cannot fit the context whatever it encodes to (400), before the
+        tokenizer runs: more than ``max_model_len * MAX_CHARS_PER_TOKEN`` characters."""
+        if req.kind == "chat":
+            n, param = sum(len(m.get("content") or "") for m in req.messages), "messages"
+        elif isinstance(req.prompt, str):
+            n, param = len(req.prompt), "prompt"
+        else:
+            return
+        self.check_text_length(n, param)
+
+    def check_text_length(self, num_chars: int, param: str) -> None:
+        """Refuse (400 ``context_length_exceeded``) ``num_chars`` characters of text in field
+        ``param`` when over ``max_model_len * MAX_CHARS_PER_TOKEN``."""
+        limit = self.max_model_len * MAX_CHARS_PER_TOKEN
+        if num_chars > limit:
+            raise proto.ApiError(f"This model's maximum context length is {self.max_model_len} "
+                                 f"tokens. However, your {param} has {num_chars} characters, "
+                                 f"more than the {limit} that could fit it.", param=param,
+                                 code="context_length_exceeded")
+
+    def encode(self, text: str, param: str) -> list[int]:
+        """Token ids of ``text`` (request field ``param``); 400 if it cannot be tokenized."""
+        try:
+            return list(self.tokenizer.encode(text))
+        except ValueError as exc:  # text the tokenizer cannot take (not valid Unicode)
+            raise proto.ApiError(f"The {param} cannot be tokenized: {exc}", param=param,
+                                 code="invalid_value") from exc
+
+    # ---- endpoints -------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        arrival_s = time.monotonic()
+        raw = await request.read()
+        try:  # off the event loop: tokenizing a long prompt takes a while
+            p = await asyncio.get_running_loop().run_in_executor(None, self._prepare, raw, kind)
+        except proto.ApiError as exc:
+            return _json_error(exc)
+        if not self.engine_loop.alive:
+            return _json_error(proto.ApiError("The engine is not running.", status=503,
+                                              type="server_error"))
+        outputs = self.engine_loop.submit(p.request_id, p.prompt_token_ids, p.sampling,
+                                         arrival_s)
+        done = False
+        try:
+            if p.req.stream:
+                resp, done = await self._stream(request, p, outputs)
+            else:
+                resp = await self._collect(p, outputs)
+                done = True
+            return resp
+        finally:
+            if not done:  # client gone (cancelled / write failed) or error: free the blocks
+                self.engine_loop.abort(p.request_id)
+
+    async def _collect(self, p: _Prepared, outputs: asyncio.Queue) -> web.Response:
+        while True:
+            out = await outputs.get()
+            if isinstance(out, proto.ApiError):
+                return _json_error(out)
+            if isinstance(out, Exception):
+                return _json_error(proto.ApiError(str(out), status=500, type="server_error"))
+            if out.finished:
+                break
+        build = proto.chat_response if p.req.kind == "chat" else proto.completion_response
+        usage = proto.usage(out.num_prompt_tokens, len(out.output_token_ids),
+                            out.num_cached_tokens)
+        return web.json_response(build(p.request_id, self.model_name, p.created, out.text,
+                                       out.finish_reason, usage))
+
+    def _chunk(self, p: _Prepared, text: str | None, finish_reason: str | None,
+               role: bool = False) -> bytes:
+        """One SSE chunk; ``text`` None means an empty chat delta."""
+        args = (p.request_id, self.model_name, p.created)
+        if p.req.kind == "chat":
+            delta = {"role": "assistant", "content": ""} if role else (
+                {} if text is None else {"content": text})
+            return proto.sse(proto.chat_chunk(*args, delta, finish_reason,
+                                              p.req.include_usage))
+        return proto.sse(proto.completion_chunk(*args, text or "", finish_reason,
+                                                p.req.include_usage))
+
+    async def _stream(self, request: web.Request, p: _Prepared, outputs: asyncio.Queue
+                      ) -> tuple[web.StreamResponse, bool]:
+        """Send the SSE stream; returns the response and whether the request ran to its end
+        (False: the client went away mid-stream)."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        try:
+            await self._stream_events(resp, p, outputs)
+        except ConnectionResetError:
+            logger.info("client of %s disconnected mid-stream; aborting", p.request_id)
+            return resp, False
+        return resp, True
+
+    async def _stream_events(self, resp: web.StreamResponse, p: _Prepared,
+                             outputs: asyncio.Queue) -> None:
+        """Write the request's SSE chunks as its outputs arrive.
+
+        A chat stream's ``{"role": "assistant", "content": ""}`` chunk goes out together with
+        the first generated token (after prefill), as vLLM's ``serving_chat`` sends it: clients
+        (``vllm bench serve --backend openai-chat``, genai-perf) time the first chunk that has
+        ``choices`` as the first token, so sent at acceptance it made their TTFT the queueing
+        time instead of the prefill."""
+        streamer = proto.TextStreamer(p.req.sampling.get("stop", ()))
+        role_sent = p.req.kind != "chat"
+        while True:
+            out = await outputs.get()
+            if isinstance(out, Exception):
+                err = out if isinstance(out, proto.ApiError) else proto.ApiError(
+                    str(out), status=500, type="server_error")
+                await resp.write(proto.sse(proto.error_body(err.message, err.type, err.param,
+                                                            err.code)))
+                break
+            if not role_sent and (out.output_token_ids or out.finished):
+                await resp.write(self._chunk(p, None, None, role=True))
+                role_sent = True
+            delta = streamer.delta(out.text, out.finished)
+            if p.req.kind == "chat":
+                if delta:
+                    await resp.write(self._chunk(p, delta, None))
+                if out.finished:
+                    await resp.write(self._chunk(p, None, out.finish_reason))
+            elif delta or out.finished:
+                await resp.write(self._chunk(p, delta, out.finish_reason if out.finished
+                                             else None))
+            if out.finished:
+                if p.req.include_usage:
+                    usage = proto.usage(out.num_prompt_tokens, len(out.output_token_ids),
+                                        out.num_cached_tokens)
+                    await resp.write(proto.sse(proto.usage_chunk(
+                        p.request_id, self.model_name, p.created, p.req.kind, usage)))
+                break
+        await resp.write(proto.SSE_DONE)
+        await resp.write_eof()
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": name, "object": "model", "created": self.created,
+            "owned_by": "engine_min", "root": self.model_name,
+            "max_model_len": self.max_model_len} for name in self.model_names]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.engine_loop.alive:
+            return web.json_response({"status": "engine thread stopped"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body, content_type = self.engine_loop.metrics.render()
+        resp = web.Response(body=body)
+        resp.headers["Content-Type"] = content_type
+        return resp
+
+    async def debug_stats(self, request: web.Request) -> web.Response:
+        return web.json_response(self.engine_loop.stats, dumps=_dumps_lenient)
+
+
+# ---- app, background runner, CLI ----------------------------------------------------------
+
+def model_max_len(engine: Any) -> int:
+    """The engine's prompt + completion limit in tokens (``LLMEngine.max_model_len``: model
+    context, config cap and KV pool size)."""
+    return int(engine.max_model_len)
+
+
+def create_app(engine: Any, model_name: str | Sequence[str],
+               max_model_len: int | None = None) -> web.Application:
+    """An aiohttp app serving ``engine``; the engine thread starts and stops with the app.
+
+    Args:
+        engine: an ``LLMEngine`` (or anything with its surface); the app's engine thread becomes
+            its only caller.
+        model_name: the served model name, or several (the first is reported; any is
+            accepted in a request's ``model``).
+        max_model_len: prompt + completion limit; default ``model_max_len(engine)``.
+    """
+    engine_loop = EngineLoop(engine, ServerMetrics())
+    serving = OpenAIServing(engine_loop, model_name, max_model_len or model_max_len(engine))
+    app = web.Application(client_max_size=64 * 1024 * 1024,
+                          middlewares=[openai_error_middleware])
+    app[SERVING_KEY] = serving
+    app.router.add_post("/v1/completions", serving.completions)
+    app.router.add_post("/v1/chat/completions", serving.chat_completions)
+    app.router.add_get("/v1/models", serving.models)
+    app.router.add_get("/health", serving.health)
+    app.router.add_get("/metrics", serving.metrics)
+    app.router.add_get("/debug/stats", serving.debug_stats)
+    add_tokenize_routes(app, serving)
+
+    async def _start(_app: web.Application) -> None:
+        engine_loop.start()
+
+    async def _stop(_app: web.Application) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, engine_loop.stop)
+
+    app.on_startup.append(_start)
+    app.on_cleanup.append(_stop)
+    return app
+
+
+class ServerThread:
+    """Runs an app on its own event loop thread (tests, notebooks, benchmarks in-process).
+
+    Usage: ``with ServerThread(app) as srv: openai.OpenAI(base_url=srv.url + "/v1", ...)``.
+
+    Attributes:
+        url: ``http://host:port`` once started (``port=0`` picks a free port).
+    """
+
+    def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0):
+        self.app, self.host, self.port = app, host, port
+        self.url = ""
+        self._loop = asyncio.new_event_loop()
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="http-server",
+                                        daemon=True)
+
+    def start(self) -> "ServerThread":
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result(timeout=60)
+        return self
+
+    async def _serve(self) -> None:
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        self.url = f"http://{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=60)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+if __name__ == "__main__":
+    from engine_min.serve.cli import main
+    main()

@@ -1,0 +1,1 @@
+"""The `kvstore serve` daemon: HTTP server over a ChunkStore, its wire protocol, client and CLI."""

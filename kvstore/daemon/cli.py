@@ -1,0 +1,310 @@
+"""``kvstore`` command line: ``serve``, ``stats URL``, ``clear URL``, ``inspect DISK_PATH``.
+
+Exit codes: 0 success, 1 runtime failure (server unreachable, error answer), 2 bad usage or
+configuration, 141 stdout closed by its reader (``| head``; quiet, no traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from typing import Any, Sequence
+
+from kvstore.disk_inspect import inspect_disk  # noqa: F401 (the inspect command; re-exported)
+from kvstore.units import format_size
+
+log = logging.getLogger("kvstore.daemon.cli")
+
+
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="run the shared KV-cache daemon",
+                       description="Flags override KVSTORE_* environment variables, which "
+                                   "override the --config file.")
+    p.add_argument("--config", help="YAML or TOML settings file (also $KVSTORE_CONFIG)")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="TCP port (default 8500; 0 = any free port)")
+    p.add_argument("--cpu-bytes", help="CPU tier capacity, e.g. 8GiB (default 1GiB)")
+    p.add_argument("--gpu-bytes", help="GPU tier capacity (default 0: no GPU tier)")
+    p.add_argument("--device", help="device of the GPU tier (default cuda)")
+    p.add_argument("--disk-path", help="lmdb directory of the disk tier")
+    p.add_argument("--disk-bytes", help="disk tier capacity (default 0: no disk tier)")
+    p.add_argument("--policy", help="eviction policy of every tier: lru, lfu, fifo, s3fifo")
+    p.add_argument("--auth-token", help="bearer token clients must send on every route but "
+                                        "/healthz and /readyz, /metrics included (also "
+                                        "$KVSTORE_AUTH_TOKEN)")
+    p.add_argument("--tenants-file",
+                   help="YAML/TOML/JSON file of tenants: name -> {token, role (admin, tenant, "
+                        "reader), salt}; each tenant's token may name only namespaces with its "
+                        "salt (see kvstore.daemon.tenants)")
+    p.add_argument("--page-bytes",
+                   help="allocation unit of the memory tiers, a multiple of 64 (default 4KiB): "
+                        "a chunk takes whole pages, so smaller pages waste less on small chunks")
+    p.add_argument("--insecure", action="store_const", const=True,
+                   help="allow a non-loopback bind without --auth-token or --tenants-file")
+    p.add_argument("--log-level", help="debug, info, warning, error (default info)")
+    p.add_argument("--max-body-bytes", help="largest request body (default 1GiB); larger -> 413")
+    p.add_argument("--max-batch-keys", type=int, help="most keys per request (default 1024)")
+    p.add_argument("--request-timeout-s", type=float, help="per-request limit (default 60)")
+    p.add_argument("--max-lease-s", type=float, help="longest pin lease (default 300)")
+    p.add_argument("--shutdown-timeout-s", type=float,
+                   help="SIGTERM waits this long for in-flight requests (default 30)")
+    p.add_argument("--http-parser", choices=("python", "c"),
+                   help="aiohttp's HTTP parser: python (default; passes body pieces through "
+                        "without a copy, +15-20%% put throughput) or c")
+    p.add_argument("--max-connections",
+                   help="cap on open client connections; at the cap a new one closes the "
+                        "oldest idle one (503 when all are busy). Default auto: the "
+                        "file-descriptor limit minus max(64, limit/8) minus 64 (256 -> 128); "
+                        "0 = no cap")
+    p.add_argument("--idle-timeout-s", type=float,
+                   help="close a connection that sends no complete request headers this long "
+                        "after connecting or after its last response (default 30)")
+    p.add_argument("--max-namespaces", type=int,
+                   help="namespaces the store keeps checked at once; the least recently used "
+                        "beyond are forgotten and counted (default 4096)")
+    p.add_argument("--max-inflight-bytes",
+                   help="payload bytes requests may hold at once; more wait (up to the "
+                        "request timeout, then 503); CPU-tier chunks take none (read and sent in "
+                        "place). Default auto: cpu+gpu bytes / 16, at least 32MiB; 0 = "
+                        "unbounded")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvstore`` argument parser (subcommands serve, stats, clear, inspect)."""
+    ap = argparse.ArgumentParser(prog="kvstore", description="Tiered, shared KV-cache store.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    _serve_parser(sub)
+    for name, text in (("stats", "print a running server's statistics as a table"),
+                       ("clear", "delete chunks on a running server")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("url", help="server URL, e.g. http://127.0.0.1:8500")
+        p.add_argument("--auth-token", default=os.environ.get("KVSTORE_AUTH_TOKEN"),
+                       help="the server's bearer token (default $KVSTORE_AUTH_TOKEN)")
+        p.add_argument("--timeout-s", type=float, default=5.0)
+        if name == "stats":
+            p.add_argument("--json", action="store_true", help="raw JSON instead of a table")
+        else:
+            p.add_argument("--namespace", help="clear only this namespace (JSON of "
+                                               "Namespace.to_dict(), or @FILE); default: all")
+    p = sub.add_parser("inspect", help="what a disk tier holds (offline, read-only)")
+    p.add_argument("disk_path")
+    p.add_argument("--json", action="store_true", help="JSON instead of a table")
+    p.add_argument("--limit", type=int, default=20, help="chunks listed (default 20; 0 = all)")
+    p.add_argument("--verify", action="store_true", help="also decode and checksum payloads")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvstore`` console script and ``python -m kvstore``."""
+    args = build_parser().parse_args(argv)
+    try:
+        rc = {"serve": cmd_serve, "stats": cmd_stats, "clear": cmd_clear,
+              "inspect": cmd_inspect}[args.cmd](args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler below
+        return rc
+    except BrokenPipeError:
+        return _stdout_closed()
+    except ValueError as e:
+        print(f"kvstore {args.cmd}: {e}", file=sys.stderr)
+        return 2
+
+
+#: exit status when the reader of stdout went away (``kvstore inspect DIR | head``): 128 +
+#: SIGPIPE, what a shell reports for a command that SIGPIPE ended.
+EXIT_BROKEN_PIPE = 141
+
+
+def _stdout_closed() -> int:
+    """Quiet exit after the reader of stdout closed its end: point stdout at /dev/null so the
+    interpreter's final flush does not raise again (the recipe of Python's ``signal`` docs)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a real file (captured): nothing to flush
+        pass
+    finally:
+        os.close(devnull)
+    return EXIT_BROKEN_PIPE
+
+
+def choose_http_parser(which: str) -> None:
+    """Select aiohttp's pure-Python (``"python"``) or C (``"c"``) HTTP parser for this process,
+    through ``AIOHTTP_NO_EXTENSIONS``, which aiohttp reads once at import: a no-op (logged) when
+    aiohttp is already imported."""
+    want = which == "python"
+    if "aiohttp" in sys.modules:
+        from aiohttp import helpers
+        if helpers.NO_EXTENSIONS != want:
+            log.warning("aiohttp is already imported; --http-parser %s not applied", which)
+        return
+    if want:
+        os.environ["AIOHTTP_NO_EXTENSIONS"] = "1"
+    else:
+        os.environ.pop("AIOHTTP_NO_EXTENSIONS", None)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvstore.daemon import config as serve_config
+    flags = {k: v for k, v in vars(args).items() if k in serve_config.FIELDS}
+    cfg = serve_config.resolve(flags, config_file=args.config)
+    logging.basicConfig(level=cfg.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    choose_http_parser(cfg.http_parser)
+    return_freed_buffers_to_os()
+    tenants = None
+    if cfg.tenants_file:
+        from kvstore.daemon.tenants import TenantTable
+        tenants = TenantTable.from_file(cfg.tenants_file)
+    store = build_store(cfg)
+    try:
+        asyncio.run(_serve(cfg, store, tenants))
+    finally:
+        log.info("closing the store (flushing disk writes)")
+        store.close()
+    log.info("stopped")
+    return 0
+
+
+#: glibc ``mallopt`` parameter number of the mmap threshold (malloc.h).
+M_MMAP_THRESHOLD = -3
+
+
+def return_freed_buffers_to_os(threshold_bytes: int = 1 << 20) -> bool:
+    """Serve every allocation of ``threshold_bytes`` or more with its own mmap, so a freed
+    request buffer (a 5.9 MB chunk in flight) goes back to the OS at once.
+
+    By default glibc raises its mmap threshold after the first large free, then serves such
+    buffers from heap arenas that it rarely trims: the daemon's RSS then keeps the peak of every
+    thread's arena (measured: 4.3x the CPU tier's capacity above the idle RSS in the soak of
+    ``bench.daemon_load``, 2.3x with this). Returns False where glibc is absent (no effect).
+    """
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold_bytes)))
+    except (OSError, AttributeError):
+        return False
+
+
+def build_store(cfg) -> Any:
+    """The ``ChunkStore`` for a ``ServeConfig``.
+
+    Raises:
+        ValueError: the tiers cannot be created (a disk path that is not a writable directory
+            or not an lmdb environment, a memory tier the machine cannot allocate, a GPU tier
+            without the device), with the reason.
+    """
+    import lmdb
+    from kvstore.config import StoreConfig
+    from kvstore.store import ChunkStore
+    try:
+        return ChunkStore(StoreConfig(**cfg.store_config_kwargs()))
+    except (OSError, lmdb.Error) as e:
+        raise ValueError(f"cannot open the disk tier at {cfg.disk_path!r}: {e}") from None
+    except RuntimeError as e:  # torch: allocation failed, device unavailable
+        raise ValueError(f"cannot create the store's memory tiers: {e}") from None
+
+
+async def _serve(cfg, store, tenants=None) -> None:
+    from kvstore.daemon.server import ServerLimits, create_app, serve_until_signal
+    limits = ServerLimits(auth_token=cfg.auth_token, tenants=tenants,
+                          max_body_bytes=cfg.max_body_bytes,
+                          max_batch_keys=cfg.max_batch_keys,
+                          request_timeout_s=cfg.request_timeout_s, max_lease_s=cfg.max_lease_s,
+                          max_inflight_bytes=cfg.max_inflight_bytes)
+    app = create_app(store, limits)
+
+    def on_listen(bound) -> None:
+        # One parseable line on stdout: scripts and tests wait for it (and read the port).
+        print(f"kvstore serve: listening on http://{bound[0]}:{bound[1]}", flush=True)
+    await serve_until_signal(app, cfg.host, cfg.port, shutdown_timeout_s=cfg.shutdown_timeout_s,
+                             on_listen=on_listen, max_connections=cfg.max_connections,
+                             idle_timeout_s=cfg.idle_timeout_s)
+
+
+def _client(args):
+    from kvstore.daemon.client import KVStoreClient
+    return KVStoreClient(args.url, auth_token=args.auth_token, timeout_s=args.timeout_s)
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from kvstore.daemon.client import RemoteError, StoreUnavailable
+    try:
+        with _client(args) as c:
+            st = c.stats()
+    except (StoreUnavailable, RemoteError) as e:
+        print(f"kvstore stats: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(st, indent=2, sort_keys=True) if args.json else format_table(st))
+    return 0
+
+
+def cmd_clear(args: argparse.Namespace) -> int:
+    from kvstore.daemon.client import RemoteError, StoreUnavailable
+    from kvstore.keys import Namespace
+    ns = None
+    if args.namespace:
+        text = args.namespace
+        if text.startswith("@"):
+            with open(text[1:]) as f:
+                text = f.read()
+        try:
+            ns = Namespace.from_dict(json.loads(text))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"bad --namespace: {e!r}") from None
+    try:
+        with _client(args) as c:
+            n = c.clear(ns)
+    except (StoreUnavailable, RemoteError) as e:
+        print(f"kvstore clear: {e}", file=sys.stderr)
+        return 1
+    print(f"removed {n} chunks" + ("" if ns else " (all namespaces)"))
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    report = inspect_disk(args.disk_path, limit=args.limit, verify=args.verify)
+    print(json.dumps(report, indent=2, sort_keys=True) if args.json else format_table(report))
+    return 0
+
+
+def flatten(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """``{"a": {"b": 1}}`` -> ``[("a.b", 1)]`` (lists of scalars stay whole)."""
+    if isinstance(obj, dict):
+        rows = []
+        for k in obj:
+            rows += flatten(obj[k], f"{prefix}.{k}" if prefix else str(k))
+        return rows
+    if isinstance(obj, list) and obj and all(isinstance(x, dict) for x in obj):
+        rows = []
+        for i, x in enumerate(obj):
+            rows += flatten(x, f"{prefix}[{i}]")
+        return rows
+    return [(prefix, obj)]
+
+
+def _fmt(name: str, value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if name.endswith("bytes") and isinstance(value, int):
+        return f"{value:,} ({format_size(value)})" if value >= 1024 else f"{value}"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, int) and not name.endswith("pid"):  # a pid is an id: kill/grep it
+        return f"{value:,}"
+    return str(value)
+
+
+def format_table(obj: dict) -> str:
+    """Two-column text table of a nested dict; byte fields also shown as ``8GiB``."""
+    rows = [(k, _fmt(k, v)) for k, v in flatten(obj)]
+    width = max((len(k) for k, _ in rows), default=0)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

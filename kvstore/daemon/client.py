@@ -1,0 +1,439 @@
+"""Client of the kvstore daemon: ``AsyncKVStoreClient`` (aiohttp) and ``KVStoreClient``, a
+thread-safe synchronous ``KVStoreBase`` with the same surface as the in-process store.
+
+Deadlines: every call has a deadline (``timeout_s``, per client or per call). A dead, hung or
+restarting server yields ``StoreUnavailable`` (a ``TimeoutError``) within that deadline, never a
+hang. Retries (exponential backoff, inside the deadline) happen for idempotent calls (lookup,
+exists, get, put of content-addressed chunks, remove, clear, stats) on connection errors and
+503; pin/unpin are retried only when the connection could not be opened (nothing was sent).
+A refused connection (nothing listens on the port: the daemon is down) fails fast: after
+``refused_tries`` attempts ``refused_backoff_s`` apart, not at the deadline.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import threading
+from typing import Any, AsyncIterator, Sequence
+from urllib.parse import urlsplit
+
+import aiohttp
+import torch
+
+from kvstore.daemon import protocol as P
+from kvstore.api import KVStoreBase, LookupResult
+from kvstore.keys import ChunkKey, Namespace
+
+log = logging.getLogger("kvstore.daemon.client")
+
+
+#: Put payloads go to the transport in slices of this many bytes: a slice the socket takes at
+#: once is sent from the tensor's memory; asyncio copies only what it does not take.
+SEND_SLICE = 1 << 20
+
+
+class StoreUnavailable(TimeoutError):
+    """The daemon did not answer within the call's deadline (dead, hung or restarting)."""
+
+
+class RemoteError(RuntimeError):
+    """The daemon answered with an error status (4xx/5xx) and a JSON message.
+
+    Attributes:
+        status: HTTP status code.
+        message: the server's error text.
+    """
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"kvstore server error {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+_CONNECT_ERRORS = (aiohttp.ClientConnectorError,)
+_TRANSPORT_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+                     aiohttp.ClientPayloadError, ConnectionResetError,
+                     asyncio.IncompleteReadError)
+
+
+def check_url(url: str) -> str:
+    """``url`` unchanged if it is a usable server URL (``http[s]://HOST[:PORT][/]``).
+
+    Raises:
+        ValueError: anything else (no scheme, another scheme, no host, a bad port), naming the
+            URL and the expected form.
+    """
+    want = f"malformed kvstore URL {url!r}: expected http://HOST:PORT"
+    if not isinstance(url, str):
+        raise ValueError(want)
+    try:
+        parts = urlsplit(url)
+        host, _ = parts.hostname, parts.port  # .port raises on a bad port
+    except ValueError as e:  # a port out of range or not a number
+        raise ValueError(f"{want} ({e})") from None
+    if parts.scheme not in ("http", "https") or not host:
+        raise ValueError(want)
+    return url
+
+
+class _Retry(Exception):
+    """Internal: a 503 answer to an idempotent call."""
+
+
+class AsyncKVStoreClient:
+    """Async client. Coroutines mirror ``KVStoreBase`` methods (``await c.get_chunks(ns, keys)``).
+
+    Args:
+        url: server base URL, e.g. ``"http://127.0.0.1:8500"``.
+        auth_token: bearer token, if the server requires one.
+        timeout_s: default per-call deadline in seconds (retries included).
+        pool_size: most pooled connections (aiohttp connector limit).
+        durable: default for ``put_chunks(durable=...)`` (wait for the disk flush).
+        retry_backoff_s: first retry delay (doubles, capped at 0.5 s).
+        refused_tries: attempts of a call whose connections are refused before it raises
+            ``StoreUnavailable`` (default 2, so about ``refused_backoff_s`` instead of the whole
+            deadline); None retries until the deadline (to ride out a daemon restart).
+        refused_backoff_s: wait between refused attempts (seconds).
+
+    Raises:
+        ValueError: ``url`` is not ``http[s]://HOST:PORT`` (``check_url``).
+    """
+
+    def __init__(self, url: str, *, auth_token: str | None = None, timeout_s: float = 10.0,
+                 pool_size: int = 32, durable: bool = False, retry_backoff_s: float = 0.02,
+                 refused_tries: int | None = 2, refused_backoff_s: float = 0.05):
+        if refused_tries is not None and (not isinstance(refused_tries, int)
+                                          or refused_tries < 1):
+            raise ValueError(f"refused_tries must be a positive int or None, got "
+                             f"{refused_tries!r}")
+        self.refused_tries, self.refused_backoff_s = refused_tries, refused_backoff_s
+        self.url = check_url(url).rstrip("/")
+        self.timeout_s = timeout_s
+        self.pool_size = pool_size
+        self.durable = durable
+        self.retry_backoff_s = retry_backoff_s
+        self._headers = {P.VERSION_HEADER: str(P.PROTOCOL_VERSION)}
+        if auth_token:
+            self._headers["Authorization"] = f"Bearer {auth_token}"
+        self._session: aiohttp.ClientSession | None = None
+
+    def _sess(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            conn = aiohttp.TCPConnector(limit=self.pool_size, keepalive_timeout=30)
+            self._session = aiohttp.ClientSession(connector=conn, headers=self._headers,
+                                                  timeout=aiohttp.ClientTimeout(total=None),
+                                                  read_bufsize=4 << 20)
+        return self._session
+
+    async def close(self) -> None:
+        """Close pooled connections. Idempotent."""
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+
+    async def _call(self, method: str, path: str, handle, *, idempotent: bool,
+                    timeout_s: float | None, body=None, headers=None) -> Any:
+        """One logical call with deadline and retries. ``body`` is bytes or a zero-arg factory
+        of an async iterator (re-created per attempt); ``handle(resp)`` parses the answer."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        attempt, refused, last = 0, 0, None
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise StoreUnavailable(f"{method} {self.url}{path}: no answer within {timeout} s "
+                                       f"(last error: {last!r})")
+            try:
+                async with asyncio.timeout(remaining):
+                    data = body() if callable(body) else body
+                    async with self._sess().request(method, self.url + path, data=data,
+                                                    headers=headers) as resp:
+                        if resp.status == 503 and idempotent:
+                            raise _Retry(await resp.text())
+                        if resp.status >= 400 and resp.status != 404:
+                            raise RemoteError(resp.status, await _error_text(resp))
+                        return await handle(resp)
+            except TimeoutError:
+                raise StoreUnavailable(f"{method} {self.url}{path}: no answer within "
+                                       f"{timeout} s (last error: {last!r})") from None
+            except _CONNECT_ERRORS as e:
+                last = e
+                if isinstance(e.os_error, ConnectionRefusedError):
+                    refused += 1
+                    if self.refused_tries is not None and refused >= self.refused_tries:
+                        raise StoreUnavailable(
+                            f"{method} {self.url}{path}: connection refused ({refused} tries); "
+                            f"is the kvstore daemon running?") from None
+                    delay = min(self.refused_backoff_s, deadline - loop.time())
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    continue
+            except (_Retry, *_TRANSPORT_ERRORS) as e:
+                if not idempotent:
+                    raise StoreUnavailable(f"{method} {self.url}{path} failed after sending; "
+                                           f"not retried (not idempotent): {e!r}") from e
+                last = e
+            delay = min(self.retry_backoff_s * 2 ** attempt, 0.5, deadline - loop.time())
+            attempt += 1
+            if delay > 0:
+                await asyncio.sleep(delay)
+
+    async def _post_json(self, path: str, payload: bytes, *, idempotent: bool,
+                         timeout_s: float | None) -> dict:
+        async def handle(resp):
+            if resp.status == 404:
+                raise RemoteError(404, await _error_text(resp))
+            return await resp.json()
+        return await self._call("POST", path, handle, idempotent=idempotent, timeout_s=timeout_s,
+                                body=payload, headers={"Content-Type": "application/json"})
+
+    async def lookup_keys(self, ns: Namespace, keys: Sequence[ChunkKey], *,
+                          timeout_s: float | None = None) -> LookupResult:
+        """Leading keys present, per tier (see ``KVStoreBase.lookup_keys``)."""
+        r = await self._post_json("/v1/lookup", P.key_request(ns, keys), idempotent=True,
+                                  timeout_s=timeout_s)
+        return LookupResult(r["num_hit_chunks"], r["chunk_size"], tuple(r["tiers"]),
+                            r["num_requested_chunks"])
+
+    async def exists(self, ns: Namespace, keys: Sequence[ChunkKey], *,
+                     timeout_s: float | None = None) -> list[bool]:
+        r = await self._post_json("/v1/exists", P.key_request(ns, keys), idempotent=True,
+                                  timeout_s=timeout_s)
+        return list(r["exists"])
+
+    async def remove(self, ns: Namespace, keys: Sequence[ChunkKey], *,
+                     timeout_s: float | None = None) -> int:
+        r = await self._post_json("/v1/remove", P.key_request(ns, keys), idempotent=True,
+                                  timeout_s=timeout_s)
+        return r["removed"]
+
+    async def clear(self, ns: Namespace | None = None, *, timeout_s: float | None = None) -> int:
+        """Delete every chunk of ``ns`` (all namespaces if None)."""
+        body = {"all": True} if ns is None else {"namespace": ns.to_dict()}
+        r = await self._post_json("/v1/clear", json.dumps(body).encode(), idempotent=True,
+                                  timeout_s=timeout_s)
+        return r["removed"]
+
+    async def pin(self, ns: Namespace, keys: Sequence[ChunkKey], lease_s: float | None = None,
+                  *, timeout_s: float | None = None) -> int:
+        """Pin with a lease (the server caps it at its ``max_lease_s``)."""
+        r = await self._post_json("/v1/pin", P.key_request(ns, keys, lease_s=lease_s),
+                                  idempotent=False, timeout_s=timeout_s)
+        return r["pinned"]
+
+    async def unpin(self, ns: Namespace, keys: Sequence[ChunkKey], *,
+                    timeout_s: float | None = None) -> int:
+        r = await self._post_json("/v1/unpin", P.key_request(ns, keys), idempotent=False,
+                                  timeout_s=timeout_s)
+        return r["unpinned"]
+
+    async def stats(self, *, timeout_s: float | None = None) -> dict:
+        async def handle(resp):
+            return await resp.json()
+        return await self._call("GET", "/v1/stats", handle, idempotent=True, timeout_s=timeout_s)
+
+    async def whoami(self, *, timeout_s: float | None = None) -> dict:
+        """``{"tenant", "role", "cache_salt"}`` of this client's token (``kvstore.daemon.tenants``):
+        namespaces must carry ``cache_salt`` (or ``cache_salt + "/..."``) unless it is None."""
+        async def handle(resp):
+            return await resp.json()
+        return await self._call("GET", "/v1/whoami", handle, idempotent=True,
+                                timeout_s=timeout_s)
+
+    async def metrics_text(self, *, timeout_s: float | None = None) -> str:
+        """The server's Prometheus exposition text."""
+        async def handle(resp):
+            return await resp.text()
+        return await self._call("GET", "/metrics", handle, idempotent=True, timeout_s=timeout_s)
+
+    async def get_chunks(self, ns: Namespace, keys: Sequence[ChunkKey], *,
+                         timeout_s: float | None = None) -> list[torch.Tensor | None]:
+        """Chunks ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` or None per key.
+        A payload failing its checksum is returned as None (and logged)."""
+        if not keys:
+            return []
+
+        async def handle(resp):
+            if resp.status == 404:
+                return [None] * len(keys)
+            return await _read_get_body(resp.content, ns, keys)
+        return await self._call("POST", "/v1/get", handle, idempotent=True, timeout_s=timeout_s,
+                                body=P.key_request(ns, keys),
+                                headers={"Content-Type": "application/json"})
+
+    async def put_chunks(self, ns: Namespace, keys: Sequence[ChunkKey],
+                         kvs: Sequence[torch.Tensor],
+                         parents: Sequence[ChunkKey | None] | None = None, *,
+                         durable: bool | None = None, timeout_s: float | None = None) -> int:
+        """Store chunks (streamed, no copy of the tensors). With ``durable`` the server answers
+        only after the disk tier has flushed them. ``parents`` as ``KVStoreBase.put_chunks``
+        (sent as each entry's ``"parent"`` where it is not the previous key; the first
+        entry's always). Returns the number newly stored.
+
+        Raises:
+            ValueError: ``len(keys) != len(kvs)``, a bad ``parents`` count, or a tensor not
+                matching ``ns.layout`` (checked here before sending; the server checks again).
+        """
+        if len(keys) != len(kvs):
+            raise ValueError(f"{len(keys)} keys but {len(kvs)} tensors")
+        if parents is not None and len(parents) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(parents)} parents")
+        if not keys:
+            return 0
+        for kv in kvs:
+            ns.layout.validate(kv)
+        entries = [P.entry_for(k, kv) for k, kv in zip(keys, kvs)]
+        if parents is not None:
+            entries = [(dataclasses.replace(e, parent=p, parent_given=True)
+                        if i == 0 or p != keys[i - 1] else e, v)
+                       for i, ((e, v), p) in enumerate(zip(entries, parents))]
+        parts = entries
+        head = P.put_header(ns, [e for e, _ in parts],
+                            self.durable if durable is None else durable)
+        length = len(head) + sum(v.nbytes for _, v in parts)
+
+        async def stream() -> AsyncIterator[bytes | memoryview]:
+            yield head
+            for _, v in parts:
+                for off in range(0, v.nbytes, SEND_SLICE):
+                    yield v[off:off + SEND_SLICE]
+
+        async def handle(resp):
+            return (await resp.json())["stored"]
+        return await self._call("POST", "/v1/put", handle, idempotent=True, timeout_s=timeout_s,
+                                body=stream, headers={"Content-Type": P.BINARY_CONTENT_TYPE,
+                                                      "Content-Length": str(length)})
+
+    async def healthy(self, *, timeout_s: float = 1.0) -> bool:
+        """True when /readyz answers 200 within ``timeout_s``."""
+        async def handle(resp):
+            return resp.status == 200
+        try:
+            return await self._call("GET", "/readyz", handle, idempotent=True,
+                                    timeout_s=timeout_s)
+        except (StoreUnavailable, RemoteError):
+            return False
+
+
+async def _error_text(resp: aiohttp.ClientResponse) -> str:
+    text = await resp.text()
+    try:
+        return json.loads(text)["error"]
+    except (ValueError, KeyError, TypeError):
+        return text[:500]
+
+
+async def _read_get_body(reader: aiohttp.StreamReader, ns: Namespace,
+                         keys: Sequence[ChunkKey]) -> list[torch.Tensor | None]:
+    hdr_len = P.decode_preamble(await reader.readexactly(P.PREAMBLE_BYTES))
+    header = P.parse_json(await reader.readexactly(hdr_len), "get response header")
+    entries = P.parse_get_response_header(header, ns, keys)
+    layout = ns.layout
+    out: list[torch.Tensor | None] = []
+    for e in entries:
+        if not e.found:
+            out.append(None)
+            continue
+        kv = torch.empty(layout.shape(), dtype=layout.torch_dtype)  # [L, 2, T, H, D]
+        view = memoryview(kv.view(torch.uint8).reshape(-1).numpy())
+        pos = 0
+        while pos < e.nbytes:
+            data = await reader.read(e.nbytes - pos)
+            if not data:
+                raise asyncio.IncompleteReadError(b"", e.nbytes - pos)
+            view[pos:pos + len(data)] = data
+            pos += len(data)
+        if P.checksum(view) != e.xxh3:
+            log.warning("checksum mismatch on get of %s; treated as a miss", e.key)
+            out.append(None)
+        else:
+            out.append(kv)
+    return out
+
+
+class KVStoreClient(KVStoreBase):
+    """Synchronous, thread-safe ``KVStoreBase`` over the daemon (same surface as ``ChunkStore``).
+
+    Runs one private event loop on a daemon thread; every method blocks at most its deadline
+    (``timeout_s``) and raises ``StoreUnavailable`` when the server does not answer in time,
+    ``RemoteError`` for error answers, ``ValueError`` for bad tensors. Arguments as in
+    ``AsyncKVStoreClient``.
+    """
+
+    def __init__(self, url: str, **kwargs: Any):
+        self._async = AsyncKVStoreClient(url, **kwargs)
+        self.url = self._async.url
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-client",
+                                        daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    def _run(self, coro, timeout_s: float | None) -> Any:
+        if self._closed:
+            coro.close()
+            raise RuntimeError("KVStoreClient is closed")
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        wait = (self._async.timeout_s if timeout_s is None else timeout_s) + 5.0
+        try:
+            return fut.result(wait)
+        except TimeoutError:
+            if fut.done():  # the call's own StoreUnavailable (a TimeoutError)
+                raise
+            fut.cancel()
+            raise StoreUnavailable(f"{self.url}: no answer within {wait} s") from None
+
+    def lookup_keys(self, ns, keys, *, timeout_s=None) -> LookupResult:
+        return self._run(self._async.lookup_keys(ns, keys, timeout_s=timeout_s), timeout_s)
+
+    def get_chunks(self, ns, keys, *, timeout_s=None) -> list[torch.Tensor | None]:
+        return self._run(self._async.get_chunks(ns, keys, timeout_s=timeout_s), timeout_s)
+
+    def put_chunks(self, ns, keys, kvs, parents=None, *, durable=None, timeout_s=None) -> int:
+        return self._run(self._async.put_chunks(ns, keys, kvs, parents, durable=durable,
+                                                timeout_s=timeout_s), timeout_s)
+
+    def exists(self, ns, keys, *, timeout_s=None) -> list[bool]:
+        return self._run(self._async.exists(ns, keys, timeout_s=timeout_s), timeout_s)
+
+    def remove(self, ns, keys, *, timeout_s=None) -> int:
+        return self._run(self._async.remove(ns, keys, timeout_s=timeout_s), timeout_s)
+
+    def clear(self, ns=None, *, timeout_s=None) -> int:
+        return self._run(self._async.clear(ns, timeout_s=timeout_s), timeout_s)
+
+    def pin(self, ns, keys, lease_s=None, *, timeout_s=None) -> int:
+        return self._run(self._async.pin(ns, keys, lease_s, timeout_s=timeout_s), timeout_s)
+
+    def unpin(self, ns, keys, *, timeout_s=None) -> int:
+        return self._run(self._async.unpin(ns, keys, timeout_s=timeout_s), timeout_s)
+
+    def stats(self, *, timeout_s=None) -> dict:
+        return self._run(self._async.stats(timeout_s=timeout_s), timeout_s)
+
+    def whoami(self, *, timeout_s=None) -> dict:
+        return self._run(self._async.whoami(timeout_s=timeout_s), timeout_s)
+
+    def metrics_text(self, *, timeout_s=None) -> str:
+        return self._run(self._async.metrics_text(timeout_s=timeout_s), timeout_s)
+
+    def healthy(self, *, timeout_s: float = 1.0) -> bool:
+        return self._run(self._async.healthy(timeout_s=timeout_s), timeout_s)
+
+    def close(self) -> None:
+        """Close pooled connections and stop the loop thread. Idempotent."""
+        if self._closed:
+            return
+        asyncio.run_coroutine_threadsafe(self._async.close(), self._loop).result(5)
+        self._closed = True
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
+
+    def __enter__(self) -> "KVStoreClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

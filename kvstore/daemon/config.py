@@ -1,0 +1,251 @@
+"""Configuration of ``kvstore serve``: command-line flags > ``KVSTORE_*`` env vars > a YAML/TOML
+file > defaults.
+
+The file holds the same field names (``cpu_bytes: 8GiB``, dashes or underscores), at top level
+or under a ``serve`` table. Each environment variable is the field name upper-cased with the
+``KVSTORE_`` prefix (``KVSTORE_CPU_BYTES=8GiB``); ``KVSTORE_CONFIG`` names the file.
+"""
+from __future__ import annotations
+
+import ipaddress
+import math
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from kvstore.units import parse_size
+
+ENV_PREFIX = "KVSTORE_"
+LOOPBACK_NAMES = ("localhost",)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything ``kvstore serve`` needs. Sizes are bytes (text like ``"8GiB"`` accepted).
+
+    Attributes:
+        host, port: bind address (default loopback ``127.0.0.1:8500``; port 0 = any free port).
+        cpu_bytes, gpu_bytes, disk_bytes: tier capacities (0 = tier absent).
+        disk_path: lmdb directory of the disk tier.
+        device: device of the GPU tier (``cuda``, ``cuda:1``).
+        policy: eviction policy of every tier (``lru``, ``lfu``, ``fifo``, ``s3fifo``).
+        auth_token: bearer token required by the server (an admin: see ``kvstore.daemon.tenants``).
+        tenants_file: YAML/TOML/JSON file of tenants with their own tokens, roles and salts
+            (``kvstore.daemon.tenants``); read at start.
+        page_bytes: allocation unit of the memory tiers (bytes, a positive multiple of 64). A
+            chunk takes ``ceil(chunk bytes / page_bytes)`` whole pages, so a page larger than a
+            namespace's chunk wastes the rest: 4 KiB chunks in 64 KiB pages used 6% of the
+            tier. Default 4 KiB (the OS page): the daemon serves namespaces of any chunk size,
+            large chunks simply span many pages (pages are handed out in runs, so a 5.9 MB
+            chunk costs no more than with 64 KiB pages), and a chunk wastes under 4 KiB.
+        insecure: allow a non-loopback bind without a token.
+        log_level: ``debug``/``info``/``warning``/``error``.
+        max_body_bytes, max_batch_keys, request_timeout_s, max_lease_s: see
+            ``kvstore.daemon.server.ServerLimits``.
+        shutdown_timeout_s: how long SIGTERM waits for in-flight requests (seconds).
+        http_parser: ``python`` (default) runs aiohttp's pure-Python HTTP parser, which hands
+            each received body piece through without copying it (its C parser copies every
+            piece: measured +15-20% put throughput, lookups unchanged); ``c`` its C parser.
+            Takes effect when ``kvstore serve`` imports aiohttp (``AIOHTTP_NO_EXTENSIONS``).
+        max_inflight_bytes: budget of chunk payload bytes that requests hold at once (see
+            ``kvstore.daemon.server.ServerLimits``); None = auto: a sixteenth of the memory tiers'
+            capacity, at least 32 MiB; 0 = no budget. Chunks put into or sent from the CPU
+            tier take none of it (direct I/O); it bounds staging: durable puts, chunks read
+            from the disk tier, and puts that find the CPU tier full of pinned chunks.
+        max_connections: cap on open client connections (``kvstore.daemon.conns``); at the cap
+            a new connection closes the oldest idle one, or gets 503 when all are busy.
+            None = auto: the soft ``RLIMIT_NOFILE`` minus ``max(64, limit // 8)`` descriptors
+            kept for the store and 64 for a burst of accepts (256 -> 128, 1,024 -> 832);
+            0 = no cap.
+        idle_timeout_s: a connection that has not sent a complete request's headers this many
+            seconds after connecting or after its last response is closed (silent or
+            trickling clients; aiohttp's ``keepalive_timeout``).
+        max_namespaces: namespaces whose layout the store keeps checked at once
+            (``ChunkStore.register``); beyond, the least recently used is forgotten (counted
+            in ``kvstore_namespace_evictions_total``; its chunks stay, a later request
+            checks its layout again).
+
+    Raises:
+        ValueError: a bad size (``page_bytes`` not a positive multiple of 64), port, log level
+            or timeout (not a positive number of seconds), or a non-loopback bind without
+            ``auth_token``, ``tenants_file`` or ``insecure``.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8500
+    cpu_bytes: int | str = "1GiB"
+    gpu_bytes: int | str = 0
+    disk_bytes: int | str = 0
+    disk_path: str | None = None
+    device: str = "cuda"
+    policy: str = "lru"
+    auth_token: str | None = None
+    tenants_file: str | None = None
+    page_bytes: int | str = "4KiB"
+    insecure: bool = False
+    log_level: str = "info"
+    max_body_bytes: int | str = "1GiB"
+    max_batch_keys: int = 1024
+    request_timeout_s: float = 60.0
+    max_lease_s: float = 300.0
+    shutdown_timeout_s: float = 30.0
+    max_connections: int | str | None = None
+    idle_timeout_s: float = 30.0
+    max_namespaces: int = 4096
+    http_parser: str = "python"
+    max_inflight_bytes: int | str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_bytes", "gpu_bytes", "disk_bytes", "max_body_bytes", "page_bytes"):
+            object.__setattr__(self, name, parse_size(getattr(self, name)))
+        if self.max_inflight_bytes is None or str(self.max_inflight_bytes).lower() == "auto":
+            object.__setattr__(self, "max_inflight_bytes",
+                               max(32 << 20, (self.cpu_bytes + self.gpu_bytes) // 16))
+        else:
+            object.__setattr__(self, "max_inflight_bytes", parse_size(self.max_inflight_bytes))
+        for name, typ in (("port", int), ("max_batch_keys", int), ("request_timeout_s", float),
+                          ("max_lease_s", float), ("shutdown_timeout_s", float),
+                          ("idle_timeout_s", float), ("max_namespaces", int)):
+            object.__setattr__(self, name, typ(getattr(self, name)))
+        if self.max_connections is None or str(self.max_connections).lower() == "auto":
+            object.__setattr__(self, "max_connections", default_max_connections())
+        object.__setattr__(self, "max_connections", int(self.max_connections))
+        if self.max_connections < 0 or self.max_namespaces <= 0:
+            raise ValueError(f"max_connections must be >= 0 (0: no cap) and max_namespaces "
+                             f"> 0, got {self.max_connections} and {self.max_namespaces}")
+        object.__setattr__(self, "insecure", _to_bool(self.insecure))
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+            raise ValueError(f"unknown log level {self.log_level!r}")
+        from kvstore.eviction import POLICIES
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown --policy {self.policy!r} (also $KVSTORE_POLICY or "
+                             f"'policy' in the config file); choose one of "
+                             f"{', '.join(sorted(POLICIES))}")
+        if self.max_batch_keys <= 0 or self.max_body_bytes <= 0:
+            raise ValueError("max_batch_keys and max_body_bytes must be positive")
+        for name in ("request_timeout_s", "max_lease_s", "idle_timeout_s"):
+            if not 0 < getattr(self, name) < math.inf:  # also refuses NaN
+                raise ValueError(f"{name} must be a positive number of seconds, got "
+                                 f"{getattr(self, name)}")
+        if not 0 <= self.shutdown_timeout_s < math.inf:
+            raise ValueError(f"shutdown_timeout_s must be >= 0 seconds, got "
+                             f"{self.shutdown_timeout_s}")
+        if self.page_bytes <= 0 or self.page_bytes % 64:
+            raise ValueError(f"page_bytes must be a positive multiple of 64, got "
+                             f"{self.page_bytes}")
+        if self.http_parser not in ("python", "c"):
+            raise ValueError(f"http_parser must be 'python' or 'c', got {self.http_parser!r}")
+        if not (self.auth_token or self.tenants_file or self.insecure
+                or is_loopback(self.host)):
+            raise ValueError(f"refusing to bind non-loopback address {self.host!r} without "
+                             "--auth-token or --tenants-file (or --insecure to accept "
+                             "unauthenticated access)")
+
+    def store_config_kwargs(self) -> dict:
+        """Keyword arguments of ``kvstore.config.StoreConfig`` for these tiers."""
+        return {"gpu_bytes": self.gpu_bytes, "cpu_bytes": self.cpu_bytes,
+                "disk_bytes": self.disk_bytes, "disk_path": self.disk_path,
+                "page_bytes": self.page_bytes,
+                "device": self.device if self.gpu_bytes else "cpu",
+                "gpu_policy": self.policy, "cpu_policy": self.policy,
+                "disk_policy": self.policy, "max_namespaces": self.max_namespaces}
+
+
+def default_max_connections(nofile: int | None = None) -> int:
+    """The connection cap that leaves room below the file-descriptor limit: ``nofile`` (default:
+    this process's soft ``RLIMIT_NOFILE``; unlimited counts as 65,536) minus
+    ``max(64, nofile // 8)`` descriptors kept for the store (disk tier, logs, pipes) minus 64
+    for sockets accepted but not yet counted (``kvstore.daemon.conns.ACCEPT_BATCH``), and at
+    least 1. E.g. 256 -> 128, 1,024 -> 832, 65,536 -> 57,280."""
+    import resource
+    if nofile is None:
+        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if nofile == resource.RLIM_INFINITY or nofile <= 0:
+        nofile = 65536
+    return max(1, nofile - max(64, nofile // 8) - 64)
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP addresses (``127.0.0.0/8``, ``::1``)."""
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _to_bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if str(v).lower() in ("1", "true", "yes", "on"):
+        return True
+    if str(v).lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {v!r}")
+
+
+FIELDS = tuple(f.name for f in fields(ServeConfig))
+
+
+def load_file(path: str | os.PathLike) -> dict:
+    """Fields from a YAML (``.yaml``/``.yml``) or TOML (``.toml``) file.
+
+    Raises:
+        ValueError: unreadable/malformed file, or unknown field names.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read config file {p}: {e}") from None
+    if p.suffix == ".toml":
+        import tomllib
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"malformed TOML in {p}: {e}") from None
+    else:
+        import yaml
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"malformed YAML in {p}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{p} must hold a mapping of settings")
+    if isinstance(data.get("serve"), dict):
+        data = data["serve"]
+    return _known(data, str(p))
+
+
+def _known(data: Mapping[str, Any], where: str) -> dict:
+    out = {str(k).replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(out) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"unknown settings {unknown} in {where}; known: {list(FIELDS)}")
+    return out
+
+
+def from_env(env: Mapping[str, str]) -> dict:
+    """Fields set by ``KVSTORE_<FIELD>`` variables (``KVSTORE_CONFIG`` excluded)."""
+    return {name: env[ENV_PREFIX + name.upper()] for name in FIELDS
+            if ENV_PREFIX + name.upper() in env}
+
+
+def resolve(flags: Mapping[str, Any], env: Mapping[str, str] | None = None,
+            config_file: str | None = None) -> ServeConfig:
+    """Merge the layers: ``flags`` (None values = not given) > env > file > defaults.
+
+    The file is ``config_file`` or else ``$KVSTORE_CONFIG``.
+    """
+    env = os.environ if env is None else env
+    merged: dict[str, Any] = {}
+    path = config_file or env.get(ENV_PREFIX + "CONFIG")
+    if path:
+        merged.update(load_file(path))
+    merged.update(from_env(env))
+    merged.update({k: v for k, v in _known(flags, "flags").items() if v is not None})
+    return ServeConfig(**merged)

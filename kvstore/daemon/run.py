@@ -1,0 +1,138 @@
+"""Running a kvstore server app: SIGTERM/SIGINT drain (``serve_until_signal``) and a
+private event-loop thread (``ThreadedServer``)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from kvstore.daemon.conns import (DEFAULT_IDLE_TIMEOUT_S, ConnectionGuard, GuardedTCPSite,
+                                  default_max_connections)
+
+log = logging.getLogger("kvstore.daemon.server")
+
+
+def _state_key():
+    from kvstore.daemon.server import STATE_KEY  # late: kvstore.daemon.server re-exports this module
+    return STATE_KEY
+
+
+def set_ready(app: web.Application, ready: bool) -> None:
+    """Flip /readyz (False while draining on SIGTERM)."""
+    app[_state_key()].ready = ready
+
+
+def _guard(app: web.Application, max_connections: int | None,
+           idle_timeout_s: float | None) -> ConnectionGuard:
+    """The app's ``ConnectionGuard`` set to a cap (None: ``default_max_connections()``, 0: no
+    cap) and an idle timeout (None: aiohttp's default)."""
+    guard: ConnectionGuard = app[_state_key()].conns
+    guard.max_connections = default_max_connections() if max_connections is None \
+        else max_connections
+    guard.idle_timeout_s = idle_timeout_s
+    guard.install_accept_log(asyncio.get_running_loop())
+    return guard
+
+
+async def serve_until_signal(app: web.Application, host: str, port: int, *,
+                             shutdown_timeout_s: float = 30.0, on_listen=None,
+                             max_connections: int | None = None,
+                             idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S) -> None:
+    """Serve ``app`` until SIGTERM/SIGINT, then drain: /readyz turns 503, the listening socket
+    closes (no new connections), in-flight requests finish (up to ``shutdown_timeout_s``), and
+    the app's cleanup runs. The caller closes (flushes) the store afterwards.
+
+    Args:
+        on_listen: called with the bound ``(host, port)`` once listening (port 0 resolves).
+        max_connections: cap on open connections (``kvstore.daemon.conns``; None: derived from
+            ``RLIMIT_NOFILE``, 0: no cap).
+        idle_timeout_s: a connection without a complete request's headers this many seconds
+            after connecting or after its last response is closed (None: aiohttp's default).
+
+    Raises:
+        ValueError: ``host:port`` cannot be listened on (in use, not this host's), naming it.
+    """
+    import signal
+    guard = _guard(app, max_connections, idle_timeout_s)
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=shutdown_timeout_s,
+                           access_log=None, **guard.runner_kwargs())
+    await runner.setup()
+    site = GuardedTCPSite(runner, host, port, guard, reuse_address=True)
+    try:
+        await site.start()
+    except OSError as e:  # port in use, an address not of this host, an unknown host name
+        await runner.cleanup()
+        raise ValueError(f"cannot listen on {host}:{port}: {e}") from None
+    bound = site._server.sockets[0].getsockname()[:2]  # type: ignore[union-attr]
+    log.info("connection cap %d, idle timeout %s s", guard.max_connections, idle_timeout_s)
+    if on_listen is not None:
+        on_listen(bound)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        log.info("signal received: draining")
+        set_ready(app, False)
+        for s in list(runner.sites):  # stop accepting connections
+            await s.stop()
+        # aiohttp's own shutdown stops reading request bodies at once, so uploads in flight
+        # would be lost: wait for them here first (new requests on open connections get 503).
+        if not await app[_state_key()].wait_idle(shutdown_timeout_s):
+            log.warning("%d requests still in flight after %.1f s; cancelling them",
+                        app[_state_key()].active, shutdown_timeout_s)
+    finally:
+        await runner.cleanup()
+
+
+class ThreadedServer:
+    """Serve an app on a private event-loop thread (embedding in a process, tests, benches).
+
+    ``with ThreadedServer(create_app(store)) as srv: KVStoreClient(srv.url)``. The store is not
+    closed on stop (the caller owns it).
+    """
+
+    def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0, *,
+                 max_connections: int = 0, idle_timeout_s: float | None = None):
+        """``max_connections`` and ``idle_timeout_s`` as ``serve_until_signal`` (defaults
+        here: no cap, aiohttp's idle timeout)."""
+        import threading
+        self.app = app
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-server",
+                                        daemon=True)
+        self._thread.start()
+        self.host, self.port = asyncio.run_coroutine_threadsafe(
+            self._start(host, port, max_connections, idle_timeout_s), self._loop).result(30)
+
+    async def _start(self, host: str, port: int, max_connections: int,
+                     idle_timeout_s: float | None):
+        guard = _guard(self.app, max_connections, idle_timeout_s)
+        self._runner = web.AppRunner(self.app, handle_signals=False, shutdown_timeout=5,
+                                     access_log=None, **guard.runner_kwargs())
+        await self._runner.setup()
+        site = GuardedTCPSite(self._runner, host, port, guard)
+        await site.start()
+        return site._server.sockets[0].getsockname()[:2]  # type: ignore[union-attr]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        """Stop listening, finish in-flight requests, stop the loop thread. Idempotent."""
+        if self._loop.is_closed():
+            return
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    def __enter__(self) -> "ThreadedServer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

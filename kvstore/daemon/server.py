@@ -1,0 +1,280 @@
+"""HTTP front of a ``KVStoreBase`` (aiohttp). No store logic: it validates, then calls the store.
+
+Routes (wire format in ``kvstore.daemon.protocol``):
+
+    GET  /healthz        200 while the process serves            (no auth)
+    GET  /readyz         200 when ready, 503 while draining      (no auth)
+    GET  /metrics        Prometheus text: the store's registry + server metrics (bearer
+                         token required when the server has one, like every /v1 route:
+                         metrics name namespaces' traffic; give Prometheus the token with
+                         ``authorization: {type: Bearer, credentials: T}`` in the scrape job)
+    GET  /v1/stats       JSON: store.stats() plus "namespaces" (held, with chunk counts) and
+                         a "server" section
+    POST /v1/lookup      JSON {namespace, keys}        -> {num_hit_chunks, chunk_size, tiers, ...}
+    POST /v1/exists      JSON {namespace, keys}        -> {exists: [bool]}
+    POST /v1/get         JSON {namespace, keys}        -> binary message; 404 if no key is found,
+                                                        400 if keys is empty
+    POST /v1/put         binary message                -> {stored, num_chunks, durable}
+    POST /v1/remove      JSON {namespace, keys}        -> {removed}
+    POST /v1/clear       JSON {namespace} or {all: true} -> {removed}
+    POST /v1/pin         JSON {namespace, keys, lease_s} -> {pinned, lease_s}
+    POST /v1/unpin       JSON {namespace, keys}        -> {unpinned}
+    GET  /v1/whoami      JSON {tenant, role, cache_salt}: the caller's identity and the salt
+                         its namespaces must carry (``kvstore.daemon.tenants``)
+
+Auth (``kvstore.daemon.tenants``): with a token or tenants configured, every route but /healthz and
+/readyz needs ``Authorization: Bearer TOKEN`` of a known tenant (else 401). A tenant may name
+only namespaces of its own salt (else 403; readers may only look up, check and get);
+``clear {"all": true}``, /v1/stats and /metrics (aggregates over all tenants) need an admin
+token (else 403). ``--auth-token`` alone is one admin.
+
+Store calls run on a thread pool so a slow disk tier never blocks the event loop. This module
+holds the app, auth/timeout middleware and the JSON routes; the binary get/put routes are in
+``kvstore.daemon.payload`` and the shared limits/state/helpers in ``kvstore.daemon.state``.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from typing import Any
+
+from aiohttp import helpers as _aiohttp_helpers
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from kvstore.daemon import protocol as P
+from kvstore.api import KVStoreBase
+# re-exported: kvstore.daemon.server stays the public import path of these
+from kvstore.daemon.budget import BufferPool, ByteBudget  # noqa: F401
+from kvstore.daemon.conns import ConnectionGuard
+from kvstore.daemon.payload import can_persist, get, persist, put  # noqa: F401
+from kvstore.daemon.run import ThreadedServer, serve_until_signal, set_ready  # noqa: F401
+from kvstore.daemon.state import (READ_BUFSIZE, STATE_KEY, STORE_KEY, TENANT_KEY,  # noqa: F401
+                                  ServerLimits, _json_body, _json_error, _ns_keys, _ok,
+                                  _ServerState, authorize, caller)
+from kvstore.daemon.tenants import OPEN, WRITE, Forbidden
+
+log = logging.getLogger("kvstore.daemon.server")
+UNAUTHENTICATED = frozenset({"/healthz", "/readyz"})
+
+
+@web.middleware
+async def _middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Auth, protocol version, per-request timeout, JSON errors and metrics for every route."""
+    state: _ServerState = request.app[STATE_KEY]
+    route = request.match_info.route.resource.canonical if request.match_info.route.resource \
+        else "unmatched"
+    if not state.ready and request.path not in UNAUTHENTICATED:
+        resp = _json_error("server is draining (shutting down); retry elsewhere or later", 503)
+        resp.force_close()
+        return resp
+    t0 = time.perf_counter()
+    state.in_flight.inc()
+    state.active += 1
+    conn = state.conns.begin(request)  # the connection is busy: never evicted as idle
+    try:
+        resp = await _guarded(request, handler, state)
+    finally:
+        state.conns.end(conn)
+        state.in_flight.dec()
+        state.active -= 1
+    state.requests.labels(route, str(resp.status)).inc()
+    state.latency.labels(route).observe(time.perf_counter() - t0)
+    return resp
+
+
+async def _guarded(request: web.Request, handler, state: _ServerState) -> web.StreamResponse:
+    limits = state.limits
+    tenant = OPEN
+    if state.tenants is not None and request.path not in UNAUTHENTICATED:
+        tenant = state.tenants.authenticate(request.headers.get("Authorization"))
+        if tenant is None:
+            return _json_error("missing or wrong bearer token", 401)
+    request[TENANT_KEY] = tenant
+    te = request.headers.get("Transfer-Encoding")
+    if te is not None and te.strip().lower() != "chunked":  # RFC 9112 6.1: unknown coding
+        resp = _json_error(f"Transfer-Encoding {te[:64]!r} is not implemented (only chunked)",
+                           501)
+        resp.force_close()  # the body's framing is unknown: the connection cannot be reused
+        return resp
+    try:
+        P.check_version(request.headers.get(P.VERSION_HEADER))
+        async with asyncio.timeout(limits.request_timeout_s):
+            return await handler(request)
+    except P.ProtocolError as e:
+        return _json_error(str(e), e.status)
+    except Forbidden as e:
+        return _json_error(str(e), 403)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return _json_error(e.reason if e.text is None else e.text, e.status)
+    except TimeoutError:
+        return _json_error(f"request exceeded {limits.request_timeout_s} s", 504)
+    except (ConnectionResetError, asyncio.IncompleteReadError) as e:
+        state.conns.client_errors.labels("disconnect").inc()
+        log.debug("client went away mid-request on %s: %r", request.path, e)
+        return _json_error(f"client went away: {e!r}", 400)
+    except web.RequestPayloadError as e:  # a body aiohttp cannot decode (bad gzip/deflate);
+        # counted (reason body) when aiohttp's read of the rest of the body logs it again
+        log.debug("undecodable request body on %s: %s", request.path, e)
+        resp = _json_error(f"cannot decode the request body: {str(e).splitlines()[-1].strip()}",
+                           400)
+        resp.force_close()  # the rest of the body cannot be read: the connection cannot be reused
+        return resp
+    except Exception as e:  # noqa: BLE001 - the server stays up; the error goes to the client
+        log.exception("internal error on %s", request.path)
+        return _json_error(f"internal error: {type(e).__name__}: {e}", 500)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return _ok({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    state: _ServerState = request.app[STATE_KEY]
+    if not state.ready:
+        return _json_error("draining", 503)
+    return _ok({"status": "ready"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    caller(request).require_admin("/metrics")
+    state: _ServerState = request.app[STATE_KEY]
+    text = generate_latest(state.registry)
+    if state.store_registry is not None:
+        text = generate_latest(state.store_registry) + text
+    return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def stats(request: web.Request) -> web.Response:
+    caller(request).require_admin("/v1/stats")
+    state: _ServerState = request.app[STATE_KEY]
+    out = dict(await state.call(request.app[STORE_KEY].stats))
+    out["namespaces"] = await state.call(state.namespace_stats, request.app[STORE_KEY])
+    out["server"] = {"protocol_version": P.PROTOCOL_VERSION, "ready": state.ready,
+                     "in_flight": int(state.in_flight._value.get()),
+                     "max_body_bytes": state.limits.max_body_bytes,
+                     "max_batch_keys": state.limits.max_batch_keys,
+                     "max_inflight_bytes": state.limits.max_inflight_bytes,
+                     "inflight_bytes": state.budget.held,
+                     "inflight_bytes_peak": state.budget.peak,
+                     "http_parser": "python" if _aiohttp_helpers.NO_EXTENSIONS else "c"}
+    return _ok(out)
+
+
+async def lookup(request: web.Request) -> web.Response:
+    _, ns, keys = await _ns_keys(request)
+    store = request.app[STORE_KEY]
+    # An index read under a short lock: inline on the loop when the lock is free (saves the
+    # thread-pool hop, ~0.1 ms), on the pool when a put or eviction holds it.
+    try_inline = getattr(store, "try_lookup_keys", None)
+    res = try_inline(ns, keys) if try_inline is not None else None
+    if res is None:
+        res = await request.app[STATE_KEY].call(store.lookup_keys, ns, keys)
+    return _ok({"num_hit_chunks": res.num_hit_chunks, "chunk_size": res.chunk_size,
+                "tiers": list(res.tiers), "num_requested_chunks": res.num_requested_chunks})
+
+
+async def exists(request: web.Request) -> web.Response:
+    _, ns, keys = await _ns_keys(request)
+    found = await request.app[STATE_KEY].call(request.app[STORE_KEY].exists, ns, keys)
+    return _ok({"exists": [bool(x) for x in found]})
+
+
+async def whoami(request: web.Request) -> web.Response:
+    return _ok(caller(request).whoami())
+
+
+async def remove(request: web.Request) -> web.Response:
+    _, ns, keys = await _ns_keys(request, WRITE)
+    n = await request.app[STATE_KEY].call(request.app[STORE_KEY].remove, ns, keys)
+    return _ok({"removed": int(n)})
+
+
+async def clear(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    if body.get("all") is True:
+        caller(request).require_admin('clear {"all": true}')
+        ns = None
+    else:
+        ns = P.parse_namespace(body.get("namespace"))
+        authorize(request, ns, WRITE)
+    n = await request.app[STATE_KEY].call(request.app[STORE_KEY].clear, ns)
+    return _ok({"removed": int(n)})
+
+
+async def pin(request: web.Request) -> web.Response:
+    body, ns, keys = await _ns_keys(request, WRITE)
+    state: _ServerState = request.app[STATE_KEY]
+    lease = body.get("lease_s")
+    # ``not > 0`` also refuses NaN (a NaN lease would never expire); infinity is capped below
+    if lease is not None and (isinstance(lease, bool) or not isinstance(lease, (int, float))
+                              or not lease > 0):
+        raise P.ProtocolError(f"lease_s must be a positive number, got {lease!r}")
+    lease = min(float(lease or state.limits.max_lease_s), state.limits.max_lease_s)
+    n = await state.call(request.app[STORE_KEY].pin, ns, keys, lease)
+    return _ok({"pinned": int(n), "lease_s": lease})
+
+
+async def unpin(request: web.Request) -> web.Response:
+    _, ns, keys = await _ns_keys(request, WRITE)
+    n = await request.app[STATE_KEY].call(request.app[STORE_KEY].unpin, ns, keys)
+    return _ok({"unpinned": int(n)})
+
+
+def create_app(store: KVStoreBase, limits: ServerLimits | None = None,
+               store_registry: CollectorRegistry | None = None) -> web.Application:
+    """aiohttp application serving ``store``.
+
+    Args:
+        store: any ``KVStoreBase`` (thread-safe); the app never closes it (the caller owns it).
+        limits: see ``ServerLimits``.
+        store_registry: Prometheus registry of the store, exposed on /metrics next to the
+            server's own metrics (defaults to ``store.registry`` or ``store.metrics.registry``
+            when the store has one).
+    """
+    limits = limits or ServerLimits()
+    if store_registry is None:
+        store_registry = _find_registry(store)
+    app = web.Application(middlewares=[_middleware],
+                          client_max_size=min(limits.max_body_bytes, 64 << 20),
+                          handler_args={"read_bufsize": READ_BUFSIZE})
+    app[STORE_KEY] = store
+    state = _ServerState(limits, store_registry)
+    state.reuse_put_buffers = bool(getattr(store, "copies_on_put", False))
+    try:
+        state.get_into_buffers = "out" in inspect.signature(store.get_chunks).parameters
+    except (TypeError, ValueError):
+        state.get_into_buffers = False
+    state.direct = all(callable(getattr(store, m, None)) for m in
+                       ("reserve_chunks", "commit_chunks", "release_reservations", "borrow_chunks"))
+    app[STATE_KEY] = state
+    #: connection cap, idle timeout and client-error counters (set up by the runner)
+    state.conns = ConnectionGuard(state.registry)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/stats", stats)
+    app.router.add_get("/v1/whoami", whoami)
+    for name, fn in (("lookup", lookup), ("exists", exists), ("get", get), ("put", put),
+                     ("remove", remove), ("clear", clear), ("pin", pin), ("unpin", unpin)):
+        app.router.add_post(f"/v1/{name}", fn)
+
+    async def _shutdown_pool(app: web.Application) -> None:
+        state.pool.shutdown(wait=True)
+    app.on_cleanup.append(_shutdown_pool)
+    return app
+
+
+def _find_registry(store: Any) -> CollectorRegistry | None:
+    for path in (("registry",), ("metrics", "registry")):
+        obj = store
+        for attr in path:
+            obj = getattr(obj, attr, None)
+        if isinstance(obj, CollectorRegistry):
+            return obj
+    return None

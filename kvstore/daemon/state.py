@@ -1,0 +1,242 @@
+"""Shared state of the kvstore server's routes: limits, per-app state (thread pool, byte
+budget, buffer pool, server metrics), app keys and small request/response helpers."""
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvstore.daemon import protocol as P
+from kvstore.api import KVStoreBase
+from kvstore.daemon.budget import BufferPool, ByteBudget
+from kvstore.daemon.tenants import OPEN, READ, Tenant, TenantTable
+
+STORE_KEY = web.AppKey("store", KVStoreBase)
+STATE_KEY = web.AppKey("state", object)
+#: request key of the authenticated caller (``kvstore.daemon.tenants.Tenant``)
+TENANT_KEY = (web.RequestKey("tenant", Tenant) if hasattr(web, "RequestKey")  # aiohttp >= 3.12
+              else "kvstore.tenant")
+UNAUTHENTICATED = frozenset({"/healthz", "/readyz"})
+#: Socket read buffer per connection: aiohttp's 64 KiB default pauses the transport every
+#: 128 KiB, which halves put throughput with 5.9 MB chunks. It is also memory outside the
+#: in-flight byte budget: a put waiting for budget has up to 2x this read ahead per connection.
+READ_BUFSIZE = 1 << 20
+#: namespaces whose fields /v1/stats can show (the latest named by requests)
+MAX_NOTED_NAMESPACES = 1024
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Per-server limits and security settings.
+
+    Attributes:
+        auth_token: bearer token required on every route except /healthz and /readyz,
+            /metrics included (None: no auth, loopback only unless the CLI was told
+            ``--insecure``). It is an admin tenant named ``admin`` (``kvstore.daemon.tenants``).
+        tenants: tenants with their own tokens, roles and salts (``kvstore.daemon.tenants``); with
+            ``auth_token`` too, that token is one more admin.
+        max_body_bytes: largest request body (bytes); larger -> 413.
+        max_batch_keys: most keys/chunks in one request; more -> 413.
+        request_timeout_s: wall-clock limit of one request (seconds); beyond -> 504.
+        max_lease_s: pins without a lease, or with a longer one, get this lease (seconds), so a
+            pin whose client vanished always expires.
+        store_threads: threads running store calls.
+        max_inflight_bytes: budget of chunk payload bytes held by requests at once (put
+            bodies being read and stored, get results being sent); a request that would
+            exceed it waits for others to finish, up to ``request_timeout_s`` (then 503). A
+            single request larger than the budget runs alone. 0 = no budget.
+    """
+
+    auth_token: str | None = None
+    tenants: TenantTable | None = None
+    max_body_bytes: int = 1 << 30
+    max_batch_keys: int = 1024
+    request_timeout_s: float = 60.0
+    max_lease_s: float = 300.0
+    store_threads: int = 4
+    max_inflight_bytes: int = 256 << 20
+
+
+def tenant_table(limits: ServerLimits) -> TenantTable | None:
+    """The credentials of ``limits``: its tenants, plus ``auth_token`` as an admin named
+    ``admin``; None when neither is set.
+
+    Raises:
+        ValueError: the auth token is also a tenant's token.
+    """
+    tenants = list(limits.tenants.tenants) if limits.tenants is not None else []
+    if limits.auth_token:
+        tenants += TenantTable.single(limits.auth_token).tenants
+    return TenantTable(tenants) if tenants else None
+
+
+def caller(request: web.Request) -> Tenant:
+    """The authenticated tenant of ``request`` (set by the auth middleware)."""
+    return request.get(TENANT_KEY, OPEN)
+
+
+def authorize(request: web.Request, ns, access: str = READ) -> None:
+    """Refuse (403, ``kvstore.daemon.tenants.Forbidden``) a namespace the caller may not use this way."""
+    caller(request).check(ns.cache_salt, access)
+
+
+def _shaped(buf: torch.Tensor, layout) -> torch.Tensor:
+    return buf.view(layout.torch_dtype).view(layout.shape())  # [L, 2, T, H, D]
+
+
+class _ServerState:
+    """Mutable per-app state: readiness, thread pool, server metrics."""
+
+    def __init__(self, limits: ServerLimits, store_registry: CollectorRegistry | None):
+        self.limits = limits
+        #: who may call (None: no auth, every caller is ``kvstore.daemon.tenants.OPEN``)
+        self.tenants = tenant_table(limits)
+        self.ready = True
+        self.active = 0  # requests being served (drain waits for 0)
+        self.pool = ThreadPoolExecutor(limits.store_threads, thread_name_prefix="kvstore-io")
+        self.budget = ByteBudget(limits.max_inflight_bytes)
+        self.buffers = BufferPool(limits.max_inflight_bytes or 256 << 20)
+        #: set by create_app: whether the store copies put tensors (so buffers can be reused)
+        #: and whether its get_chunks takes ``out`` buffers.
+        self.reuse_put_buffers = False
+        self.get_into_buffers = False
+        #: whether the store does direct I/O (``kvstore.direct``): puts read into reserved
+        #: CPU-tier pages, gets send from pinned pages; no staging buffers for those chunks
+        self.direct = False
+        self.registry = CollectorRegistry()
+        self.store_registry = store_registry
+        r = self.registry
+        self.requests = Counter("kvstore_server_requests_total", "HTTP requests by route and "
+                                "status", ["route", "status"], registry=r)
+        self.latency = Histogram("kvstore_server_request_duration_seconds", "Request latency",
+                                 ["route"], registry=r, buckets=(.0005, .001, .0025, .005, .01,
+                                                                 .025, .05, .1, .25, .5, 1, 2.5,
+                                                                 5, 10))
+        self.in_flight = Gauge("kvstore_server_requests_in_flight", "Requests being served",
+                               registry=r)
+        self.bytes_in = Counter("kvstore_server_received_bytes_total", "Payload bytes accepted "
+                                "by put", registry=r)
+        self.bytes_out = Counter("kvstore_server_sent_bytes_total", "Payload bytes sent by get",
+                                 registry=r)
+        self.rejected = Counter("kvstore_server_rejected_chunks_total", "Chunks refused by "
+                                "validation (checksum, layout)", ["reason"], registry=r)
+        self.inflight_bytes = Gauge("kvstore_server_inflight_payload_bytes", "Payload bytes "
+                                    "held by requests (budget: max_inflight_bytes)", registry=r)
+        self.inflight_bytes.set_function(lambda: self.budget.held)
+        #: namespaces named by requests since start, by ns_id (for /v1/stats), oldest first
+        self.namespaces: dict[bytes, Any] = {}
+
+    def note_namespace(self, ns) -> None:
+        """Remember ``ns`` (a request named it) for ``namespace_stats``; keeps the latest
+        ``MAX_NOTED_NAMESPACES``."""
+        if ns.ns_id not in self.namespaces:
+            if len(self.namespaces) >= MAX_NOTED_NAMESPACES:
+                self.namespaces.pop(next(iter(self.namespaces)))
+            self.namespaces[ns.ns_id] = ns
+
+    def namespace_stats(self, store: KVStoreBase) -> list[dict]:
+        """The namespaces ``store`` holds chunks of, most chunks first: ``{"ns_id": hex,
+        "num_chunks": chunks over all tiers (a chunk in two tiers counted once), "namespace":
+        its ``to_dict()`` or None when no request named it since start (chunks on disk from
+        before a restart)}``. Reads each tier's key snapshot (``Tier.keys``)."""
+        keys: set = set()
+        for tier in getattr(store, "tiers", ()):
+            keys.update(tier.keys())
+        counts: dict[bytes, int] = {}
+        for k in keys:
+            counts[k.ns_id] = counts.get(k.ns_id, 0) + 1
+        out = []
+        for ns_id, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+            ns = self.namespaces.get(ns_id)
+            out.append({"ns_id": ns_id.hex(), "num_chunks": n,
+                        "namespace": None if ns is None else ns.to_dict()})
+        return out
+
+    def budget_wait_s(self) -> float:
+        """How long a request may wait for payload budget: 90% of the request timeout, so the
+        wait ends in a 503 (busy) before the request's own 504."""
+        return 0.9 * self.limits.request_timeout_s
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no request is being served (True) or ``timeout_s`` passes (False)."""
+        deadline = time.monotonic() + timeout_s
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return self.active == 0
+
+    async def call(self, fn: Callable, *args: Any) -> Any:
+        """Run a blocking store call on the store thread pool."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def call_shielded(self, fn: Callable, *args: Any) -> Any:
+        """``call`` that runs to its end even when the awaiting request is cancelled (its
+        timeout fired): a commit or release must not be dropped from the pool's queue, and
+        the caller must not reuse what ``fn`` still reads (see ``call_owned``)."""
+        return await asyncio.shield(self.call(fn, *args))
+
+    async def call_owned(self, fn: Callable, undo: Callable[[Any], Any], *args: Any) -> Any:
+        """``call`` of a store call whose result holds resources (page reservations, reader
+        pins). If the request is cancelled while ``fn`` is queued or running, ``undo(result)``
+        runs on the pool once ``fn`` returns, so nothing is leaked; then CancelledError."""
+        fut = asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(lambda f: self._undo(f, undo))
+            raise
+
+    def _undo(self, fut: asyncio.Future, undo: Callable[[Any], Any]) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        try:
+            self.pool.submit(undo, fut.result())
+        except RuntimeError:  # pool shut down (server stopping): undo inline
+            undo(fut.result())
+
+
+def _json_error(message: str, status: int) -> web.Response:
+    return web.json_response(P.error_body(message, status), status=status,
+                             headers={P.VERSION_HEADER: str(P.PROTOCOL_VERSION)})
+
+
+async def _json_body(request: web.Request) -> dict:
+    if not request.body_exists:
+        raise P.ProtocolError("empty request body; expected a JSON object")
+    return P.parse_json(await request.read(), "request body")
+
+
+def _check_fits(store: KVStoreBase, ns, state: "_ServerState | None" = None) -> None:
+    """Refuse (400) a namespace whose chunk does not fit the store's tiers (``register``);
+    note an accepted one in ``state`` (``/v1/stats`` lists it)."""
+    register = getattr(store, "register", None)
+    if register is not None:
+        try:
+            register(ns)
+        except ValueError as e:
+            raise P.ProtocolError(str(e)) from None
+    if state is not None:
+        state.note_namespace(ns)
+
+
+async def _ns_keys(request: web.Request, access: str = READ):
+    """``(body, namespace, keys)`` of a JSON request, once the caller may use the namespace
+    for ``access`` (403 otherwise) and it fits the store (400 otherwise)."""
+    body = await _json_body(request)
+    state: _ServerState = request.app[STATE_KEY]
+    ns = P.parse_namespace(body.get("namespace"))
+    authorize(request, ns, access)
+    _check_fits(request.app[STORE_KEY], ns, state)
+    keys = P.parse_keys(ns, body.get("keys"), state.limits.max_batch_keys)
+    return body, ns, keys
+
+
+def _ok(obj: dict) -> web.Response:
+    return web.json_response(obj, headers={P.VERSION_HEADER: str(P.PROTOCOL_VERSION)})
+
+

@@ -1,0 +1,272 @@
+"""KVStoreConnector on the real vLLM engine (CPU build), end to end.
+
+Skipped unless vLLM imports in the running interpreter; run it in the vLLM environment::
+
+    tools/make_vllm_env.sh && .venv-vllm/bin/python -m pytest -q tests/connectors/test_vllm_connector.py
+
+Engine starts: one in-process engine (prefix caching on, in-process store) for the ordered
+tests below, and three fresh engine processes (a no-connector baseline; two engines sharing one
+``kvstore serve`` daemon, prefix caching on then off). The tests of the in-process engine run in
+file order and check counter deltas.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here (tools/make_vllm_env.sh)")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+import torch  # noqa: E402
+
+from bench.vllm_compare import MODEL_ID, Daemon, make_document, run_child  # noqa: E402
+from bench.vllm_model import convert  # noqa: E402
+
+pytestmark = pytest.mark.slow
+CHUNK = 256
+BLOCK = 128   # vLLM CPU backend's default block size (checked below from the engine)
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    return str(convert())
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir):
+    """P: a ~1250-token document question; Q: P's first 600 tokens + a different tail."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    p = tok.encode(make_document(0, 30) + "\nQuestion: how many tons of grain does Elm3 export?"
+                   "\nAnswer:")
+    tail = tok.encode("\nSection 99: the town of Zed has a lighthouse.\nQuestion: what does Zed "
+                      "have?\nAnswer:")
+    q = p[:600] + tail
+    assert 1100 < len(p) < 1280, len(p)   # 4 full chunks
+    return {"P": p, "Q": q}
+
+
+@pytest.fixture(scope="module")
+def baseline(model_dir, prompts):
+    """Greedy outputs of vLLM without any connector (fresh process)."""
+    res = run_child({"model_dir": model_dir, "connector": "none",
+                     "warmup": False, "max_tokens": MAX_TOKENS,
+                     "prompts": [prompts["P"], prompts["Q"]]})
+    return {"P": res["results"][0]["output_ids"], "Q": res["results"][1]["output_ids"]}
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    ktc = KVTransferConfig(
+        kv_connector="KVStoreConnector", kv_connector_module_path="connectors.vllm",
+        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"model_id": MODEL_ID, "chunk_size": CHUNK,
+                                   "cpu_bytes": "128MiB", "store_name": "pytest"})
+    llm = LLM(model=model_dir, dtype="float32", distributed_executor_backend="uni",
+              max_model_len=2048, enforce_eager=True, seed=0, kv_cache_memory_bytes=192 << 20,
+              enable_prefix_caching=True, kv_transfer_config=ktc)
+    worker = get_kv_transfer_group()
+    sched = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    assert llm.llm_engine.vllm_config.cache_config.block_size == BLOCK
+    yield {"llm": llm, "w": worker, "s": sched}
+    worker.shutdown()
+
+
+def _gen(engine, tokens) -> tuple[list[int], dict, dict]:
+    """Generate greedily; return output ids and the worker/scheduler counter deltas."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    w, s = engine["w"], engine["s"]
+    w0, s0 = dict(w.counters), dict(s.counters)
+    out = engine["llm"].generate([TokensPrompt(prompt_token_ids=list(tokens))],
+                                 SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                                 use_tqdm=False)[0]
+    assert w.flush(30)
+    dw = {k: w.counters[k] - w0[k] for k in w0}
+    ds = {k: s.counters[k] - s0[k] for k in s0}
+    return list(out.outputs[0].token_ids), dw, ds
+
+
+def test_cold_run_saves_full_chunks_and_matches_baseline(engine, prompts, baseline):
+    out, dw, ds = _gen(engine, prompts["P"])
+    assert out == baseline["P"]
+    assert dw["saved_chunks"] == len(prompts["P"]) // CHUNK == 4
+    # the tail past the full chunks is kept in BLOCK-token pieces: [1024, 1152) of 1229 tokens
+    assert dw["saved_tail_chunks"] == (len(prompts["P"]) - 4 * CHUNK) // BLOCK == 1
+    assert dw["loaded_tokens"] == 0 and ds["external_tokens"] == 0
+    assert dw["dropped_saves"] == 0 and dw["save_errors"] == 0
+
+
+def _hf_kv(model_dir: str, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Reference K, V per layer from transformers: ``[num_kv_heads, T, head_dim]`` each."""
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        pkv = m(torch.tensor([tokens]), use_cache=True).past_key_values
+    if hasattr(pkv, "layers"):
+        return [(layer.keys[0], layer.values[0]) for layer in pkv.layers]
+    return [(k[0], v[0]) for k, v in pkv]
+
+
+def test_stored_chunks_equal_reference_kv_token_by_token(engine, prompts, model_dir):
+    w = engine["w"]
+    p = prompts["P"][:4 * CHUNK + BLOCK]
+    keys = w._ns_base.chunk_keys(p)
+    tail_ns = w._tail_ns(w._ns_base)                    # BLOCK-token pieces past the chunks
+    assert tail_ns.layout.chunk_size == BLOCK and tail_ns != w._ns_base
+    chunks = w.store.get_chunks(w._ns_base, keys)
+    chunks += w.store.get_chunks(tail_ns, tail_ns.chunk_keys(p)[4 * CHUNK // BLOCK:])
+    assert len(chunks) == 5 and all(c is not None for c in chunks)
+    kv = torch.cat(chunks, dim=2)                       # [L, 2, 1152, H, D]
+    assert tuple(kv.shape) == (30, 2, 1152, 3, 64) and kv.dtype == torch.float32
+    ref = _hf_kv(model_dir, p)
+    worst = 0.0
+    for layer, (k, v) in enumerate(ref):               # k, v: [H, T, D]
+        for which, r in ((0, k), (1, v)):
+            got = kv[layer, which].permute(1, 0, 2)      # [H, T, D]
+            err = (got - r).abs().amax(dim=(0, 2))       # per token
+            worst = max(worst, float(err.max()))
+            bad = (err > 2e-3).nonzero().view(-1)
+            assert bad.numel() == 0, f"layer {layer} {'KV'[which]} tokens {bad[:8].tolist()} differ"
+    assert worst < 2e-3
+
+
+def test_paged_scatter_gather_round_trip_slot_by_slot(engine):
+    w = engine["w"]
+    paged = w._ensure_layout()
+    assert paged is not None and paged.block_size == BLOCK
+    cache = next(iter(w._kv_caches.values()))
+    scratch = torch.zeros_like(cache)
+    g = torch.Generator().manual_seed(0)
+    n_slots = scratch.shape[0] * BLOCK
+    slots = torch.randperm(n_slots, generator=g)[:300]  # scattered, not block-aligned
+    kv = torch.randn((2, 300, 3, 64), generator=g)
+    for plan in (paged.plan(slots), ("offsets", paged.offsets(slots))):
+        scratch.zero_()
+        paged.scatter(scratch, plan, kv)
+        assert int((scratch != 0).sum()) == kv.numel()    # nothing else written
+        assert torch.equal(paged.gather(scratch, plan), kv)
+    # contiguous slots take the strided-copy path; it must agree with the offset table
+    run = torch.arange(5 * BLOCK + 17, 5 * BLOCK + 17 + 300)
+    scratch.zero_()
+    paged.scatter(scratch, paged.plan(run), kv)
+    assert torch.equal(PagedGatherRef.gather(scratch, paged.offsets(run)), kv)
+
+
+class PagedGatherRef:
+    @staticmethod
+    def gather(cache: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return cache.reshape(-1)[offs]
+
+
+def test_vllm_prefix_hit_means_no_store_load(engine, prompts, baseline):
+    out, dw, ds = _gen(engine, prompts["P"])
+    assert out == baseline["P"]
+    assert ds["local_tokens"] == (len(prompts["P"]) - 1) // BLOCK * BLOCK   # vLLM's own hit
+    assert dw["loaded_tokens"] == 0 and ds["external_tokens"] == 0
+
+
+def test_after_prefix_cache_reset_the_store_supplies_the_prefix(engine, prompts, baseline):
+    assert engine["llm"].reset_prefix_cache()
+    out, dw, ds = _gen(engine, prompts["P"])
+    assert out == baseline["P"]
+    assert ds["local_tokens"] == 0
+    assert dw["loaded_tokens"] == ds["external_tokens"] == 4 * CHUNK + BLOCK  # + tail piece
+    assert dw["loaded_chunks"] == 4 and dw["loaded_tail_chunks"] == 1
+    assert dw["load_errors"] == 0
+    assert dw["saved_chunks"] == 0 and dw["saved_tail_chunks"] == 0   # already stored
+
+
+def test_only_tokens_beyond_vllm_hit_are_loaded(engine, prompts, baseline):
+    assert engine["llm"].reset_prefix_cache()
+    out, dw, ds = _gen(engine, prompts["Q"])            # shares P's first 600 tokens
+    assert out == baseline["Q"]
+    assert dw["loaded_tokens"] == 2 * CHUNK             # P's chunks 0 and 1 match Q
+    out, dw, ds = _gen(engine, prompts["P"])
+    assert out == baseline["P"]
+    assert ds["local_tokens"] == 600 // BLOCK * BLOCK == 512   # vLLM has Q's common blocks
+    assert dw["loaded_tokens"] == 4 * CHUNK - 512 + BLOCK     # only the rest comes from us
+    assert dw["loaded_chunks"] == 2 and dw["loaded_tail_chunks"] == 1
+
+
+class _Failing:
+    """Store wrapper whose named methods raise (as a dead daemon or a deadline would)."""
+
+    def __init__(self, inner, fail: set[str]):
+        self.inner, self.fail = inner, fail
+
+    def __getattr__(self, name):
+        if name in self.fail:
+            def boom(*a, **k):
+                raise TimeoutError(f"{name}: injected deadline")
+            return boom
+        return getattr(self.inner, name)
+
+
+def test_store_load_error_falls_back_to_recompute(engine, prompts, baseline):
+    assert engine["llm"].reset_prefix_cache()
+    w = engine["w"]
+    real = w.store
+    w.store = _Failing(real, {"get_chunks"})
+    try:
+        out, dw, ds = _gen(engine, prompts["P"])
+    finally:
+        w.store = real
+    assert out == baseline["P"]
+    assert ds["external_tokens"] == 4 * CHUNK + BLOCK
+    assert dw["load_errors"] == 2                       # the full chunks and the tail piece
+    assert dw["loaded_tokens"] == 0
+
+
+def test_lookup_deadline_means_prefill(engine, prompts, baseline):
+    assert engine["llm"].reset_prefix_cache()
+    s = engine["s"]
+    real = s.store
+    s.store = _Failing(real, {"exists"})
+    try:
+        out, dw, ds = _gen(engine, prompts["P"])
+    finally:
+        s.store = real
+    assert out == baseline["P"]
+    assert ds["lookup_errors"] == 1 and ds["external_tokens"] == 0 and dw["loaded_tokens"] == 0
+
+
+def test_two_engine_processes_share_prefix_through_daemon(model_dir, prompts, baseline):
+    with Daemon("512MiB") as d:
+        common = {"model_dir": model_dir, "connector": "ours-daemon", "url": d.url,
+                  "max_tokens": MAX_TOKENS, "prompts": [prompts["P"]], "warmup": False}
+        a = run_child({**common, "prefix_caching": True})
+        b = run_child({**common, "prefix_caching": False})
+    ra, rb = a["results"][0], b["results"][0]
+    assert ra["output_ids"] == baseline["P"] and rb["output_ids"] == baseline["P"]
+    wa, wb = a["connector"]["worker"], b["connector"]["worker"]
+    assert wa["saved_chunks"] == 4 and wa["saved_tail_chunks"] == 1 and wa["loaded_tokens"] == 0
+    assert wb["loaded_tokens"] == 4 * CHUNK + BLOCK and wb["load_errors"] == 0
+    assert wb["saved_chunks"] == 0 and wb["remote"] is True
+    assert rb["ttft_s"] < ra["ttft_s"], (rb["ttft_s"], ra["ttft_s"])
+
+
+def test_namespace_names_what_vllm_loaded(engine, prompts, model_dir):
+    """Scheduler and worker build one namespace from vLLM's config: the model id, the content
+    fingerprint of the folder vLLM loaded, its dtype and RoPE, and the KV layout; keys follow
+    it, so another weights file (engine_min's GGUF included) never shares these chunks."""
+    from engine_min.identity import weights_fingerprint
+    from kvstore.keys import Namespace
+    from kvstore.layout import KVLayout
+    w, s = engine["w"], engine["s"]
+    ns = s._ns_base
+    assert w._ns_base == ns
+    assert (ns.model_id, ns.revision) == (MODEL_ID, "")
+    assert ns.layout == KVLayout(30, 3, 64, "float32", CHUNK)
+    assert ns.weights_fingerprint == weights_fingerprint(model_dir) != ""
+    assert (ns.compute_dtype, ns.quantization, ns.kv_quantization, ns.adapter) == \
+        ("float32", "", "", "")
+    assert json.loads(ns.rope)["rope_theta"] == 100000.0
+    bare = Namespace(MODEL_ID, ns.layout)
+    assert set(ns.chunk_keys(prompts["P"])).isdisjoint(bare.chunk_keys(prompts["P"]))

@@ -1,0 +1,170 @@
+"""``KVStoreClient`` / ``AsyncKVStoreClient``: the in-process store's surface over the wire,
+deadlines against dead, hung and restarting servers, retries only where safe."""
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from kvstore.api import LookupResult, PrefixStore
+from kvstore.daemon.client import AsyncKVStoreClient, KVStoreClient, RemoteError, StoreUnavailable
+from kvstore.keys import Namespace
+from kvstore.layout import KVLayout
+from kvstore.daemon.server import ServerLimits, ThreadedServer, create_app
+from tests.kvstore.daemon.test_server import LAYOUT, NS, OTHER, chunk, make_store
+
+KEYS = NS.chunk_keys(list(range(4 * 6)))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    store = make_store(str(tmp_path_factory.mktemp("disk")), cpu_bytes=64 << 20)
+    srv = ThreadedServer(create_app(store, ServerLimits(auth_token="tok", max_lease_s=5.0)))
+    srv.store = store
+    yield srv
+    srv.stop()
+    store.close()
+
+
+@pytest.fixture
+def client(server):
+    server.store.clear()
+    with KVStoreClient(server.url, auth_token="tok", timeout_s=5.0) as c:
+        yield c
+
+
+def test_sync_client_has_the_store_surface_bit_exact(client):
+    kvs = [chunk(i) for i in range(4)]
+    assert client.put_chunks(NS, KEYS[:4], kvs) == 4
+    assert client.put_chunks(NS, KEYS[:4], kvs) == 0
+    got = client.get_chunks(NS, KEYS[:5])
+    assert all(torch.equal(g, kv) for g, kv in zip(got[:4], kvs)) and got[4] is None
+    assert got[0].shape == (2, 2, 4, 1, 8) and got[0].dtype == torch.float16
+    assert client.lookup_keys(NS, KEYS) == LookupResult(4, 4, ("cpu",) * 4, 6)
+    assert client.exists(NS, KEYS[3:5]) == [True, False]
+    assert client.get_chunks(NS, KEYS[4:6]) == [None, None]  # a 404 is all misses
+    assert client.pin(NS, KEYS[:2], lease_s=1.0) == 2
+    assert client.unpin(NS, KEYS[:2]) == 2
+    assert client.remove(NS, KEYS[3:5]) == 1
+    assert client.clear(NS) == 3
+    assert client.exists(NS, KEYS[:4]) == [False] * 4
+    assert client.stats()["server"]["protocol_version"] == 1
+    assert "kvstore_server_requests_total" in client.metrics_text()
+    assert client.healthy()
+
+
+def test_prefix_store_works_over_the_client(client):
+    ps = PrefixStore(client, NS)
+    tokens = list(range(100, 114))  # 3 full chunks + 2 tokens
+    kv = torch.randn(LAYOUT.shape(14)).to(torch.float16)  # [2, 2, 14, 1, 8]
+    assert ps.put(tokens, kv) == 3
+    assert ps.lookup(tokens).num_hit_tokens == 12
+    assert torch.equal(ps.get(tokens, 12), kv[:, :, :12])
+
+
+def test_bad_tensors_are_refused_before_sending_and_errors_are_typed(client, server):
+    with pytest.raises(ValueError, match="KV dtype mismatch"):
+        client.put_chunks(NS, KEYS[:1], [chunk(0).float()])
+    with pytest.raises(ValueError, match="1 keys but 2 tensors"):
+        client.put_chunks(NS, KEYS[:1], [chunk(0), chunk(1)])
+    with pytest.raises(RemoteError) as e:
+        client.exists(OTHER, KEYS[:1])
+    assert e.value.status == 400 and "does not belong" in e.value.message
+    with KVStoreClient(server.url, auth_token="wrong", timeout_s=2) as bad:
+        with pytest.raises(RemoteError) as e:
+            bad.stats()
+        assert e.value.status == 401
+
+
+def test_real_model_sized_chunks_stream_bit_exact(client):
+    lay = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float16", chunk_size=256)
+    ns = Namespace("smollm2-135m", lay)
+    keys = ns.chunk_keys(list(range(512)))
+    kvs = [torch.randn(lay.shape()).to(torch.float16) for _ in keys]  # [30, 2, 256, 3, 64]
+    assert lay.chunk_bytes == 5_898_240
+    assert client.put_chunks(ns, keys, kvs, durable=True) == 2
+    got = client.get_chunks(ns, keys)
+    assert all(torch.equal(g, kv) for g, kv in zip(got, kvs))
+
+
+def test_async_client_concurrent_calls_share_one_pool(server):
+    server.store.clear()
+
+    async def run():
+        c = AsyncKVStoreClient(server.url, auth_token="tok", pool_size=4)
+        try:
+            await asyncio.gather(*(c.put_chunks(NS, [k], [chunk(i)])
+                                   for i, k in enumerate(KEYS)))
+            got = await asyncio.gather(*(c.get_chunks(NS, [k]) for k in KEYS))
+            return got
+        finally:
+            await c.close()
+    got = asyncio.run(run())
+    assert all(torch.equal(g[0], chunk(i)) for i, g in enumerate(got))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_dead_server_fails_fast_with_a_timeout_error_well_inside_the_deadline():
+    # nothing listens: the connection is refused, 2 tries 50 ms apart, not 5 s of retries
+    with KVStoreClient(f"http://127.0.0.1:{_free_port()}", timeout_s=5.0) as c:
+        for call in (lambda: c.lookup_keys(NS, KEYS), lambda: c.pin(NS, KEYS[:1], 1.0),
+                     lambda: c.stats()):
+            t0 = time.monotonic()
+            with pytest.raises(StoreUnavailable, match=r"connection refused \(2 tries\); is "
+                                                       "the kvstore daemon running"):
+                call()
+            assert 0.04 < time.monotonic() - t0 < 0.5
+    with KVStoreClient(f"http://127.0.0.1:{_free_port()}", timeout_s=0.5,
+                       refused_tries=None) as c:  # opt-in: retry refused until the deadline
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="no answer within 0.5 s"):
+            c.lookup_keys(NS, KEYS)
+        assert 0.4 < time.monotonic() - t0 < 1.5
+    with pytest.raises(ValueError, match="refused_tries"):
+        KVStoreClient("http://127.0.0.1:1", refused_tries=0)
+
+
+def test_hung_server_gives_a_timeout_error_within_the_deadline():
+    with socket.socket() as lsock:  # accepts connections (backlog) but never answers
+        lsock.bind(("127.0.0.1", 0))
+        lsock.listen(16)
+        url = f"http://127.0.0.1:{lsock.getsockname()[1]}"
+        with KVStoreClient(url, timeout_s=0.5) as c:
+            for call in (lambda: c.get_chunks(NS, KEYS[:1]),
+                         lambda: c.put_chunks(NS, KEYS[:1], [chunk(0)]),
+                         lambda: c.unpin(NS, KEYS[:1])):
+                t0 = time.monotonic()
+                with pytest.raises(StoreUnavailable):
+                    call()
+                assert time.monotonic() - t0 < 1.5
+            with pytest.raises(TimeoutError):  # StoreUnavailable is a TimeoutError
+                c.exists(NS, KEYS[:1], timeout_s=0.2)
+
+
+def test_a_restarting_server_is_reached_by_retries_inside_the_deadline():
+    port = _free_port()
+    store = make_store()
+    started = {}
+
+    def start_later():
+        time.sleep(0.6)
+        started["srv"] = ThreadedServer(create_app(store), port=port)
+    t = threading.Thread(target=start_later)
+    t.start()
+    try:
+        with KVStoreClient(f"http://127.0.0.1:{port}", timeout_s=5.0, refused_tries=None) as c:
+            t0 = time.monotonic()
+            assert c.put_chunks(NS, KEYS[:1], [chunk(7)]) == 1  # idempotent: retried
+            assert 0.5 < time.monotonic() - t0 < 3.0
+            assert torch.equal(c.get_chunks(NS, KEYS[:1])[0], chunk(7))
+    finally:
+        t.join()
+        started["srv"].stop()
+        store.close()
