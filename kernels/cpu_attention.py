@@ -73,7 +73,7 @@ def paged_attention_prefill(query: torch.Tensor, kv_layer: torch.Tensor,
     """Causal attention of one sequence's new tokens over cached prefix + themselves.
 
     Same contract as ``kernels.reference.paged_attention_prefill`` (equal to it within 1e-5 on
-    fp32; see tests/test_kernels_cpu.py).
+    fp32; see tests/kernels/test_kernels_cpu.py).
 
     Args:
         query: ``[num_new, num_heads, head_dim]``; ``num_heads`` a multiple of ``num_kv_heads``.

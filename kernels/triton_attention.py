@@ -1,7 +1,7 @@
 """Triton kernels for CUDA: reshape-and-cache and paged decode attention.
 
 Same signatures, shapes and semantics as ``kernels.reference`` (the spec they are tested
-against in tests/test_kernels_triton.py). Imported only when CUDA and Triton are present
+against in tests/kernels/test_kernels_triton.py). Imported only when CUDA and Triton are present
 (``kernels.ops``). Prefill attention stays on the reference (torch SDPA is fast on CUDA).
 """
 from __future__ import annotations
