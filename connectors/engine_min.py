@@ -2,6 +2,12 @@
 ``ChunkStore``, the daemon's ``KVStoreClient``, or ``LayeredStore`` = local tiers in front of the
 daemon). Contract and call order: ``connectors.base``.
 
+A thin adapter: what to look up, load and save, and the keys, comes from the engine-agnostic
+core (``connectors.chunk_plan.RequestChunks``, one per request); this module translates
+engine_min's sequences and steps into it, runs the store calls on worker threads within
+deadlines, and moves KV (loads: ``connectors.engine_min_load.Loader``; saves:
+``connectors.save_queue.SaveQueue``).
+
 Per request (``C`` = chunk size; keys are ``Namespace.chunk_keys`` of the request's tokens)::
 
     admission   lookup_keys(keys of the full chunks past the engine's own hit) -> H tokens;
@@ -52,23 +58,25 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from connectors.base import KVConnectorBase
-from connectors.block_chunk_map import BlockChunkMap
-from kvstore.layered import remote_breaker
-from connectors.engine_min_load import LoadWorker, _borrower, _Piece
+from connectors.base import KVConnectorBase, LoadResult
+from connectors.chunk_geometry import ChunkGeometry
+from connectors.chunk_plan import LookupQuery, RequestChunks
+from connectors.chunk_records import LoadPlan, LookupHit, SaveRange
+from connectors.engine_min_load import Loader
+from connectors.engine_min_stats import ConnectorStats
 from connectors.save_queue import SaveQueue
 from kernels import ops
-from kvstore.api import KVStoreBase, chain_parents
-from kvstore.keys import IDENTITY_FIELDS, ChunkKey, Namespace, chain_hashes
+from kvstore.api import KVStoreBase, LookupResult
+from kvstore.keys import IDENTITY_FIELDS, Namespace
+from kvstore.layered import remote_breaker
 from kvstore.layout import KVLayout
 
 log = logging.getLogger("connectors.engine_min")
@@ -80,33 +88,13 @@ DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 class _Request:
     """Connector-side state of one request (kept across preemptions, dropped when it ends)."""
 
-    keys: list[ChunkKey] = field(default_factory=list)   # keys of the first len(keys) chunks
-    tail_keys: list[ChunkKey] = field(default_factory=list)  # tail-ns keys of pieces 0..
-    lookup: tuple | None = None     # (num_tokens, num_local, hit, {piece start: tier}, full_end)
-    saved: int = 0                  # tokens whose chunks are saved or known stored
-    tail_saved: int = 0             # tokens whose tail pieces are saved or known stored
-    counted: bool = False           # queried tokens counted (first admission)
-    count_hits: bool = False        # the pending load is of the first admission
-    pending: tuple | None = None    # (LoadPlan, [_Piece], block_ids)
+    chunks: RequestChunks          # key chains, last lookup, saved marks (the core)
+    counted: bool = False          # queried tokens counted (first admission)
+    count_hits: bool = False       # the pending load is of the first admission
+    pending: tuple[LoadPlan, list[int]] | None = None   # (plan, block ids) to start
 
 
-class _Latency:
-    """count / sum / max of durations in seconds."""
-
-    def __init__(self) -> None:
-        self.count, self.sum, self.max = 0, 0.0, 0.0
-
-    def add(self, s: float) -> None:
-        self.count += 1
-        self.sum += s
-        self.max = max(self.max, s)
-
-    def as_dict(self, prefix: str) -> dict:
-        return {f"{prefix}_count": self.count, f"{prefix}_seconds_sum": self.sum,
-                f"{prefix}_seconds_max": self.max}
-
-
-class EngineMinConnector(LoadWorker, KVConnectorBase):
+class EngineMinConnector(KVConnectorBase):
     """KV connector for engine_min over one ``KVStoreBase``.
 
     Args:
@@ -163,63 +151,26 @@ class EngineMinConnector(LoadWorker, KVConnectorBase):
         self.tail_chunk_size = tail_chunk_size
         self.tail_ns: Namespace | None = None
         self.model_identity: dict[str, str] = {}
-        # a ChunkStore lends views of its host-memory pages: loads scatter from them directly
-        self._borrow = _borrower(store)
         # a daemon client reports the daemon's tier names: shown as "remote:<tier>"
         self._remote = hasattr(store, "url") and not hasattr(store, "local")
         self.ns: Namespace | None = None
-        self.bcm: BlockChunkMap | None = None
+        self.geometry: ChunkGeometry | None = None
         self.kv_cache: torch.Tensor | None = None
         self._reqs: dict[str, _Request] = {}
-        self._loads: list = []  # engine_min_load._Load of this step
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvconn-io")
-        self._lock = threading.Lock()
-        self._warned: set[str] = set()
-        # counters
-        self.c: dict[str, int] = {k: 0 for k in (
-            "requests", "queried_tokens", "hit_tokens", "loaded_tokens", "loaded_chunks",
-            "loaded_bytes", "saved_chunks", "saved_bytes", "queued_chunks", "dropped_save_chunks",
-            "save_errors", "fallbacks", "lookup_fallbacks", "load_fallbacks",
-            "load_failed_tokens", "loaded_tail_chunks", "saved_tail_chunks")}
-        self.hits_by_tier: dict[str, int] = {}
-        self.lat = {k: _Latency() for k in ("lookup", "load", "save")}
+        self.stats = ConnectorStats()
+        self.c = self.stats.c          # counters by name (``get_stats`` reports them)
+        self._loader = Loader(store, self._pool, self.stats, deadline_s, deadline_s_per_chunk)
         self._closed = False
         self._saves = SaveQueue(store.put_chunks, save_queue_bytes, self._saved)
 
     # ---- helpers ------------------------------------------------------------------------------
-    def _warn_once(self, kind: str, msg: str, *args) -> None:
-        with self._lock:
-            if kind in self._warned:
-                return
-            self._warned.add(kind)
-        log.warning(msg + " (logged once)", *args)
-
     def _state(self, seq: Any) -> _Request:
         st = self._reqs.get(seq.request_id)
         if st is None:
-            st = self._reqs[seq.request_id] = _Request()
+            st = self._reqs[seq.request_id] = _Request(
+                RequestChunks(self.geometry, self.ns, self.tail_ns))
         return st
-
-    def _keys(self, st: _Request, seq: Any, n_chunks: int) -> list[ChunkKey]:
-        """Keys of the first ``n_chunks`` chunks of seq (extended incrementally)."""
-        have = len(st.keys)
-        if have < n_chunks:
-            C = self.chunk_size
-            seed = st.keys[-1].prefix_hash if have else self.ns.digest
-            hashes = chain_hashes(seed, seq.token_ids[have * C:n_chunks * C], C, self.hash_algo)
-            st.keys.extend(ChunkKey(self.ns.ns_id, h) for h in hashes)
-        return st.keys[:n_chunks]
-
-    def _tail_keys(self, st: _Request, seq: Any, n_pieces: int) -> list[ChunkKey]:
-        """Tail-namespace keys of the first ``n_pieces`` pieces of seq (chained from token 0,
-        extended incrementally)."""
-        have = len(st.tail_keys)
-        if have < n_pieces:
-            F, tns = self.tail_chunk_size, self.tail_ns
-            seed = st.tail_keys[-1].prefix_hash if have else tns.digest
-            hashes = chain_hashes(seed, seq.token_ids[have * F:n_pieces * F], F, self.hash_algo)
-            st.tail_keys.extend(ChunkKey(tns.ns_id, h) for h in hashes)
-        return st.tail_keys[:n_pieces]
 
     def _require_bound(self) -> None:
         if self.ns is None:
@@ -245,10 +196,7 @@ class EngineMinConnector(LoadWorker, KVConnectorBase):
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2 or kv_cache.shape[3] != block_size:
             raise ValueError(f"kv_cache must be [num_layers, 2, num_blocks, block_size="
                              f"{block_size}, num_kv_heads, head_dim], got {list(kv_cache.shape)}")
-        if self.tail_chunk_size % block_size:
-            raise ValueError(f"tail_chunk_size={self.tail_chunk_size} must be a multiple of the "
-                             f"engine's block_size={block_size}")
-        self.bcm = BlockChunkMap(block_size, self.chunk_size)
+        self.geometry = ChunkGeometry(block_size, self.chunk_size, self.tail_chunk_size)
         layout = KVLayout(num_layers=int(kv_cache.shape[0]), num_kv_heads=int(kv_cache.shape[4]),
                           head_dim=int(kv_cache.shape[5]), dtype=kv_cache.dtype,
                           chunk_size=self.chunk_size)
@@ -262,6 +210,7 @@ class EngineMinConnector(LoadWorker, KVConnectorBase):
             self.tail_ns = dataclasses.replace(self.ns, layout=dataclasses.replace(
                 layout, chunk_size=self.tail_chunk_size))
         self.kv_cache = kv_cache
+        self._loader.bind(kv_cache, block_size)
         register = getattr(self.store, "register", None)
         if register is not None:
             register(self.ns)  # a tier smaller than one chunk fails here, not mid-run
@@ -276,79 +225,44 @@ class EngineMinConnector(LoadWorker, KVConnectorBase):
     # ---- scheduler side -----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, seq: Any, num_computed_tokens: int) -> tuple[int, bool]:
         self._require_bound()
-        st = self._state(seq)
-        n, local = seq.num_tokens, num_computed_tokens
-        C, F = self.chunk_size, self.tail_chunk_size
-        first = local // C
-        n_chunks = self.bcm.num_full_chunks(n)
-        if local % self.bcm.block_size or (first >= n_chunks and not self._tail_range(n, local)):
-            return 0, False
-        cached = st.lookup
-        if cached is None or cached[0] != n or cached[1] != local:
-            keys = self._keys(st, seq, n_chunks)[first:]
-            tail_keys = self._tail_keys(st, seq, n // F) if F else []
-            t0 = time.perf_counter()
-            fut = self._pool.submit(self._lookup, n, local, keys, tail_keys)
-            try:
-                hit, tiers, full_end = fut.result(timeout=self.deadline_s)
-            except FutureTimeout:
-                self._fallback("lookup", "lookup timed out after %.3f s; recomputing",
-                               self.deadline_s)
-                hit, tiers, full_end = 0, {}, 0
-            except Exception as exc:  # noqa: BLE001 - any store trouble means a miss
-                self._fallback("lookup", "lookup failed (%s: %s); recomputing",
-                               type(exc).__name__, exc)
-                hit, tiers, full_end = 0, {}, 0
-            self._observe("lookup", time.perf_counter() - t0)
-            if self._remote:
-                tiers = {k: f"remote:{t}" for k, t in tiers.items()}
-            cached = st.lookup = (n, local, hit, tiers, full_end)
-        return self.bcm.num_external_tokens(n, local, cached[2]), False
+        chunks = self._state(seq).chunks
+        n = seq.num_tokens
+        hit = chunks.cached_hit(n, num_computed_tokens)
+        if hit is None:
+            query = chunks.lookup_query(seq.token_ids, n, num_computed_tokens)
+            if query is None:
+                return 0, False
+            hit = self._run_lookup(query)
+        return chunks.record(hit), False
 
-    def _tail_range(self, num_tokens: int, start: int) -> range:
-        """Tail pieces worth looking up once the leading stored prefix ends at token ``start``
-        (the end of the full-chunk hit, or the engine's own ``num_local``): the pieces from
-        the one holding ``start`` to the end of its chunk or the last whole piece of the
-        request. Pieces are stored only past a prompt's last full chunk, so none past the
-        first missing chunk can exist. Empty when tail pieces are off or no piece would add a
-        loadable token."""
-        F = self.tail_chunk_size
-        if not F:
-            return range(0)
-        lo = start // F
-        hi = min(self.bcm.floor_to_chunk(start) + self.chunk_size, num_tokens) // F
-        return range(lo, hi) if lo < hi and start < num_tokens - 1 else range(0)
+    def _run_lookup(self, query: LookupQuery) -> LookupHit:
+        """``query`` on a worker thread, waited for at most ``deadline_s``; a miss on timeout
+        or error (a counted fallback)."""
+        t0 = time.perf_counter()
+        fut = self._pool.submit(self._lookup, query)
+        try:
+            hit = fut.result(timeout=self.deadline_s)
+        except FutureTimeout:
+            self.stats.fallback("lookup", "lookup timed out after %.3f s; recomputing",
+                                self.deadline_s)
+            hit = LookupHit.miss(query.num_tokens, query.num_local)
+        except Exception as exc:  # noqa: BLE001 - any store trouble means a miss
+            self.stats.fallback("lookup", "lookup failed (%s: %s); recomputing",
+                                type(exc).__name__, exc)
+            hit = LookupHit.miss(query.num_tokens, query.num_local)
+        self.stats.observe("lookup", time.perf_counter() - t0)
+        if self._remote:
+            hit = dataclasses.replace(hit, tiers={k: f"remote:{t}" for k, t in hit.tiers.items()})
+        return hit
 
-    def _lookup(self, n: int, local: int, keys: list[ChunkKey], tail_keys: list[ChunkKey]):
-        """Worker thread: ``(hit_tokens, {piece start token: tier}, full_end)`` of a request of
-        ``n`` tokens with ``local`` computed: the leading stored full chunks from ``local //
-        chunk_size`` (``keys``) end at ``full_end`` (a chunk boundary), then the stored tail
-        pieces (``tail_keys``: all of the request's pieces) from ``max(full_end, local)``."""
-        C, F = self.chunk_size, self.tail_chunk_size
-        first = local // C
-        full_end, tiers = first * C, {}
-        if keys:
-            res = self.store.lookup_keys(self.ns, keys)
-            full_end = (first + res.num_hit_chunks) * C
-            tiers = {(first + i) * C: t for i, t in enumerate(res.tiers)}
-        hit = full_end
-        rng = self._tail_range(n, max(full_end, local))
-        if rng:
-            res = self.store.lookup_keys(self.tail_ns, tail_keys[rng.start:rng.stop])
-            if res.num_hit_chunks:
-                hit = (rng.start + res.num_hit_chunks) * F
-                tiers.update({(rng.start + i) * F: t for i, t in enumerate(res.tiers)})
-        return hit, tiers, full_end
-
-    def _observe(self, kind: str, seconds: float) -> None:
-        with self._lock:
-            self.lat[kind].add(seconds)
-
-    def _fallback(self, kind: str, msg: str, *args) -> None:
-        with self._lock:
-            self.c["fallbacks"] += 1
-            self.c[f"{kind}_fallbacks"] += 1
-        self._warn_once(kind, "kv connector: " + msg, *args)
+    def _lookup(self, q: LookupQuery) -> LookupHit:
+        """Worker thread: the leading stored full chunks of ``q.keys``, then the stored tail
+        pieces of ``q.tail_range`` after them."""
+        full = self.store.lookup_keys(self.ns, list(q.keys)) if q.keys else _NO_HIT
+        rng = q.tail_range(full.num_hit_chunks)
+        tail = self.store.lookup_keys(self.tail_ns, list(q.tail_keys[rng.start:rng.stop])) \
+            if rng else _NO_HIT
+        return q.hit(full.num_hit_chunks, full.tiers, tail.num_hit_chunks, tail.tiers)
 
     def update_state_after_alloc(self, seq: Any, block_ids: list[int],
                                  num_external_tokens: int) -> None:
@@ -357,35 +271,12 @@ class EngineMinConnector(LoadWorker, KVConnectorBase):
         first_admission = not st.counted
         if first_admission:
             st.counted = True
-            with self._lock:
-                self.c["requests"] += 1
-                self.c["queried_tokens"] += seq.num_tokens
-        lookup, st.lookup = st.lookup, None
-        if lookup is not None and lookup[0] == seq.num_tokens:
-            st.saved = max(st.saved, lookup[2])  # chunks the store already holds
-            if self.tail_chunk_size:
-                st.tail_saved = max(st.tail_saved, lookup[2] // self.tail_chunk_size
-                                    * self.tail_chunk_size)
-        if num_external_tokens <= 0:
-            st.pending = None
-            return
+            self.stats.add(requests=1, queried_tokens=seq.num_tokens)
         local = seq.num_computed_tokens - num_external_tokens
-        plan = self.bcm.load_plan(local, num_external_tokens)
-        tiers = lookup[3] if lookup is not None else {}
-        C, F = self.chunk_size, self.tail_chunk_size
-        full_end = lookup[4] if lookup is not None else self.bcm.floor_to_chunk(seq.num_tokens)
-        keys = self._keys(st, seq, min(plan.last_chunk, full_end // C))
-        pieces = [_Piece(c * C, C, self.ns, keys[c], tiers.get(c * C, "unknown"),
-                         keys[c - 1] if c else None)
-                  for c in range(plan.first_chunk, len(keys))]
-        if plan.end > full_end:    # the rest comes from tail pieces (found by the lookup)
-            j0, j1 = max(full_end, local) // F, -(-plan.end // F)
-            tail = self._tail_keys(st, seq, j1)
-            pieces += [_Piece(j * F, F, self.tail_ns, tail[j], tiers.get(j * F, "unknown"),
-                              tail[j - 1] if j * F > full_end else None)
-                       for j in range(j0, j1)]
-        st.pending = (plan, pieces, list(block_ids))
-        st.count_hits = first_admission
+        plan = st.chunks.admit(seq.token_ids, seq.num_tokens, local, num_external_tokens)
+        st.pending = None if plan is None else (plan, list(block_ids))
+        if plan is not None:
+            st.count_hits = first_admission
 
     def request_finished(self, seq: Any, block_ids: list[int]) -> None:
         st = self._reqs.pop(seq.request_id, None)
@@ -393,9 +284,22 @@ class EngineMinConnector(LoadWorker, KVConnectorBase):
             return
         end = seq.num_computed_tokens if self.save_generated else \
             min(seq.num_computed_tokens, seq.num_prompt_tokens)
-        end = min(end, len(block_ids) * self.bcm.block_size)
-        self._queue_save(seq, st, end, block_ids)
-        self._queue_tail_save(seq, st, end, block_ids)
+        end = min(end, len(block_ids) * self.geometry.block_size)
+        self._queue_save(st.chunks.chunks_to_save(seq.token_ids, end), block_ids)
+        self._queue_save(st.chunks.pieces_to_save(seq.token_ids, end), block_ids)
+
+    # ---- worker side: loads -------------------------------------------------------------------
+    def start_load_kv(self, sched_out: Any, kv_cache: torch.Tensor) -> None:
+        for item in sched_out.scheduled:
+            st = self._reqs.get(item.seq.request_id)
+            if st is None or st.pending is None:
+                continue
+            (plan, block_ids), st.pending = st.pending, None
+            self._loader.start(item, plan, st.chunks, block_ids, st.count_hits)
+            st.count_hits = False
+
+    def wait_for_load(self) -> list[LoadResult]:
+        return self._loader.wait()
 
     # ---- worker side: saves -------------------------------------------------------------------
     def save(self, sched_out: Any, kv_cache: torch.Tensor) -> None:
@@ -405,92 +309,54 @@ class EngineMinConnector(LoadWorker, KVConnectorBase):
             if st is None:
                 continue
             end = min(seq.num_computed_tokens + item.num_new_tokens, seq.num_prompt_tokens)
-            self._queue_save(seq, st, end, seq.block_table)
+            self._queue_save(st.chunks.chunks_to_save(seq.token_ids, end), seq.block_table)
             if end == seq.num_prompt_tokens:   # the prompt's prefill is complete
-                self._queue_tail_save(seq, st, end, seq.block_table)
+                self._queue_save(st.chunks.pieces_to_save(seq.token_ids, end),
+                                 seq.block_table)
 
-    def _queue_save(self, seq: Any, st: _Request, end: int, block_ids: list[int]) -> None:
-        """Gather the full chunks in ``[st.saved, end)`` and queue them (or drop them)."""
-        rng = self.bcm.chunks_to_save(st.saved, end)
-        if not rng:
+    def _queue_save(self, rng: SaveRange | None, block_ids: list[int]) -> None:
+        """Gather the units of ``rng`` out of the pool and queue them (or drop them when the
+        queue is full)."""
+        if rng is None or not self._reserve(len(rng.keys), rng.nbytes):
             return
-        st.saved = rng.stop * self.chunk_size
-        if not self._reserve(len(rng), len(rng) * self.layout.chunk_bytes):
-            return
-        all_keys = self._keys(st, seq, rng.stop)
-        keys = all_keys[rng.start:rng.stop]
-        kvs = [ops.gather_chunk(self.kv_cache, self.bcm.chunk_blocks(block_ids, c)) for c in rng]
-        # a save continuing chunks saved earlier names its first chunk's parent (the store
-        # keeps prefixes reachable only with true parents)
-        parents = chain_parents(keys, all_keys[rng.start - 1]) if rng.start else None
-        self._saves.submit(self.ns, keys, kvs, len(rng) * self.layout.chunk_bytes, parents)
-
-    def _queue_tail_save(self, seq: Any, st: _Request, end: int, block_ids: list[int]) -> None:
-        """Gather the tail pieces past the last full chunk of ``[0, end)`` that are not saved
-        yet (``[max(st.tail_saved, floor_C(end)), floor_F(end))``) and queue them."""
-        F = self.tail_chunk_size
-        if not F:
-            return
-        lo = max(st.tail_saved, self.bcm.floor_to_chunk(end)) // F
-        hi = end // F
-        if hi <= lo:
-            return
-        st.tail_saved = hi * F
-        nbytes = (hi - lo) * self.tail_ns.layout.chunk_bytes
-        if not self._reserve(hi - lo, nbytes):
-            return
-        all_keys = self._tail_keys(st, seq, hi)
-        keys = all_keys[lo:hi]
-        per = F // self.bcm.block_size
-        kvs = [ops.gather_chunk(self.kv_cache, list(block_ids[j * per:(j + 1) * per]))
-               for j in range(lo, hi)]
-        # pieces are looked up from the last full chunk on: the piece there starts a chain
-        # (no parent); one continuing pieces saved earlier names the piece before it
-        continues = lo * F > self.bcm.floor_to_chunk(end)
-        parents = chain_parents(keys, all_keys[lo - 1]) if continues else None
-        self._saves.submit(self.tail_ns, keys, kvs, nbytes, parents)
+        g = self.geometry
+        kvs = [ops.gather_chunk(self.kv_cache, g.unit_blocks(block_ids, s, rng.unit))
+               for s in rng.starts]
+        self._saves.submit(rng.ns, list(rng.keys), kvs, rng.nbytes, rng.parents)
 
     def _reserve(self, n_chunks: int, nbytes: int) -> bool:
         """Room in the save queue for ``nbytes`` (counted as queued), or a counted drop."""
         ok = self._saves.try_reserve(nbytes)
-        with self._lock:
-            self.c["queued_chunks" if ok else "dropped_save_chunks"] += n_chunks
+        self.stats.add(**{"queued_chunks" if ok else "dropped_save_chunks": n_chunks})
         if not ok:
-            self._warn_once("save_drop", "kv connector: save queue full (%d bytes); dropping "
-                            "saves", self.save_queue_bytes)
+            self.stats.warn_once("save_drop", "kv connector: save queue full (%d bytes); "
+                                 "dropping saves", self.save_queue_bytes)
         return ok
 
     def _saved(self, ns: Namespace, stored: int | None, seconds: float,
                error: Exception | None) -> None:
         """``SaveQueue`` callback (writer thread): count what one put stored, or its error."""
-        with self._lock:
-            self.lat["save"].add(seconds)
-            if error is None:
-                self.c["saved_tail_chunks" if ns is self.tail_ns else "saved_chunks"] += stored
-                self.c["saved_bytes"] += stored * ns.layout.chunk_bytes
-            else:
-                self.c["save_errors"] += 1
-        if error is not None:
-            self._warn_once("save", "kv connector: save failed (%s: %s)",
-                            type(error).__name__, error)
+        self.stats.observe("save", seconds)
+        if error is None:
+            self.stats.add(**{"saved_tail_chunks" if ns is self.tail_ns else "saved_chunks":
+                              stored, "saved_bytes": stored * ns.layout.chunk_bytes})
+        else:
+            self.stats.add(save_errors=1)
+            self.stats.warn_once("save", "kv connector: save failed (%s: %s)",
+                                 type(error).__name__, error)
 
     def wait_for_save(self, timeout_s: float | None = None) -> bool:
         return self._saves.wait(timeout_s)
 
     # ---- metrics and lifetime -----------------------------------------------------------------
     def get_stats(self) -> dict:
-        with self._lock:
-            c = dict(self.c)
-            tiers = dict(self.hits_by_tier)
-            lat = {k: v.as_dict(f"kvstore_{k}") for k, v in self.lat.items()}
-        out = {"external_prefix_cache_queries": c["queried_tokens"],
-               "external_prefix_cache_hits": c["hit_tokens"],
-               "kvstore_hit_tokens_by_tier": tiers,
-               "kvstore_save_queue_bytes": self._saves.queued_bytes,
-               "store_namespace": None if self.ns is None else self.ns.to_dict()}
-        out.update({f"kvstore_{k}": v for k, v in c.items()})
-        for d in lat.values():
-            out.update(d)
+        snap = self.stats.snapshot()
+        out = {k: snap.pop(k) for k in ("external_prefix_cache_queries",
+                                        "external_prefix_cache_hits",
+                                        "kvstore_hit_tokens_by_tier")}
+        out.update({"kvstore_save_queue_bytes": self._saves.queued_bytes,
+                    "store_namespace": None if self.ns is None else self.ns.to_dict()})
+        out.update(snap)
         breaker = remote_breaker(self.store)
         if breaker is not None:  # a dead daemon: calls skipped during its cool-downs
             out.update({f"kvstore_{k}": v for k, v in breaker.breaker_stats().items()})
@@ -504,3 +370,6 @@ class EngineMinConnector(LoadWorker, KVConnectorBase):
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.owns_store:
             self.store.close()
+
+
+_NO_HIT = LookupResult(0, 0, (), 0)   # what an empty lookup answers

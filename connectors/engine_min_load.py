@@ -1,18 +1,19 @@
-"""Worker-side loads of ``connectors.engine_min.EngineMinConnector`` (a mixin).
+"""Worker-side loads of ``connectors.engine_min.EngineMinConnector``: the ``Loader`` it owns.
 
-``start_load_kv`` hands each scheduled request's pending load (pieces chosen by the scheduler
-side at admission) to a worker thread, which reads them from the store and scatters the leading
-ones that arrived whole into the request's blocks (``kernels.ops.scatter_chunk``), one at a time
-under the load's lock. ``wait_for_load`` waits until the step's deadline, then cancels (nothing
-is scattered afterwards) and ``_land`` rewinds each sequence past what did not land, so the
-engine prefills the rest. From an in-process ``ChunkStore`` the scatter copies straight out of
-the CPU tier's pages (``ChunkStore.borrow_chunks``, reader-pinned while in use).
+``start`` hands a request's load plan (``connectors.chunk_records.LoadPlan``: the pieces chosen
+at admission by ``connectors.chunk_plan.RequestChunks.admit``) to a worker thread, which reads
+them from the store and scatters the leading ones that arrived whole into the request's blocks
+(``kernels.ops.scatter_chunk``), one at a time under the load's lock. ``wait`` waits until the
+step's deadline, then cancels (nothing is scattered afterwards) and lands each load: the
+sequence is rewound past what did not land (``LoadPlan.landed``), so the engine prefills the
+rest. From an in-process ``ChunkStore`` the scatter copies straight out of the CPU tier's pages
+(``ChunkStore.borrow_chunks``, reader-pinned while in use).
 """
 from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,33 +21,22 @@ from typing import Any
 import torch
 
 from connectors.base import LoadResult
-from connectors.block_chunk_map import LoadPlan
+from connectors.chunk_plan import RequestChunks
+from connectors.chunk_records import LoadPlan, Piece
+from connectors.engine_min_stats import ConnectorStats
 from kernels import ops
 from kvstore.api import KVStoreBase
-from kvstore.keys import ChunkKey, Namespace
 from kvstore.layout import KVLayout
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """One stored unit to load: a full chunk (``size`` = chunk size, the connector's namespace)
-    or a tail piece (``size`` = tail chunk size, the tail namespace) covering tokens
-    ``[start, start + size)``."""
-
-    start: int
-    size: int
-    ns: Namespace
-    key: ChunkKey
-    tier: str
-    parent: ChunkKey | None = None  # the piece before it in its chain (None: starts one)
 
 
 @dataclass
 class _Load:
+    """One request's load in flight this step."""
+
     seq: Any
     item: Any
     plan: LoadPlan
-    pieces: list[_Piece]
+    chunks: RequestChunks
     block_ids: list[int]
     count_hits: bool
     future: Future | None = None
@@ -74,21 +64,39 @@ def _as_chunk(parts: list[torch.Tensor] | None, layout: KVLayout) -> torch.Tenso
     return flat.view(layout.torch_dtype).view(layout.shape())
 
 
-class LoadWorker:
-    """Load methods of ``EngineMinConnector``; they use its store, KV pool, block-chunk map,
-    request states, worker pool, deadlines and counters."""
+class Loader:
+    """Loads of one connector's requests into its engine's paged KV pool.
 
-    def start_load_kv(self, sched_out: Any, kv_cache: torch.Tensor) -> None:
-        for item in sched_out.scheduled:
-            st = self._reqs.get(item.seq.request_id)
-            if st is None or st.pending is None:
-                continue
-            plan, pieces, block_ids = st.pending
-            st.pending = None
-            ld = _Load(item.seq, item, plan, pieces, block_ids, st.count_hits)
-            ld.future = self._pool.submit(self._fetch_and_scatter, ld)
-            self._loads.append(ld)
-            st.count_hits = False
+    Args:
+        store: the store read from.
+        pool: the worker threads loads run on.
+        stats: the connector's counters (loads, fallbacks, hits per tier).
+        deadline_s, deadline_s_per_chunk: one step's loads are waited for at most
+            ``deadline_s + deadline_s_per_chunk * pieces`` seconds.
+    """
+
+    def __init__(self, store: KVStoreBase, pool: Executor, stats: ConnectorStats,
+                 deadline_s: float, deadline_s_per_chunk: float) -> None:
+        self.store, self._pool, self.stats = store, pool, stats
+        self.deadline_s, self.deadline_s_per_chunk = deadline_s, deadline_s_per_chunk
+        # a ChunkStore lends views of its host-memory pages: loads scatter from them directly
+        self._borrow = _borrower(store)
+        self.kv_cache: torch.Tensor | None = None
+        self.block_size = 0
+        self._loads: list[_Load] = []
+
+    def bind(self, kv_cache: torch.Tensor, block_size: int) -> None:
+        """Load into ``kv_cache`` ``[num_layers, 2, num_blocks, block_size, num_kv_heads,
+        head_dim]``."""
+        self.kv_cache, self.block_size = kv_cache, block_size
+
+    def start(self, item: Any, plan: LoadPlan, chunks: RequestChunks, block_ids: list[int],
+              count_hits: bool) -> None:
+        """Begin loading ``plan`` for ``item.seq`` (a scheduled item) into ``block_ids``;
+        ``count_hits``: its loaded tokens count as the request's hits."""
+        ld = _Load(item.seq, item, plan, chunks, block_ids, count_hits)
+        ld.future = self._pool.submit(self._fetch_and_scatter, ld)
+        self._loads.append(ld)
 
     def _fetch_and_scatter(self, ld: _Load) -> None:
         """Worker thread: read ``ld``'s pieces and scatter the leading ones that arrived whole
@@ -100,8 +108,8 @@ class LoadWorker:
         Raises:
             whatever the store raises (the caller counts a fallback; what landed stays).
         """
-        groups: list[list[_Piece]] = []
-        for p in ld.pieces:
+        groups: list[list[Piece]] = []
+        for p in ld.plan.pieces:
             if groups and groups[-1][0].ns is p.ns:
                 groups[-1].append(p)
             else:
@@ -131,14 +139,14 @@ class LoadWorker:
             if len(kvs) < len(group):
                 return
 
-    def _scatter(self, ld: _Load, p: _Piece, kv: torch.Tensor | None, want: tuple) -> bool:
+    def _scatter(self, ld: _Load, p: Piece, kv: torch.Tensor | None, want: tuple) -> bool:
         """Scatter piece ``p``'s tokens in ``[plan.start, ceil_block(plan.end))`` into the
         request's blocks unless cancelled or ``kv`` is missing or misshapen; True if it landed."""
         if kv is None or tuple(kv.shape) != want or kv.dtype != self.kv_cache.dtype:
             return False
-        bs = self.bcm.block_size
+        bs = self.block_size
         lo = max(ld.plan.start, p.start)
-        hi = min(-(-ld.plan.end // bs) * bs, p.start + p.size)
+        hi = min(-(-ld.plan.end // bs) * bs, p.end)
         with ld.lock:
             if ld.cancelled:
                 return False
@@ -148,13 +156,15 @@ class LoadWorker:
             ld.landed += 1
         return True
 
-    def wait_for_load(self) -> list[LoadResult]:
+    def wait(self) -> list[LoadResult]:
+        """Wait (up to the step's deadline) for the loads started; land each (module
+        docstring)."""
         loads, self._loads = self._loads, []
         if not loads:
             return []
         t0 = time.perf_counter()
         deadline = t0 + self.deadline_s + self.deadline_s_per_chunk * sum(
-            len(ld.pieces) for ld in loads)
+            len(ld.plan.pieces) for ld in loads)
         results = []
         for ld in loads:
             failed = True
@@ -163,60 +173,35 @@ class LoadWorker:
                 failed = False
             except FutureTimeout:
                 ld.future.cancel()
-                self._fallback("load", "load of %d chunks missed its deadline; recomputing",
-                               len(ld.pieces))
+                self.stats.fallback("load", "load of %d chunks missed its deadline; "
+                                    "recomputing", len(ld.plan.pieces))
             except Exception as exc:  # noqa: BLE001
-                self._fallback("load", "load failed (%s: %s); recomputing",
-                               type(exc).__name__, exc)
+                self.stats.fallback("load", "load failed (%s: %s); recomputing",
+                                    type(exc).__name__, exc)
             with ld.lock:          # nothing is scattered after this
                 ld.cancelled = True
             results.append(self._land(ld, failed))
-        self._observe("load", time.perf_counter() - t0)
+        self.stats.observe("load", time.perf_counter() - t0)
         return results
 
     def _land(self, ld: _Load, failed: bool) -> LoadResult:
         """Account for the leading pieces that landed; rewind the sequence past the rest
         (``failed``: the read raised or missed its deadline, a fallback already counted)."""
-        plan, bcm = ld.plan, self.bcm
-        n_ok = ld.landed
-        end = plan.start
-        if n_ok:
-            last = ld.pieces[n_ok - 1]
-            end = max(plan.start, min(plan.end, last.start + last.size))
-        by_tier: dict[str, int] = {}
-        full = tail = nbytes = 0
-        for p in ld.pieces[:n_ok]:
-            lo, hi = max(plan.start, p.start), min(end, p.start + p.size)
-            if p.ns is self.ns:
-                full += 1
-            else:
-                tail += 1
-            nbytes += p.ns.layout.chunk_bytes
-            if hi > lo:
-                by_tier[p.tier] = by_tier.get(p.tier, 0) + hi - lo
-        short = plan.end - end
-        if short:
-            if not failed and n_ok < len(ld.pieces):
-                self._fallback("load", "store returned %d of %d chunks; recomputing the rest",
-                               n_ok, len(ld.pieces))
+        plan, n_ok = ld.plan, ld.landed
+        got = plan.landed(n_ok)
+        if got.short:
+            if not failed and n_ok < len(plan.pieces):
+                self.stats.fallback("load", "store returned %d of %d chunks; recomputing the "
+                                    "rest", n_ok, len(plan.pieces))
             seq = ld.seq
-            seq.num_computed_tokens -= short
-            seq.num_cached_tokens = max(0, seq.num_cached_tokens - short)
-            ld.item.num_new_tokens += short
-            st = self._reqs.get(seq.request_id)
-            if st is not None:
-                st.saved = min(st.saved, bcm.floor_to_chunk(end))
-                if self.tail_chunk_size:
-                    st.tail_saved = min(st.tail_saved,
-                                        end // self.tail_chunk_size * self.tail_chunk_size)
-        with self._lock:
-            self.c["loaded_tokens"] += end - plan.start
-            self.c["loaded_chunks"] += full
-            self.c["loaded_tail_chunks"] += tail
-            self.c["loaded_bytes"] += nbytes
-            self.c["load_failed_tokens"] += short
-            if ld.count_hits:
-                self.c["hit_tokens"] += end - plan.start
-                for t, v in by_tier.items():
-                    self.hits_by_tier[t] = self.hits_by_tier.get(t, 0) + v
-        return LoadResult(ld.seq.request_id, plan.num_tokens, end - plan.start, short == 0)
+            seq.num_computed_tokens -= got.short
+            seq.num_cached_tokens = max(0, seq.num_cached_tokens - got.short)
+            ld.item.num_new_tokens += got.short
+            ld.chunks.rewind(got.end)
+        loaded = got.end - plan.start
+        hits = {"hit_tokens": loaded, "hits_by_tier": got.tokens_by_tier} if ld.count_hits \
+            else {}
+        self.stats.add(loaded_tokens=loaded, loaded_chunks=got.full_chunks,
+                       loaded_tail_chunks=got.tail_pieces, loaded_bytes=got.nbytes,
+                       load_failed_tokens=got.short, **hits)
+        return LoadResult(ld.seq.request_id, plan.num_tokens, loaded, got.short == 0)

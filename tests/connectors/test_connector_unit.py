@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from connectors.block_chunk_map import BlockChunkMap
+from connectors.chunk_geometry import ChunkGeometry
 from connectors.engine_min import EngineMinConnector
 from connectors.factory import create_connector
 from kvstore.layered import LayeredStore
@@ -107,8 +107,8 @@ def prompt(n, base=100):
 
 
 # ---- index arithmetic ----------------------------------------------------------------------
-def test_block_chunk_map_arithmetic():
-    m = BlockChunkMap(4, 8)
+def test_chunk_geometry_arithmetic():
+    m = ChunkGeometry(4, 8)
     assert m.blocks_per_chunk == 2
     assert m.num_external_tokens(num_tokens=40, num_local=16, num_hit=24) == 8
     assert m.num_external_tokens(num_tokens=40, num_local=20, num_hit=16) == 0
@@ -120,7 +120,7 @@ def test_block_chunk_map_arithmetic():
     assert list(m.chunks_to_save(8, 31)) == [1, 2] and list(m.chunks_to_save(24, 31)) == []
     assert m.chunk_blocks([9, 8, 7, 6, 5], 1) == [7, 6]
     with pytest.raises(ValueError, match="multiple of the engine's block_size=4"):
-        BlockChunkMap(4, 6)
+        ChunkGeometry(4, 6)
     with pytest.raises(ValueError, match="overwrite computed slots"):
         m.load_plan(6, 8)
     with pytest.raises(ValueError, match="block table has 5"):

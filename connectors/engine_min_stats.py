@@ -1,0 +1,89 @@
+"""Counters of ``connectors.engine_min.EngineMinConnector``, shared by its scheduler side and
+its loader: cumulative token / chunk / byte counts, tokens hit per tier, latencies, fallbacks,
+and warnings logged once per kind. Thread-safe (the lookup and load workers and the save
+writer count here too).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+log = logging.getLogger("connectors.engine_min")
+
+#: counter names, in the order ``get_stats`` reports them (as ``kvstore_<name>``)
+COUNTERS = ("requests", "queried_tokens", "hit_tokens", "loaded_tokens", "loaded_chunks",
+            "loaded_bytes", "saved_chunks", "saved_bytes", "queued_chunks",
+            "dropped_save_chunks", "save_errors", "fallbacks", "lookup_fallbacks",
+            "load_fallbacks", "load_failed_tokens", "loaded_tail_chunks", "saved_tail_chunks")
+
+
+class Latency:
+    """count / sum / max of durations in seconds."""
+
+    def __init__(self) -> None:
+        self.count, self.sum, self.max = 0, 0.0, 0.0
+
+    def add(self, s: float) -> None:
+        self.count += 1
+        self.sum += s
+        self.max = max(self.max, s)
+
+    def as_dict(self, prefix: str) -> dict:
+        return {f"{prefix}_count": self.count, f"{prefix}_seconds_sum": self.sum,
+                f"{prefix}_seconds_max": self.max}
+
+
+class ConnectorStats:
+    """The counters (``c``: name -> int), tokens hit per tier, and the lookup / load / save
+    latencies of one connector."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.c: dict[str, int] = {k: 0 for k in COUNTERS}
+        self.hits_by_tier: dict[str, int] = {}
+        self.lat = {k: Latency() for k in ("lookup", "load", "save")}
+        self._warned: set[str] = set()
+
+    def add(self, hits_by_tier: dict[str, int] | None = None, **counts: int) -> None:
+        """Add to counters by name, and to the tokens hit per tier they came from."""
+        with self.lock:
+            for k, v in counts.items():
+                self.c[k] += v
+            for t, v in (hits_by_tier or {}).items():
+                self.hits_by_tier[t] = self.hits_by_tier.get(t, 0) + v
+
+    def observe(self, kind: str, seconds: float) -> None:
+        """One ``kind`` (lookup, load, save) took ``seconds``."""
+        with self.lock:
+            self.lat[kind].add(seconds)
+
+    def warn_once(self, kind: str, msg: str, *args) -> None:
+        """Log ``msg % args`` at WARNING the first time ``kind`` happens."""
+        with self.lock:
+            if kind in self._warned:
+                return
+            self._warned.add(kind)
+        log.warning(msg + " (logged once)", *args)
+
+    def fallback(self, kind: str, msg: str, *args) -> None:
+        """A ``kind`` (lookup, load) fell back to recomputing: count it, warn once."""
+        with self.lock:
+            self.c["fallbacks"] += 1
+            self.c[f"{kind}_fallbacks"] += 1
+        self.warn_once(kind, "kv connector: " + msg, *args)
+
+    def snapshot(self) -> dict:
+        """The counters as ``get_stats`` reports them (``kvstore_``-prefixed, latencies as
+        ``kvstore_<kind>_count`` / ``_seconds_sum`` / ``_seconds_max``), plus
+        ``external_prefix_cache_queries`` / ``_hits`` and ``kvstore_hit_tokens_by_tier``."""
+        with self.lock:
+            c = dict(self.c)
+            tiers = dict(self.hits_by_tier)
+            lat = {k: v.as_dict(f"kvstore_{k}") for k, v in self.lat.items()}
+        out = {"external_prefix_cache_queries": c["queried_tokens"],
+               "external_prefix_cache_hits": c["hit_tokens"],
+               "kvstore_hit_tokens_by_tier": tiers}
+        out.update({f"kvstore_{k}": v for k, v in c.items()})
+        for d in lat.values():
+            out.update(d)
+        return out
