@@ -1,0 +1,228 @@
+"""Store construction for every connector: one description of a store (``StoreSpec``), one
+way to open it (``open_store``), and a refcounted registry (``StoreRegistry``) for engines whose
+connector objects share one store (vLLM builds a scheduler-side and a worker-side connector in
+one process).
+
+Which store a ``StoreSpec`` opens:
+
+* ``cpu_bytes`` and/or ``disk_path`` (+ ``disk_bytes``) only: an in-process ``ChunkStore``
+  (``disk_path`` alone = disk tier of ``DEFAULT_DISK_BYTES``, no CPU tier);
+* ``url`` only: the ``kvstore serve`` daemon through ``KVStoreClient``, wrapped in a
+  ``CircuitBreakerStore`` when ``breaker`` is given;
+* both: ``LayeredStore`` = the in-process tiers in front of the daemon.
+
+With a daemon and an ``auth_token``, the daemon is asked once for the token's tenant salt
+(``GET /v1/whoami``, ``daemon_tenant_salt``); every namespace the connector names must carry
+it (``kvstore.daemon.tenants.bind_salt``).
+
+Sizes accept ints or text (``"512MiB"``). ``url`` accepts ``http://HOST:PORT`` or
+``tcp://HOST:PORT`` (the same daemon).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvstore.api import KVStoreBase
+
+log = logging.getLogger("kvstore.connectors.stores")
+
+#: disk tier size when only ``disk_path`` is given.
+DEFAULT_DISK_BYTES = "4GiB"
+#: Deadline of the one ``whoami`` call a daemon-backed connector makes at start (seconds).
+WHOAMI_TIMEOUT_S = 2.0
+
+
+def http_url(url: str) -> str:
+    """``url`` as the daemon client takes it (``tcp://`` becomes ``http://``).
+
+    Raises:
+        ValueError: not ``http(s)://HOST:PORT`` / ``tcp://HOST:PORT``, a bad port, no host.
+    """
+    if url.startswith("tcp://"):
+        url = "http://" + url[len("tcp://"):]
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"kvstore url must look like http://HOST:PORT, got {url!r}")
+    try:
+        parts = urlsplit(url)
+        host, _ = parts.hostname, parts.port  # .port raises on a bad port
+    except ValueError as e:  # a port out of range or not a number
+        raise ValueError(f"kvstore url must look like http://HOST:PORT, got {url!r}: {e}") \
+            from None
+    if not host:
+        raise ValueError(f"kvstore url must look like http://HOST:PORT, got {url!r}: no host")
+    return url
+
+
+@dataclass(frozen=True)
+class BreakerTimes:
+    """Deadlines of a ``CircuitBreakerStore`` around the daemon client (seconds).
+
+    Attributes:
+        put_timeout_s: one background save.
+        get_timeout_s_per_chunk, get_timeout_s_base: a load of ``n`` chunks may take
+            ``base + n * per_chunk``.
+    """
+
+    put_timeout_s: float
+    get_timeout_s_per_chunk: float
+    get_timeout_s_base: float
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """A store to open (see module docstring). Frozen and hashable: the key of a
+    ``StoreRegistry``.
+
+    Attributes:
+        cpu_bytes: in-process CPU tier bytes (None/0 = none).
+        disk_path: in-process disk tier directory (lmdb; created if missing).
+        disk_bytes: disk tier bytes (None/0 with ``disk_path`` = ``DEFAULT_DISK_BYTES``).
+        url: daemon URL.
+        auth_token: daemon bearer token.
+        timeout_s: the daemon client's per-call timeout (seconds).
+        breaker: wrap the daemon client in a ``CircuitBreakerStore`` with these deadlines;
+            None = the bare client.
+        name: tells apart in-process stores of equal sizes in one registry.
+    """
+
+    cpu_bytes: int | str | None = None
+    disk_path: str | None = None
+    disk_bytes: int | str | None = None
+    url: str | None = None
+    auth_token: str | None = None
+    timeout_s: float = 0.5
+    breaker: BreakerTimes | None = None
+    name: str = "default"
+
+    def check(self) -> None:
+        """Raises:
+            ValueError: no store given, ``disk_bytes`` without ``disk_path``, a bad URL."""
+        if self.disk_bytes and not self.disk_path:
+            raise ValueError("disk_bytes needs disk_path")
+        if not (self.local or self.url):
+            raise ValueError("no store: give cpu_bytes, disk_path or url")
+        if self.url:
+            http_url(self.url)
+
+    @property
+    def local(self) -> bool:
+        """Whether the spec names in-process tiers."""
+        return bool(self.cpu_bytes) or bool(self.disk_path)
+
+
+@dataclass(frozen=True)
+class OpenedStore:
+    """An opened store and what the daemon said about its token.
+
+    Attributes:
+        store: the store (``ChunkStore``, the daemon client or its breaker, ``LayeredStore``).
+        tenant_salt: the daemon tenant's salt every namespace must carry; None without a
+            daemon, an auth token, or for an unbound (admin) token.
+        remote: whether ``store`` is the bare daemon client (its calls take ``timeout_s=``).
+    """
+
+    store: KVStoreBase
+    tenant_salt: str | None = None
+    remote: bool = False
+
+
+def open_store(spec: StoreSpec) -> OpenedStore:
+    """Open the store ``spec`` describes (see module docstring); the caller closes it.
+
+    Raises:
+        ValueError: as ``StoreSpec.check``; a bad size.
+    """
+    spec.check()
+    stores: list[KVStoreBase] = []
+    if spec.local:
+        from kvstore.config import StoreConfig
+        from kvstore.store import ChunkStore
+        cfg = StoreConfig(cpu_bytes=spec.cpu_bytes or 0,
+                          disk_bytes=(spec.disk_bytes or DEFAULT_DISK_BYTES)
+                          if spec.disk_path else 0,
+                          disk_path=spec.disk_path)
+        stores.append(ChunkStore(cfg))
+    salt = None
+    if spec.url:
+        from kvstore.daemon.client import KVStoreClient
+        client = KVStoreClient(http_url(spec.url), auth_token=spec.auth_token,
+                               timeout_s=spec.timeout_s)
+        if spec.auth_token:
+            salt = daemon_tenant_salt(client, max(spec.timeout_s, WHOAMI_TIMEOUT_S))
+        if spec.breaker is None:
+            stores.append(client)
+        else:
+            from kvstore.layered import CircuitBreakerStore
+            b = spec.breaker
+            stores.append(CircuitBreakerStore(
+                client, put_timeout_s=b.put_timeout_s,
+                get_timeout_s_per_chunk=b.get_timeout_s_per_chunk,
+                get_timeout_s_base=b.get_timeout_s_base))
+    if len(stores) == 1:
+        return OpenedStore(stores[0], salt, remote=bool(spec.url) and spec.breaker is None)
+    from kvstore.layered import LayeredStore
+    return OpenedStore(LayeredStore(stores[0], stores[1]), salt)
+
+
+def daemon_tenant_salt(client: Any, timeout_s: float) -> str | None:
+    """The salt the daemon binds ``client``'s token to (``GET /v1/whoami``), or None for an
+    unbound (admin) token. A daemon that cannot be asked (down, an old version, a wrong
+    token) also gives None, logged: the connector then names unsalted namespaces, which a
+    tenant token is refused (403), so it recomputes; it never reads another tenant's chunks.
+    """
+    from kvstore.daemon.client import RemoteError, StoreUnavailable
+    try:
+        salt = client.whoami(timeout_s=timeout_s).get("cache_salt")
+    except (StoreUnavailable, RemoteError, ValueError) as e:
+        log.warning("kvstore daemon %s: cannot learn this token's tenant salt (%s); its "
+                    "requests may be refused until the engine restarts", client.url, e)
+        return None
+    return salt if isinstance(salt, str) else None
+
+
+class StoreRegistry:
+    """Opened stores shared by the connector objects of one process, refcounted: the first
+    ``acquire`` of a spec opens it, later ones share it, the last ``release`` closes it.
+    Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[StoreSpec, tuple[OpenedStore, int]] = {}
+
+    def acquire(self, spec: StoreSpec) -> OpenedStore:
+        """The store of ``spec``, opened on first use.
+
+        Raises:
+            ValueError: as ``open_store``.
+        """
+        with self._lock:
+            if spec in self._open:
+                opened, refs = self._open[spec]
+                self._open[spec] = (opened, refs + 1)
+                return opened
+            opened = open_store(spec)
+            self._open[spec] = (opened, 1)
+            return opened
+
+    def release(self, spec: StoreSpec) -> None:
+        """Drop one reference to ``spec``'s store; the last one closes it. A spec not held
+        is ignored (a second release of one acquire)."""
+        with self._lock:
+            if spec not in self._open:
+                return
+            opened, refs = self._open[spec]
+            if refs > 1:
+                self._open[spec] = (opened, refs - 1)
+                return
+            del self._open[spec]
+        opened.store.close()
+
+    def refs(self, spec: StoreSpec) -> int:
+        """References held to ``spec``'s store (0 = not open)."""
+        with self._lock:
+            return self._open.get(spec, (None, 0))[1]
