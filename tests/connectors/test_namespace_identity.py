@@ -20,7 +20,7 @@ import pytest
 
 from connectors.engine_min import EngineMinConnector
 from connectors.factory import create_connector
-from connectors.vllm_identity import adapter_identity, request_namespace, vllm_namespace
+from connectors.vllm.identity import adapter_identity, request_namespace, vllm_namespace
 from engine_min.config import EngineConfig, ModelConfig
 from engine_min.engine import LLMEngine
 from engine_min.identity import (kv_identity, model_name, strip_quant_tag,

@@ -117,10 +117,10 @@ def _hf_kv(model_dir: str, tokens: list[int]) -> list[tuple[torch.Tensor, torch.
 def test_stored_chunks_equal_reference_kv_token_by_token(engine, prompts, model_dir):
     w = engine["w"]
     p = prompts["P"][:4 * CHUNK + BLOCK]
-    keys = w._ns_base.chunk_keys(p)
-    tail_ns = w._tail_ns(w._ns_base)                    # BLOCK-token pieces past the chunks
-    assert tail_ns.layout.chunk_size == BLOCK and tail_ns != w._ns_base
-    chunks = w.store.get_chunks(w._ns_base, keys)
+    keys = w.namespaces.base.chunk_keys(p)
+    tail_ns = w.namespaces.tail(w.namespaces.base)                    # BLOCK-token pieces past the chunks
+    assert tail_ns.layout.chunk_size == BLOCK and tail_ns != w.namespaces.base
+    chunks = w.store.get_chunks(w.namespaces.base, keys)
     chunks += w.store.get_chunks(tail_ns, tail_ns.chunk_keys(p)[4 * CHUNK // BLOCK:])
     assert len(chunks) == 5 and all(c is not None for c in chunks)
     kv = torch.cat(chunks, dim=2)                       # [L, 2, 1152, H, D]
@@ -139,9 +139,9 @@ def test_stored_chunks_equal_reference_kv_token_by_token(engine, prompts, model_
 
 def test_paged_scatter_gather_round_trip_slot_by_slot(engine):
     w = engine["w"]
-    paged = w._ensure_layout()
+    paged = w.worker.ensure_layout()
     assert paged is not None and paged.block_size == BLOCK
-    cache = next(iter(w._kv_caches.values()))
+    cache = next(iter(w.worker.kv_caches.values()))
     scratch = torch.zeros_like(cache)
     g = torch.Generator().manual_seed(0)
     n_slots = scratch.shape[0] * BLOCK
@@ -260,8 +260,8 @@ def test_namespace_names_what_vllm_loaded(engine, prompts, model_dir):
     from kvstore.keys import Namespace
     from kvstore.layout import KVLayout
     w, s = engine["w"], engine["s"]
-    ns = s._ns_base
-    assert w._ns_base == ns
+    ns = s.namespaces.base
+    assert w.namespaces.base == ns
     assert (ns.model_id, ns.revision) == (MODEL_ID, "")
     assert ns.layout == KVLayout(30, 3, 64, "float32", CHUNK)
     assert ns.weights_fingerprint == weights_fingerprint(model_dir) != ""

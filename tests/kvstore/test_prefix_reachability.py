@@ -306,13 +306,12 @@ def test_engine_connector_saves_per_prefill_step_and_at_request_end_with_true_pa
 def test_vllm_connector_save_runs_name_the_parent_of_their_first_chunk():
     """vLLM saves the chunks a step completed, skipping those it loaded: each run after the
     first names the chunk before it (run of the tail namespace: from its first piece)."""
-    pytest.importorskip("vllm")
-    from connectors.vllm import KVStoreConnector
+    from connectors.vllm.records import save_runs
     keys = NS.chunk_keys(prompt(10))
-    runs = KVStoreConnector._save_runs("r", NS, keys, 0, [0, 1, 3, 4, 7], list(range(40)))
+    runs = save_runs("r", NS, keys, 0, [0, 1, 3, 4, 7], list(range(40)))
     assert [(t.first_chunk, len(t.keys), t.parent) for t in runs] == [
         (0, 2, None), (3, 2, keys[2]), (7, 1, keys[6])]
-    tail = KVStoreConnector._save_runs("r", NS, keys[5:], 5, [5, 6, 8], list(range(40)))
+    tail = save_runs("r", NS, keys[5:], 5, [5, 6, 8], list(range(40)))
     assert [(t.first_chunk, t.parent) for t in tail] == [(5, None), (8, keys[7])]
 
 

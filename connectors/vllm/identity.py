@@ -37,6 +37,7 @@ import os
 from functools import lru_cache
 from typing import Any
 
+from kvstore.daemon.tenants import bind_salt
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
 
@@ -139,3 +140,48 @@ def request_namespace(base: Namespace, cache_salt: str, lora_request: Any) -> Na
     """``base`` with a request's tenant salt and adapter."""
     return dataclasses.replace(base, cache_salt=cache_salt,
                                adapter=adapter_identity(lora_request))
+
+
+class RequestNamespaces:
+    """The namespaces of one vLLM engine's requests: its base namespace bound to the daemon
+    tenant's salt, each request's (its ``cache_salt`` and LoRA adapter), and the namespace of
+    tail pieces (the same but the chunk size). Cached: one object per distinct value.
+
+    Args:
+        base: the engine's namespace (``vllm_namespace``), no salt, no adapter.
+        tenant_salt: the daemon tenant's salt every namespace carries, or None.
+        tail_chunk_size: tokens per tail piece; 0 = tail pieces off.
+    """
+
+    def __init__(self, base: Namespace, tenant_salt: str | None, tail_chunk_size: int) -> None:
+        self.tenant_salt = tenant_salt
+        self.tail_chunk_size = tail_chunk_size
+        #: the engine's namespace for requests without a salt or an adapter
+        self.base = dataclasses.replace(base, cache_salt=bind_salt(tenant_salt,
+                                                                   base.cache_salt))
+        self._by_request: dict[tuple[str, str], Namespace] = {}
+        if tenant_salt is None:
+            self._by_request[("", "")] = self.base
+        self._tails: dict[bytes, Namespace] = {}
+
+    def of(self, request: Any) -> Namespace:
+        """``request``'s namespace: the base one with its ``cache_salt`` (bound to the tenant
+        salt) and LoRA adapter (``lora_request``)."""
+        salt = bind_salt(self.tenant_salt, getattr(request, "cache_salt", None) or "")
+        lora = getattr(request, "lora_request", None)
+        key = (salt, adapter_identity(lora)) if lora is not None else (salt, "")
+        ns = self._by_request.get(key)
+        if ns is None:
+            ns = self._by_request[key] = request_namespace(self.base, salt, lora)
+        return ns
+
+    def tail(self, ns: Namespace) -> Namespace | None:
+        """The namespace of tail pieces for ``ns`` (same model, salt and layout but the tail
+        chunk size), or None when tail pieces are off."""
+        if not self.tail_chunk_size:
+            return None
+        t = self._tails.get(ns.ns_id)
+        if t is None:
+            lay = dataclasses.replace(ns.layout, chunk_size=self.tail_chunk_size)
+            t = self._tails[ns.ns_id] = dataclasses.replace(ns, layout=lay)
+        return t

@@ -1,0 +1,87 @@
+"""The KV store as a KV connector for the real vLLM engine (vLLM's ``KVConnectorBase_V1``).
+
+Use (a vLLM ``KVTransferConfig``)::
+
+    KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="connectors.vllm",
+                     kv_role="kv_both", kv_load_failure_policy="recompute",
+                     kv_connector_extra_config={"kvstore_url": "http://127.0.0.1:8500",
+                                                "model_id": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                                                "chunk_size": 256})
+
+``kv_connector_extra_config`` keys (all optional):
+
+* ``kvstore_url``: a ``kvstore serve`` daemon (``kvstore.daemon.client.KVStoreClient``). Without it the
+  store is an in-process ``kvstore.store.ChunkStore``, shared by the scheduler-side and
+  worker-side connectors of one process (the uni-process executor); with several worker
+  processes use the daemon.
+* ``cpu_bytes`` (default ``"1GiB"``), ``disk_bytes``, ``disk_path``: in-process tiers
+  (``disk_path`` alone: a disk tier of ``connectors.stores.DEFAULT_DISK_BYTES``). Stores are
+  opened by ``connectors.stores.open_store``, as the engine_min connector's are.
+* ``model_id`` (default: vLLM's served model name), ``revision``, ``weights_fingerprint``
+  (``"auto"``, ``"off"`` or a given string), ``chunk_size`` (default 256), ``hash_algo``: the
+  chunk-key namespace (``kvstore.keys.Namespace``), which also holds everything else in vLLM's
+  config that changes the KV of the same tokens (the weights' content fingerprint, dtype, RoPE,
+  weight and KV-cache quantization, a request's LoRA adapter; ``connectors.vllm.identity``).
+  A request's ``cache_salt`` becomes the namespace's salt.
+* ``auth_token``: the daemon's bearer token. A tenant's token (``kvstore serve --tenants-file``)
+  binds every namespace to the tenant's salt, which the connector asks the daemon for once
+  (``GET /v1/whoami``); a request's ``cache_salt`` then becomes the sub-salt
+  ``<tenant salt>/<cache_salt>`` (``kvstore.daemon.tenants.bind_salt``).
+* ``tail_chunk_size`` (default: vLLM's block size when it divides ``chunk_size``, else 0 =
+  off): the prompt tokens past the last full chunk are also stored as pieces of this many
+  tokens, in a namespace of their own (the same layout with this chunk size), so a hit
+  recomputes at most ``tail_chunk_size`` tokens instead of up to ``chunk_size``, as vLLM's
+  block-granular ExampleConnector does. The full chunks keep engine_min's keys.
+* ``timeout_s`` (default 2.0): deadline of each store call made before or during a forward
+  pass; a late or failed lookup means a miss, a late or failed load is reported to vLLM as
+  failed blocks, which vLLM recomputes when ``kv_load_failure_policy="recompute"`` (set it:
+  vLLM's default ``"fail"`` fails the request instead).
+* ``save_queue_bytes`` (default 512 MiB): bytes of gathered chunks waiting for the background
+  writer (``connectors.save_queue.SaveQueue``, shared with the engine_min connector); a save
+  that does not fit is dropped (counted) instead of stalling the engine.
+* ``pin_lease_s`` (default 30): chunks found by a lookup are pinned for this long so no eviction
+  removes them before the load (0 disables pinning).
+
+What moves: whole chunks of ``chunk_size`` prompt tokens, as tensors
+``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` (K = index 0, V = index 1), then the
+prompt's tail past the last full chunk in whole pieces of ``tail_chunk_size`` tokens (loaded
+only when every full chunk past vLLM's own hit is stored; counted as ``*_tail_chunks``). Only tokens
+beyond vLLM's own prefix-cache hit are loaded, and at most ``prompt_len - 1`` tokens (the last
+prompt token is always computed). A chunk is saved once vLLM has computed all its tokens; the
+KV is copied out of the paged cache at the end of that step and written by a background thread.
+
+Paged layout: not hard-coded. At the first transfer the worker writes known K/V values through
+the attention backend's own ``do_kv_cache_update`` into a scratch two-block cache shaped like
+the real one, and reads back where each (token-in-block, K/V, head, dim) element landed; the
+resulting offset table drives every gather and scatter. On vLLM 0.32's CPU backend this finds
+the cache ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` holding, per (block, head),
+all K rows and then all V rows (i.e. ``view(B, H, 2, N, D)``).
+
+Files: ``connector`` (the ``KVConnectorBase_V1`` shell), ``scheduler`` (lookups, each step's
+metadata), ``worker`` (loads, saves, the writer), ``records`` (what passes between the sides),
+``options`` (the configuration keys), ``identity`` (namespaces), ``paged_layout`` (the probed
+paged-cache layout), ``shared`` (store calls, counters).
+
+``KVStoreConnector`` and ``KVStoreConnectorMetadata`` need vLLM (imported on first use); the
+other files, and the rest of the project, do not.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["KVStoreConnector", "KVStoreConnectorMetadata"]
+
+
+def __getattr__(name: str) -> Any:
+    """``KVStoreConnector`` / ``KVStoreConnectorMetadata``, imported on first use (they need
+    vLLM; ``connectors.vllm.identity`` and friends do not)."""
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        from connectors.vllm import connector, scheduler
+    except ImportError as e:
+        if not (e.name or "").startswith("vllm"):
+            raise
+        raise ImportError("connectors.vllm needs vLLM (build .venv-vllm with "
+                          "tools/make_vllm_env.sh)") from e
+    return getattr(connector if name == "KVStoreConnector" else scheduler, name)

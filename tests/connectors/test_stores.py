@@ -1,0 +1,97 @@
+"""Store construction shared by the connectors (``connectors.stores``): which store a spec
+opens, refused specs, and the refcounted registry the vLLM connector's two roles share."""
+from __future__ import annotations
+
+import pytest
+
+from connectors.stores import (DEFAULT_DISK_BYTES, BreakerTimes, StoreRegistry, StoreSpec,
+                               http_url, open_store)
+from connectors.vllm.options import ConnectorOptions, store_spec
+from kvstore.keys import Namespace
+from kvstore.layered import CircuitBreakerStore, LayeredStore
+from kvstore.layout import KVLayout
+from kvstore.store import ChunkStore
+from kvstore.units import parse_size
+
+
+def test_a_cpu_spec_opens_an_in_process_store():
+    opened = open_store(StoreSpec(cpu_bytes="1MiB"))
+    try:
+        assert isinstance(opened.store, ChunkStore)
+        assert (opened.tenant_salt, opened.remote) == (None, False)
+        assert opened.store.config.cpu_bytes == 1 << 20 and opened.store.config.disk_bytes == 0
+    finally:
+        opened.store.close()
+
+
+def test_disk_path_alone_gets_the_default_disk_tier(tmp_path):
+    opened = open_store(StoreSpec(disk_path=str(tmp_path / "lmdb")))
+    try:
+        cfg = opened.store.config
+        assert (cfg.cpu_bytes, cfg.disk_bytes) == (0, parse_size(DEFAULT_DISK_BYTES))
+    finally:
+        opened.store.close()
+
+
+def test_a_url_opens_the_client_bare_or_behind_a_breaker_and_layers_local_tiers():
+    bare = open_store(StoreSpec(url="tcp://127.0.0.1:1", timeout_s=0.1))
+    assert bare.remote and bare.store.url == "http://127.0.0.1:1"
+    bare.store.close()
+    times = BreakerTimes(put_timeout_s=30.0, get_timeout_s_per_chunk=0.05, get_timeout_s_base=0.1)
+    both = open_store(StoreSpec(cpu_bytes="1MiB", url="http://127.0.0.1:1", breaker=times))
+    try:
+        assert not both.remote and isinstance(both.store, LayeredStore)
+        assert isinstance(both.store.local, ChunkStore)
+        assert isinstance(both.store.remote, CircuitBreakerStore)
+    finally:
+        both.store.close()
+
+
+@pytest.mark.parametrize("spec, message", [
+    (StoreSpec(), "no store: give cpu_bytes, disk_path or url"),
+    (StoreSpec(cpu_bytes="1MiB", disk_bytes="1GiB"), "disk_bytes needs disk_path"),
+    (StoreSpec(url="ftp://h:1"), "kvstore url must look like http://HOST:PORT, got 'ftp://h:1'"),
+])
+def test_bad_specs_are_refused_before_anything_opens(spec, message):
+    with pytest.raises(ValueError) as e:
+        open_store(spec)
+    assert str(e.value) == message
+
+
+def test_http_url_names_a_bad_port():
+    with pytest.raises(ValueError, match="http://h:99999"):
+        http_url("http://h:99999")
+
+
+def test_the_registry_shares_one_store_per_spec_and_closes_it_with_the_last_release():
+    reg = StoreRegistry()
+    spec = StoreSpec(cpu_bytes="1MiB", name="a")
+    a, b = reg.acquire(spec), reg.acquire(spec)
+    other = reg.acquire(StoreSpec(cpu_bytes="1MiB", name="b"))
+    assert a.store is b.store and other.store is not a.store
+    assert reg.refs(spec) == 2
+    reg.release(spec)
+    ns = Namespace("m", KVLayout(1, 1, 4, "float32", 16))
+    keys = ns.chunk_keys(list(range(16)))
+    assert reg.refs(spec) == 1 and a.store.exists(ns, keys) == [False]   # still open
+    reg.release(spec)
+    assert reg.refs(spec) == 0
+    with pytest.raises(RuntimeError, match="store is closed"):
+        a.store.exists(ns, keys)
+    reg.release(spec)                     # a release too many is ignored
+    assert reg.acquire(spec).store is not a.store   # reopened fresh
+    for s in (spec, StoreSpec(cpu_bytes="1MiB", name="b")):
+        reg.release(s)
+
+
+def test_vllm_options_read_the_extra_config():
+    opts = ConnectorOptions.from_extra({"chunk_size": 256}, block_size=128)
+    assert (opts.chunk_size, opts.tail_chunk_size, opts.timeout_s, opts.pin_lease_s) == \
+        (256, 128, 2.0, 30.0)
+    assert opts.store == StoreSpec(cpu_bytes="1GiB")
+    assert ConnectorOptions.from_extra({"chunk_size": 256}, block_size=96).tail_chunk_size == 0
+    with pytest.raises(ValueError, match="tail_chunk_size 100 must divide chunk_size 256"):
+        ConnectorOptions.from_extra({"tail_chunk_size": 100}, block_size=128)
+    remote = store_spec({"kvstore_url": "http://h:1", "auth_token": "t", "cpu_bytes": "1GiB"},
+                        timeout_s=2.0)
+    assert remote == StoreSpec(url="http://h:1", auth_token="t", timeout_s=2.0)
