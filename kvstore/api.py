@@ -59,12 +59,81 @@ class LookupResult:
         return dict(Counter(self.tiers))
 
 
+@dataclass(frozen=True)
+class StoreCapabilities:
+    """What a ``KVStoreBase`` offers beyond the abstract methods, and what may block.
+
+    Callers read ``store.capabilities`` instead of probing for methods: an optional operation
+    is called only where its flag is True (it may be absent or raise otherwise).
+
+    Attributes:
+        remote: calls cross a process or network boundary (the daemon client): any call may
+            block up to the client's deadline and raise ``kvstore.errors.StoreUnavailable``.
+            False: calls take only the store's own locks (disk I/O for a disk tier aside).
+        borrowed_reads: ``borrow_chunks(ns, keys)`` hands out zero-copy views of the pages of
+            host-memory chunks (``kvstore.direct.BorrowedChunks``; ``read_lower`` blocks on
+            disk I/O; ``release`` must follow). It reads what ``get_chunks`` reads.
+        reservations: ``reserve_chunks`` / ``commit_chunks`` / ``release_reservations``: a
+            put's bytes land in reserved pages of a host-memory top tier (``kvstore.direct``).
+        pins: ``pin`` / ``unpin`` hold chunks against eviction (False: they are accepted and
+            do nothing).
+        durable_puts: ``persist(ns, keys, kvs, timeout=, parents=)`` writes chunks through to
+            a disk tier and blocks until they are committed (the store has a disk tier).
+        nonblocking_lookup: ``try_lookup_keys(ns, keys)`` answers as ``lookup_keys`` or returns
+            None at once when the store lock is busy (never waits: an event loop may call it).
+        get_takes_parents: ``get_chunks`` accepts ``parents=`` (each key's parent, as
+            ``put_chunks`` takes them) because it stores copies of what it fetched (a layered
+            store), which must keep their true parents.
+        get_into_buffers: ``get_chunks`` accepts ``out=`` (one tensor per key to read into).
+        copies_on_put: ``put_chunks`` (and ``persist``) copy the tensors they are given, so the
+            caller may reuse its buffers as soon as the call returns.
+        tiers: tier names, top (fastest) first; ``"remote"`` stands for every tier behind a
+            daemon (whose lookups name the daemon's own tiers). ``tiers[0] == "remote"``: the
+            store is the daemon alone, with no local tier in front.
+    """
+
+    remote: bool = False
+    borrowed_reads: bool = False
+    reservations: bool = False
+    pins: bool = False
+    durable_puts: bool = False
+    nonblocking_lookup: bool = False
+    get_takes_parents: bool = False
+    get_into_buffers: bool = False
+    copies_on_put: bool = False
+    tiers: tuple[str, ...] = ()
+
+    @property
+    def has_lower_tiers(self) -> bool:
+        """Whether a chunk the top tier cannot take may still go to a tier below it."""
+        return len(self.tiers) > 1
+
+
 class KVStoreBase(ABC):
     """Key-level store surface. Implementations are thread-safe.
 
     Every method takes the ``Namespace`` the keys belong to; chunks of one namespace are never
     visible through another (the namespace id is the first 16 bytes of every storage key).
+    Optional operations are declared in ``capabilities`` (``StoreCapabilities``).
     """
+
+    @property
+    def capabilities(self) -> StoreCapabilities:
+        """The optional operations this store offers and what may block (none by default)."""
+        return StoreCapabilities()
+
+    @property
+    def get_takes_parents(self) -> bool:
+        """``capabilities.get_takes_parents`` (the name callers used before declarations)."""
+        return self.capabilities.get_takes_parents
+
+    def register(self, ns: Namespace) -> None:
+        """Check that a chunk of ``ns`` fits the store (done on first use otherwise). Does
+        nothing by default.
+
+        Raises:
+            ValueError: a tier smaller than one chunk of ``ns`` (stores that check).
+        """
 
     @abstractmethod
     def lookup_keys(self, ns: Namespace, keys: Sequence[ChunkKey]) -> LookupResult:
@@ -80,11 +149,6 @@ class KVStoreBase(ABC):
         for a miss (absent, evicted since lookup, or corrupt). Counts as an access (recency,
         frequency) and may promote a chunk to a faster tier.
         """
-
-    #: Declared capability: ``get_chunks`` accepts ``parents=`` (each key's parent, as
-    #: ``put_chunks`` takes them) because it stores copies of what it fetched (a layered
-    #: store), which must keep their true parents. Callers pass them only when this is True.
-    get_takes_parents: bool = False
 
     @abstractmethod
     def put_chunks(self, ns: Namespace, keys: Sequence[ChunkKey],

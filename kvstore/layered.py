@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from kvstore.api import KVStoreBase, LookupResult
+from kvstore.api import KVStoreBase, LookupResult, StoreCapabilities
 from kvstore.daemon.client import RemoteError, StoreUnavailable
 from kvstore.keys import ChunkKey, Namespace
 
@@ -80,7 +80,7 @@ class CircuitBreakerStore(KVStoreBase):
             raise ValueError(f"need 0 < cooldown_s <= max_cooldown_s, got {cooldown_s}, "
                              f"{max_cooldown_s}")
         self.remote = remote
-        self.url = getattr(remote, "url", None)
+        self.url = getattr(remote, "url", None)  # (for messages only)
         self.put_timeout_s = put_timeout_s
         self.get_timeout_s_per_chunk = get_timeout_s_per_chunk
         self.get_timeout_s_base = get_timeout_s_base
@@ -91,6 +91,13 @@ class CircuitBreakerStore(KVStoreBase):
         self._open_until: float | None = None   # None: closed
         self._probing = False
         self._lock = threading.Lock()
+
+    @property
+    def capabilities(self) -> StoreCapabilities:
+        """Remote (calls go to the protected store, may block up to its deadline, or are
+        skipped); its pins; one ``"remote"`` tier. Nothing else is forwarded."""
+        return StoreCapabilities(remote=True, pins=self.remote.capabilities.pins,
+                                 tiers=("remote",))
 
     @property
     def is_open(self) -> bool:
@@ -185,7 +192,7 @@ def remote_breaker(store: KVStoreBase) -> CircuitBreakerStore | None:
     """The ``CircuitBreakerStore`` of ``store``: itself, or a ``LayeredStore``'s remote."""
     if isinstance(store, CircuitBreakerStore):
         return store
-    remote = getattr(store, "remote", None) if isinstance(store, LayeredStore) else None
+    remote = store.remote if isinstance(store, LayeredStore) else None
     return remote if isinstance(remote, CircuitBreakerStore) else None
 
 
@@ -229,7 +236,16 @@ class LayeredStore(KVStoreBase):
                 self._remote_failed("lookup", exc)
         return LookupResult(len(tiers), ns.layout.chunk_size, tuple(tiers), len(keys))
 
-    get_takes_parents = True
+    @property
+    def capabilities(self) -> StoreCapabilities:
+        """Remote when either part is (a local miss waits for the remote store);
+        ``get_chunks`` takes ``parents`` (it copies remote hits into the local store); pins
+        are the local store's; tiers: the local ones, then ``"remote"`` (lookups name remote
+        hits ``"remote:<daemon tier>"``). Direct I/O and durable puts are not offered (they
+        would bypass the remote store)."""
+        loc, rem = self.local.capabilities, self.remote.capabilities
+        return StoreCapabilities(remote=loc.remote or rem.remote, pins=loc.pins,
+                                 get_takes_parents=True, tiers=loc.tiers + ("remote",))
 
     def get_chunks(self, ns: Namespace, keys: Sequence[ChunkKey],
                    parents: Sequence[ChunkKey | None] | None = None) -> list[torch.Tensor | None]:

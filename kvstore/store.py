@@ -43,7 +43,7 @@ from typing import Sequence
 
 import torch
 
-from kvstore.api import KVStoreBase, LookupResult, chain_parents
+from kvstore.api import KVStoreBase, LookupResult, StoreCapabilities, chain_parents
 from kvstore.config import StoreConfig
 from kvstore.direct import ALREADY_STORED, DirectIO, Reservation
 from kvstore.keys import ChunkKey, Namespace
@@ -64,9 +64,10 @@ log = logging.getLogger("kvstore.store")
 class ChunkStore(StoreAdmin, DirectIO, KVStoreBase):
     """In-process tiered store (see module docstring). Thread-safe.
 
-    ``put_chunks`` and ``persist`` copy the tensors they are given (``copies_on_put``), so a
-    caller may reuse its buffers as soon as they return. Direct I/O for a server (reserve
-    pages, commit them in place; borrow pinned views) comes from ``kvstore.direct.DirectIO``.
+    ``put_chunks`` and ``persist`` copy the tensors they are given (``copies_on_put`` in
+    ``capabilities``), so a caller may reuse its buffers as soon as they return. Direct I/O
+    for a server (reserve pages, commit them in place; borrow pinned views) comes from
+    ``kvstore.direct.DirectIO``.
 
     Args:
         config: capacities, policies and paths.
@@ -76,8 +77,6 @@ class ChunkStore(StoreAdmin, DirectIO, KVStoreBase):
     Raises:
         ValueError: a tier smaller than one chunk of a given namespace.
     """
-
-    copies_on_put = True
 
     def __init__(self, config: StoreConfig, namespaces: Sequence[Namespace] = ()) -> None:
         self.config = config
@@ -126,6 +125,18 @@ class ChunkStore(StoreAdmin, DirectIO, KVStoreBase):
         except BaseException:
             self.close()  # (releases the disk path)
             raise
+
+    @property
+    def capabilities(self) -> StoreCapabilities:
+        """Pins, non-blocking lookups, ``get_chunks(out=)``, copying puts; direct I/O
+        (``kvstore.direct``): reservations (None per chunk where the top tier is not host
+        memory), and borrowed reads unless a subclass redefines ``get_chunks`` (its reads must
+        go through it); durable puts with a disk tier. Tiers as configured, top first."""
+        own_reads = type(self).get_chunks is ChunkStore.get_chunks
+        return StoreCapabilities(
+            borrowed_reads=own_reads, reservations=True, pins=True,
+            durable_puts=self.has_disk_tier, nonblocking_lookup=True, get_into_buffers=True,
+            copies_on_put=True, tiers=tuple(t.name for t in self.tiers))
 
     # ---- helpers ------------------------------------------------------------------------------
     def register(self, ns: Namespace) -> None:

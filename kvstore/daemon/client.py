@@ -23,7 +23,7 @@ import aiohttp
 import torch
 
 from kvstore.daemon import protocol as P
-from kvstore.api import KVStoreBase, LookupResult
+from kvstore.api import KVStoreBase, LookupResult, StoreCapabilities
 from kvstore.keys import ChunkKey, Namespace
 
 log = logging.getLogger("kvstore.daemon.client")
@@ -370,6 +370,10 @@ class KVStoreClient(KVStoreBase):
                                         daemon=True)
         self._thread.start()
         self._closed = False
+
+    #: Every call crosses to the daemon (blocks up to its deadline); the daemon pins; its
+    #: tiers are one ``"remote"`` tier here.
+    capabilities = StoreCapabilities(remote=True, pins=True, tiers=("remote",))
 
     def _run(self, coro, timeout_s: float | None) -> Any:
         if self._closed:

@@ -197,12 +197,9 @@ async def put(request: web.Request) -> web.Response:
 
 
 def can_persist(store: KVStoreBase) -> bool:
-    """Whether ``store`` can make a put durable: ``store.has_disk_tier`` when the store says,
-    else whether it has a ``persist`` method."""
-    has_disk = getattr(store, "has_disk_tier", None)
-    if has_disk is not None:
-        return bool(has_disk)
-    return callable(getattr(store, "persist", None))
+    """Whether ``store`` can make a put durable (``capabilities.durable_puts``: ``persist``
+    writes through to a disk tier)."""
+    return store.capabilities.durable_puts
 
 
 def persist(store: KVStoreBase, ns, keys, tensors, parents=None) -> None:
@@ -257,7 +254,7 @@ async def _read_put(request: web.Request, state: _ServerState, store: KVStoreBas
         raise P.ProtocolError(f"body is {declared} bytes but its header declares {expected}")
     layout = ns.layout
     direct = state.direct and not durable
-    lower = bool(getattr(store, "has_lower_tiers", True))
+    lower = store.capabilities.has_lower_tiers
     items.extend([None] * len(entries))
     if not direct:
         await _take_budget(state, budget, P.payload_total(entries))

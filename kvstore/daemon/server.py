@@ -35,7 +35,6 @@ holds the app, auth/timeout middleware and the JSON routes; the binary get/put r
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
 from typing import Any
@@ -171,8 +170,7 @@ async def lookup(request: web.Request) -> web.Response:
     store = request.app[STORE_KEY]
     # An index read under a short lock: inline on the loop when the lock is free (saves the
     # thread-pool hop, ~0.1 ms), on the pool when a put or eviction holds it.
-    try_inline = getattr(store, "try_lookup_keys", None)
-    res = try_inline(ns, keys) if try_inline is not None else None
+    res = store.try_lookup_keys(ns, keys) if store.capabilities.nonblocking_lookup else None
     if res is None:
         res = await request.app[STATE_KEY].call(store.lookup_keys, ns, keys)
     return _ok({"num_hit_chunks": res.num_hit_chunks, "chunk_size": res.chunk_size,
@@ -245,13 +243,10 @@ def create_app(store: KVStoreBase, limits: ServerLimits | None = None,
                           handler_args={"read_bufsize": READ_BUFSIZE})
     app[STORE_KEY] = store
     state = _ServerState(limits, store_registry)
-    state.reuse_put_buffers = bool(getattr(store, "copies_on_put", False))
-    try:
-        state.get_into_buffers = "out" in inspect.signature(store.get_chunks).parameters
-    except (TypeError, ValueError):
-        state.get_into_buffers = False
-    state.direct = all(callable(getattr(store, m, None)) for m in
-                       ("reserve_chunks", "commit_chunks", "release_reservations", "borrow_chunks"))
+    caps = store.capabilities
+    state.reuse_put_buffers = caps.copies_on_put
+    state.get_into_buffers = caps.get_into_buffers
+    state.direct = caps.reservations and caps.borrowed_reads
     app[STATE_KEY] = state
     #: connection cap, idle timeout and client-error counters (set up by the runner)
     state.conns = ConnectionGuard(state.registry)

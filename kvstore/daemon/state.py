@@ -214,12 +214,10 @@ async def _json_body(request: web.Request) -> dict:
 def _check_fits(store: KVStoreBase, ns, state: "_ServerState | None" = None) -> None:
     """Refuse (400) a namespace whose chunk does not fit the store's tiers (``register``);
     note an accepted one in ``state`` (``/v1/stats`` lists it)."""
-    register = getattr(store, "register", None)
-    if register is not None:
-        try:
-            register(ns)
-        except ValueError as e:
-            raise P.ProtocolError(str(e)) from None
+    try:
+        store.register(ns)
+    except ValueError as e:
+        raise P.ProtocolError(str(e)) from None
     if state is not None:
         state.note_namespace(ns)
 
