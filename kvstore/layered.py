@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kvstore.api import KVStoreBase, LookupResult, StoreCapabilities
-from kvstore.daemon.client import RemoteError, StoreUnavailable
+from kvstore.errors import RemoteError, StoreUnavailable
 from kvstore.keys import ChunkKey, Namespace
 
 log = logging.getLogger("kvstore.layered")

@@ -24,7 +24,10 @@ import torch
 
 from kvstore.daemon import protocol as P
 from kvstore.api import KVStoreBase, LookupResult, StoreCapabilities
+from kvstore.errors import RemoteError, StoreUnavailable
 from kvstore.keys import ChunkKey, Namespace
+
+__all__ = ["AsyncKVStoreClient", "KVStoreClient", "RemoteError", "StoreUnavailable", "check_url"]
 
 log = logging.getLogger("kvstore.daemon.client")
 
@@ -32,24 +35,6 @@ log = logging.getLogger("kvstore.daemon.client")
 #: Put payloads go to the transport in slices of this many bytes: a slice the socket takes at
 #: once is sent from the tensor's memory; asyncio copies only what it does not take.
 SEND_SLICE = 1 << 20
-
-
-class StoreUnavailable(TimeoutError):
-    """The daemon did not answer within the call's deadline (dead, hung or restarting)."""
-
-
-class RemoteError(RuntimeError):
-    """The daemon answered with an error status (4xx/5xx) and a JSON message.
-
-    Attributes:
-        status: HTTP status code.
-        message: the server's error text.
-    """
-
-    def __init__(self, status: int, message: str):
-        super().__init__(f"kvstore server error {status}: {message}")
-        self.status = status
-        self.message = message
 
 
 _CONNECT_ERRORS = (aiohttp.ClientConnectorError,)

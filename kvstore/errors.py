@@ -1,0 +1,21 @@
+"""Errors of a store reached across a process boundary, shared by the store core (the layered
+store, the circuit breaker) and the daemon client that raises them."""
+from __future__ import annotations
+
+
+class StoreUnavailable(TimeoutError):
+    """The daemon did not answer within the call's deadline (dead, hung or restarting)."""
+
+
+class RemoteError(RuntimeError):
+    """The daemon answered with an error status (4xx/5xx) and a JSON message.
+
+    Attributes:
+        status: HTTP status code.
+        message: the server's error text.
+    """
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"kvstore server error {status}: {message}")
+        self.status = status
+        self.message = message
