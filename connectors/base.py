@@ -105,6 +105,13 @@ class KVConnectorBase(ABC):
         tokens included, when so configured) and drops its state."""
 
     # ---- worker side ----------------------------------------------------------------------
+    def register_model(self, identity: dict[str, str]) -> None:
+        """What the engine loaded that changes the KV of the same token ids (its
+        ``kv_identity``: ``model_id``, ``revision``, ``weights_fingerprint``, ``compute_dtype``,
+        ``rope``, ...; strings), for the store namespace. Called by the engine before
+        ``register_kv_caches``; the default ignores it (a connector whose keys do not name
+        the model)."""
+
     @abstractmethod
     def register_kv_caches(self, kv_cache: torch.Tensor, block_size: int) -> None:
         """Bind to the engine's pool ``[num_layers, 2, num_blocks, block_size, num_kv_heads,
