@@ -36,8 +36,7 @@ $(VLLM_STAMP): tools/make_vllm_env.sh pyproject.toml
 	PY=$(PY) tools/make_vllm_env.sh $(VLLM_VENV)
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q -ra tests/connectors/test_vllm_connector.py tests/connectors/test_vllm_cli.py tests/connectors/test_vllm_tenants.py \
-		"tests/kvstore/test_prefix_reachability.py::test_vllm_connector_save_runs_name_the_parent_of_their_first_chunk"
+	$(VLLM_VENV)/bin/python -m pytest -q -ra tests/connectors/test_vllm_connector.py tests/connectors/test_vllm_cli.py tests/connectors/test_vllm_tenants.py
 
 demo: $(STAMP)
 	$(VPY) -m bench.demo

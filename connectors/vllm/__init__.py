@@ -44,11 +44,14 @@ Use (a vLLM ``KVTransferConfig``)::
 
 What moves: whole chunks of ``chunk_size`` prompt tokens, as tensors
 ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` (K = index 0, V = index 1), then the
-prompt's tail past the last full chunk in whole pieces of ``tail_chunk_size`` tokens (loaded
-only when every full chunk past vLLM's own hit is stored; counted as ``*_tail_chunks``). Only tokens
-beyond vLLM's own prefix-cache hit are loaded, and at most ``prompt_len - 1`` tokens (the last
-prompt token is always computed). A chunk is saved once vLLM has computed all its tokens; the
-KV is copied out of the paged cache at the end of that step and written by a background thread.
+prompt's tail past the last full chunk in whole pieces of ``tail_chunk_size`` tokens (looked
+up where the stored chunks end, up to the end of that chunk; counted as ``*_tail_chunks``).
+Only tokens beyond vLLM's own prefix-cache hit are loaded, and at most ``prompt_len - 1``
+tokens (the last prompt token is always computed). A chunk is saved once vLLM has computed all
+its tokens; the KV is copied out of the paged cache at the end of that step and written by a
+background thread. Keys, hits, load plans and save ranges are the connector core's
+(``connectors.chunk_plan.RequestChunks``), the engine_min connector's too, so both engines
+name the same chunks and pieces.
 
 Paged layout: not hard-coded. At the first transfer the worker writes known K/V values through
 the attention backend's own ``do_kv_cache_update`` into a scratch two-block cache shaped like

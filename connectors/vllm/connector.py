@@ -14,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from kvstore.api import KVStoreBase
 from kvstore.layout import KVLayout
 
+from connectors.chunk_geometry import ChunkGeometry
 from connectors.stores import StoreRegistry
 from connectors.vllm.identity import RequestNamespaces, vllm_namespace
 from connectors.vllm.options import ConnectorOptions
@@ -84,9 +85,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._calls = calls = StoreCalls(opened.store, opened.remote, opts.timeout_s)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
+        geometry = ChunkGeometry(int(spec.block_size), opts.chunk_size, opts.tail_chunk_size)
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerSide(opts.chunk_size, opts.tail_chunk_size,
-                                           self.namespaces, calls, self._counters,
+            self.scheduler = SchedulerSide(geometry, self.namespaces, calls, self._counters,
                                            opts.pin_lease_s, self._block_table)
         else:
             cc = vllm_config.compilation_config

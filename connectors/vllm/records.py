@@ -9,6 +9,9 @@ from typing import Any
 
 from kvstore.keys import ChunkKey, Namespace
 
+from connectors.chunk_plan import RequestChunks
+from connectors.chunk_records import LoadPlan, SaveRange
+
 
 @dataclass
 class ChunkTransfer:
@@ -46,30 +49,20 @@ class RequestState:
 
     Attributes:
         request: vLLM's ``Request``.
-        ns, keys, present: the full chunks' namespace, keys, and which are stored (or loaded).
+        tokens: its prompt token ids (only prompt chunks are stored).
+        chunks: its chunk state in the connector core (key chains, the last lookup's hit,
+            how far chunks and tail pieces are saved or known stored).
         num_local: tokens computed by vLLM's own prefix cache at admission.
-        num_external: tokens to load from the store (granted by vLLM).
-        load_pending: the load is not in a step's metadata yet.
-        saved_upto: chunks ``[0, saved_upto)`` are stored or queued for saving.
+        load: what to load (granted by vLLM) until a step's metadata carries it, else None.
         block_ids: the request's block table as the scheduler last saw it.
-        tail_ns, tail_first, tail_keys, tail_present, tail_saved_upto: the same for tail
-            pieces (``tail_ns``'s chunk size), pieces ``tail_first, ...`` past the full chunks.
     """
 
     request: Any
-    ns: Namespace
-    keys: list[ChunkKey]
-    present: list[bool]
+    tokens: list[int]
+    chunks: RequestChunks
     num_local: int = 0
-    num_external: int = 0
-    load_pending: bool = False
-    saved_upto: int = 0
+    load: LoadPlan | None = None
     block_ids: list[int] = field(default_factory=list)
-    tail_ns: Namespace | None = None
-    tail_first: int = 0
-    tail_keys: list[ChunkKey] = field(default_factory=list)
-    tail_present: list[bool] = field(default_factory=list)
-    tail_saved_upto: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,20 +81,22 @@ class ScheduledRequest:
     new_blocks: list[int] | None
 
 
-def save_runs(req_id: str, ns: Namespace, keys: list[ChunkKey], key0: int, todo: list[int],
-              block_ids: list[int]) -> list[ChunkTransfer]:
-    """One save transfer per run of consecutive chunk indices in ``todo`` (``keys[0]`` is
-    chunk ``key0`` of ``ns``'s chunk size); a run after chunk ``key0`` names the chunk before
-    it as its parent."""
-    C = ns.layout.chunk_size
-    out: list[ChunkTransfer] = []
-    run: list[int] = []
-    for j in todo + [None]:
-        if run and (j is None or j != run[-1] + 1):
-            parent = keys[run[0] - 1 - key0] if run[0] > key0 else None
-            out.append(ChunkTransfer(req_id, ns, run[0], [keys[k - key0] for k in run],
-                                     run[0] * C, (run[-1] + 1) * C, block_ids, parent))
-            run = []
-        if j is not None:
-            run.append(j)
+def load_transfers(req_id: str, plan: LoadPlan, block_ids: list[int]) -> list[ChunkTransfer]:
+    """The transfers of one load plan: its full chunks, then its tail pieces (one transfer
+    per namespace), writing tokens ``[plan.start, plan.end)``."""
+    out = []
+    for tail in (False, True):
+        ps = [p for p in plan.pieces if p.tail == tail]
+        if ps:
+            out.append(ChunkTransfer(req_id, ps[0].ns, ps[0].start // ps[0].size,
+                                     [p.key for p in ps], max(plan.start, ps[0].start),
+                                     min(plan.end, ps[-1].end), block_ids))
     return out
+
+
+def save_transfer(req_id: str, rng: SaveRange, block_ids: list[int]) -> ChunkTransfer:
+    """The transfer saving ``rng`` (chunks or tail pieces of one chain); it names the unit
+    before its first as the parent when the save continues units saved earlier."""
+    u = rng.unit
+    return ChunkTransfer(req_id, rng.ns, rng.first, list(rng.keys), rng.first * u,
+                         (rng.first + len(rng.keys)) * u, block_ids, rng.parent)

@@ -11,8 +11,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from connectors.chunk_geometry import ChunkGeometry
+from connectors.chunk_plan import RequestChunks
+from connectors.chunk_records import LookupHit
 from connectors.vllm.identity import RequestNamespaces
-from connectors.vllm.records import ChunkTransfer, RequestState, ScheduledRequest, save_runs
+from connectors.vllm.records import (ChunkTransfer, RequestState, ScheduledRequest,
+                                     load_transfers, save_transfer)
 from connectors.vllm.shared import Counters, StoreCalls
 
 if TYPE_CHECKING:
@@ -44,11 +48,12 @@ def scheduled_requests(out: "SchedulerOutput") -> tuple[list[ScheduledRequest], 
 
 
 class SchedulerSide:
-    """Per-request chunk state of the scheduler-side connector.
+    """Per-request chunk state of the scheduler-side connector: vLLM's vocabulary translated
+    into the connector core (``connectors.chunk_plan.RequestChunks``, the same key chains,
+    hit arithmetic, load plans and save ranges as the engine_min connector's).
 
     Args:
-        chunk_size: tokens per chunk ``C``.
-        tail_chunk_size: tokens per tail piece ``F`` (0 = off).
+        geometry: vLLM's block size, the chunk size and the tail piece size (0 = off).
         namespaces: the requests' namespaces.
         calls: the store and its deadline.
         counters: the connector's counters.
@@ -57,90 +62,71 @@ class SchedulerSide:
             request, ``fallback`` when vLLM cannot say.
     """
 
-    def __init__(self, chunk_size: int, tail_chunk_size: int, namespaces: RequestNamespaces,
+    def __init__(self, geometry: ChunkGeometry, namespaces: RequestNamespaces,
                  calls: StoreCalls, counters: Counters, pin_lease_s: float,
                  block_table: Callable[[str, list[int]], list[int]]) -> None:
-        self.C, self.F = chunk_size, tail_chunk_size
+        self.geometry = geometry
         self.namespaces, self.calls, self.counters = namespaces, calls, counters
         self.pin_lease_s = pin_lease_s
         self._block_table = block_table
         self.requests: dict[str, RequestState] = {}
 
-    def _state(self, request: Any, tokens: list[int]) -> RequestState:
+    def _state(self, request: Any) -> RequestState:
         state = self.requests.get(request.request_id)
-        if state is not None:
-            return state
-        C, F = self.C, self.F
-        n_chunks = len(tokens) // C
-        ns = self.namespaces.of(request)
-        keys = ns.chunk_keys(tokens[:n_chunks * C]) if n_chunks else []
-        state = RequestState(request, ns, keys, [False] * len(keys))
-        tns = self.namespaces.tail(ns)
-        if tns is not None:
-            state.tail_ns, state.tail_first = tns, n_chunks * C // F
-            n_f = len(tokens) // F
-            if n_f > state.tail_first:
-                state.tail_keys = tns.chunk_keys(tokens[:n_f * F])[state.tail_first:]
-            state.tail_present = [False] * len(state.tail_keys)
-        self.requests[request.request_id] = state
+        if state is None:
+            ns = self.namespaces.of(request)
+            chunks = RequestChunks(self.geometry, ns, self.namespaces.tail(ns))
+            state = RequestState(request, list(request.prompt_token_ids or []), chunks)
+            self.requests[request.request_id] = state
         return state
 
     def lookup(self, request: "Request", num_computed_tokens: int) -> int:
         """Prompt tokens beyond ``num_computed_tokens`` (vLLM's own hit) that the store can
-        supply: the leading stored chunks past the hit, then tail pieces when every full chunk
-        is stored, capped at ``prompt_len - 1``. Any store error or deadline means 0."""
-        tokens = list(request.prompt_token_ids or [])
-        C, F = self.C, self.F
-        n_chunks = len(tokens) // C
+        supply: the leading stored chunks past the hit, then the stored tail pieces after
+        them, capped at ``prompt_len - 1``. Any store error or deadline means 0 (a failed
+        tail lookup: the chunks found still count)."""
         self.counters.add(local_tokens=num_computed_tokens)
-        state = self._state(request, tokens)
+        state = self._state(request)
         state.num_local = num_computed_tokens
-        state.num_external = 0
-        max_end = len(tokens) - 1
-        nc = num_computed_tokens
-        first = nc // C
-        has_full = first < n_chunks and first * C < max_end
-        if nc >= max_end or not (has_full or state.tail_keys):
+        n, nc = len(state.tokens), num_computed_tokens
+        q = state.chunks.lookup_query(state.tokens, n, nc) if nc < n - 1 else None
+        if q is None:
             return 0
         t0 = time.perf_counter()
-        store = self.calls.store
-        n_hit, end = 0, nc
-        if has_full:
+        store, ns = self.calls.store, state.chunks.chunks.ns
+        tail_ns = state.chunks.pieces.ns if state.chunks.pieces is not None else None
+        n_hit = 0
+        if q.keys:
             try:
-                state.present = list(self.calls(store.exists, state.ns, state.keys))
+                present = list(self.calls(store.exists, ns, list(q.keys)))
             except Exception as e:  # store down or late: a miss
                 self.counters.add(lookups=1, lookup_errors=1)
                 log.warning("kvstore lookup failed (%s); prefilling", e)
-                state.present = [False] * len(state.keys)
+                state.chunks.record(LookupHit.miss(n, nc))
                 return 0
-            while first + n_hit < n_chunks and state.present[first + n_hit]:
+            while n_hit < len(present) and present[n_hit]:
                 n_hit += 1
-            end = (first + n_hit) * C
-        # tail pieces past the last full chunk, when every full chunk past vLLM's hit is here
-        r0 = max(0, nc // F - state.tail_first) if F else 0
+        pieces = q.tail_range(n_hit)
         t_hit = 0
-        if (F and (not has_full or first + n_hit == n_chunks) and r0 < len(state.tail_keys)
-                and (state.tail_first + r0) * F < max_end):
+        if pieces:
             try:
-                got = list(self.calls(store.exists, state.tail_ns, state.tail_keys[r0:]))
-                state.tail_present[r0:] = got
+                got = list(self.calls(store.exists, tail_ns,
+                                      list(q.tail_keys[pieces.start:pieces.stop])))
             except Exception as e:  # the full chunks still count
                 log.warning("kvstore tail lookup failed (%s)", e)
                 self.counters.add(lookup_errors=1)
                 got = []
             while t_hit < len(got) and got[t_hit]:
                 t_hit += 1
-            if t_hit:
-                end = (state.tail_first + r0 + t_hit) * F
-        ext = max(0, min(end, max_end) - nc)
+        ext = state.chunks.record(q.hit(n_hit, num_hit_pieces=t_hit))
         self.counters.add(lookups=1, hit_tokens=ext)
         if ext and self.pin_lease_s > 0:
             try:
                 if n_hit:
-                    self.calls(store.pin, state.ns, state.keys[first:first + n_hit],
-                               self.pin_lease_s)
+                    self.calls(store.pin, ns, list(q.keys[:n_hit]), self.pin_lease_s)
                 if t_hit:
-                    self.calls(store.pin, state.tail_ns, state.tail_keys[r0:r0 + t_hit],
+                    self.calls(store.pin, tail_ns,
+                               list(q.tail_keys[pieces.start:pieces.start + t_hit]),
                                self.pin_lease_s)
             except Exception as e:
                 log.warning("kvstore pin failed (%s); prefilling", e)
@@ -151,18 +137,20 @@ class SchedulerSide:
         return ext
 
     def allocated(self, request: "Request", num_external_tokens: int) -> None:
-        """Record that vLLM granted ``num_external_tokens`` tokens to load for ``request``."""
+        """vLLM admitted ``request`` with ``num_external_tokens`` tokens to load: the core
+        turns the last lookup's hit into a load plan (and counts the chunks it found as
+        stored, so they are not saved again)."""
         state = self.requests.get(request.request_id)
         if state is None:
             return
-        state.num_external = num_external_tokens
-        state.load_pending = num_external_tokens > 0
+        state.load = state.chunks.admit(state.tokens, len(state.tokens), state.num_local,
+                                        num_external_tokens)
         if num_external_tokens:
             self.counters.add(external_tokens=num_external_tokens)
 
     def build_meta(self, scheduler_output: "SchedulerOutput") -> KVStoreConnectorMetadata:
-        """This step's loads (requests admitted with external tokens) and saves (chunks whose
-        tokens are all computed once this step's forward pass is done)."""
+        """This step's loads (requests admitted with external tokens) and saves (chunks, then
+        tail pieces, whose tokens are all computed once this step's forward pass is done)."""
         meta = KVStoreConnectorMetadata()
         steps, resumed = scheduled_requests(scheduler_output)
         for step in steps:
@@ -175,54 +163,23 @@ class SchedulerSide:
                 else:
                     state.block_ids = state.block_ids + list(step.new_blocks)
             block_ids = self._block_table(step.req_id, state.block_ids)
-            if state.load_pending:
-                state.load_pending = False
-                meta.loads += self._loads(step.req_id, state, block_ids)
+            if state.load is not None:
+                meta.loads += load_transfers(step.req_id, state.load, block_ids)
+                state.load = None
             done = step.num_computed + scheduler_output.num_scheduled_tokens.get(step.req_id, 0)
             meta.saves += self._saves(step.req_id, state, done, block_ids)
         return meta
 
-    def _loads(self, req_id: str, state: RequestState,
-               block_ids: list[int]) -> list[ChunkTransfer]:
-        """The transfers loading ``state``'s granted tokens: full chunks, then tail pieces."""
-        C, out = self.C, []
-        start = state.num_local
-        end = start + state.num_external
-        full_end = len(state.keys) * C
-        if start < full_end:
-            e = min(end, full_end)
-            first, last = start // C, (e - 1) // C
-            out.append(ChunkTransfer(req_id, state.ns, first, state.keys[first:last + 1],
-                                     start, e, block_ids))
-            for j in range(first, last + 1):
-                state.present[j] = True
-        if end > full_end and state.tail_ns is not None:
-            F, tf = self.F, state.tail_first
-            s0 = max(start, full_end)
-            first, last = s0 // F, (end - 1) // F
-            out.append(ChunkTransfer(req_id, state.tail_ns, first,
-                                     state.tail_keys[first - tf:last + 1 - tf], s0, end,
-                                     block_ids))
-            for j in range(first, last + 1):
-                state.tail_present[j - tf] = True
-        return out
-
     def _saves(self, req_id: str, state: RequestState, done: int,
                block_ids: list[int]) -> list[ChunkTransfer]:
-        """The transfers saving chunks (then tail pieces) whose tokens ``[0, done)`` are
-        computed and that are neither stored nor saved yet."""
-        n_full = min(done // self.C, len(state.keys))
-        todo = [j for j in range(state.saved_upto, n_full) if not state.present[j]]
-        state.saved_upto = max(state.saved_upto, n_full)
-        out = save_runs(req_id, state.ns, state.keys, 0, todo, block_ids)
-        if state.tail_keys:
-            F, tf = self.F, state.tail_first
-            n_t = min(done // F, tf + len(state.tail_keys))
-            todo = [j for j in range(max(state.tail_saved_upto, tf), n_t)
-                    if not state.tail_present[j - tf]]
-            state.tail_saved_upto = max(state.tail_saved_upto, n_t)
-            out += save_runs(req_id, state.tail_ns, state.tail_keys, tf, todo, block_ids)
-        return out
+        """Save transfers of the prompt's full chunks in ``[0, done)`` not saved yet, and, once
+        the prompt's last full chunk is computed, of its tail pieces in ``[0, done)``."""
+        tokens, chunks = state.tokens, state.chunks
+        end = min(done, len(tokens))
+        ranges = [chunks.chunks_to_save(tokens, end)]
+        if end >= self.geometry.floor_to_chunk(len(tokens)):
+            ranges.append(chunks.pieces_to_save(tokens, end))
+        return [save_transfer(req_id, r, block_ids) for r in ranges if r is not None]
 
     def finished(self, request: "Request") -> None:
         """Forget ``request``."""

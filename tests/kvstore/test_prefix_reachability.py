@@ -303,16 +303,32 @@ def test_engine_connector_saves_per_prefill_step_and_at_request_end_with_true_pa
     conn.close()
 
 
-def test_vllm_connector_save_runs_name_the_parent_of_their_first_chunk():
-    """vLLM saves the chunks a step completed, skipping those it loaded: each run after the
-    first names the chunk before it (run of the tail namespace: from its first piece)."""
-    from connectors.vllm.records import save_runs
-    keys = NS.chunk_keys(prompt(10))
-    runs = save_runs("r", NS, keys, 0, [0, 1, 3, 4, 7], list(range(40)))
-    assert [(t.first_chunk, len(t.keys), t.parent) for t in runs] == [
-        (0, 2, None), (3, 2, keys[2]), (7, 1, keys[6])]
-    tail = save_runs("r", NS, keys[5:], 5, [5, 6, 8], list(range(40)))
-    assert [(t.first_chunk, t.parent) for t in tail] == [(5, None), (8, keys[7])]
+def test_vllm_connector_saves_name_the_parent_of_their_first_chunk():
+    """vLLM saves the chunks each step completed (the connector core's save ranges, turned
+    into transfers): a save continuing chunks saved earlier names the chunk before it; the
+    prompt's tail pieces start their own chain at its last full chunk, a later piece names
+    the piece before it."""
+    from connectors.chunk_geometry import ChunkGeometry
+    from connectors.chunk_plan import RequestChunks
+    from connectors.vllm.records import save_transfer
+    ns = Namespace("reach", KVLayout(1, 1, 4, "float32", 8))
+    tail_ns = Namespace("reach", KVLayout(1, 1, 4, "float32", 2))
+    toks = prompt(6, 100)[:22]                       # chunks 0-1, then pieces 8-10 (2 tokens)
+    keys, pieces = ns.chunk_keys(toks), tail_ns.chunk_keys(toks)
+    req = RequestChunks(ChunkGeometry(2, 8, 2), ns, tail_ns)
+    blocks = list(range(11))
+
+    def step(done):
+        ranges = [req.chunks_to_save(toks, done)]
+        if done >= 16:                               # past the prompt's last full chunk
+            ranges.append(req.pieces_to_save(toks, done))
+        return [(t.ns.layout.chunk_size, t.first_chunk, t.keys, t.start, t.end, t.parent)
+                for t in (save_transfer("r", r, blocks) for r in ranges if r is not None)]
+
+    assert step(6) == []
+    assert step(12) == [(8, 0, keys[:1], 0, 8, None)]
+    assert step(18) == [(8, 1, keys[1:2], 8, 16, keys[0]), (2, 8, pieces[8:9], 16, 18, None)]
+    assert step(22) == [(2, 9, pieces[9:11], 18, 22, pieces[8])]
 
 
 def test_engine_connector_loads_through_a_layered_store_copy_chunks_with_true_parents():
