@@ -7,7 +7,7 @@ in exactly one of two states::
     free: ref_count == 0, in ``free`` (an LRU queue; front = evicted first)
 
 A full block whose KV is computed gets its chained hash ``H(prev_hash || its tokens)``
-(``kvstore.keys.chain_hashes`` with unit = block_size) and enters ``hash_to_block``. A freed
+(``engine_min.block_hash.block_hashes``) and enters ``hash_to_block``. A freed
 hashed block keeps its hash and can be revived by a later prefix hit until it is evicted
 (popped from the front of ``free`` for new data). Unhashed freed blocks go to the front.
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from engine_min.block_hash import block_hashes
 from engine_min.sequence import Sequence
-from kvstore.keys import chain_hashes
 
 
 class BlockManager:
@@ -71,7 +71,7 @@ class BlockManager:
         if have < n_full:
             seed = seq.block_hashes[-1] if have else self.hash_seed
             toks = seq.token_ids[have * self.block_size:n_full * self.block_size]
-            seq.block_hashes.extend(chain_hashes(seed, toks, self.block_size))
+            seq.block_hashes.extend(block_hashes(seed, toks, self.block_size))
         return seq.block_hashes[:n_full]
 
     def lookup(self, seq: Sequence) -> list[int]:
