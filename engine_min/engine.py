@@ -7,6 +7,7 @@ import itertools
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from engine_min.sequence import RequestOutput, SeqFailure, Sequence
 from engine_min.step_isolation import execute_isolated
 from engine_min.tokenizer import load_tokenizer
 from engine_min.weights import default_model_path, load_model, open_gguf
+
+if TYPE_CHECKING:
+    from connectors.base import KVConnectorBase
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +49,8 @@ class LLMEngine:
         ValueError: the KV pool is smaller than two blocks.
     """
 
-    def __init__(self, config: EngineConfig | None = None, connector=None):
+    def __init__(self, config: EngineConfig | None = None,
+                 connector: KVConnectorBase | None = None):
         self.config = config = config or EngineConfig()
         self.model_path = config.model or default_model_path()
         gguf = str(self.model_path).endswith(".gguf") and os.path.isfile(self.model_path)
@@ -86,11 +91,11 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_failed_requests = 0
 
-    def set_connector(self, connector) -> None:
+    def set_connector(self, connector: KVConnectorBase | None) -> None:
         """Attach a KV connector (or detach with None) at all three seams: engine (stats),
         scheduler (admission) and model runner (load / save), and bind it to the KV pool with
-        ``connector.register_model(kv_identity)`` (when it has it) and
-        ``connector.register_kv_caches(kv_cache, block_size)``.
+        ``connector.register_model(kv_identity)`` and
+        ``connector.register_kv_caches(kv_cache, block_size)`` (a ``KVConnectorBase``).
 
         Raises:
             RuntimeError: requests are still running or waiting (their connector state would
@@ -100,10 +105,8 @@ class LLMEngine:
             raise RuntimeError("set_connector while requests are unfinished; "
                                "finish or abort them first")
         self.connector = self.scheduler.connector = self.runner.connector = connector
-        if connector is not None and hasattr(connector, "register_kv_caches"):
-            register_model = getattr(connector, "register_model", None)
-            if register_model is not None:  # what changes the KV: the store's namespace
-                register_model(self.kv_identity)
+        if connector is not None:
+            connector.register_model(self.kv_identity)  # what changes the KV: the namespace
             connector.register_kv_caches(self.kv_cache, self.config.block_size)
 
     def reset_prefix_cache(self) -> bool:
@@ -294,12 +297,10 @@ class LLMEngine:
         """Counters and gauges: queue sizes, KV pool use, prefix-cache queries/hits (tokens;
         each request counted once, at its first admission; re-admissions after a preemption
         apart in ``prefix_cache_preempted_*``), failed requests, and the connector's
-        ``get_stats()`` (``external_prefix_cache_*``, ``kvstore_*``) if any."""
+        ``get_stats()`` (``external_prefix_cache_*``, ``kvstore_*``) when one is attached."""
         bm = self.block_manager
         total = bm.num_blocks - 1
-        extra = {}
-        if self.connector is not None and hasattr(self.connector, "get_stats"):
-            extra = self.connector.get_stats()
+        extra = self.connector.get_stats() if self.connector is not None else {}
         return {**extra,
                 "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "kv_blocks_used": bm.num_used_blocks, "kv_blocks_total": total,

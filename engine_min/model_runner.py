@@ -3,12 +3,15 @@
 Flat token order: ``[decode tokens | prefill chunk 1 | prefill chunk 2 | ...]`` where a
 "decode" is any sequence computing exactly one token this step.
 
-Connector seams (optional, ``connector=None`` skips them), around the forward pass:
+Connector seams (a ``connectors.base.KVConnectorBase``; ``connector=None`` skips them), around
+the forward pass:
   ``connector.start_load_kv(sched_out, kv_cache)`` then ``connector.wait_for_load()`` before it
   (and before the inputs are built: a load that falls short moves ``num_computed_tokens`` back),
   ``connector.save(sched_out, kv_cache)`` after it (full blocks now computed may be stored).
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,6 +19,9 @@ import torch
 from engine_min.model import AttentionMetadata, LlamaModel, PrefillSpan
 from engine_min.scheduler import ScheduledSeq, SchedulerOutput
 from kernels import ops
+
+if TYPE_CHECKING:
+    from connectors.base import KVConnectorBase
 
 
 class ModelRunner:
@@ -28,7 +34,8 @@ class ModelRunner:
         connector: optional KV connector.
     """
 
-    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, connector=None):
+    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int,
+                 connector: KVConnectorBase | None = None):
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
         self.connector = connector
 

@@ -9,7 +9,8 @@ Each ``schedule()``:
      ``max_num_seqs`` and blocks allow (prefix-cache hits first, then the connector's external
      tokens, then blocks for the rest). The first one that does not fit stops admission (FCFS).
 
-Connector seams (all optional; ``connector=None`` skips them), at admission of a sequence:
+Connector seams (a ``connectors.base.KVConnectorBase``; ``connector=None`` skips them), at
+admission of a sequence:
   ``connector.get_num_new_matched_tokens(seq, num_local_computed) -> int | (int, bool)``
       extra prefix tokens loadable from an external store beyond the local hits;
   ``connector.update_state_after_alloc(seq, block_ids, num_external_tokens)``
@@ -28,9 +29,13 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine_min.block_manager import BlockManager
 from engine_min.sequence import SeqFailure, Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from connectors.base import KVConnectorBase
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +92,7 @@ class Scheduler:
     """
 
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int,
-                 max_num_seqs: int, connector=None):
+                 max_num_seqs: int, connector: KVConnectorBase | None = None):
         self.bm = block_manager
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.connector = connector
@@ -202,7 +207,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if self.connector is not None and hasattr(self.connector, "request_finished"):
+        if self.connector is not None:
             try:
                 self.connector.request_finished(seq, list(seq.block_table))
             except Exception:  # noqa: BLE001 - the blocks are freed all the same

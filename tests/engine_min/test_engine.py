@@ -2,6 +2,7 @@
 batching == alone, prefix caching, preemption under a tiny pool, bad input, stopping rules."""
 import pytest
 
+from connectors.base import KVConnectorBase
 from engine_min.config import EngineConfig
 from engine_min.engine import LLMEngine
 from engine_min.sampler import SamplingParams
@@ -153,11 +154,16 @@ def test_cli_reports_a_missing_model(capsys):
     assert "model path does not exist: /no/such/model.gguf" in capsys.readouterr().err
 
 
-class RecordingConnector:
-    """Records register_kv_caches; reports no external hits (the engine's seams still run)."""
+class RecordingConnector(KVConnectorBase):
+    """Records register_model and register_kv_caches; reports no external hits (the engine's
+    seams still run)."""
 
     def __init__(self):
-        self.registered = None
+        self.registered = self.identity = None
+
+    def register_model(self, identity):
+        assert self.registered is None, "register_model comes before register_kv_caches"
+        self.identity = identity
 
     def register_kv_caches(self, kv_cache, block_size):
         self.registered = (kv_cache, block_size)
@@ -177,6 +183,15 @@ class RecordingConnector:
     def save(self, sched_out, kv_cache):
         pass
 
+    def request_finished(self, seq, block_ids):
+        pass
+
+    def wait_for_save(self, timeout_s=None):
+        return True
+
+    def get_stats(self):
+        return {"external_prefix_cache_queries": 0}
+
 
 def test_set_connector_binds_all_seams_and_refuses_mid_request(engine, alone):
     conn = RecordingConnector()
@@ -189,6 +204,8 @@ def test_set_connector_binds_all_seams_and_refuses_mid_request(engine, alone):
     engine.set_connector(conn)
     assert engine.connector is engine.scheduler.connector is engine.runner.connector is conn
     assert conn.registered[0] is engine.kv_cache and conn.registered[1] == 16
+    assert conn.identity == engine.kv_identity
+    assert engine.stats()["external_prefix_cache_queries"] == 0
     assert engine.generate([PROMPTS[0]], greedy(8))[0].output_token_ids == alone[0]
     engine.set_connector(None)
     assert engine.connector is engine.scheduler.connector is engine.runner.connector is None

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from connectors.base import KVConnectorBase
 from engine_min.config import EngineConfig
 from engine_min.engine import LLMEngine
 from engine_min.sampler import SamplingParams
@@ -202,7 +203,7 @@ class FaultAt:
         pass  # the connector is attached before the requests are added
 
 
-class RaisingConnector:
+class RaisingConnector(KVConnectorBase):
     """A connector with no store whose ``update_state_after_alloc`` raises for "bad"."""
 
     def get_num_new_matched_tokens(self, seq, num_computed):
@@ -223,6 +224,15 @@ class RaisingConnector:
 
     def request_finished(self, seq, block_ids):
         pass
+
+    def register_kv_caches(self, kv_cache, block_size):
+        pass
+
+    def wait_for_save(self, timeout_s=None):
+        return True
+
+    def get_stats(self):
+        return {}
 
 
 @pytest.mark.parametrize("stage, bad_sampling, bad_tokens", [
