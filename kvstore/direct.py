@@ -7,7 +7,7 @@ sent). With these two objects it needs no staging buffer for chunks that live in
 memory tier, so its memory stays within the tier's capacity plus socket buffers:
 
 * ``Reservation``: pages set aside in the top tier (evicting as a put would) before the bytes
-  arrive; the caller writes them in place, checks them, then ``ChunkStore.commit_chunks``
+  arrive; the caller writes them in place, checks them, then ``commit_chunks``
   makes them visible (or ``release_reservations`` gives them back: nothing torn is ever seen).
 * ``BorrowedChunks``: reader pins on the chunks of a get plus views of their pages; the pages
   cannot be evicted or freed until ``release``. Chunks found only in a lower tier (disk, or a
@@ -16,16 +16,17 @@ memory tier, so its memory stays within the tier's capacity plus socket buffers:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from kvstore.keys import ChunkKey, Namespace
+from kvstore.layout import KVLayout
 from kvstore.tiers.base import Tier
 from kvstore.tiers.memory import MemoryTier
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.store import ChunkStore
+    from kvstore.store_state import StoreState
 
 
 class _AlreadyStored:
@@ -83,7 +84,7 @@ class BorrowedChunks:
     (the reader pins keep the pages from being evicted or reused until then).
     """
 
-    store: "ChunkStore"
+    io: "DirectIO"
     ns: object
     keys: list[ChunkKey]
     plan: list = field(repr=False)
@@ -94,13 +95,13 @@ class BorrowedChunks:
     def read_lower(self) -> None:
         """Read the keys in ``lower`` into new tensors (and promote them, as ``get_chunks``
         does). Blocking (disk I/O): call off the event loop."""
-        self.store._borrow_read_lower(self)
+        self.io._borrow_read_lower(self)
 
     def release(self) -> None:
         """Drop the reader pins. Idempotent; the views must not be used afterwards."""
         if not self.released:
             self.released = True
-            self.store._borrow_release(self)
+            self.io._borrow_release(self)
 
     def __enter__(self) -> "BorrowedChunks":
         return self
@@ -110,8 +111,21 @@ class BorrowedChunks:
 
 
 class DirectIO:
-    """Direct I/O methods of ``kvstore.store.ChunkStore`` (a mixin: they use the store's lock,
-    pins, tier mover and metrics, and ``_place`` for commits)."""
+    """Direct I/O of one store (a part of ``kvstore.store.ChunkStore``, which delegates these
+    methods here).
+
+    Args:
+        state: the store's shared state (tiers, lock, pins, tier mover, metrics).
+        place: the store's write path: ``place(keys, items, parents, layout)`` stores each
+            item (a tensor, a filled ``Reservation``, ``ALREADY_STORED`` or None) under its key
+            and returns how many were newly stored.
+    """
+
+    def __init__(self, state: "StoreState",
+                 place: Callable[[Sequence[ChunkKey], Sequence, Sequence[ChunkKey | None],
+                                  KVLayout], int]) -> None:
+        self._st = state
+        self._place = place
 
     def reserve_chunks(self, ns: Namespace, keys: Sequence[ChunkKey],
                        parents: Sequence[ChunkKey | None] | None = None) -> list:
@@ -136,24 +150,25 @@ class DirectIO:
             ValueError: the namespace does not fit the tiers, a key of another namespace, or
                 bad ``parents``. RuntimeError: store closed.
         """
-        self._check_keys(ns, keys)
-        parents = self._check_parents(ns, keys, parents)
+        st = self._st
+        st.check_keys(ns, keys)
+        parents = st.check_parents(ns, keys, parents)
         nbytes = ns.layout.chunk_bytes
         out: list = [None] * len(keys)
-        direct = bool(self.tiers) and is_direct(self.tiers[0])
-        top = self.tiers[0] if direct else None
-        mover = self._mover
-        with self._lock:
-            self._expire_leases()
+        direct = bool(st.tiers) and is_direct(st.tiers[0])
+        top = st.tiers[0] if direct else None
+        mover = st.mover
+        with st.lock:
+            st.expire_leases()
             room = True
             for i, (k, p) in enumerate(zip(keys, parents)):
-                if self._locate(k) is not None:
+                if st.locate(k) is not None:
                     out[i] = ALREADY_STORED
-                elif direct and room and (p is None or mover.present(p) or p in self._reserved) \
+                elif direct and room and (p is None or mover.present(p) or p in st.reserved) \
                         and mover.make_room(0, nbytes, lambda k=k, p=p: mover.protect(k, p)):
                     pages, runs = top.reserve(nbytes)
                     out[i] = Reservation(top, pages, top.run_views(runs), nbytes, k)
-                    self._reserved[k] = p
+                    st.reserved[k] = p
                 else:
                     room = False
         return out
@@ -173,11 +188,12 @@ class DirectIO:
             ValueError: wrong key namespace or count, a tensor not matching the layout, or a
                 reservation of another size (nothing stored; reservations released).
         """
+        st = self._st
         try:
-            self._check_keys(ns, keys)
+            st.check_keys(ns, keys)
             if len(keys) != len(items):
                 raise ValueError(f"commit_chunks: {len(keys)} keys but {len(items)} items")
-            parents = self._check_parents(ns, keys, parents)
+            parents = st.check_parents(ns, keys, parents)
             for it in items:
                 if isinstance(it, Reservation):
                     if it.nbytes != ns.layout.chunk_bytes:
@@ -192,9 +208,10 @@ class DirectIO:
 
     def release_reservations(self, items: Sequence) -> None:
         """Give back the reservations among ``items`` (others are ignored). Idempotent."""
+        st = self._st
         for it in items:  # (no store lock: the event loop calls this; a dict pop is atomic)
             if isinstance(it, Reservation):
-                self._end_reservation(it)
+                st.end_reservation(it)
 
     def borrow_chunks(self, ns: Namespace, keys: Sequence[ChunkKey]) -> BorrowedChunks:
         """Pin the stored chunks among ``keys`` and hand out views of those in a host memory
@@ -205,48 +222,51 @@ class DirectIO:
         Raises:
             ValueError: a key of another namespace. RuntimeError: store closed.
         """
-        self._check_keys(ns, keys)
+        st = self._st
+        st.check_keys(ns, keys)
         chunk_bytes = ns.layout.chunk_bytes
         plan: list[tuple[ChunkKey, Tier] | None] = []
         parts: list[list[torch.Tensor] | None] = []
         lower: list[int] = []
-        with self._lock:
-            self._expire_leases()
+        with st.lock:
+            st.expire_leases()
             for i, k in enumerate(keys):
-                t = self._locate(k)
+                t = st.locate(k)
                 if t is not None:
-                    self._pins.add_reader(k)
+                    st.pins.add_reader(k)
                     t.touch(k)
                 plan.append((k, t) if t is not None else None)
                 if t is not None and is_direct(t) and t.nbytes_of(k) >= chunk_bytes:
                     parts.append(t.run_views(t.entry_runs(k)))
-                    self.metrics.inc("hits", tier=t.name)
+                    st.metrics.inc("hits", tier=t.name)
                 else:
                     parts.append(None)
                     if t is not None:
                         lower.append(i)
                     else:
-                        self.metrics.inc("misses")
+                        st.metrics.inc("misses")
         return BorrowedChunks(self, ns, list(keys), plan, parts, lower)
 
     def _borrow_read_lower(self, b: BorrowedChunks) -> None:
+        st = self._st
         read: list[torch.Tensor | None] = [None] * len(b.keys)
         for i in b.lower:
-            kv = self._read_checked(b.ns.layout, *b.plan[i])
+            kv = st.read_checked(b.ns.layout, *b.plan[i])
             read[i] = kv
             if kv is None:
-                self.metrics.inc("misses")
+                st.metrics.inc("misses")
             else:
                 b.parts[i] = [kv.reshape(-1).view(torch.uint8)]
-                self.metrics.inc("hits", tier=b.plan[i][1].name)
-        if self.config.promote_on_hit and b.lower:
-            with self._lock:
-                self._mover.promote(b.plan, read, self._doomed)
+                st.metrics.inc("hits", tier=b.plan[i][1].name)
+        if st.config.promote_on_hit and b.lower:
+            with st.lock:
+                st.mover.promote(b.plan, read, st.doomed)
         b.lower = []
 
     def _borrow_release(self, b: BorrowedChunks) -> None:
-        with self._lock:
+        st = self._st
+        with st.lock:
             for item in b.plan:
                 if item is not None:
-                    self._pins.drop_reader(item[0])
-                    self._maybe_free(item[0])
+                    st.pins.drop_reader(item[0])
+                    st.maybe_free(item[0])

@@ -4,9 +4,11 @@
 * ``kvstore`` never imports ``engine_min``, ``connectors`` or ``bench``;
 * the store core (``kvstore`` outside ``kvstore.daemon``) never imports the daemon (only the
   command-line entry point ``kvstore.__main__`` runs it);
+* ``engine_min`` never imports ``kvstore`` (it reaches the store through ``connectors``);
 * ``kernels`` import nothing of ours but ``kernels``;
-* the modules of ``kvstore`` import one another without a cycle (module-level imports; those
-  under ``if TYPE_CHECKING:`` and inside functions run later and are left out).
+* the modules of ``kvstore``, and those of ``engine_min``, import one another without a
+  cycle (module-level imports; those under ``if TYPE_CHECKING:`` or
+  ``if __name__ == "__main__":`` and inside functions run later and are left out).
 """
 from __future__ import annotations
 
@@ -37,6 +39,15 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
+def _is_main_guard(node: ast.If) -> bool:
+    """``if __name__ == "__main__":``: runs when the module is executed, not imported."""
+    t = node.test
+    return (isinstance(t, ast.Compare) and isinstance(t.left, ast.Name)
+            and t.left.id == "__name__" and len(t.comparators) == 1
+            and isinstance(t.comparators[0], ast.Constant)
+            and t.comparators[0].value == "__main__")
+
+
 def _walk(body: list[ast.stmt], module_level: bool):
     """(import node, at module level) for every import in ``body``, nested ones included."""
     for node in body:
@@ -47,7 +58,7 @@ def _walk(body: list[ast.stmt], module_level: bool):
         elif isinstance(node, ast.ClassDef):
             yield from _walk(node.body, module_level)
         elif isinstance(node, ast.If):
-            inner = module_level and not _is_type_checking(node)
+            inner = module_level and not _is_type_checking(node) and not _is_main_guard(node)
             yield from _walk(node.body, inner)
             yield from _walk(node.orelse, module_level)
         else:
@@ -143,7 +154,7 @@ def kvstore_graph() -> dict[str, set[str]]:
 
 def test_kvstore_modules_import_one_another_without_a_cycle():
     graph = kvstore_graph()
-    assert graph["kvstore.store"] >= {"kvstore.api", "kvstore.movement", "kvstore.direct"}
+    assert graph["kvstore.store"] >= {"kvstore.api", "kvstore.store_state", "kvstore.direct"}
     assert find_cycle(graph) is None
 
 
@@ -165,3 +176,16 @@ def test_imports_resolve_relative_and_skip_type_checking_ones(tmp_path):
     assert imports(src, {"kvstore.sub.sib"}, root=tmp_path) == [
         ("typing", True), ("kvstore.sub.sib", True), ("kvstore.api", True),
         ("kvstore.store", False), ("connectors.base", False)]
+
+
+def test_the_engine_never_imports_the_store():
+    """The engine reaches the store only through a connector (``connectors``)."""
+    assert offenders("engine_min", ("kvstore",)) == []
+
+
+def test_engine_min_modules_import_one_another_without_a_cycle():
+    mods = modules("engine_min")
+    graph = {name: {m for m, top in imports(path, set(mods)) if top and m in mods and m != name}
+             for name, path in mods.items()}
+    assert graph["engine_min.engine"] >= {"engine_min.scheduler", "engine_min.block_manager"}
+    assert find_cycle(graph) is None

@@ -1,0 +1,221 @@
+"""The state one ``ChunkStore`` shares between its parts, and the checks every operation makes.
+
+``kvstore.store.ChunkStore`` (the data path: lookup, get, put), ``kvstore.store_admin.StoreAdmin``
+(removal, pins, durability, introspection) and ``kvstore.direct.DirectIO`` (reservations and
+borrowed reads) each hold the same ``StoreState``: the tiers, the store lock, the pin table, the
+chunks removed while pinned, the open reservations, the tier mover and the metrics. Anything
+reading or changing the tiers' indexes or the pins holds ``lock``.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from kvstore.api import chain_parents
+from kvstore.config import StoreConfig
+from kvstore.keys import ChunkKey, Namespace
+from kvstore.layout import KVLayout
+from kvstore.metrics import StoreMetrics
+from kvstore.movement import TierMover
+from kvstore.pins import PinTable
+from kvstore.tiers.base import Tier
+from kvstore.tiers.memory import MemoryTier
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvstore.direct import Reservation
+
+log = logging.getLogger("kvstore.store")
+
+
+class StoreState:
+    """Tiers, lock, pins and bookkeeping of one store (see module docstring).
+
+    Args:
+        config: the store's configuration.
+        tiers: the tiers, top (fastest) first.
+        metrics: the store's counters.
+
+    Attributes:
+        lock: guards the tiers' indexes, ``pins``, ``doomed`` and ``reserved`` (re-entrant).
+        pins: reader, explicit and leased pins per chunk.
+        doomed: chunks removed while pinned: invisible, freed at their last unpin.
+        reserved: open reservations (``reserve_chunks``): key -> parent, until committed or
+            released.
+        mover: insert, evict, spill and promote across ``tiers``.
+        closed: set once by ``ChunkStore.close``.
+    """
+
+    def __init__(self, config: StoreConfig, tiers: list[Tier], metrics: StoreMetrics) -> None:
+        self.config, self.tiers, self.metrics = config, tiers, metrics
+        self.lock = threading.RLock()
+        self.closed = False
+        self.pins = PinTable()
+        self.doomed: set[ChunkKey] = set()
+        self.reserved: dict[ChunkKey, ChunkKey | None] = {}
+        self.mover = TierMover(tiers, metrics, self.pins.evictable, self.doomed, self.reserved)
+        #: layouts of the namespaces checked by ``register``, least recently used first
+        #: (at most ``config.max_namespaces``)
+        self._layouts: OrderedDict[bytes, KVLayout] = OrderedDict()
+        self._layouts_lock = threading.Lock()
+
+    # ---- namespaces and argument checks -------------------------------------------------------
+    def register(self, ns: Namespace) -> None:
+        """See ``ChunkStore.register``.
+
+        Raises:
+            ValueError: a tier smaller than one chunk.
+        """
+        layouts, ns_id = self._layouts, ns.ns_id
+        try:
+            layouts.move_to_end(ns_id)  # known: now the most recently used
+            return
+        except KeyError:
+            pass
+        self.config.check_layout(ns.layout)
+        evicted = 0
+        with self._layouts_lock:
+            layouts[ns_id] = ns.layout
+            while len(layouts) > self.config.max_namespaces:
+                layouts.popitem(last=False)
+                evicted += 1
+        self.metrics.inc("namespace_evictions", evicted)
+
+    @property
+    def num_namespaces(self) -> int:
+        """Namespaces remembered by ``register`` now (at most ``config.max_namespaces``)."""
+        return len(self._layouts)
+
+    def check_keys(self, ns: Namespace, keys: Sequence[ChunkKey]) -> None:
+        """Register ``ns`` and check each key is a ``ChunkKey`` of it.
+
+        Raises:
+            RuntimeError: the store is closed. ValueError: a bad key, or ``ns`` does not fit.
+        """
+        if self.closed:
+            raise RuntimeError("store is closed")
+        self.register(ns)
+        ns_id = ns.ns_id
+        for k in keys:
+            if k.__class__ is not ChunkKey and not isinstance(k, ChunkKey):
+                raise ValueError(f"expected ChunkKey, got {type(k).__name__}")
+            if k.ns_id != ns_id:
+                raise ValueError(f"key {k!r} belongs to namespace {k.ns_id.hex()}, not {ns.ns_id.hex()}")
+
+    def check_parents(self, ns: Namespace, keys: Sequence[ChunkKey],
+                      parents: Sequence[ChunkKey | None] | None) -> list[ChunkKey | None]:
+        """Per-key parents: ``chain_parents(keys)`` when ``parents`` is None.
+
+        Raises:
+            ValueError: a count other than ``len(keys)``, a parent that is not a ``ChunkKey``
+                or None, of another namespace, or equal to its own key.
+        """
+        if parents is None:
+            return chain_parents(keys)
+        parents = list(parents)
+        if len(parents) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(parents)} parents")
+        for k, p in zip(keys, parents):
+            if p is None:
+                continue
+            if not isinstance(p, ChunkKey):
+                raise ValueError(f"a parent must be a ChunkKey or None, got {type(p).__name__}")
+            if p.ns_id != ns.ns_id:
+                raise ValueError(f"parent {p!r} of {k!r} belongs to another namespace")
+            if p == k:
+                raise ValueError(f"{k!r} is given as its own parent")
+        return parents
+
+    def check_write(self, ns: Namespace, keys: Sequence[ChunkKey], kvs: Sequence[torch.Tensor],
+                    parents: Sequence[ChunkKey | None] | None, op: str) -> list[ChunkKey | None]:
+        """Validate a write of ``kvs`` under ``keys`` (keys, counts, parents, each tensor's
+        shape and dtype against ``ns.layout``); returns the per-key parents.
+
+        Raises:
+            ValueError: any of those is wrong (the message names ``op``); nothing is stored.
+        """
+        self.check_keys(ns, keys)
+        if len(keys) != len(kvs):
+            raise ValueError(f"{op}: {len(keys)} keys but {len(kvs)} tensors")
+        parents = self.check_parents(ns, keys, parents)
+        for kv in kvs:
+            ns.layout.validate(kv)
+        return parents
+
+    # ---- index, pins and removal (caller holds ``lock``) --------------------------------------
+    def locate(self, key: ChunkKey) -> Tier | None:
+        """Fastest tier holding ``key`` (None when absent or removed)."""
+        if key in self.doomed:
+            return None
+        for t in self.tiers:
+            if t.contains(key):
+                return t
+        return None
+
+    def expire_leases(self) -> None:
+        """Drop the leased pins whose time is up (freeing chunks removed meanwhile)."""
+        for key in self.pins.expire(time.monotonic()):
+            self.maybe_free(key)
+
+    def maybe_free(self, key: ChunkKey) -> None:
+        """Delete ``key`` everywhere if it was removed while pinned and has no pin left."""
+        if key in self.doomed and self.pins.count(key) == 0:
+            self.delete_everywhere(key)
+
+    def delete_everywhere(self, key: ChunkKey) -> None:
+        for t in self.tiers:
+            t.delete(key)
+        self.doomed.discard(key)
+
+    # ---- reads and reservations ---------------------------------------------------------------
+    def read_checked(self, layout: KVLayout, key: ChunkKey, tier: Tier,
+                     buf: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Read the reader-pinned ``key`` from ``tier`` (which indexed it) as
+        ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` on ``config.return_device``
+        (into ``buf`` for a memory tier when given). A read that cannot serve an indexed chunk
+        (value missing, corrupt, wrong shape or dtype) is a stale index entry: the entry is
+        dropped from the tier (so the next lookup no longer reports it), counted in
+        ``stale_index_entries`` and the chunk is a miss (None)."""
+        if buf is not None and isinstance(tier, MemoryTier):
+            kv = tier.read(key, self.config.return_device, out=buf)
+        else:
+            kv = tier.read(key, self.config.return_device)
+        if kv is not None and (tuple(kv.shape) != layout.shape() or kv.dtype != layout.torch_dtype):
+            log.warning("%s tier returned %s %s for %r, layout says %s %s; deleted", tier.name,
+                        list(kv.shape), kv.dtype, key, list(layout.shape()), layout.torch_dtype)
+            self.metrics.inc("corruptions", tier=tier.name)
+            kv = None
+        if kv is None:
+            self._drop_stale(key, tier)
+        return kv
+
+    def _drop_stale(self, key: ChunkKey, tier: Tier) -> None:
+        """Forget an indexed chunk that ``tier`` could not read (the tier may have dropped it
+        already, e.g. the disk tier on a checksum failure). The chunk was reader-pinned, so
+        neither eviction nor ``remove`` took it meanwhile: the index was wrong."""
+        log.warning("%s tier indexed %r but could not serve it; dropped from the index",
+                    tier.name, key)
+        with self.lock:
+            tier.delete(key)
+        self.metrics.inc("stale_index_entries", tier=tier.name)
+
+    def commit_reserved(self, res: "Reservation", key: ChunkKey, parent: ChunkKey | None,
+                        layout: KVLayout) -> bool:
+        """Make a filled reservation the chunk ``key`` of ``layout`` (in place). False if the
+        reservation was released already (e.g. the store was closed)."""
+        try:
+            res.tier.commit(key, res.pages, layout.shape(), layout.torch_dtype, parent)
+        except KeyError:
+            return False
+        self.reserved.pop(key, None)
+        return True
+
+    def end_reservation(self, res: "Reservation") -> None:
+        """Give back a reservation's pages (idempotent) and forget its key."""
+        res.tier.release(res.pages)
+        if res.key is not None:
+            self.reserved.pop(res.key, None)
