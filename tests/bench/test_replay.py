@@ -3,11 +3,12 @@ metric parsing, the report, and a tiny end-to-end replay on the real engine serv
 import asyncio
 import importlib.util
 import json
-import threading
 import time
 
 import pytest
+import pytest_asyncio
 from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from bench import metrics_scrape, report
 from bench.client import build_payload
@@ -19,22 +20,19 @@ TOKEN_GAP_S = 0.02
 
 
 class FakeServer:
-    """A scripted OpenAI-style streaming server on a thread: ``max_tokens`` chunks
-    ``TOKEN_GAP_S`` apart, usage with ``cached_tokens = prompt_len // 2``; it records the
-    order and time at which requests arrive."""
+    """A scripted OpenAI-style streaming app: ``max_tokens`` chunks ``TOKEN_GAP_S`` apart,
+    usage with ``cached_tokens = prompt_len // 2``; it records the order and time at which
+    requests arrive. ``url`` is set once aiohttp's ``TestServer`` listens."""
 
     def __init__(self):
         self.seen: list[tuple[str, float, int]] = []
-        self.port = free_port()
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        assert self.ready.wait(10)
+        self.url = ""
 
-    @property
-    def url(self):
-        return f"http://127.0.0.1:{self.port}"
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        return app
 
     async def completions(self, request):
         body = await request.json()
@@ -56,33 +54,20 @@ class FakeServer:
     async def models(self, request):
         return web.json_response({"data": [{"id": "fake-model"}]})
 
-    def _run(self):
-        asyncio.set_event_loop(self.loop)
-        app = web.Application()
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_get("/v1/models", self.models)
-        self.runner = web.AppRunner(app)
-        self.loop.run_until_complete(self.runner.setup())
-        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
-        self.ready.set()
-        self.loop.run_forever()
 
-    def close(self):
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
-@pytest.fixture(scope="module")
-def fake():
+@pytest_asyncio.fixture
+async def fake():
+    """The scripted server on the test's own event loop (the loop ``drive`` runs on)."""
     server = FakeServer()
-    yield server
-    server.close()
+    async with TestServer(server.app(), host="127.0.0.1") as ts:
+        server.url = str(ts.make_url("")).rstrip("/")
+        yield server
 
 
-def test_client_measures_stream(fake):
+@pytest.mark.asyncio
+async def test_client_measures_stream(fake):
     reqs = [Request("a", 0.0, (1000, 1001, 1002, 1003), 5, "s", 0)]
-    (res,) = asyncio.run(drive(reqs, [fake.url]))
+    (res,) = await drive(reqs, [fake.url])
     assert res.ok and res.error is None
     assert res.num_output_tokens == 5
     assert res.num_prompt_tokens == 4 and res.num_cached_tokens == 2
@@ -92,11 +77,11 @@ def test_client_measures_stream(fake):
     assert res.tpot_s == pytest.approx((res.e2e_s - res.ttft_s) / 4)
 
 
-def test_drive_honours_after_and_arrivals(fake):
-    fake.seen.clear()
+@pytest.mark.asyncio
+async def test_drive_honours_after_and_arrivals(fake):
     reqs = MultiRoundQA(num_users=2, num_rounds=2, system_tokens=0, context_tokens=2,
                         question_tokens=1, answer_tokens=3, qps=20.0).requests()
-    results = asyncio.run(drive(reqs, [fake.url]))
+    results = await drive(reqs, [fake.url])
     by_id = {r.request_id: r for r in results}
     assert [r.request_id for r in results] == [r.request_id for r in reqs]
     for r in reqs:
@@ -106,21 +91,22 @@ def test_drive_honours_after_and_arrivals(fake):
         assert by_id[r.request_id].send_s >= r.arrival_s - 1e-3
 
 
-def test_drive_bounds_inflight(fake):
-    fake.seen.clear()
+@pytest.mark.asyncio
+async def test_drive_bounds_inflight(fake):
     reqs = LongDocQA(num_docs=2, doc_tokens=4, questions_per_doc=2, question_tokens=1,
                      answer_tokens=3, max_inflight=1).requests()
-    results = asyncio.run(drive(reqs, [fake.url], max_inflight=1))
+    results = await drive(reqs, [fake.url], max_inflight=1)
     ordered = sorted(results, key=lambda r: r.send_s)
     for a, b in zip(ordered, ordered[1:]):
         assert b.send_s >= a.send_s + a.e2e_s - 1e-3  # one at a time, in request order
     assert [r.request_id for r in ordered] == [r.request_id for r in reqs]
 
 
-def test_drive_records_errors_without_raising():
+@pytest.mark.asyncio
+async def test_drive_records_errors_without_raising():
     port = free_port()  # nothing listens here
-    (res,) = asyncio.run(drive([Request("x", 0.0, (1000,), 1, "s", 0)],
-                               [f"http://127.0.0.1:{port}"], model="m", timeout_s=5))
+    (res,) = await drive([Request("x", 0.0, (1000,), 1, "s", 0)],
+                         [f"http://127.0.0.1:{port}"], model="m", timeout_s=5)
     assert not res.ok and "Error" in res.error
 
 
@@ -201,10 +187,11 @@ def test_debug_stats_give_tiers_and_bytes():
     assert s["preemptions"] == 0.0
 
 
-def test_report_figures_and_files(fake, tmp_path):
+@pytest.mark.asyncio
+async def test_report_figures_and_files(fake, tmp_path):
     reqs = LongDocQA(num_docs=1, doc_tokens=6, questions_per_doc=3, question_tokens=2,
                      answer_tokens=4).requests()
-    res = asyncio.run(drive(reqs, [fake.url], max_inflight=1))
+    res = await drive(reqs, [fake.url], max_inflight=1)
     run = ConfigRun("kvstore-cpu", res, wall_s=2.0)
     base = ConfigRun("recompute", res, wall_s=4.0)
     rep = report.build_report("long_doc_qa", {"recompute": base, "kvstore-cpu": run}, reqs,
