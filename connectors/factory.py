@@ -8,7 +8,6 @@ requests ~nothing.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 from typing import Any
 
@@ -77,23 +76,3 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
                               save_generated=save_generated, tail_chunk_size=tail_chunk_size,
                               **connector_kwargs)
 
-
-def connector_from_args(args: argparse.Namespace) -> EngineMinConnector | None:
-    """The connector of the server's flags (``kvstore_cpu_bytes``, ``kvstore_disk_path``,
-    ``kvstore_disk_bytes``, ``kvstore_url``, ``kvstore_chunk_size``, optional
-    ``kvstore_deadline_s``, ``kvstore_auth_token`` and ``kvstore_tail_chunk_size``), or None
-    when no store flag is set.
-
-    Raises:
-        ValueError: as ``create_connector``.
-    """
-    opts = {k: getattr(args, f"kvstore_{k}", None)
-            for k in ("cpu_bytes", "disk_path", "disk_bytes", "url")}
-    if not any(v is not None for v in opts.values()):
-        return None
-    extra = {}
-    for k in ("chunk_size", "deadline_s", "auth_token", "tail_chunk_size"):
-        v = getattr(args, f"kvstore_{k}", None)
-        if v is not None:
-            extra[k] = v
-    return create_connector(**opts, **extra)

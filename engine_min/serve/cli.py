@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import socket
 from typing import Any
 
@@ -16,12 +15,11 @@ from engine_min.serve.server import SERVING_KEY, create_app
 logger = logging.getLogger("engine_min.serve.server")
 
 
-STORE_FLAGS = ("kvstore_cpu_bytes", "kvstore_disk_path", "kvstore_disk_bytes", "kvstore_url")
-
-
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``serve`` flags to ``parser`` (sizes accept ``512MiB``, ``2GiB``, bytes)."""
-    from kvstore.units import parse_size
+    """Add the ``serve`` flags to ``parser``: server, engine, and the KV store's
+    ``--kvstore-*`` (``connectors.flags.add_store_args``). Sizes accept ``512MiB``, ``2GiB``,
+    bytes."""
+    from connectors.flags import add_store_args, parse_size
 
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
@@ -55,54 +53,27 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="prompt + completion limit (default: the model's context)")
     e.add_argument("--no-prefix-caching", action="store_true",
                    help="disable the engine's own prefix cache")
-    s = parser.add_argument_group("kv store (off unless one of these is given)")
-    s.add_argument("--kvstore-cpu-bytes", type=parse_size, default=None, metavar="SIZE",
-                   help="in-process store: CPU tier bytes")
-    s.add_argument("--kvstore-disk-path", default=None, metavar="DIR",
-                   help="in-process store: disk tier directory")
-    s.add_argument("--kvstore-disk-bytes", type=parse_size, default=None, metavar="SIZE",
-                   help="in-process store: disk tier bytes (needs --kvstore-disk-path)")
-    s.add_argument("--kvstore-url", default=None, metavar="URL",
-                   help="remote store daemon (kvstore serve), e.g. http://127.0.0.1:8500")
-    s.add_argument("--kvstore-auth-token", default=os.environ.get("KVSTORE_AUTH_TOKEN"),
-                   metavar="TOKEN", help="bearer token of a daemon started with --auth-token "
-                   "(default $KVSTORE_AUTH_TOKEN)")
-    s.add_argument("--kvstore-chunk-size", type=int, default=256,
-                   help="tokens per store chunk (a multiple of the block size; default 256)")
-    s.add_argument("--kvstore-tail-chunk-size", type=int, default=0, metavar="N",
-                   help="also store a prompt's tokens past its last full chunk as pieces of N "
-                   "tokens (a multiple of the block size dividing the chunk size), so a hit "
-                   "recomputes < N tokens instead of up to a chunk; 0 (default) = off")
+    add_store_args(parser)
     parser.add_argument("--log-level", default="info", help="logging level (default info)")
     return parser
 
 
 def build_connector(args: argparse.Namespace) -> Any | None:
-    """The KV connector the store flags ask for, or ``None`` when no store flag is given.
-
-    The store is in-process tiers (``--kvstore-cpu-bytes``, ``--kvstore-disk-path``,
-    ``--kvstore-disk-bytes``), a remote daemon (``--kvstore-url``), or both (local tiers in
-    front of the daemon); ``connectors.factory.connector_from_args`` builds it (imported only
-    when a store flag is given).
+    """The KV connector the store flags ask for, or ``None`` when no store flag is given
+    (``connectors.flags.connector_from_args``, imported only here).
 
     Raises:
         SystemExit: inconsistent store flags (--kvstore-tail-chunk-size without a store), a
             disk path that cannot be opened, or the connector module is missing.
     """
-    if all(getattr(args, f, None) is None for f in STORE_FLAGS):
-        if getattr(args, "kvstore_tail_chunk_size", 0):  # would be ignored silently
-            raise SystemExit("--kvstore-tail-chunk-size needs a store: --kvstore-cpu-bytes, "
-                             "--kvstore-disk-path or --kvstore-url")
-        return None
-    if args.kvstore_disk_bytes and not args.kvstore_disk_path:
-        raise SystemExit("--kvstore-disk-bytes needs --kvstore-disk-path")
-    try:
-        from connectors.factory import connector_from_args
-    except ImportError as exc:
-        raise SystemExit(f"the KV store connector for engine_min is not available ({exc}); "
-                         f"run without --kvstore-* flags") from exc
+    from connectors.flags import StoreFlagError, connector_from_args
     try:
         return connector_from_args(args)
+    except ImportError as exc:  # the store's optional dependencies
+        raise SystemExit(f"the KV store connector for engine_min is not available ({exc}); "
+                         f"run without --kvstore-* flags") from exc
+    except StoreFlagError as exc:
+        raise SystemExit(str(exc)) from exc
     except (ValueError, OSError) as exc:  # OSError: a disk path that is a file or not writable
         raise SystemExit(f"error: bad --kvstore-* flags: {exc}") from exc
 

@@ -1,0 +1,47 @@
+"""connectors.flags: the ``--kvstore-*`` flags, their checks and the connector they build."""
+import argparse
+
+import pytest
+
+from connectors.engine_min import EngineMinConnector
+from connectors.flags import STORE_FLAGS, StoreFlagError, add_store_args, connector_from_args
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser()
+    add_store_args(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_no_store_flag_is_no_connector_and_defaults_are_the_documented_ones():
+    args = parse()
+    assert connector_from_args(args) is None
+    assert all(getattr(args, f) is None for f in STORE_FLAGS)
+    assert (args.kvstore_chunk_size, args.kvstore_tail_chunk_size) == (256, 0)
+
+
+def test_sizes_parse_as_bytes_and_build_an_in_process_store():
+    args = parse("--kvstore-cpu-bytes", "8MiB", "--kvstore-chunk-size", "32",
+                 "--kvstore-tail-chunk-size", "16")
+    assert args.kvstore_cpu_bytes == 8 * 2**20
+    c = connector_from_args(args)
+    try:
+        assert isinstance(c, EngineMinConnector)
+        assert (c.chunk_size, c.tail_chunk_size) == (32, 16)
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (("--kvstore-tail-chunk-size", "16"), "--kvstore-tail-chunk-size needs a store"),
+    (("--kvstore-disk-bytes", "1GiB"), "--kvstore-disk-bytes needs --kvstore-disk-path"),
+])
+def test_flags_that_do_not_go_together_raise(argv, msg):
+    with pytest.raises(StoreFlagError, match=msg):
+        connector_from_args(parse(*argv))
+
+
+def test_a_bad_size_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit):
+        parse("--kvstore-cpu-bytes", "8 parsecs")
+    assert "--kvstore-cpu-bytes" in capsys.readouterr().err
