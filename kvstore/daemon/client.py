@@ -7,7 +7,8 @@ hang. Retries (exponential backoff, inside the deadline) happen for idempotent c
 exists, get, put of content-addressed chunks, remove, clear, stats) on connection errors and
 503; pin/unpin are retried only when the connection could not be opened (nothing was sent).
 A refused connection (nothing listens on the port: the daemon is down) fails fast: after
-``refused_tries`` attempts ``refused_backoff_s`` apart, not at the deadline.
+``refused_tries`` attempts ``refused_backoff_s`` apart, not at the deadline. Deadlines and
+retries are ``kvstore.daemon.transport``'s; this module is the typed calls.
 """
 from __future__ import annotations
 
@@ -17,13 +18,13 @@ import json
 import logging
 import threading
 from typing import Any, AsyncIterator, Sequence
-from urllib.parse import urlsplit
 
 import aiohttp
 import torch
 
-from kvstore.daemon import protocol as P
 from kvstore.api import KVStoreBase, LookupResult, StoreCapabilities
+from kvstore.daemon import protocol as P
+from kvstore.daemon.transport import Transport, check_url
 from kvstore.errors import RemoteError, StoreUnavailable
 from kvstore.keys import ChunkKey, Namespace
 
@@ -35,36 +36,6 @@ log = logging.getLogger("kvstore.daemon.client")
 #: Put payloads go to the transport in slices of this many bytes: a slice the socket takes at
 #: once is sent from the tensor's memory; asyncio copies only what it does not take.
 SEND_SLICE = 1 << 20
-
-
-_CONNECT_ERRORS = (aiohttp.ClientConnectorError,)
-_TRANSPORT_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
-                     aiohttp.ClientPayloadError, ConnectionResetError,
-                     asyncio.IncompleteReadError)
-
-
-def check_url(url: str) -> str:
-    """``url`` unchanged if it is a usable server URL (``http[s]://HOST[:PORT][/]``).
-
-    Raises:
-        ValueError: anything else (no scheme, another scheme, no host, a bad port), naming the
-            URL and the expected form.
-    """
-    want = f"malformed kvstore URL {url!r}: expected http://HOST:PORT"
-    if not isinstance(url, str):
-        raise ValueError(want)
-    try:
-        parts = urlsplit(url)
-        host, _ = parts.hostname, parts.port  # .port raises on a bad port
-    except ValueError as e:  # a port out of range or not a number
-        raise ValueError(f"{want} ({e})") from None
-    if parts.scheme not in ("http", "https") or not host:
-        raise ValueError(want)
-    return url
-
-
-class _Retry(Exception):
-    """Internal: a 503 answer to an idempotent call."""
 
 
 class AsyncKVStoreClient:
@@ -89,149 +60,85 @@ class AsyncKVStoreClient:
     def __init__(self, url: str, *, auth_token: str | None = None, timeout_s: float = 10.0,
                  pool_size: int = 32, durable: bool = False, retry_backoff_s: float = 0.02,
                  refused_tries: int | None = 2, refused_backoff_s: float = 0.05):
-        if refused_tries is not None and (not isinstance(refused_tries, int)
-                                          or refused_tries < 1):
-            raise ValueError(f"refused_tries must be a positive int or None, got "
-                             f"{refused_tries!r}")
-        self.refused_tries, self.refused_backoff_s = refused_tries, refused_backoff_s
-        self.url = check_url(url).rstrip("/")
-        self.timeout_s = timeout_s
-        self.pool_size = pool_size
+        self._http = Transport(url, auth_token=auth_token, timeout_s=timeout_s,
+                               pool_size=pool_size, retry_backoff_s=retry_backoff_s,
+                               refused_tries=refused_tries, refused_backoff_s=refused_backoff_s)
         self.durable = durable
-        self.retry_backoff_s = retry_backoff_s
-        self._headers = {P.VERSION_HEADER: str(P.PROTOCOL_VERSION)}
-        if auth_token:
-            self._headers["Authorization"] = f"Bearer {auth_token}"
-        self._session: aiohttp.ClientSession | None = None
 
-    def _sess(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            conn = aiohttp.TCPConnector(limit=self.pool_size, keepalive_timeout=30)
-            self._session = aiohttp.ClientSession(connector=conn, headers=self._headers,
-                                                  timeout=aiohttp.ClientTimeout(total=None),
-                                                  read_bufsize=4 << 20)
-        return self._session
+    @property
+    def url(self) -> str:
+        """The server base URL (no trailing slash)."""
+        return self._http.url
+
+    @property
+    def timeout_s(self) -> float:
+        """Default per-call deadline (seconds)."""
+        return self._http.timeout_s
 
     async def close(self) -> None:
         """Close pooled connections. Idempotent."""
-        if self._session is not None and not self._session.closed:
-            await self._session.close()
-
-    async def _call(self, method: str, path: str, handle, *, idempotent: bool,
-                    timeout_s: float | None, body=None, headers=None) -> Any:
-        """One logical call with deadline and retries. ``body`` is bytes or a zero-arg factory
-        of an async iterator (re-created per attempt); ``handle(resp)`` parses the answer."""
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        attempt, refused, last = 0, 0, None
-        while True:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise StoreUnavailable(f"{method} {self.url}{path}: no answer within {timeout} s "
-                                       f"(last error: {last!r})")
-            try:
-                async with asyncio.timeout(remaining):
-                    data = body() if callable(body) else body
-                    async with self._sess().request(method, self.url + path, data=data,
-                                                    headers=headers) as resp:
-                        if resp.status == 503 and idempotent:
-                            raise _Retry(await resp.text())
-                        if resp.status >= 400 and resp.status != 404:
-                            raise RemoteError(resp.status, await _error_text(resp))
-                        return await handle(resp)
-            except TimeoutError:
-                raise StoreUnavailable(f"{method} {self.url}{path}: no answer within "
-                                       f"{timeout} s (last error: {last!r})") from None
-            except _CONNECT_ERRORS as e:
-                last = e
-                if isinstance(e.os_error, ConnectionRefusedError):
-                    refused += 1
-                    if self.refused_tries is not None and refused >= self.refused_tries:
-                        raise StoreUnavailable(
-                            f"{method} {self.url}{path}: connection refused ({refused} tries); "
-                            f"is the kvstore daemon running?") from None
-                    delay = min(self.refused_backoff_s, deadline - loop.time())
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                    continue
-            except (_Retry, *_TRANSPORT_ERRORS) as e:
-                if not idempotent:
-                    raise StoreUnavailable(f"{method} {self.url}{path} failed after sending; "
-                                           f"not retried (not idempotent): {e!r}") from e
-                last = e
-            delay = min(self.retry_backoff_s * 2 ** attempt, 0.5, deadline - loop.time())
-            attempt += 1
-            if delay > 0:
-                await asyncio.sleep(delay)
-
-    async def _post_json(self, path: str, payload: bytes, *, idempotent: bool,
-                         timeout_s: float | None) -> dict:
-        async def handle(resp):
-            if resp.status == 404:
-                raise RemoteError(404, await _error_text(resp))
-            return await resp.json()
-        return await self._call("POST", path, handle, idempotent=idempotent, timeout_s=timeout_s,
-                                body=payload, headers={"Content-Type": "application/json"})
+        await self._http.close()
 
     async def lookup_keys(self, ns: Namespace, keys: Sequence[ChunkKey], *,
                           timeout_s: float | None = None) -> LookupResult:
         """Leading keys present, per tier (see ``KVStoreBase.lookup_keys``)."""
-        r = await self._post_json("/v1/lookup", P.key_request(ns, keys), idempotent=True,
-                                  timeout_s=timeout_s)
+        r = await self._http.post_json("/v1/lookup", P.key_request(ns, keys), idempotent=True,
+                                       timeout_s=timeout_s)
         return LookupResult(r["num_hit_chunks"], r["chunk_size"], tuple(r["tiers"]),
                             r["num_requested_chunks"])
 
     async def exists(self, ns: Namespace, keys: Sequence[ChunkKey], *,
                      timeout_s: float | None = None) -> list[bool]:
-        r = await self._post_json("/v1/exists", P.key_request(ns, keys), idempotent=True,
-                                  timeout_s=timeout_s)
+        r = await self._http.post_json("/v1/exists", P.key_request(ns, keys), idempotent=True,
+                                       timeout_s=timeout_s)
         return list(r["exists"])
 
     async def remove(self, ns: Namespace, keys: Sequence[ChunkKey], *,
                      timeout_s: float | None = None) -> int:
-        r = await self._post_json("/v1/remove", P.key_request(ns, keys), idempotent=True,
-                                  timeout_s=timeout_s)
+        r = await self._http.post_json("/v1/remove", P.key_request(ns, keys), idempotent=True,
+                                       timeout_s=timeout_s)
         return r["removed"]
 
     async def clear(self, ns: Namespace | None = None, *, timeout_s: float | None = None) -> int:
         """Delete every chunk of ``ns`` (all namespaces if None)."""
         body = {"all": True} if ns is None else {"namespace": ns.to_dict()}
-        r = await self._post_json("/v1/clear", json.dumps(body).encode(), idempotent=True,
-                                  timeout_s=timeout_s)
+        r = await self._http.post_json("/v1/clear", json.dumps(body).encode(), idempotent=True,
+                                       timeout_s=timeout_s)
         return r["removed"]
 
     async def pin(self, ns: Namespace, keys: Sequence[ChunkKey], lease_s: float | None = None,
                   *, timeout_s: float | None = None) -> int:
         """Pin with a lease (the server caps it at its ``max_lease_s``)."""
-        r = await self._post_json("/v1/pin", P.key_request(ns, keys, lease_s=lease_s),
-                                  idempotent=False, timeout_s=timeout_s)
+        r = await self._http.post_json("/v1/pin", P.key_request(ns, keys, lease_s=lease_s),
+                                       idempotent=False, timeout_s=timeout_s)
         return r["pinned"]
 
     async def unpin(self, ns: Namespace, keys: Sequence[ChunkKey], *,
                     timeout_s: float | None = None) -> int:
-        r = await self._post_json("/v1/unpin", P.key_request(ns, keys), idempotent=False,
-                                  timeout_s=timeout_s)
+        r = await self._http.post_json("/v1/unpin", P.key_request(ns, keys), idempotent=False,
+                                       timeout_s=timeout_s)
         return r["unpinned"]
 
     async def stats(self, *, timeout_s: float | None = None) -> dict:
         async def handle(resp):
             return await resp.json()
-        return await self._call("GET", "/v1/stats", handle, idempotent=True, timeout_s=timeout_s)
+        return await self._http.call("GET", "/v1/stats", handle, idempotent=True,
+                                     timeout_s=timeout_s)
 
     async def whoami(self, *, timeout_s: float | None = None) -> dict:
         """``{"tenant", "role", "cache_salt"}`` of this client's token (``kvstore.daemon.tenants``):
         namespaces must carry ``cache_salt`` (or ``cache_salt + "/..."``) unless it is None."""
         async def handle(resp):
             return await resp.json()
-        return await self._call("GET", "/v1/whoami", handle, idempotent=True,
-                                timeout_s=timeout_s)
+        return await self._http.call("GET", "/v1/whoami", handle, idempotent=True,
+                                     timeout_s=timeout_s)
 
     async def metrics_text(self, *, timeout_s: float | None = None) -> str:
         """The server's Prometheus exposition text."""
         async def handle(resp):
             return await resp.text()
-        return await self._call("GET", "/metrics", handle, idempotent=True, timeout_s=timeout_s)
+        return await self._http.call("GET", "/metrics", handle, idempotent=True,
+                                     timeout_s=timeout_s)
 
     async def get_chunks(self, ns: Namespace, keys: Sequence[ChunkKey], *,
                          timeout_s: float | None = None) -> list[torch.Tensor | None]:
@@ -244,9 +151,9 @@ class AsyncKVStoreClient:
             if resp.status == 404:
                 return [None] * len(keys)
             return await _read_get_body(resp.content, ns, keys)
-        return await self._call("POST", "/v1/get", handle, idempotent=True, timeout_s=timeout_s,
-                                body=P.key_request(ns, keys),
-                                headers={"Content-Type": "application/json"})
+        return await self._http.call("POST", "/v1/get", handle, idempotent=True,
+                                     timeout_s=timeout_s, body=P.key_request(ns, keys),
+                                     headers={"Content-Type": "application/json"})
 
     async def put_chunks(self, ns: Namespace, keys: Sequence[ChunkKey],
                          kvs: Sequence[torch.Tensor],
@@ -287,27 +194,21 @@ class AsyncKVStoreClient:
 
         async def handle(resp):
             return (await resp.json())["stored"]
-        return await self._call("POST", "/v1/put", handle, idempotent=True, timeout_s=timeout_s,
-                                body=stream, headers={"Content-Type": P.BINARY_CONTENT_TYPE,
-                                                      "Content-Length": str(length)})
+        return await self._http.call("POST", "/v1/put", handle, idempotent=True,
+                                     timeout_s=timeout_s,
+                                     body=stream,
+                                     headers={"Content-Type": P.BINARY_CONTENT_TYPE,
+                                              "Content-Length": str(length)})
 
     async def healthy(self, *, timeout_s: float = 1.0) -> bool:
         """True when /readyz answers 200 within ``timeout_s``."""
         async def handle(resp):
             return resp.status == 200
         try:
-            return await self._call("GET", "/readyz", handle, idempotent=True,
-                                    timeout_s=timeout_s)
+            return await self._http.call("GET", "/readyz", handle, idempotent=True,
+                                         timeout_s=timeout_s)
         except (StoreUnavailable, RemoteError):
             return False
-
-
-async def _error_text(resp: aiohttp.ClientResponse) -> str:
-    text = await resp.text()
-    try:
-        return json.loads(text)["error"]
-    except (ValueError, KeyError, TypeError):
-        return text[:500]
 
 
 async def _read_get_body(reader: aiohttp.StreamReader, ns: Namespace,

@@ -1,0 +1,174 @@
+"""HTTP transport of the daemon client: one logical call with a deadline and retries.
+
+``Transport`` sends requests over a pooled aiohttp session. Every call has a deadline
+(``timeout_s``, per transport or per call); a dead, hung or restarting server yields
+``StoreUnavailable`` (a ``TimeoutError``) within it, never a hang. Idempotent calls are retried
+(exponential backoff, inside the deadline) on connection errors and 503; others only when the
+connection could not be opened (nothing was sent). A refused connection (nothing listens on the
+port: the daemon is down) fails fast: after ``refused_tries`` attempts ``refused_backoff_s``
+apart, not at the deadline. The typed calls are ``kvstore.daemon.client``'s.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from kvstore.daemon import protocol as P
+from kvstore.errors import RemoteError, StoreUnavailable
+
+
+_CONNECT_ERRORS = (aiohttp.ClientConnectorError,)
+_TRANSPORT_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+                     aiohttp.ClientPayloadError, ConnectionResetError,
+                     asyncio.IncompleteReadError)
+
+
+def check_url(url: str) -> str:
+    """``url`` unchanged if it is a usable server URL (``http[s]://HOST[:PORT][/]``).
+
+    Raises:
+        ValueError: anything else (no scheme, another scheme, no host, a bad port), naming the
+            URL and the expected form.
+    """
+    want = f"malformed kvstore URL {url!r}: expected http://HOST:PORT"
+    if not isinstance(url, str):
+        raise ValueError(want)
+    try:
+        parts = urlsplit(url)
+        host, _ = parts.hostname, parts.port  # .port raises on a bad port
+    except ValueError as e:  # a port out of range or not a number
+        raise ValueError(f"{want} ({e})") from None
+    if parts.scheme not in ("http", "https") or not host:
+        raise ValueError(want)
+    return url
+
+
+class _Retry(Exception):
+    """Internal: a 503 answer to an idempotent call."""
+
+
+class Transport:
+    """Pooled HTTP calls to one daemon, with deadlines and retries (see module docstring).
+
+    Args:
+        url: server base URL, e.g. ``"http://127.0.0.1:8500"``.
+        auth_token: bearer token, if the server requires one.
+        timeout_s: default per-call deadline in seconds (retries included).
+        pool_size: most pooled connections (aiohttp connector limit).
+        retry_backoff_s: first retry delay (doubles, capped at 0.5 s).
+        refused_tries: attempts of a call whose connections are refused before it raises
+            ``StoreUnavailable``; None retries until the deadline.
+        refused_backoff_s: wait between refused attempts (seconds).
+
+    Raises:
+        ValueError: ``url`` is not ``http[s]://HOST:PORT`` (``check_url``), or a bad
+            ``refused_tries``.
+    """
+
+    def __init__(self, url: str, *, auth_token: str | None = None, timeout_s: float = 10.0,
+                 pool_size: int = 32, retry_backoff_s: float = 0.02,
+                 refused_tries: int | None = 2, refused_backoff_s: float = 0.05):
+        if refused_tries is not None and (not isinstance(refused_tries, int)
+                                          or refused_tries < 1):
+            raise ValueError(f"refused_tries must be a positive int or None, got "
+                             f"{refused_tries!r}")
+        self.refused_tries, self.refused_backoff_s = refused_tries, refused_backoff_s
+        self.url = check_url(url).rstrip("/")
+        self.timeout_s = timeout_s
+        self.pool_size = pool_size
+        self.retry_backoff_s = retry_backoff_s
+        self._headers = {P.VERSION_HEADER: str(P.PROTOCOL_VERSION)}
+        if auth_token:
+            self._headers["Authorization"] = f"Bearer {auth_token}"
+        self._session: aiohttp.ClientSession | None = None
+
+    def _sess(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            conn = aiohttp.TCPConnector(limit=self.pool_size, keepalive_timeout=30)
+            self._session = aiohttp.ClientSession(connector=conn, headers=self._headers,
+                                                  timeout=aiohttp.ClientTimeout(total=None),
+                                                  read_bufsize=4 << 20)
+        return self._session
+
+    async def close(self) -> None:
+        """Close pooled connections. Idempotent."""
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+
+    async def call(self, method: str, path: str, handle, *, idempotent: bool,
+                   timeout_s: float | None, body=None, headers=None) -> Any:
+        """One logical call with deadline and retries. ``body`` is bytes or a zero-arg factory
+        of an async iterator (re-created per attempt); ``handle(resp)`` parses the answer (any
+        status below 400, and 404).
+
+        Raises:
+            StoreUnavailable: no answer within the deadline, refused connections, or a
+                non-idempotent call that failed after sending.
+            RemoteError: an error status other than 404 (and 503 for idempotent calls).
+        """
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        attempt, refused, last = 0, 0, None
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise StoreUnavailable(f"{method} {self.url}{path}: no answer within {timeout} s "
+                                       f"(last error: {last!r})")
+            try:
+                async with asyncio.timeout(remaining):
+                    data = body() if callable(body) else body
+                    async with self._sess().request(method, self.url + path, data=data,
+                                                    headers=headers) as resp:
+                        if resp.status == 503 and idempotent:
+                            raise _Retry(await resp.text())
+                        if resp.status >= 400 and resp.status != 404:
+                            raise RemoteError(resp.status, await error_text(resp))
+                        return await handle(resp)
+            except TimeoutError:
+                raise StoreUnavailable(f"{method} {self.url}{path}: no answer within "
+                                       f"{timeout} s (last error: {last!r})") from None
+            except _CONNECT_ERRORS as e:
+                last = e
+                if isinstance(e.os_error, ConnectionRefusedError):
+                    refused += 1
+                    if self.refused_tries is not None and refused >= self.refused_tries:
+                        raise StoreUnavailable(
+                            f"{method} {self.url}{path}: connection refused ({refused} tries); "
+                            f"is the kvstore daemon running?") from None
+                    delay = min(self.refused_backoff_s, deadline - loop.time())
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    continue
+            except (_Retry, *_TRANSPORT_ERRORS) as e:
+                if not idempotent:
+                    raise StoreUnavailable(f"{method} {self.url}{path} failed after sending; "
+                                           f"not retried (not idempotent): {e!r}") from e
+                last = e
+            delay = min(self.retry_backoff_s * 2 ** attempt, 0.5, deadline - loop.time())
+            attempt += 1
+            if delay > 0:
+                await asyncio.sleep(delay)
+
+    async def post_json(self, path: str, payload: bytes, *, idempotent: bool,
+                        timeout_s: float | None) -> dict:
+        """POST a JSON ``payload``; the answer's JSON object. Raises as ``call`` (404 too)."""
+        async def handle(resp):
+            if resp.status == 404:
+                raise RemoteError(404, await error_text(resp))
+            return await resp.json()
+        return await self.call("POST", path, handle, idempotent=idempotent, timeout_s=timeout_s,
+                               body=payload, headers={"Content-Type": "application/json"})
+
+
+async def error_text(resp: aiohttp.ClientResponse) -> str:
+    """The ``"error"`` text of a JSON error answer (else its first 500 characters)."""
+    text = await resp.text()
+    try:
+        return json.loads(text)["error"]
+    except (ValueError, KeyError, TypeError):
+        return text[:500]
