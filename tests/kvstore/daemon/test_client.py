@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from aiohttp.test_utils import TestServer
 
 from kvstore.api import LookupResult, PrefixStore
 from kvstore.daemon.client import AsyncKVStoreClient, KVStoreClient, RemoteError, StoreUnavailable
@@ -89,19 +90,24 @@ def test_real_model_sized_chunks_stream_bit_exact(client):
     assert all(torch.equal(g, kv) for g, kv in zip(got, kvs))
 
 
-def test_async_client_concurrent_calls_share_one_pool(server):
-    server.store.clear()
-
-    async def run():
-        c = AsyncKVStoreClient(server.url, auth_token="tok", pool_size=4)
-        try:
-            await asyncio.gather(*(c.put_chunks(NS, [k], [chunk(i)])
-                                   for i, k in enumerate(KEYS)))
-            got = await asyncio.gather(*(c.get_chunks(NS, [k]) for k in KEYS))
-            return got
-        finally:
-            await c.close()
-    got = asyncio.run(run())
+@pytest.mark.asyncio
+async def test_async_client_concurrent_calls_share_one_pool(tmp_path):
+    """The async client on the loop it runs on, against the daemon app in aiohttp's
+    ``TestServer`` on that same loop."""
+    store = make_store(str(tmp_path / "disk"), cpu_bytes=64 << 20)
+    app = create_app(store, ServerLimits(auth_token="tok", max_lease_s=5.0))
+    try:
+        async with TestServer(app, host="127.0.0.1") as ts:
+            c = AsyncKVStoreClient(str(ts.make_url("")).rstrip("/"), auth_token="tok",
+                                   pool_size=4)
+            try:
+                await asyncio.gather(*(c.put_chunks(NS, [k], [chunk(i)])
+                                       for i, k in enumerate(KEYS)))
+                got = await asyncio.gather(*(c.get_chunks(NS, [k]) for k in KEYS))
+            finally:
+                await c.close()
+    finally:
+        store.close()
     assert all(torch.equal(g[0], chunk(i)) for i, g in enumerate(got))
 
 

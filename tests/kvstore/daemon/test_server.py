@@ -2,7 +2,10 @@
 
 The server runs on a private loop thread (``ThreadedServer``) over a real ``ChunkStore``; raw
 requests go through ``http.client`` / sockets so malformed input reaches the server unaltered.
+The in-flight byte budget, which a test holds on the server's own loop, is tested in ``async def``
+tests through aiohttp's ``TestClient``.
 """
+import asyncio
 import http.client
 import json
 import socket
@@ -11,6 +14,7 @@ import time
 
 import pytest
 import torch
+from aiohttp.test_utils import TestClient, TestServer
 
 from kvstore.daemon import protocol as P
 from kvstore.config import StoreConfig
@@ -341,59 +345,68 @@ def test_stats_metrics_and_unknown_routes(server):
     assert status == 405 and json.loads(data)["status"] == 405
 
 
-def test_byte_budget_waits_in_order_admits_oversize_alone_and_times_out_with_503():
-    import asyncio
+@pytest.mark.asyncio
+async def test_byte_budget_waits_in_order_admits_oversize_alone_and_times_out_with_503():
     from kvstore.daemon.server import ByteBudget
 
-    async def scenario():
-        b = ByteBudget(100)
-        await b.acquire(60, 1)
-        waiter = asyncio.create_task(b.acquire(60, 1))
-        await asyncio.sleep(0.01)
-        assert not waiter.done() and b.held == 60
-        b.release(60)
-        await waiter
-        assert (b.held, b.peak) == (60, 60)
-        with pytest.raises(P.ProtocolError, match="server busy") as e:
-            await b.acquire(50, 0.05)
-        assert e.value.status == 503 and b.held == 60 and not b._waiters
-        b.release(60)
-        await b.acquire(250, 1)  # larger than the whole budget: admitted when alone
-        assert (b.held, b.peak) == (250, 250)
-        b.release(250)
-        assert b.held == 0
-    asyncio.run(scenario())
+    b = ByteBudget(100)
+    await b.acquire(60, 1)
+    waiter = asyncio.create_task(b.acquire(60, 1))
+    await asyncio.sleep(0.01)
+    assert not waiter.done() and b.held == 60
+    b.release(60)
+    await waiter
+    assert (b.held, b.peak) == (60, 60)
+    with pytest.raises(P.ProtocolError, match="server busy") as e:
+        await b.acquire(50, 0.05)
+    assert e.value.status == 503 and b.held == 60 and not b._waiters
+    b.release(60)
+    await b.acquire(250, 1)  # larger than the whole budget: admitted when alone
+    assert (b.held, b.peak) == (250, 250)
+    b.release(250)
+    assert b.held == 0
 
 
-def test_requests_beyond_the_inflight_byte_budget_wait_then_get_503_and_store_nothing():
-    import asyncio
+@pytest.mark.asyncio
+async def test_requests_beyond_the_inflight_byte_budget_wait_then_get_503_and_store_nothing():
     store = make_store()
     limits = ServerLimits(auth_token=TOKEN, max_inflight_bytes=LAYOUT.chunk_bytes,
                           request_timeout_s=0.5)
-    with ThreadedServer(create_app(store, limits)) as srv:
-        srv.store = store
-        # the staging path (stores without direct I/O, durable puts); direct puts and gets of
-        # CPU-tier chunks take no budget (test_direct_io_...)
-        srv.app[STATE_KEY].direct = False
-        budget = srv.app[STATE_KEY].budget
-        hold = asyncio.run_coroutine_threadsafe(budget.acquire(LAYOUT.chunk_bytes, 1), srv._loop)
-        hold.result(5)
-        t0 = time.monotonic()
-        status, ans = do_put(srv, put_body(KEYS[:1], [chunk(0)]))
-        assert status == 503 and ans["error"].startswith("server busy")
-        assert 0.4 < time.monotonic() - t0 < 2
-        assert stored(srv, KEYS[:1]) == [False]
-        srv._loop.call_soon_threadsafe(budget.release, LAYOUT.chunk_bytes)
-        time.sleep(0.05)
-        assert do_put(srv, put_body(KEYS[:2], [chunk(0), chunk(1)]))[0] == 200  # 2x budget: alone
-        status, got = do_get(srv, KEYS[:2])
-        assert status == 200 and torch.equal(got[1], chunk(1))
-        status, data, _ = request(srv, "GET", "/v1/stats")
-        server_st = json.loads(data)["server"]
-        assert (server_st["inflight_bytes"], server_st["max_inflight_bytes"]) == \
-            (0, LAYOUT.chunk_bytes)
-        assert server_st["inflight_bytes_peak"] == 2 * LAYOUT.chunk_bytes
-    store.close()
+    app = create_app(store, limits)
+    # the staging path (stores without direct I/O, durable puts); direct puts and gets of
+    # CPU-tier chunks take no budget (test_direct_io_...)
+    app[STATE_KEY].direct = False
+    budget = app[STATE_KEY].budget
+
+    async def put(keys, kvs):
+        resp = await cli.post("/v1/put", data=put_body(keys, kvs),
+                              headers={**AUTH, "Content-Type": P.BINARY_CONTENT_TYPE})
+        return resp.status, await resp.json()
+
+    async def post_keys(route, keys):
+        resp = await cli.post(route, data=P.key_request(NS, keys),
+                              headers={**AUTH, "Content-Type": "application/json"})
+        return resp.status, await resp.read()
+    try:
+        async with TestClient(TestServer(app, host="127.0.0.1")) as cli:
+            await budget.acquire(LAYOUT.chunk_bytes, 1)  # held: the put below must wait
+            t0 = time.monotonic()
+            status, ans = await put(KEYS[:1], [chunk(0)])
+            assert status == 503 and ans["error"].startswith("server busy")
+            assert 0.4 < time.monotonic() - t0 < 2
+            status, data = await post_keys("/v1/exists", KEYS[:1])
+            assert json.loads(data)["exists"] == [False]
+            budget.release(LAYOUT.chunk_bytes)
+            assert (await put(KEYS[:2], [chunk(0), chunk(1)]))[0] == 200  # 2x budget: alone
+            status, data = await post_keys("/v1/get", KEYS[:2])
+            assert status == 200 and torch.equal(parse_get_body(data, NS, KEYS[:2])[1], chunk(1))
+            resp = await cli.get("/v1/stats", headers=AUTH)
+            server_st = (await resp.json())["server"]
+            assert (server_st["inflight_bytes"], server_st["max_inflight_bytes"]) == \
+                (0, LAYOUT.chunk_bytes)
+            assert server_st["inflight_bytes_peak"] == 2 * LAYOUT.chunk_bytes
+    finally:
+        store.close()
 
 
 @pytest.fixture
