@@ -16,8 +16,10 @@ import json
 import os
 import time
 
-import engine_min  # noqa: F401 - first: sets OMP_WAIT_POLICY=PASSIVE before torch loads OpenMP
-import torch
+if __name__ == "__main__":  # run as a script: before torch loads OpenMP
+    from engine_min.omp import set_omp_wait_policy
+    set_omp_wait_policy()
+import torch  # noqa: E402
 
 from engine_min.config import EngineConfig
 from engine_min.engine import LLMEngine

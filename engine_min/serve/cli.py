@@ -181,6 +181,8 @@ def serve_main(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m engine_min.serve.server [flags]``."""
+    from engine_min.omp import set_omp_wait_policy
+    set_omp_wait_policy()  # before the engine (torch, so OpenMP) loads
     parser = argparse.ArgumentParser(
         prog="python -m engine_min.serve.server",
         description="OpenAI-compatible HTTP server for engine_min.")
