@@ -26,7 +26,6 @@ from engine_min.serve.metrics import ServerMetrics
 
 logger = logging.getLogger("engine_min.serve.server")
 
-_STOP = object()
 _EMPTY_STEP_WAIT_S = 0.002
 
 
@@ -38,6 +37,31 @@ class _Sink:
     queue: asyncio.Queue
     arrival_s: float
     last_token_s: float | None = None
+
+
+@dataclass(frozen=True)
+class _Add:
+    """Command: add a request to the engine; its outputs go to ``sink``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: Any
+    sink: _Sink
+
+
+@dataclass(frozen=True)
+class _Abort:
+    """Command: abort a request (no-op if it already finished)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Stop:
+    """Command: abort everything in flight and end the engine thread."""
+
+
+_Command = _Add | _Abort | _Stop
 
 
 def request_failed(error: str) -> proto.ApiError:
@@ -75,7 +99,7 @@ class EngineLoop:
     def stop(self, timeout_s: float = 10.0) -> None:
         """Abort everything in flight and join the thread."""
         if self._thread.is_alive():
-            self._commands.put(_STOP)
+            self._commands.put(_Stop())
             self._thread.join(timeout_s)
 
     @property
@@ -91,19 +115,19 @@ class EngineLoop:
         """
         arrival_s = time.monotonic() if arrival_s is None else arrival_s
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), arrival_s)
-        self._commands.put(("add", request_id, prompt_token_ids, sampling, sink))
+        self._commands.put(_Add(request_id, prompt_token_ids, sampling, sink))
         return sink.queue
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already finished); its blocks are freed."""
-        self._commands.put(("abort", request_id))
+        self._commands.put(_Abort(request_id))
 
     # ---- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
         wait_s: float | None = None  # None: block until a command arrives
         while True:
             cmds = self._drain(wait_s)
-            if any(c is _STOP for c in cmds):
+            if any(isinstance(c, _Stop) for c in cmds):
                 self._shutdown()
                 return
             for cmd in cmds:
@@ -115,7 +139,7 @@ class EngineLoop:
                 wait_s = 0.0 if self._step() else _EMPTY_STEP_WAIT_S
             self._refresh_stats()
 
-    def _drain(self, wait_s: float | None) -> list:
+    def _drain(self, wait_s: float | None) -> list[_Command]:
         """Commands queued now; first waits up to ``wait_s`` seconds (None: forever)."""
         cmds = []
         try:
@@ -131,19 +155,19 @@ class EngineLoop:
             except queue.Empty:
                 return cmds
 
-    def _apply(self, cmd: tuple) -> None:
-        if cmd[0] == "abort":
-            if self._sinks.pop(cmd[1], None) is not None:
+    def _apply(self, cmd: _Add | _Abort) -> None:
+        if isinstance(cmd, _Abort):
+            if self._sinks.pop(cmd.request_id, None) is not None:
                 self.metrics.request_success.labels("abort").inc()
-            self.engine.abort(cmd[1])
+            self.engine.abort(cmd.request_id)
             return
-        _, request_id, prompt_ids, sampling, sink = cmd
         try:
-            self.engine.add_request(prompt_ids, sampling, request_id=request_id)
+            self.engine.add_request(cmd.prompt_token_ids, cmd.sampling,
+                                    request_id=cmd.request_id)
         except ValueError as exc:
-            self._deliver(sink, proto.ApiError(str(exc)))
+            self._deliver(cmd.sink, proto.ApiError(str(exc)))
             return
-        self._sinks[request_id] = sink
+        self._sinks[cmd.request_id] = cmd.sink
 
     def _step(self) -> bool:
         """One engine step; delivers its outputs. Returns whether it produced any."""
