@@ -1,5 +1,8 @@
 """Wire format of the kvstore daemon (protocol version 1). Pure functions, no I/O.
 
+This module holds the binary messages; the JSON part (namespace, keys, version, errors) is
+``kvstore.daemon.fields``, whose names are re-exported here (``P.parse_keys`` etc.).
+
 Control requests (lookup, exists, get, remove, clear, pin, unpin) are small JSON bodies
 (``application/json``); keys travel as lowercase hex of ``bytes(ChunkKey)``. Tensor payloads
 travel only as raw bytes inside a *binary message* (``application/x-kvstore``)::
@@ -43,26 +46,18 @@ from typing import Any, Sequence
 import torch
 import xxhash
 
-from kvstore.keys import IDENTITY_FIELDS, ChunkKey, Namespace
+from kvstore.daemon.fields import (  # noqa: F401 (the JSON part of the wire format)
+    NAMESPACE_HEADER, PREFIX_HASH_BYTES, PROTOCOL_VERSION, SUPPORTED_VERSIONS, VERSION_HEADER,
+    ProtocolError, check_version, error_body, key_request, parse_json, parse_key, parse_keys,
+    parse_namespace)
+from kvstore.keys import ChunkKey, Namespace
 from kvstore.layout import KVLayout, dtype_name
 
-PROTOCOL_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
 MAGIC = b"KVS" + bytes([PROTOCOL_VERSION])
 PREAMBLE = struct.Struct("<4sI")  # magic, header length
 PREAMBLE_BYTES = PREAMBLE.size  # 8
 MAX_HEADER_BYTES = 16 << 20
-VERSION_HEADER = "X-KVStore-Protocol"
-NAMESPACE_HEADER = "X-KVStore-Namespace"
 BINARY_CONTENT_TYPE = "application/x-kvstore"
-
-
-class ProtocolError(ValueError):
-    """A message that does not follow the wire format (maps to HTTP 400, or ``status``)."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass(frozen=True)
@@ -140,159 +135,6 @@ def decode_preamble(buf: bytes) -> int:
     if not 2 <= hdr_len <= MAX_HEADER_BYTES:
         raise ProtocolError(f"header length {hdr_len} out of range [2, {MAX_HEADER_BYTES}]")
     return hdr_len
-
-
-def parse_json(blob: bytes | str, what: str = "body") -> dict:
-    """Decode a JSON object (``NaN``/``Infinity`` are read as floats, as Python writes them:
-    each field's check refuses them where a number is expected).
-
-    Raises:
-        ProtocolError: malformed JSON, non-UTF-8 bytes, an integer of more than 4,300 digits
-            (Python's int/str conversion limit), nesting deeper than the recursion limit, or a
-            non-object.
-    """
-    try:
-        obj = json.loads(blob)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
-        raise ProtocolError(f"malformed JSON in {what}: {str(e)[:200]}") from None
-    if not isinstance(obj, dict):
-        raise ProtocolError(f"{what} must be a JSON object, got {type(obj).__name__}")
-    return obj
-
-
-def check_version(value: str | None) -> None:
-    """Validate an ``X-KVStore-Protocol`` header value (absent means the current version)."""
-    if value is None:
-        return
-    try:
-        v = int(value)
-    except ValueError:
-        raise ProtocolError(f"bad {VERSION_HEADER} header {value!r}") from None
-    if v not in SUPPORTED_VERSIONS:
-        raise ProtocolError(f"unsupported protocol version {v}; "
-                            f"supported: {list(SUPPORTED_VERSIONS)}")
-
-
-#: Namespaces parsed recently, by their fields (parsing + digest cost ~20 us per request).
-_NS_CACHE: dict[tuple, Namespace] = {}
-_NS_CACHE_MAX = 1024
-
-
-def _ns_cache_key(obj: dict) -> tuple | None:
-    layout = obj.get("layout")
-    if not isinstance(layout, dict) or len(obj) > 5 + len(IDENTITY_FIELDS):
-        return None
-    try:
-        key = tuple((k, v) for k, v in sorted(obj.items()) if k != "layout") + \
-            (("layout", tuple(sorted(layout.items()))),)
-        hash(key)
-    except TypeError:  # unhashable field values: parse without the cache
-        return None
-    return key
-
-
-_LAYOUT_INTS = ("num_layers", "num_kv_heads", "head_dim", "chunk_size")
-
-
-def parse_namespace(obj: Any) -> Namespace:
-    """Namespace from its ``to_dict()`` form (recent ones cached). Raises ProtocolError naming
-    the problem."""
-    if not isinstance(obj, dict):
-        raise ProtocolError("missing or non-object 'namespace'")
-    ck = _ns_cache_key(obj)
-    ns = _NS_CACHE.get(ck) if ck is not None else None
-    if ns is not None:
-        return ns
-    layout = obj.get("layout")
-    if isinstance(layout, dict):  # exact ints: int() would take 2.7, "3", true or overflow
-        for name in _LAYOUT_INTS:
-            v = layout.get(name)
-            if type(v) is not int:
-                raise ProtocolError(f"bad namespace: layout.{name} must be an integer, "
-                                    f"got {str(v)[:40]!r}")
-    try:
-        ns = Namespace.from_dict(obj)
-        ns.ns_id  # validates and caches the digest
-    except KeyError as e:
-        raise ProtocolError(f"bad namespace: missing field {str(e)[:100]}") from None
-    except (TypeError, ValueError, OverflowError, RecursionError) as e:
-        raise ProtocolError(f"bad namespace: {str(e)[:200]!r}") from None
-    if ck is not None:
-        if len(_NS_CACHE) >= _NS_CACHE_MAX:
-            _NS_CACHE.clear()
-        _NS_CACHE[ck] = ns
-    return ns
-
-
-#: Prefix hash bytes of each ``Namespace.hash_algo`` (``kvstore.keys``: sha256 and blake2b
-#: digests are 32 bytes, xxh3_128 16).
-PREFIX_HASH_BYTES = {"sha256": 32, "blake2b": 32, "xxh3_128": 16}
-
-
-def parse_key(ns: Namespace, value: Any) -> ChunkKey:
-    """A hex key that must belong to ``ns`` (tenant isolation: ns_id prefix must match) and
-    have the prefix-hash length of ``ns.hash_algo`` (``PREFIX_HASH_BYTES``).
-
-    Raises:
-        ProtocolError: not a hex string, a key of another namespace or of another length.
-    """
-    if not isinstance(value, str):
-        raise ProtocolError(f"key must be a hex string, got {type(value).__name__}")
-    try:
-        key = ChunkKey.from_bytes(bytes.fromhex(value))
-    except ValueError as e:
-        raise ProtocolError(f"bad key {value[:100]!r}: {e}") from None
-    if key.ns_id != ns.ns_id:
-        raise ProtocolError(f"key {value[:16]}... does not belong to the request's namespace")
-    want = PREFIX_HASH_BYTES[ns.hash_algo]
-    if len(key.prefix_hash) != want:  # no client of this namespace could ever name it
-        raise ProtocolError(f"key {value[:16]}... has a {len(key.prefix_hash)}-byte prefix "
-                            f"hash; namespace hash_algo {ns.hash_algo} makes {want}-byte ones")
-    return key
-
-
-def parse_keys(ns: Namespace, values: Any, max_keys: int) -> list[ChunkKey]:
-    """List of hex keys, at most ``max_keys`` (413 beyond). Raises ProtocolError."""
-    if not isinstance(values, list):
-        raise ProtocolError("'keys' must be a list of hex strings")
-    if len(values) > max_keys:
-        raise ProtocolError(f"{len(values)} keys exceed the limit of {max_keys} per batch", 413)
-    # fast path: every key a hex string of this namespace with the same length; decoded at once
-    if values and all(v.__class__ is str for v in values):
-        n = len(values[0])
-        if n == 2 * (16 + PREFIX_HASH_BYTES[ns.hash_algo]) and all(len(v) == n for v in values):
-            try:
-                raw = bytes.fromhex("".join(values))
-            except ValueError:
-                raw = None
-            if raw is not None:
-                ns_id, half = ns.ns_id, n // 2
-                if all(raw[i:i + 16] == ns_id for i in range(0, len(raw), half)):
-                    return [ChunkKey(ns_id, raw[i + 16:i + half]) for i in range(0, len(raw), half)]
-    return [parse_key(ns, v) for v in values]  # slow path names the bad key
-
-
-def key_request(ns: Namespace, keys: Sequence[ChunkKey], **extra: Any) -> bytes:
-    """JSON body of a control request (lookup/exists/get/remove/pin/unpin)."""
-    if extra:
-        body = {"namespace": ns.to_dict(), "keys": [k.hex() for k in keys], **extra}
-        return json.dumps(body, separators=(",", ":")).encode()
-    # same bytes as json.dumps of {"namespace", "keys"}, without re-encoding the namespace
-    hexes = '","'.join([(k.ns_id + k.prefix_hash).hex() for k in keys])
-    return (b'{"namespace":' + _ns_json(ns) + b',"keys":' +
-            (f'["{hexes}"]' if keys else "[]").encode() + b"}")
-
-
-def _ns_json(ns: Namespace) -> bytes:
-    blob = _NS_JSON.get(ns)
-    if blob is None:
-        if len(_NS_JSON) >= _NS_CACHE_MAX:
-            _NS_JSON.clear()
-        blob = _NS_JSON[ns] = json.dumps(ns.to_dict(), separators=(",", ":")).encode()
-    return blob
-
-
-_NS_JSON: dict[Namespace, bytes] = {}
 
 
 def parse_put_header(header: dict, max_keys: int) -> tuple[Namespace, list[ChunkEntry], bool]:
@@ -393,8 +235,3 @@ def parse_get_response_header(header: dict, ns: Namespace,
 def payload_total(entries: Sequence[ChunkEntry]) -> int:
     """Sum of the payload bytes of present entries."""
     return sum(e.nbytes for e in entries if e.found)
-
-
-def error_body(message: str, status: int) -> dict:
-    """JSON error object sent with every non-2xx response."""
-    return {"error": message, "status": status}
