@@ -42,6 +42,11 @@ def dtype_name(dtype: str | torch.dtype) -> str:
     return name
 
 
+#: Tokens per chunk when a layout names none: the store's, the connectors' and the
+#: benchmarks' default (defined here only).
+DEFAULT_CHUNK_SIZE = 256
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """Shape and dtype of the KV of one chunk.
@@ -51,7 +56,7 @@ class KVLayout:
         num_kv_heads: KV heads per layer (GQA groups).
         head_dim: elements per head.
         dtype: canonical dtype name, e.g. ``"float16"`` (aliases and torch dtypes accepted).
-        chunk_size: tokens per chunk (default 256).
+        chunk_size: tokens per chunk (default ``DEFAULT_CHUNK_SIZE``, 256).
 
     Raises:
         ValueError: a non-positive dimension or an unsupported dtype.
@@ -61,7 +66,7 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str = "float16"
-    chunk_size: int = 256
+    chunk_size: int = DEFAULT_CHUNK_SIZE
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kvstore.layout import KVLayout, dtype_name
+from kvstore.layout import DEFAULT_CHUNK_SIZE, KVLayout, dtype_name
 
 
 def test_real_model_chunk_is_5898240_bytes():
@@ -11,6 +11,12 @@ def test_real_model_chunk_is_5898240_bytes():
     assert lay.shape() == (30, 2, 256, 3, 64)
     assert lay.token_bytes == 30 * 2 * 3 * 64 * 2 == 23040
     assert lay.chunk_bytes == 23040 * 256 == 5898240
+
+
+def test_a_layout_naming_no_chunk_size_has_the_default_of_256_tokens():
+    lay = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8)
+    assert lay.chunk_size == DEFAULT_CHUNK_SIZE == 256
+    assert lay.shape() == (2, 2, 256, 1, 8)
 
 
 def test_dtype_aliases_and_errors():
