@@ -39,6 +39,7 @@ from aiohttp import web
 from jinja2 import TemplateError
 
 from engine_min.serve import protocol as proto
+from engine_min.serve import responses as wire
 from engine_min.serve.engine_loop import EngineLoop
 from engine_min.serve.errors import error_response, openai_error_middleware
 from engine_min.serve.metrics import ServerMetrics
@@ -208,8 +209,8 @@ class OpenAIServing:
                 return _json_error(proto.ApiError(str(out), status=500, type="server_error"))
             if out.finished:
                 break
-        build = proto.chat_response if p.req.kind == "chat" else proto.completion_response
-        usage = proto.usage(out.num_prompt_tokens, len(out.output_token_ids),
+        build = wire.chat_response if p.req.kind == "chat" else wire.completion_response
+        usage = wire.usage(out.num_prompt_tokens, len(out.output_token_ids),
                             out.num_cached_tokens)
         return web.json_response(build(p.request_id, self.model_name, p.created, out.text,
                                        out.finish_reason, usage))
@@ -221,9 +222,9 @@ class OpenAIServing:
         if p.req.kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else (
                 {} if text is None else {"content": text})
-            return proto.sse(proto.chat_chunk(*args, delta, finish_reason,
+            return wire.sse(wire.chat_chunk(*args, delta, finish_reason,
                                               p.req.include_usage))
-        return proto.sse(proto.completion_chunk(*args, text or "", finish_reason,
+        return wire.sse(wire.completion_chunk(*args, text or "", finish_reason,
                                                 p.req.include_usage))
 
     async def _stream(self, request: web.Request, p: _Prepared, outputs: asyncio.Queue
@@ -249,14 +250,14 @@ class OpenAIServing:
         (``vllm bench serve --backend openai-chat``, genai-perf) time the first chunk that has
         ``choices`` as the first token, so sent at acceptance it made their TTFT the queueing
         time instead of the prefill."""
-        streamer = proto.TextStreamer(p.req.sampling.get("stop", ()))
+        streamer = wire.TextStreamer(p.req.sampling.get("stop", ()))
         role_sent = p.req.kind != "chat"
         while True:
             out = await outputs.get()
             if isinstance(out, Exception):
                 err = out if isinstance(out, proto.ApiError) else proto.ApiError(
                     str(out), status=500, type="server_error")
-                await resp.write(proto.sse(proto.error_body(err.message, err.type, err.param,
+                await resp.write(wire.sse(proto.error_body(err.message, err.type, err.param,
                                                             err.code)))
                 break
             if not role_sent and (out.output_token_ids or out.finished):
@@ -273,12 +274,12 @@ class OpenAIServing:
                                              else None))
             if out.finished:
                 if p.req.include_usage:
-                    usage = proto.usage(out.num_prompt_tokens, len(out.output_token_ids),
+                    usage = wire.usage(out.num_prompt_tokens, len(out.output_token_ids),
                                         out.num_cached_tokens)
-                    await resp.write(proto.sse(proto.usage_chunk(
+                    await resp.write(wire.sse(wire.usage_chunk(
                         p.request_id, self.model_name, p.created, p.req.kind, usage)))
                 break
-        await resp.write(proto.SSE_DONE)
+        await resp.write(wire.SSE_DONE)
         await resp.write_eof()
 
     async def models(self, request: web.Request) -> web.Response:

@@ -1,8 +1,9 @@
-"""engine_min.serve.protocol and engine_min.serve.metrics: validation rules, wire format and
-the streaming text hold-back, on plain values (no model, no network)."""
+"""engine_min.serve.protocol, engine_min.serve.responses and engine_min.serve.metrics: validation
+rules, wire format and the streaming text hold-back, on plain values (no model, no network)."""
 import pytest
 
 from engine_min.serve import protocol as proto
+from engine_min.serve import responses as wire
 from engine_min.serve.metrics import ServerMetrics
 
 
@@ -121,20 +122,20 @@ def test_check_context_limits_and_defaults():
 
 
 def test_wire_format():
-    u = proto.usage(7, 3, 4)
+    u = wire.usage(7, 3, 4)
     assert u == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
                  "prompt_tokens_details": {"cached_tokens": 4}}
     assert proto.error_body("bad", param="n", code="x") == {
         "error": {"message": "bad", "type": "invalid_request_error", "param": "n", "code": "x"}}
-    chunk = proto.chat_chunk("id1", "m", 5, {"content": "a"}, None, True)
+    chunk = wire.chat_chunk("id1", "m", 5, {"content": "a"}, None, True)
     assert chunk["usage"] is None and chunk["object"] == "chat.completion.chunk"
-    assert proto.sse({"a": 1}) == b'data: {"a":1}\n\n'
-    assert proto.SSE_DONE == b"data: [DONE]\n\n"
-    assert proto.usage_chunk("id1", "m", 5, "completion", u)["choices"] == []
+    assert wire.sse({"a": 1}) == b'data: {"a":1}\n\n'
+    assert wire.SSE_DONE == b"data: [DONE]\n\n"
+    assert wire.usage_chunk("id1", "m", 5, "completion", u)["choices"] == []
 
 
 def test_text_streamer_holds_back_partial_utf8_and_stop_prefixes():
-    s = proto.TextStreamer(stop=("END",))
+    s = wire.TextStreamer(stop=("END",))
     assert s.delta("Hello", False) == "Hello"
     assert s.delta("Hello E", False) == " "          # "E" may start "END"
     assert s.delta("Hello EN", False) == ""
@@ -142,7 +143,7 @@ def test_text_streamer_holds_back_partial_utf8_and_stop_prefixes():
     assert s.delta("Hello ENx \ufffd", False) == " "  # half a multibyte character
     assert s.delta("Hello ENx \u00e9", True) == "\u00e9"
     assert s.sent == "Hello ENx \u00e9"
-    t = proto.TextStreamer(stop=("END",))
+    t = wire.TextStreamer(stop=("END",))
     assert t.delta("ab E", False) == "ab "
     assert t.delta("ab ", True) == ""                # engine cut the stop string off
 
