@@ -26,85 +26,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import random
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 import torch
 
+from bench.daemon_load_common import CHUNK_BYTES, LAYOUT, Daemon, chunk_pool, run_clients
+from bench.daemon_load_redis import Redis, bench_redis
+from bench.daemon_load_soak import soak
 from kvstore.daemon.client import AsyncKVStoreClient, KVStoreClient
 from kvstore.keys import Namespace
-from kvstore.layout import KVLayout
-
-ROOT = Path(__file__).resolve().parents[1]
-LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float16", chunk_size=256)
-CHUNK_BYTES = LAYOUT.chunk_bytes  # 5,898,240
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Daemon:
-    """``python -m kvstore serve`` on a free loopback port (stopped with SIGTERM)."""
-
-    def __init__(self, cpu_bytes: str, log_path: Path):
-        self.log = open(log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstore", "serve", "--port", "0", "--cpu-bytes", cpu_bytes,
-             "--policy", "lru", "--log-level", "warning", "--max-batch-keys", "256"],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log,
-            env={**os.environ, "PYTHONPATH": str(ROOT)})
-        line = self.proc.stdout.readline().decode()
-        if "listening on" not in line:
-            raise RuntimeError(f"kvstore serve did not start; see {log_path}")
-        self.url = line.strip().rsplit(" ", 1)[-1]
-        self.ps = psutil.Process(self.proc.pid)
-
-    def rss(self) -> int:
-        return self.ps.memory_info().rss
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        rc = self.proc.wait(60)
-        self.log.close()
-        return rc
-
-
-class Redis:
-    """``redis-server`` on a free port without persistence, or None if it is not installed."""
-
-    def __init__(self, workdir: str):
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", workdir, "--proto-max-bulk-len", "1gb",
-             "--client-query-buffer-limit", "1gb"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 10
-        while time.time() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
 
 
 def bench_memcpy(reps: int) -> float:
@@ -115,21 +51,6 @@ def bench_memcpy(reps: int) -> float:
     for _ in range(reps):
         np.copyto(dst, src)
     return reps * CHUNK_BYTES / (time.perf_counter() - t0) / 1e9
-
-
-def _pool(n: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return [torch.randn(LAYOUT.shape(), generator=g).to(torch.float16) for _ in range(n)]
-
-
-async def _run_clients(num_clients: int, rounds: int, op) -> float:
-    """Run ``op(client_idx, round)`` rounds on each client concurrently; returns seconds."""
-    async def one(c: int) -> None:
-        for r in range(rounds):
-            await op(c, r)
-    t0 = time.perf_counter()
-    await asyncio.gather(*(one(c) for c in range(num_clients)))
-    return time.perf_counter() - t0
 
 
 async def bench_kvstore(url: str, clients: int, rounds: int, batch: int,
@@ -153,43 +74,14 @@ async def bench_kvstore(url: str, clients: int, rounds: int, batch: int,
         assert all(g is not None for g in got)
     try:
         total = clients * rounds * batch * CHUNK_BYTES
-        await _run_clients(clients, rounds, put)  # warm-up: first touch of the tier's pages
-        await _run_clients(clients, rounds, get)
+        await run_clients(clients, rounds, put)  # warm-up: first touch of the tier's pages
+        await run_clients(clients, rounds, get)
         await c.clear(ns)
-        t_put = await _run_clients(clients, rounds, put)
-        t_get = await _run_clients(clients, rounds, get)
+        t_put = await run_clients(clients, rounds, put)
+        t_get = await run_clients(clients, rounds, get)
         await c.clear(ns)
     finally:
         await c.close()
-    return total / t_put / 1e9, total / t_get / 1e9
-
-
-async def bench_redis(port: int, clients: int, rounds: int, batch: int,
-                      tensors: list[torch.Tensor]) -> tuple[float, float]:
-    import redis.asyncio as aredis
-    vals = [t.view(torch.uint8).reshape(-1).numpy().tobytes() for t in tensors]
-    r = aredis.Redis(host="127.0.0.1", port=port, max_connections=max(clients, 8))
-
-    def names(ci, rr):
-        i = (ci * rounds + rr) * batch
-        return [f"k{clients}:{i + j}" for j in range(batch)]
-
-    async def put(ci, rr):
-        await r.mset({k: vals[j % len(vals)] for j, k in enumerate(names(ci, rr))})
-
-    async def get(ci, rr):
-        got = await r.mget(names(ci, rr))
-        assert all(len(g) == CHUNK_BYTES for g in got)
-    try:
-        total = clients * rounds * batch * CHUNK_BYTES
-        await _run_clients(clients, rounds, put)  # warm-up, as for kvstore
-        await _run_clients(clients, rounds, get)
-        await r.flushall()
-        t_put = await _run_clients(clients, rounds, put)
-        t_get = await _run_clients(clients, rounds, get)
-        await r.flushall()
-    finally:
-        await r.aclose()
     return total / t_put / 1e9, total / t_get / 1e9
 
 
@@ -209,90 +101,6 @@ def bench_lookup32(url: str, tensors: list[torch.Tensor], reps: int) -> dict:
     times.sort()
     return {"lookup32_ms": 1e3 * times[len(times) // 2],
             "lookup32_p99_ms": 1e3 * times[int(len(times) * 0.99)]}
-
-
-def _metric_sum(text: str, name: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-    total = 0.0
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name:
-                total += s.value
-    return total
-
-
-async def soak(url: str, daemon: Daemon, capacity: int, seconds: float, clients: int,
-               tensors: list[torch.Tensor]) -> dict:
-    """16 clients: pick a prompt (4 chained chunks) from a universe 10x the CPU capacity,
-    lookup it, get the hit prefix, put the missing tail."""
-    ns = Namespace("bench-soak", LAYOUT)
-    prompt_chunks = 4
-    num_prompts = max(1, 10 * capacity // CHUNK_BYTES // prompt_chunks)
-    c = AsyncKVStoreClient(url, timeout_s=60, pool_size=clients)
-    lat: list[float] = []
-    counts = {"errors": 0, "lookups": 0, "get_chunks": 0, "get_hits": 0, "puts": 0}
-    stop_at = time.monotonic() + seconds
-    rss_peak = [daemon.rss()]
-
-    def keys_of(p: int):
-        return ns.chunk_keys(list(range(p * 100_000, p * 100_000 + prompt_chunks * 256)))
-
-    async def one(ci: int) -> None:
-        r = random.Random(ci)
-        while time.monotonic() < stop_at:
-            # half the picks uniform over the 10x universe (misses, puts, evictions), half
-            # Pareto-skewed (hot shared prefixes that hit)
-            p = r.randrange(num_prompts) if r.random() < 0.5 else \
-                int(r.paretovariate(1.2)) % num_prompts
-            keys = keys_of(p)
-            try:
-                t0 = time.perf_counter()
-                res = await c.lookup_keys(ns, keys)
-                counts["lookups"] += 1
-                lat.append(time.perf_counter() - t0)
-                n = res.num_hit_chunks
-                if n:
-                    t0 = time.perf_counter()
-                    got = await c.get_chunks(ns, keys[:n])
-                    lat.append(time.perf_counter() - t0)
-                    counts["get_chunks"] += n
-                    counts["get_hits"] += sum(g is not None for g in got)
-                if n < prompt_chunks:
-                    t0 = time.perf_counter()
-                    await c.put_chunks(ns, keys[n:], [tensors[(p + i) % len(tensors)]
-                                                      for i in range(n, prompt_chunks)])
-                    lat.append(time.perf_counter() - t0)
-                    counts["puts"] += 1
-            except Exception as e:  # noqa: BLE001 - counted and reported
-                counts["errors"] += 1
-                print(f"soak error: {e!r}", file=sys.stderr)
-
-    async def sample_rss() -> None:
-        while time.monotonic() < stop_at:
-            rss_peak[0] = max(rss_peak[0], daemon.rss())
-            await asyncio.sleep(0.2)
-    try:
-        await asyncio.gather(sample_rss(), *(one(i) for i in range(clients)))
-        text = await c.metrics_text()
-        server = (await c.stats())["server"]
-    finally:
-        await c.close()
-    lat.sort()
-    lookups = _metric_sum(text, "kvstore_lookups_total")
-    hits = _metric_sum(text, "kvstore_hits_total")
-    misses = _metric_sum(text, "kvstore_misses_total")
-    consistent = (lookups == counts["lookups"] and hits == counts["get_hits"]
-                  and hits + misses == counts["get_chunks"])
-    return {"soak_s": seconds, "soak_clients": clients, "soak_errors": counts["errors"],
-            "soak_ops": len(lat), "soak_p50_s": lat[len(lat) // 2] if lat else None,
-            "soak_p99_s": lat[int(len(lat) * 0.99)] if lat else None,
-            "soak_lookups": counts["lookups"], "soak_get_chunks": counts["get_chunks"],
-            "soak_puts": counts["puts"],
-            "soak_metrics_lookups": lookups, "soak_metrics_hits": hits,
-            "soak_metrics_misses": misses, "soak_metrics_consistent": consistent,
-            "soak_rss_peak_bytes": rss_peak[0], "soak_universe_prompts": num_prompts,
-            "soak_max_inflight_bytes": server.get("max_inflight_bytes"),
-            "soak_inflight_bytes_peak": server.get("inflight_bytes_peak")}
 
 
 async def _throughput(args, out: dict, daemon: Daemon, redis, tensors) -> None:
@@ -328,7 +136,7 @@ async def _throughput(args, out: dict, daemon: Daemon, redis, tensors) -> None:
 
 
 async def _main_async(args, out: dict, workdir: str) -> None:
-    tensors = _pool(8)
+    tensors = chunk_pool(8)
     redis = None
     if shutil.which("redis-server") is None:
         print("redis-server not installed (apt-get install -y redis-server): "
