@@ -151,8 +151,10 @@ class EngineMinConnector(KVConnectorBase):
         self.tail_chunk_size = tail_chunk_size
         self.tail_ns: Namespace | None = None
         self.model_identity: dict[str, str] = {}
-        # a daemon client reports the daemon's tier names: shown as "remote:<tier>"
-        self._remote = hasattr(store, "url") and not hasattr(store, "local")
+        # a store whose every tier is behind a daemon (the daemon's client) reports the
+        # daemon's tier names: shown as "remote:<tier>" (a layered store names them so itself)
+        caps = store.capabilities
+        self._remote = caps.remote and caps.tiers == ("remote",)
         self.ns: Namespace | None = None
         self.geometry: ChunkGeometry | None = None
         self.kv_cache: torch.Tensor | None = None
@@ -211,11 +213,9 @@ class EngineMinConnector(KVConnectorBase):
                 layout, chunk_size=self.tail_chunk_size))
         self.kv_cache = kv_cache
         self._loader.bind(kv_cache, block_size)
-        register = getattr(self.store, "register", None)
-        if register is not None:
-            register(self.ns)  # a tier smaller than one chunk fails here, not mid-run
-            if self.tail_ns is not None:
-                register(self.tail_ns)
+        self.store.register(self.ns)  # a tier smaller than one chunk fails here, not mid-run
+        if self.tail_ns is not None:
+            self.store.register(self.tail_ns)
 
     @property
     def layout(self) -> KVLayout:

@@ -45,16 +45,6 @@ class _Load:
     cancelled: bool = False         # set under ``lock``: the worker scatters nothing more
 
 
-def _borrower(store: KVStoreBase):
-    """``store.borrow_chunks`` when the store is a ``ChunkStore`` whose reads are its own (a
-    subclass that redefines ``get_chunks``, e.g. to inject faults, keeps being read through
-    it), else None."""
-    from kvstore.store import ChunkStore
-    if not isinstance(store, ChunkStore) or type(store).get_chunks is not ChunkStore.get_chunks:
-        return None
-    return store.borrow_chunks
-
-
 def _as_chunk(parts: list[torch.Tensor] | None, layout: KVLayout) -> torch.Tensor | None:
     """A borrowed chunk's byte runs (1-D ``uint8``) as ``layout.shape()`` of its dtype: a view
     of the pages when they are one run, else a copy; None when absent or not the chunk's size."""
@@ -79,8 +69,12 @@ class Loader:
                  deadline_s: float, deadline_s_per_chunk: float) -> None:
         self.store, self._pool, self.stats = store, pool, stats
         self.deadline_s, self.deadline_s_per_chunk = deadline_s, deadline_s_per_chunk
-        # a ChunkStore lends views of its host-memory pages: loads scatter from them directly
-        self._borrow = _borrower(store)
+        caps = store.capabilities
+        # a store that lends views of its host-memory pages (a ChunkStore whose reads are its
+        # own): loads scatter from them directly
+        self._borrow = store.borrow_chunks if caps.borrowed_reads else None
+        # a store that keeps copies of what it fetched needs their true parents
+        self._get_takes_parents = caps.get_takes_parents
         self.kv_cache: torch.Tensor | None = None
         self.block_size = 0
         self._loads: list[_Load] = []
@@ -129,7 +123,7 @@ class Loader:
                 finally:
                     borrowed.release()
                 continue
-            if self.store.get_takes_parents:  # it keeps copies: they need true parents
+            if self._get_takes_parents:
                 kvs = self.store.get_chunks(ns, keys, [p.parent for p in group])
             else:
                 kvs = self.store.get_chunks(ns, keys)
