@@ -57,7 +57,8 @@ class SchedulerSide:
         namespaces: the requests' namespaces.
         calls: the store and its deadline.
         counters: the connector's counters.
-        pin_lease_s: pin lease of chunks a lookup found (s); 0 = no pins.
+        pin_lease_s: pin lease of chunks a lookup found (s); 0 = no pins (nor on a store
+            whose ``capabilities`` declare none).
         block_table: ``(req_id, fallback) -> block ids``: vLLM's current block table of a
             request, ``fallback`` when vLLM cannot say.
     """
@@ -120,7 +121,7 @@ class SchedulerSide:
                 t_hit += 1
         ext = state.chunks.record(q.hit(n_hit, num_hit_pieces=t_hit))
         self.counters.add(lookups=1, hit_tokens=ext)
-        if ext and self.pin_lease_s > 0:
+        if ext and self.pin_lease_s > 0 and store.capabilities.pins:
             try:
                 if n_hit:
                     self.calls(store.pin, ns, list(q.keys[:n_hit]), self.pin_lease_s)
