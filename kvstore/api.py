@@ -122,11 +122,6 @@ class KVStoreBase(ABC):
         """The optional operations this store offers and what may block (none by default)."""
         return StoreCapabilities()
 
-    @property
-    def get_takes_parents(self) -> bool:
-        """``capabilities.get_takes_parents`` (the name callers used before declarations)."""
-        return self.capabilities.get_takes_parents
-
     def register(self, ns: Namespace) -> None:
         """Check that a chunk of ``ns`` fits the store (done on first use otherwise). Does
         nothing by default.

@@ -48,7 +48,7 @@ def test_a_store_declaring_nothing_offers_no_optional_operation():
 
     bare = Bare()
     assert bare.capabilities == StoreCapabilities()
-    assert not bare.capabilities.has_lower_tiers and bare.get_takes_parents is False
+    assert not bare.capabilities.has_lower_tiers
     assert bare.register(NS) is None  # the default checks nothing and raises nothing
     with pytest.raises(dataclasses.FrozenInstanceError):  # frozen: a declaration cannot be changed by a caller
         bare.capabilities.remote = True
@@ -148,7 +148,6 @@ def test_layered_store_declares_parents_on_get_and_local_then_remote_tiers(daemo
         caps = layered.capabilities
         assert caps == StoreCapabilities(remote=True, pins=True, get_takes_parents=True,
                                          tiers=("cpu", "remote"))
-        assert layered.get_takes_parents is True  # the name callers used before
         assert not hasattr(layered, "borrow_chunks") and not hasattr(layered, "persist")
         # get_takes_parents: remote hits are copied into the local store with the given parents
         assert c.put_chunks(NS, KEYS, [chunk(i) for i in range(3)]) == 3
