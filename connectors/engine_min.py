@@ -77,7 +77,7 @@ from kernels import ops
 from kvstore.api import KVStoreBase, LookupResult
 from kvstore.keys import IDENTITY_FIELDS, Namespace
 from kvstore.layered import remote_breaker
-from kvstore.layout import KVLayout
+from kvstore.layout import DEFAULT_CHUNK_SIZE, KVLayout
 
 log = logging.getLogger("connectors.engine_min")
 
@@ -123,7 +123,7 @@ class EngineMinConnector(KVConnectorBase):
             negative, not smaller than ``chunk_size`` or does not divide it.
     """
 
-    def __init__(self, store: KVStoreBase, *, chunk_size: int = 256,
+    def __init__(self, store: KVStoreBase, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  model_id: str | None = None, revision: str | None = None,
                  cache_salt: str = "",
                  hash_algo: str = "sha256", deadline_s: float = 0.5,
