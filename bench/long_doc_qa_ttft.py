@@ -49,6 +49,8 @@ if __name__ == "__main__":  # run as a script: before torch loads OpenMP
     set_omp_wait_policy()
 import torch  # noqa: E402
 
+from kvstore.defaults import DEFAULT_CHUNK_SIZE  # noqa: E402
+
 
 def _ttft(engine, prompt: list[int]):
     """(TTFT seconds, RequestOutput) of one greedy 1-token request."""
@@ -189,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--doc-tokens", type=int, default=4000)
     ap.add_argument("--questions", type=int, default=3, help="questions after the first")
     ap.add_argument("--question-tokens", type=int, default=24)
-    ap.add_argument("--chunk-size", type=int, default=256)
+    ap.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
     ap.add_argument("--cold-reps", type=int, default=3,
                     help="cold runs (each paired with a recompute; default 3)")
     ap.add_argument("--save-partial", action="store_true",

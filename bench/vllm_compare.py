@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvstore.defaults import DEFAULT_CHUNK_SIZE
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -84,7 +86,7 @@ def _engine(spec: dict):
         ktc = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                                kv_connector_extra_config={"shared_storage_path": spec["example_path"]})
     elif kind in ("ours-cpu", "ours-daemon"):
-        extra = {"model_id": MODEL_ID, "chunk_size": spec.get("chunk_size", 256),
+        extra = {"model_id": MODEL_ID, "chunk_size": spec.get("chunk_size", DEFAULT_CHUNK_SIZE),
                  "cpu_bytes": spec.get("cpu_bytes", "512MiB")}
         if kind == "ours-daemon":
             extra["kvstore_url"] = spec["url"]
@@ -215,7 +217,7 @@ def _engine_min_row(workload: list[dict], max_tokens: int, **store: Any) -> dict
     from engine_min.config import EngineConfig
     from engine_min.engine import LLMEngine
     from engine_min.sampler import SamplingParams
-    conn = create_connector(chunk_size=256, deadline_s=5.0, **store) if store else None
+    conn = create_connector(chunk_size=DEFAULT_CHUNK_SIZE, deadline_s=5.0, **store) if store else None
     eng = LLMEngine(EngineConfig(enable_prefix_caching=False), connector=conn)
     res = []
     try:
@@ -288,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--docs", type=int, default=3)
     p.add_argument("--doc-tokens", type=int, default=1500)
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--chunk-size", type=int, default=256,
+    p.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
                    help="our connector's chunk size (256 = engine_min's, so both share chunks)")
     p.add_argument("--fine-chunk-size", type=int, default=0,
                    help="also run our CPU tier with this chunk size (0: skip), e.g. 128 = vLLM "
@@ -327,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in ("ours-daemon", "ours-daemon-2nd-process"):
                 print(f"[vllm_compare] {name} ...", file=sys.stderr, flush=True)
                 runs[name] = run_child({**common, "connector": "ours-daemon", "url": d.url})
-            if a.engine_min and a.chunk_size == 256:
+            if a.engine_min and a.chunk_size == DEFAULT_CHUNK_SIZE:
                 _engine_min_run(runs, "engine_min + daemon vLLM filled", workload, a.max_tokens,
                                 url=d.url)
     if a.engine_min:

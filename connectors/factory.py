@@ -14,6 +14,7 @@ from typing import Any
 from connectors.engine_min import EngineMinConnector
 from connectors.stores import (DEFAULT_DISK_BYTES, BreakerTimes, StoreSpec,  # noqa: F401
                                daemon_tenant_salt, open_store)
+from kvstore.defaults import DEFAULT_CHUNK_SIZE
 
 log = logging.getLogger("kvstore.connectors.factory")
 
@@ -23,7 +24,7 @@ SAVE_TIMEOUT_S = 30.0
 
 def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None = None,
                      disk_bytes: int | str | None = None, url: str | None = None,
-                     chunk_size: int = 256, deadline_s: float = 0.5, *,
+                     chunk_size: int = DEFAULT_CHUNK_SIZE, deadline_s: float = 0.5, *,
                      model_id: str | None = None, revision: str | None = None,
                      auth_token: str | None = None, save_generated: bool = True,
                      tail_chunk_size: int = 0,

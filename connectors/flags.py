@@ -12,6 +12,7 @@ import argparse
 import os
 from typing import TYPE_CHECKING
 
+from kvstore.defaults import DEFAULT_CHUNK_SIZE
 from kvstore.units import parse_size
 
 if TYPE_CHECKING:
@@ -44,8 +45,8 @@ def add_store_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     s.add_argument("--kvstore-auth-token", default=os.environ.get("KVSTORE_AUTH_TOKEN"),
                    metavar="TOKEN", help="bearer token of a daemon started with --auth-token "
                    "(default $KVSTORE_AUTH_TOKEN)")
-    s.add_argument("--kvstore-chunk-size", type=int, default=256,
-                   help="tokens per store chunk (a multiple of the block size; default 256)")
+    s.add_argument("--kvstore-chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
+                   help="tokens per store chunk (a multiple of the block size; default %(default)s)")
     s.add_argument("--kvstore-tail-chunk-size", type=int, default=0, metavar="N",
                    help="also store a prompt's tokens past its last full chunk as pieces of N "
                    "tokens (a multiple of the block size dividing the chunk size), so a hit "

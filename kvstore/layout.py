@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstore.defaults import DEFAULT_CHUNK_SIZE
+
 #: dtype names accepted in a layout, mapped to torch dtypes. fp8 only where torch has it.
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -40,11 +42,6 @@ def dtype_name(dtype: str | torch.dtype) -> str:
     if name not in DTYPES:
         raise ValueError(f"unsupported KV dtype {dtype!r}; supported: {sorted(DTYPES)}")
     return name
-
-
-#: Tokens per chunk when a layout names none: the store's, the connectors' and the
-#: benchmarks' default (defined here only).
-DEFAULT_CHUNK_SIZE = 256
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ Use (a vLLM ``KVTransferConfig``)::
   (``disk_path`` alone: a disk tier of ``connectors.stores.DEFAULT_DISK_BYTES``). Stores are
   opened by ``connectors.stores.open_store``, as the engine_min connector's are.
 * ``model_id`` (default: vLLM's served model name), ``revision``, ``weights_fingerprint``
-  (``"auto"``, ``"off"`` or a given string), ``chunk_size`` (default 256), ``hash_algo``: the
+  (``"auto"``, ``"off"`` or a given string), ``chunk_size`` (default ``kvstore.defaults.DEFAULT_CHUNK_SIZE``, 256), ``hash_algo``: the
   chunk-key namespace (``kvstore.keys.Namespace``), which also holds everything else in vLLM's
   config that changes the KV of the same tokens (the weights' content fingerprint, dtype, RoPE,
   weight and KV-cache quantization, a request's LoRA adapter; ``connectors.vllm.identity``).

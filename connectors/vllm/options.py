@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from connectors.stores import StoreSpec
+from kvstore.defaults import DEFAULT_CHUNK_SIZE
 
 log = logging.getLogger("kvstore.connectors.vllm")
 
@@ -44,7 +45,7 @@ class ConnectorOptions:
             ValueError: a ``tail_chunk_size`` that does not divide ``chunk_size`` or is not
                 smaller; a bad number.
         """
-        chunk_size = int(extra.get("chunk_size", 256))
+        chunk_size = int(extra.get("chunk_size", DEFAULT_CHUNK_SIZE))
         tail = extra.get("tail_chunk_size")
         if tail is None:
             tail = block_size if block_size < chunk_size and chunk_size % block_size == 0 else 0
