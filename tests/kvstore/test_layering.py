@@ -189,3 +189,27 @@ def test_engine_min_modules_import_one_another_without_a_cycle():
              for name, path in mods.items()}
     assert graph["engine_min.engine"] >= {"engine_min.scheduler", "engine_min.block_manager"}
     assert find_cycle(graph) is None
+
+
+def test_connectors_reach_the_engine_only_for_its_weights_fingerprint():
+    """The connectors import the store, never an engine's internals; the one exception is the
+    weights fingerprint (``engine_min.identity``), so that vLLM and engine_min name the same
+    weights alike and share chunks."""
+    found = offenders("connectors", ("engine_min", "bench", "tests"))
+    assert [o for o in found if not o.endswith("-> engine_min.identity")] == []
+    assert "connectors.vllm.identity -> engine_min.identity" in found
+
+
+def test_the_engine_core_never_imports_its_server():
+    """``engine_min.serve`` (the HTTP server) sits on the engine core, not the other way round;
+    only the command line (``engine_min.cli``, ``python -m engine_min``) starts it."""
+    assert offenders("engine_min", ("engine_min.serve",),
+                     skip=("engine_min.serve", "engine_min.cli", "engine_min.__main__")) == []
+
+
+def test_connector_modules_import_one_another_without_a_cycle():
+    mods = modules("connectors")
+    graph = {name: {m for m, top in imports(path, set(mods)) if top and m in mods and m != name}
+             for name, path in mods.items()}
+    assert "connectors.chunk_plan" in graph["connectors.engine_min"]
+    assert find_cycle(graph) is None
