@@ -63,7 +63,7 @@ def chain_hashes(seed: bytes, tokens: Sequence[int] | np.ndarray, unit: int,
     """Chained hashes of each full ``unit``-token slice of ``tokens``.
 
     ``out[i] = H(out[i-1] || tokens[i*unit:(i+1)*unit])`` with ``out[-1] = seed``.
-    Used for store chunks (unit = chunk_size) and the engine's block hashes (unit = block_size).
+    Used for store chunk keys (unit = the namespace's ``chunk_size``).
     """
     if unit <= 0:
         raise ValueError(f"unit must be positive, got {unit}")
@@ -126,7 +126,7 @@ class Namespace:
         cache_salt: optional tenant salt; tenants with different salts never share chunks.
         hash_algo: ``"sha256"`` (default), ``"blake2b"`` or ``"xxh3_128"``.
         weights_fingerprint: digest of the loaded weights' content (e.g. ``"xxh3_128:<32 hex>"``,
-            ``engine_min.weights.weights_fingerprint``); ``""`` = not computed.
+            ``engine_min.identity.weights_fingerprint``); ``""`` = not computed.
         compute_dtype: dtype the model computes in, when it differs from the KV dtype or the
             engine reports it (``"float32"``...); ``""`` = not reported.
         rope: RoPE parameters (theta and scaling) as canonical JSON; a dict is accepted and

@@ -1,5 +1,5 @@
-"""``kvstore serve`` against hostile or buggy clients: each input of the break-it report, with
-its exact status and effect.
+"""``kvstore serve`` against hostile or buggy clients: each hostile input, with its exact
+status and effect.
 
 * idle and trickling connections under a 256-descriptor limit (a real ``kvstore serve`` with
   ``RLIMIT_NOFILE`` lowered): the cap holds, a lookup is answered, idle sockets are closed,
