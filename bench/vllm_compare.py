@@ -86,10 +86,11 @@ def _engine(spec: dict):
         ktc = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                                kv_connector_extra_config={"shared_storage_path": spec["example_path"]})
     elif kind in ("ours-cpu", "ours-daemon"):
-        extra = {"model_id": MODEL_ID, "chunk_size": spec.get("chunk_size", DEFAULT_CHUNK_SIZE),
-                 "cpu_bytes": spec.get("cpu_bytes", "512MiB")}
-        if kind == "ours-daemon":
+        extra = {"model_id": MODEL_ID, "chunk_size": spec.get("chunk_size", DEFAULT_CHUNK_SIZE)}
+        if kind == "ours-daemon":   # the daemon alone (in-process keys would be ignored)
             extra["kvstore_url"] = spec["url"]
+        else:
+            extra["cpu_bytes"] = spec.get("cpu_bytes", "512MiB")
         extra.update(spec.get("extra", {}))
         ktc = KVTransferConfig(kv_connector="KVStoreConnector",
                                kv_connector_module_path="connectors.vllm", kv_role="kv_both",

@@ -55,7 +55,8 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
 
     Raises:
         ValueError: no store given, ``disk_bytes`` without ``disk_path``, a bad URL or size,
-            a bad ``tail_chunk_size``.
+            a bad ``chunk_size``, ``tail_chunk_size`` or deadline (the store opened for the
+            connector is closed again).
     """
     timeout_s = max(deadline_s, 0.05)
     # Saves are background work: a long deadline, so a big save on a busy host does not
@@ -68,12 +69,16 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
                                   disk_bytes=disk_bytes, url=url, auth_token=auth_token,
                                   timeout_s=timeout_s, breaker=breaker))
     store = opened.store
-    if url and auth_token:
-        from kvstore.daemon.tenants import bind_salt
-        connector_kwargs["cache_salt"] = bind_salt(opened.tenant_salt,
-                                                   connector_kwargs.get("cache_salt", ""))
-    return EngineMinConnector(store, chunk_size=chunk_size, model_id=model_id,
-                              revision=revision, deadline_s=deadline_s,
-                              save_generated=save_generated, tail_chunk_size=tail_chunk_size,
-                              **connector_kwargs)
+    try:
+        if url and auth_token:
+            from kvstore.daemon.tenants import bind_salt
+            connector_kwargs["cache_salt"] = bind_salt(opened.tenant_salt,
+                                                       connector_kwargs.get("cache_salt", ""))
+        return EngineMinConnector(store, chunk_size=chunk_size, model_id=model_id,
+                                  revision=revision, deadline_s=deadline_s,
+                                  save_generated=save_generated,
+                                  tail_chunk_size=tail_chunk_size, **connector_kwargs)
+    except BaseException:
+        store.close()   # a refused option leaves nothing open (a disk path's lock, the arena)
+        raise
 

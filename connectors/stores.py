@@ -131,10 +131,12 @@ class OpenedStore:
 
 
 def open_store(spec: StoreSpec) -> OpenedStore:
-    """Open the store ``spec`` describes (see module docstring); the caller closes it.
+    """Open the store ``spec`` describes (see module docstring); the caller closes it. On an
+    error nothing stays open.
 
     Raises:
         ValueError: as ``StoreSpec.check``; a bad size.
+        OSError: a disk path that cannot be opened (a file, not writable, in use).
     """
     spec.check()
     stores: list[KVStoreBase] = []
@@ -146,6 +148,17 @@ def open_store(spec: StoreSpec) -> OpenedStore:
                           if spec.disk_path else 0,
                           disk_path=spec.disk_path)
         stores.append(ChunkStore(cfg))
+    try:
+        return _with_daemon(spec, stores)
+    except BaseException:
+        for store in stores:   # the in-process tiers opened above (a disk path's lock)
+            store.close()
+        raise
+
+
+def _with_daemon(spec: StoreSpec, stores: list[KVStoreBase]) -> OpenedStore:
+    """``stores`` (the in-process one, if any) plus the daemon ``spec.url`` names, as one
+    ``OpenedStore``."""
     salt = None
     if spec.url:
         from kvstore.daemon.client import KVStoreClient

@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from connectors.chunk_geometry import ChunkGeometry
 from connectors.stores import StoreSpec
 from kvstore.defaults import DEFAULT_CHUNK_SIZE
+from kvstore.units import parse_size
 
 log = logging.getLogger("kvstore.connectors.vllm")
 
@@ -39,36 +42,86 @@ class ConnectorOptions:
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any], block_size: int) -> "ConnectorOptions":
         """Read ``kv_connector_extra_config``; ``block_size`` is vLLM's (tokens per block),
-        the default tail piece size when it divides ``chunk_size``.
+        the default tail piece size when it divides ``chunk_size``. Every value is checked
+        here, before any store opens.
 
         Raises:
-            ValueError: a ``tail_chunk_size`` that does not divide ``chunk_size`` or is not
-                smaller; a bad number.
+            ValueError: a value of the wrong type or range, naming its key: ``chunk_size`` not
+                a positive integer multiple of ``block_size``; a ``tail_chunk_size`` that is
+                negative, does not divide ``chunk_size``, is not smaller or not a multiple of
+                ``block_size``; ``timeout_s`` not a positive number; ``pin_lease_s`` negative;
+                ``save_queue_bytes`` not a byte size (``512MiB`` or an int).
         """
-        chunk_size = int(extra.get("chunk_size", DEFAULT_CHUNK_SIZE))
+        chunk_size = _int(extra, "chunk_size", DEFAULT_CHUNK_SIZE, minimum=1)
         tail = extra.get("tail_chunk_size")
         if tail is None:
             tail = block_size if block_size < chunk_size and chunk_size % block_size == 0 else 0
-        tail = int(tail)
-        if tail and (tail < 0 or tail >= chunk_size or chunk_size % tail):
+        else:
+            tail = _int(extra, "tail_chunk_size", 0, minimum=0)
+        if tail and (tail >= chunk_size or chunk_size % tail):
             raise ValueError(f"tail_chunk_size {tail} must divide chunk_size {chunk_size} "
                              f"and be smaller (0 disables tail pieces)")
+        ChunkGeometry(block_size, chunk_size, tail)   # multiples of vLLM's block size
         if "save_queue" in extra:
             log.warning("kv_connector_extra_config 'save_queue' (a count of saves) is replaced "
                         "by 'save_queue_bytes'; ignored")
-        timeout_s = float(extra.get("timeout_s", 2.0))
+        timeout_s = _seconds(extra, "timeout_s", 2.0, allow_zero=False)
+        try:
+            queue_bytes = parse_size(extra.get("save_queue_bytes", DEFAULT_SAVE_QUEUE_BYTES))
+        except ValueError as e:
+            raise ValueError(f"kv_connector_extra_config 'save_queue_bytes': {e}") from None
         return cls(chunk_size=chunk_size, tail_chunk_size=tail, timeout_s=timeout_s,
-                   pin_lease_s=float(extra.get("pin_lease_s", 30.0)),
-                   save_queue_bytes=int(extra.get("save_queue_bytes",
-                                                  DEFAULT_SAVE_QUEUE_BYTES)),
-                   store=store_spec(extra, timeout_s))
+                   pin_lease_s=_seconds(extra, "pin_lease_s", 30.0, allow_zero=True),
+                   save_queue_bytes=queue_bytes, store=store_spec(extra, timeout_s))
+
+
+def _int(extra: Mapping[str, Any], key: str, default: int, minimum: int) -> int:
+    """``extra[key]`` (default ``default``) as an int ``>= minimum``: an int or a string of
+    one (``"256"``); a bool, a fraction (``2.7``) or other text is refused, not truncated.
+
+    Raises:
+        ValueError: naming ``key`` and the value.
+    """
+    value = extra.get(key, default)
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        value = int(value)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"kv_connector_extra_config {key!r} must be an integer >= {minimum}, "
+                         f"got {value!r}")
+    return value
+
+
+def _seconds(extra: Mapping[str, Any], key: str, default: float, allow_zero: bool) -> float:
+    """``extra[key]`` (default ``default``) as a finite number of seconds, ``> 0`` (or
+    ``>= 0`` with ``allow_zero``).
+
+    Raises:
+        ValueError: naming ``key`` and the value (text, NaN, infinity, out of range).
+    """
+    value = extra.get(key, default)
+    try:
+        seconds = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"kv_connector_extra_config {key!r} must be a number of seconds "
+                         f"{bound}, got {value!r}")
+    return seconds
 
 
 def store_spec(extra: Mapping[str, Any], timeout_s: float) -> StoreSpec:
     """The store ``extra`` names: the daemon at ``kvstore_url`` (the bare client, calls with
     ``timeout_s``), else in-process tiers (``cpu_bytes`` default ``"1GiB"``, ``disk_bytes``,
-    ``disk_path``; ``store_name`` tells apart equal ones)."""
+    ``disk_path``; ``store_name`` tells apart equal ones). With ``kvstore_url`` the in-process
+    keys are not used (logged as a warning when given)."""
     if extra.get("kvstore_url"):
+        local = [k for k in ("cpu_bytes", "disk_bytes", "disk_path") if extra.get(k)]
+        if local:
+            log.warning("kv_connector_extra_config: %s ignored: with 'kvstore_url' the vLLM "
+                        "connector uses the daemon alone", ", ".join(map(repr, local)))
         return StoreSpec(url=str(extra["kvstore_url"]), auth_token=extra.get("auth_token"),
                          timeout_s=timeout_s)
     return StoreSpec(cpu_bytes=str(extra.get("cpu_bytes", "1GiB")),

@@ -89,9 +89,74 @@ def test_vllm_options_read_the_extra_config():
     assert (opts.chunk_size, opts.tail_chunk_size, opts.timeout_s, opts.pin_lease_s) == \
         (256, 128, 2.0, 30.0)
     assert opts.store == StoreSpec(cpu_bytes="1GiB")
-    assert ConnectorOptions.from_extra({"chunk_size": 256}, block_size=96).tail_chunk_size == 0
+    # tail pieces default to vLLM's block size when it is smaller than the chunk, else off
+    assert ConnectorOptions.from_extra({"chunk_size": 256}, block_size=256).tail_chunk_size == 0
+    assert ConnectorOptions.from_extra({"save_queue_bytes": "1GiB", "chunk_size": "512"},
+                                       block_size=16).save_queue_bytes == 1 << 30
     with pytest.raises(ValueError, match="tail_chunk_size 100 must divide chunk_size 256"):
         ConnectorOptions.from_extra({"tail_chunk_size": 100}, block_size=128)
     remote = store_spec({"kvstore_url": "http://h:1", "auth_token": "t", "cpu_bytes": "1GiB"},
                         timeout_s=2.0)
     assert remote == StoreSpec(url="http://h:1", auth_token="t", timeout_s=2.0)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"chunk_size": 0}, "'chunk_size' must be an integer >= 1, got 0"),
+    ({"chunk_size": -1}, "'chunk_size' must be an integer >= 1, got -1"),
+    ({"chunk_size": "abc"}, "'chunk_size' must be an integer >= 1, got 'abc'"),
+    ({"chunk_size": 2.7}, "'chunk_size' must be an integer >= 1, got 2.7"),
+    ({"chunk_size": True}, "'chunk_size' must be an integer >= 1, got True"),
+    ({"chunk_size": 100}, "chunk_size=100 must be a multiple of the engine's block_size=16"),
+    ({"chunk_size": 256, "tail_chunk_size": -16}, "'tail_chunk_size' must be an integer >= 0"),
+    ({"chunk_size": 256, "tail_chunk_size": 8},
+     "tail_chunk_size=8 must be a multiple of the engine's block_size=16"),
+    ({"save_queue_bytes": "lots"}, "'save_queue_bytes': not a byte size: 'lots'"),
+    ({"save_queue_bytes": -5}, "'save_queue_bytes': byte size must be >= 0, got -5"),
+    ({"timeout_s": "abc"}, "'timeout_s' must be a number of seconds > 0, got 'abc'"),
+    ({"timeout_s": 0}, "'timeout_s' must be a number of seconds > 0, got 0"),
+    ({"timeout_s": float("nan")}, "'timeout_s' must be a number of seconds > 0, got nan"),
+    ({"pin_lease_s": -1}, "'pin_lease_s' must be a number of seconds >= 0, got -1"),
+])
+def test_vllm_options_refuse_bad_values_naming_the_key_before_a_store_opens(extra, message):
+    with pytest.raises(ValueError) as e:
+        ConnectorOptions.from_extra(extra, block_size=16)
+    assert message in str(e.value)
+
+
+def test_vllm_options_warn_about_keys_they_ignore(caplog):
+    with caplog.at_level("WARNING", logger="kvstore.connectors.vllm"):
+        opts = ConnectorOptions.from_extra({"save_queue": 4}, block_size=16)
+        spec = store_spec({"kvstore_url": "http://h:1", "cpu_bytes": "1GiB",
+                           "disk_path": "/tmp/kv"}, timeout_s=2.0)
+    assert opts.save_queue_bytes == 512 << 20       # the old count is not read as bytes
+    assert spec == StoreSpec(url="http://h:1", timeout_s=2.0)
+    text = caplog.text
+    assert "'save_queue' (a count of saves) is replaced by 'save_queue_bytes'; ignored" in text
+    assert "'cpu_bytes', 'disk_path' ignored: with 'kvstore_url'" in text
+
+
+def test_a_failed_open_leaves_the_disk_path_free(tmp_path, monkeypatch):
+    """A store that fails after its in-process tiers opened closes them: the disk path's lock
+    is released, so the next open of the same path succeeds."""
+    import connectors.stores as stores
+
+    def no_daemon(client, timeout_s):
+        raise RuntimeError("daemon exploded")
+    monkeypatch.setattr(stores, "daemon_tenant_salt", no_daemon)
+    path = str(tmp_path / "lmdb")
+    with pytest.raises(RuntimeError, match="daemon exploded"):
+        open_store(StoreSpec(cpu_bytes="1MiB", disk_path=path, disk_bytes="16MiB",
+                             url="http://127.0.0.1:1", auth_token="t" * 16))
+    again = open_store(StoreSpec(disk_path=path, disk_bytes="16MiB"))
+    again.store.close()
+
+
+@pytest.mark.parametrize("bad", [{"chunk_size": 0}, {"chunk_size": "abc"},
+                                 {"tail_chunk_size": 7}, {"deadline_s": 0}])
+def test_create_connector_refusing_an_option_closes_the_store_it_opened(tmp_path, bad):
+    from connectors.factory import create_connector
+    path = str(tmp_path / "lmdb")
+    with pytest.raises(ValueError):
+        create_connector(cpu_bytes="1MiB", disk_path=path, disk_bytes="16MiB", **bad)
+    c = create_connector(cpu_bytes="1MiB", disk_path=path, disk_bytes="16MiB")  # path free
+    c.close()
