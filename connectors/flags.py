@@ -12,14 +12,14 @@ import argparse
 import os
 from typing import TYPE_CHECKING
 
+from kvstore import units
 from kvstore.defaults import DEFAULT_CHUNK_SIZE
-from kvstore.units import parse_size
 
 if TYPE_CHECKING:
     from connectors.engine_min import EngineMinConnector
 
-__all__ = ["STORE_FLAGS", "StoreFlagError", "add_store_args", "connector_from_args",
-           "parse_size"]
+__all__ = ["STORE_FLAGS", "SizeError", "StoreFlagError", "add_store_args",
+           "connector_from_args", "parse_size"]
 
 #: The flags (as ``argparse`` attribute names) that each name a store; none set = no store.
 STORE_FLAGS = ("kvstore_cpu_bytes", "kvstore_disk_path", "kvstore_disk_bytes", "kvstore_url")
@@ -27,6 +27,25 @@ STORE_FLAGS = ("kvstore_cpu_bytes", "kvstore_disk_path", "kvstore_disk_bytes", "
 
 class StoreFlagError(ValueError):
     """Store flags that do not go together (the message names the flags)."""
+
+
+class SizeError(argparse.ArgumentTypeError, ValueError):
+    """A byte size that does not parse: ``argparse`` prints its reason after the flag's name
+    (a plain ValueError would print only "invalid parse_size value"); still a ValueError."""
+
+
+def parse_size(value: str | int) -> int:
+    """``kvstore.units.parse_size`` as an ``argparse`` type: bytes named by ``value``
+    (``4096``, ``"512MiB"``, ``"2GiB"``).
+
+    Raises:
+        SizeError: negative, not a number, an unknown unit or a fraction of a byte, with the
+            reason and examples.
+    """
+    try:
+        return units.parse_size(value)
+    except ValueError as e:
+        raise SizeError(str(e)) from None
 
 
 def add_store_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:

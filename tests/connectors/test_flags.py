@@ -45,3 +45,14 @@ def test_a_bad_size_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit):
         parse("--kvstore-cpu-bytes", "8 parsecs")
     assert "--kvstore-cpu-bytes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value, reason", [
+    ("8 parsecs", "unknown size unit 'parsecs' in '8 parsecs'"),
+    ("lots", "not a byte size: 'lots' (examples: 4096, '512MiB', '8GiB', '2GB')"),
+    ("1.5B", "'1.5B' is not a whole number of bytes"),
+])
+def test_a_bad_size_names_the_flag_and_the_reason(capsys, value, reason):
+    with pytest.raises(SystemExit):
+        parse("--kvstore-cpu-bytes", value)
+    assert f"argument --kvstore-cpu-bytes: {reason}" in capsys.readouterr().err
