@@ -8,17 +8,20 @@ Use (a vLLM ``KVTransferConfig``)::
                                                 "model_id": "HuggingFaceTB/SmolLM2-135M-Instruct",
                                                 "chunk_size": 256})
 
-``kv_connector_extra_config`` keys (all optional):
+``kv_connector_extra_config`` keys (all optional; ``connectors.vllm.options`` checks the chunk
+sizes, deadlines and queue size before a store opens, naming the key of a bad value):
 
 * ``kvstore_url``: a ``kvstore serve`` daemon (``kvstore.daemon.client.KVStoreClient``). Without it the
   store is an in-process ``kvstore.store.ChunkStore``, shared by the scheduler-side and
   worker-side connectors of one process (the uni-process executor); with several worker
   processes use the daemon.
 * ``cpu_bytes`` (default ``"1GiB"``), ``disk_bytes``, ``disk_path``: in-process tiers
-  (``disk_path`` alone: a disk tier of ``connectors.stores.DEFAULT_DISK_BYTES``). Stores are
+  (``disk_path`` alone: a disk tier of ``connectors.stores.DEFAULT_DISK_BYTES``; with
+  ``kvstore_url`` they are not used, and a warning says so). Stores are
   opened by ``connectors.stores.open_store``, as the engine_min connector's are.
 * ``model_id`` (default: vLLM's served model name), ``revision``, ``weights_fingerprint``
-  (``"auto"``, ``"off"`` or a given string), ``chunk_size`` (default ``kvstore.defaults.DEFAULT_CHUNK_SIZE``, 256), ``hash_algo``: the
+  (``"auto"``, ``"off"`` or a given string), ``chunk_size`` (default
+  ``kvstore.defaults.DEFAULT_CHUNK_SIZE``, 256; a multiple of vLLM's block size), ``hash_algo``: the
   chunk-key namespace (``kvstore.keys.Namespace``), which also holds everything else in vLLM's
   config that changes the KV of the same tokens (the weights' content fingerprint, dtype, RoPE,
   weight and KV-cache quantization, a request's LoRA adapter; ``connectors.vllm.identity``).
@@ -36,7 +39,8 @@ Use (a vLLM ``KVTransferConfig``)::
   pass; a late or failed lookup means a miss, a late or failed load is reported to vLLM as
   failed blocks, which vLLM recomputes when ``kv_load_failure_policy="recompute"`` (set it:
   vLLM's default ``"fail"`` fails the request instead).
-* ``save_queue_bytes`` (default 512 MiB): bytes of gathered chunks waiting for the background
+* ``save_queue_bytes`` (default 512 MiB; an int or text such as ``"1GiB"``; the old count
+  ``save_queue`` is ignored, with a warning): bytes of gathered chunks waiting for the background
   writer (``connectors.save_queue.SaveQueue``, shared with the engine_min connector); a save
   that does not fit is dropped (counted) instead of stalling the engine.
 * ``pin_lease_s`` (default 30): chunks found by a lookup are pinned for this long so no eviction
