@@ -125,13 +125,14 @@ def check_listen(host: str, port: int) -> None:
     binds again later; this only moves the common errors before the load.
 
     Raises:
-        SystemExit: the address cannot be bound, with host, port and the OS's reason.
+        SystemExit: the address cannot be bound (or the port is outside [0, 65535]), with
+            host, port and the reason.
     """
     if port == 0:
         return
     try:
         socket.create_server((host, port)).close()
-    except OSError as exc:
+    except (OSError, OverflowError) as exc:   # OverflowError: a port outside [0, 65535]
         raise SystemExit(f"error: cannot listen on {host}:{port}: {exc}") from None
 
 

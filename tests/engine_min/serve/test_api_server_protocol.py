@@ -288,3 +288,13 @@ def test_a_port_in_use_or_an_empty_served_name_fails_before_the_model_loads(monk
     assert str(exc.value) == "error: --served-model-name: empty name in ['a', ' ']"
     assert built == []
     serve_cli.check_listen("127.0.0.1", 0)      # port 0: the OS picks one later, nothing to check
+
+
+@pytest.mark.parametrize("port", [-1, 65536, 99999])
+def test_a_port_out_of_range_is_an_error_not_a_traceback(monkeypatch, port):
+    from engine_min.serve import cli as serve_cli
+    monkeypatch.setattr(serve_cli, "build_engine", lambda *a, **k: pytest.fail("engine built"))
+    with pytest.raises(SystemExit) as exc:
+        serve_cli.serve_main(_args("--port", str(port)))
+    assert str(exc.value) == (f"error: cannot listen on 127.0.0.1:{port}: "
+                              "bind(): port must be 0-65535.")
