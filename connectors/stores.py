@@ -20,6 +20,7 @@ Sizes accept ints or text (``"512MiB"``). ``url`` accepts ``http://HOST:PORT`` o
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
@@ -199,43 +200,47 @@ def daemon_tenant_salt(client: Any, timeout_s: float) -> str | None:
 
 class StoreRegistry:
     """Opened stores shared by the connector objects of one process, refcounted: the first
-    ``acquire`` of a spec opens it, later ones share it, the last ``release`` closes it.
-    Thread-safe.
+    ``acquire`` of a spec opens it, later ones share it, the release of the last handle
+    closes it. Each ``acquire`` returns its own handle (an ``OpenedStore`` of the shared
+    store), and ``release`` takes that handle, so a holder that releases twice cannot close
+    the store under another holder. Thread-safe.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._open: dict[StoreSpec, tuple[OpenedStore, int]] = {}
+        self._open: dict[StoreSpec, tuple[OpenedStore, list[OpenedStore]]] = {}
 
     def acquire(self, spec: StoreSpec) -> OpenedStore:
-        """The store of ``spec``, opened on first use.
+        """A handle on the store of ``spec``, opened on first use; give it back with
+        ``release``.
 
         Raises:
             ValueError: as ``open_store``.
         """
         with self._lock:
-            if spec in self._open:
-                opened, refs = self._open[spec]
-                self._open[spec] = (opened, refs + 1)
-                return opened
-            opened = open_store(spec)
-            self._open[spec] = (opened, 1)
-            return opened
-
-    def release(self, spec: StoreSpec) -> None:
-        """Drop one reference to ``spec``'s store; the last one closes it. A spec not held
-        is ignored (a second release of one acquire)."""
-        with self._lock:
             if spec not in self._open:
+                self._open[spec] = (open_store(spec), [])
+            opened, holders = self._open[spec]
+            handle = dataclasses.replace(opened)   # this acquire's own handle, same store
+            holders.append(handle)
+            return handle
+
+    def release(self, handle: OpenedStore) -> None:
+        """Give back one ``acquire``'s handle; the last one closes the store. A handle given
+        back already (or not from this registry) is ignored: it holds nothing."""
+        with self._lock:
+            for spec, (opened, holders) in self._open.items():
+                if any(h is handle for h in holders):
+                    holders[:] = [h for h in holders if h is not handle]
+                    break
+            else:
                 return
-            opened, refs = self._open[spec]
-            if refs > 1:
-                self._open[spec] = (opened, refs - 1)
+            if holders:
                 return
             del self._open[spec]
         opened.store.close()
 
     def refs(self, spec: StoreSpec) -> int:
-        """References held to ``spec``'s store (0 = not open)."""
+        """Handles held on ``spec``'s store (0 = not open)."""
         with self._lock:
-            return self._open.get(spec, (None, 0))[1]
+            return len(self._open[spec][1]) if spec in self._open else 0

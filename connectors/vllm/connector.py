@@ -76,8 +76,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         base = vllm_namespace(vllm_config, self.layout, extra)
         if role == KVConnectorRole.SCHEDULER:
             log.info("kvstore namespace: %s", base.describe())
-        self._store_spec = opts.store
-        opened = self.stores.acquire(opts.store)
+        opened = self._store_handle = self.stores.acquire(opts.store)
         self._remote = opened.remote
         self.namespaces = RequestNamespaces(base, opened.tenant_salt, opts.tail_chunk_size)
         self._counters = Counters()
@@ -206,6 +205,6 @@ class KVStoreConnector(KVConnectorBase_V1):
         """Write queued saves (bounded wait), stop the writer, release the store."""
         if self.worker is not None:
             self.worker.close(30.0)
-        if self._store_spec is not None:
-            self.stores.release(self._store_spec)
-            self._store_spec = None
+        if self._store_handle is not None:
+            self.stores.release(self._store_handle)
+            self._store_handle = None

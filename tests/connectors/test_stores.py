@@ -70,18 +70,35 @@ def test_the_registry_shares_one_store_per_spec_and_closes_it_with_the_last_rele
     other = reg.acquire(StoreSpec(cpu_bytes="1MiB", name="b"))
     assert a.store is b.store and other.store is not a.store
     assert reg.refs(spec) == 2
-    reg.release(spec)
+    reg.release(a)
     ns = Namespace("m", KVLayout(1, 1, 4, "float32", 16))
     keys = ns.chunk_keys(list(range(16)))
     assert reg.refs(spec) == 1 and a.store.exists(ns, keys) == [False]   # still open
-    reg.release(spec)
+    reg.release(b)
     assert reg.refs(spec) == 0
     with pytest.raises(RuntimeError, match="store is closed"):
         a.store.exists(ns, keys)
-    reg.release(spec)                     # a release too many is ignored
+    reg.release(b)                        # a release too many is ignored
     assert reg.acquire(spec).store is not a.store   # reopened fresh
-    for s in (spec, StoreSpec(cpu_bytes="1MiB", name="b")):
-        reg.release(s)
+    reg.release(other)
+    assert reg.refs(StoreSpec(cpu_bytes="1MiB", name="b")) == 0
+
+
+def test_a_holder_releasing_twice_does_not_close_the_store_under_another_holder():
+    reg = StoreRegistry()
+    spec = StoreSpec(cpu_bytes="1MiB")
+    a, b = reg.acquire(spec), reg.acquire(spec)
+    reg.release(a)
+    reg.release(a)                        # the second release of ``a`` holds nothing
+    ns = Namespace("m", KVLayout(1, 1, 4, "float32", 16))
+    keys = ns.chunk_keys(list(range(16)))
+    assert reg.refs(spec) == 1 and b.store.exists(ns, keys) == [False]   # b's store is open
+    reg.release(spec)                     # not a handle: ignored
+    assert reg.refs(spec) == 1
+    reg.release(b)
+    assert reg.refs(spec) == 0
+    with pytest.raises(RuntimeError, match="store is closed"):
+        b.store.exists(ns, keys)
 
 
 def test_vllm_options_read_the_extra_config():
