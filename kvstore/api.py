@@ -16,12 +16,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
 
 from kvstore.keys import ChunkKey, Namespace
+
+if TYPE_CHECKING:  # pragma: no cover
+    from prometheus_client import CollectorRegistry
 
 
 def chain_parents(keys: Sequence[ChunkKey], first_parent: ChunkKey | None = None
@@ -190,6 +193,15 @@ class KVStoreBase(ABC):
     @abstractmethod
     def stats(self) -> dict:
         """JSON-able figures: per tier bytes used/capacity, chunk counts, hits, evictions..."""
+
+    def stored_keys(self) -> set[ChunkKey]:
+        """Every key this process's tiers hold (a snapshot; a chunk in two tiers counted once).
+        Empty for a store that holds no chunks itself (a daemon client)."""
+        return set()
+
+    def metrics_registry(self) -> "CollectorRegistry | None":
+        """The ``prometheus_client.CollectorRegistry`` of this store's metrics, or None."""
+        return None
 
     def close(self) -> None:
         """Release resources (flush disk writes). Idempotent."""

@@ -346,6 +346,12 @@ class ChunkStore(KVStoreBase):
     def stats(self) -> dict:
         return self._admin.stats()
 
+    def stored_keys(self) -> set[ChunkKey]:
+        return {k for t in self.tiers for k in t.keys()}
+
+    def metrics_registry(self):
+        return self.metrics.registry
+
     def check_integrity(self) -> None:
         """Check every memory owner (tiers, pins); raises ``AssertionError``."""
         self._admin.check_integrity()

@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
 from aiohttp import helpers as _aiohttp_helpers
 from aiohttp import web
@@ -232,12 +231,11 @@ def create_app(store: KVStoreBase, limits: ServerLimits | None = None,
         store: any ``KVStoreBase`` (thread-safe); the app never closes it (the caller owns it).
         limits: see ``ServerLimits``.
         store_registry: Prometheus registry of the store, exposed on /metrics next to the
-            server's own metrics (defaults to ``store.registry`` or ``store.metrics.registry``
-            when the store has one).
+            server's own metrics (default: ``store.metrics_registry()``).
     """
     limits = limits or ServerLimits()
     if store_registry is None:
-        store_registry = _find_registry(store)
+        store_registry = store.metrics_registry()
     app = web.Application(middlewares=[_middleware],
                           client_max_size=min(limits.max_body_bytes, 64 << 20),
                           handler_args={"read_bufsize": READ_BUFSIZE})
@@ -263,13 +261,3 @@ def create_app(store: KVStoreBase, limits: ServerLimits | None = None,
         state.pool.shutdown(wait=True)
     app.on_cleanup.append(_shutdown_pool)
     return app
-
-
-def _find_registry(store: Any) -> CollectorRegistry | None:
-    for path in (("registry",), ("metrics", "registry")):
-        obj = store
-        for attr in path:
-            obj = getattr(obj, attr, None)
-        if isinstance(obj, CollectorRegistry):
-            return obj
-    return None

@@ -144,10 +144,8 @@ class _ServerState:
         """The namespaces ``store`` holds chunks of, most chunks first: ``{"ns_id": hex,
         "num_chunks": chunks over all tiers (a chunk in two tiers counted once), "namespace":
         its ``to_dict()`` or None when no request named it since start (chunks on disk from
-        before a restart)}``. Reads each tier's key snapshot (``Tier.keys``)."""
-        keys: set = set()
-        for tier in getattr(store, "tiers", ()):
-            keys.update(tier.keys())
+        before a restart)}``. Reads the store's key snapshot (``KVStoreBase.stored_keys``)."""
+        keys = store.stored_keys()
         counts: dict[bytes, int] = {}
         for k in keys:
             counts[k.ns_id] = counts.get(k.ns_id, 0) + 1

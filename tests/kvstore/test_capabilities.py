@@ -175,3 +175,24 @@ def test_daemon_picks_its_data_path_from_the_declaration(tmp_path):
         assert (state.direct, state.reuse_put_buffers, state.get_into_buffers) == (
             False, False, False)
         state.pool.shutdown()
+
+
+def test_stored_keys_and_metrics_registry_come_from_the_store_not_from_probes(tmp_path, daemon):
+    """The daemon's /v1/stats namespaces and /metrics read ``stored_keys`` and
+    ``metrics_registry``: a ChunkStore answers with the keys of every tier (a CPU tier of two
+    chunks spills the third to disk) and its own registry; a client holds no chunks."""
+    s = ChunkStore(StoreConfig(cpu_bytes=LAYOUT.chunk_bytes * 2, page_bytes=256,
+                               disk_path=str(tmp_path), disk_bytes=1 << 20))
+    try:
+        assert s.stored_keys() == set()
+        assert s.put_chunks(NS, KEYS, [chunk(i) for i in range(3)]) == 3
+        s.flush()
+        assert len(s.tiers[0].keys()) == 2 and s.stored_keys() == set(KEYS)
+        assert s.metrics_registry() is s.metrics.registry
+        assert s.metrics_registry().get_sample_value("kvstore_stored_chunks_total") == 3
+    finally:
+        s.close()
+    with KVStoreClient(daemon.url, timeout_s=5.0) as client:
+        assert client.put_chunks(NS, KEYS, [chunk(i) for i in range(3)]) == 3
+        assert client.stored_keys() == set() and client.metrics_registry() is None
+        assert daemon.store.stored_keys() == set(KEYS)
