@@ -12,7 +12,6 @@ from kvstore.keys import IDENTITY_FIELDS, ChunkKey, Namespace
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 VERSION_HEADER = "X-KVStore-Protocol"
-NAMESPACE_HEADER = "X-KVStore-Namespace"
 
 
 class ProtocolError(ValueError):

@@ -47,7 +47,7 @@ import torch
 import xxhash
 
 from kvstore.daemon.fields import (  # noqa: F401 (the JSON part of the wire format)
-    NAMESPACE_HEADER, PREFIX_HASH_BYTES, PROTOCOL_VERSION, SUPPORTED_VERSIONS, VERSION_HEADER,
+    PREFIX_HASH_BYTES, PROTOCOL_VERSION, SUPPORTED_VERSIONS, VERSION_HEADER,
     ProtocolError, check_version, error_body, key_request, parse_json, parse_key, parse_keys,
     parse_namespace)
 from kvstore.keys import ChunkKey, Namespace
