@@ -1,7 +1,7 @@
 """engine_min's /metrics with the KV connector's ``engine_kvstore_*`` series: every series parses
 with prometheus_client's own parser under a valid name, counters never go down across scrapes
 (also when the connector is replaced and its counts restart), and values equal the connector's
-``get_stats()``. Stand-in engine of ``test_connector_unit`` (block 4, chunk 8, pieces of 4)."""
+``get_stats()``. Stand-in engine of ``fake_engine`` (block 4, chunk 8, pieces of 4)."""
 from __future__ import annotations
 
 import re
@@ -13,7 +13,7 @@ from connectors.factory import create_connector
 from engine_min.serve.metrics import ServerMetrics
 from kvstore.config import StoreConfig
 from kvstore.store import ChunkStore
-from tests.connectors.test_connector_unit import FakeEngine, prompt
+from tests.connectors.fake_engine import FakeEngine, prompt
 
 NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 

@@ -1,5 +1,5 @@
 """Trying to break EngineMinConnector's tail pieces (``tail_chunk_size``) with the stand-in engine
-of ``test_connector_unit`` (real Scheduler and BlockManager; the KV of token t at position p is
+of ``fake_engine`` (real Scheduler and BlockManager; the KV of token t at position p is
 ``t * 10 + p``): odd prompt lengths, prompts shorter than a piece, chat rounds, preemption,
 removed chunks, bad sizes, and a daemon (``KVStoreClient``) behind the connector.
 
@@ -17,7 +17,7 @@ from kvstore.daemon.client import KVStoreClient
 from kvstore.config import StoreConfig
 from kvstore.daemon.server import ServerLimits, ThreadedServer, create_app
 from kvstore.store import ChunkStore
-from tests.connectors.test_connector_unit import BS, FakeEngine, kv_value, prompt
+from tests.connectors.fake_engine import BS, FakeEngine, kv_value, prompt
 
 C, F = 8, 4
 

@@ -287,7 +287,7 @@ def test_daemon_put_continuing_a_prefix_evicts_other_prompts_not_its_own_head(da
 def test_engine_connector_saves_per_prefill_step_and_at_request_end_with_true_parents():
     """The connector saves a prompt's chunks as prefill steps complete them and its answer's
     at request end: every chunk after the first call names its parent."""
-    from tests.connectors.test_connector_unit import FakeEngine, make_conn
+    from tests.connectors.fake_engine import FakeEngine, make_conn
     toks = list(range(100, 116))
     conn = make_conn(ChunkStore(StoreConfig(cpu_bytes="1MiB", page_bytes="4KiB")), chunk=4)
     eng = FakeEngine(conn, budget=6, prefix_caching=False)  # 6-token prefill steps
@@ -334,7 +334,7 @@ def test_vllm_connector_saves_name_the_parent_of_their_first_chunk():
 def test_engine_connector_loads_through_a_layered_store_copy_chunks_with_true_parents():
     """Chunks 2-4 come from the remote store and are copied into the local one: the first of
     them names chunk 1 (held locally) as its parent, which only the connector knows."""
-    from tests.connectors.test_connector_unit import FakeEngine, kv_value, make_conn
+    from tests.connectors.fake_engine import FakeEngine, kv_value, make_conn
     local, remote = cpu_store(16), cpu_store(16)
     conn = make_conn(LayeredStore(local, remote), chunk=8)
     FakeEngine(conn, prefix_caching=False)  # binds the connector's namespace

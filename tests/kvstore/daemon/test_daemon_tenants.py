@@ -307,8 +307,8 @@ def test_the_single_auth_token_is_one_admin_and_may_join_a_tenants_file(tmp_path
 # ---- connectors -----------------------------------------------------------------------------
 def test_engine_connector_with_a_tenant_token_hits_its_own_chunks_only(daemon):
     """engine_min's connector through the factory, on engine_min's real scheduler and block
-    manager with a stand-in forward pass (``test_connector_unit.FakeEngine``)."""
-    from tests.connectors.test_connector_unit import FakeEngine, kv_value, prompt
+    manager with a stand-in forward pass (``tests.connectors.fake_engine.FakeEngine``)."""
+    from tests.connectors.fake_engine import FakeEngine, kv_value, prompt
 
     def run(token, toks):
         conn = create_connector(url=daemon.url, auth_token=token, chunk_size=8, deadline_s=5.0)
