@@ -18,7 +18,7 @@ from kvstore.daemon import cli
 from kvstore.daemon import config as serve_config
 from kvstore.daemon import protocol as P
 from kvstore.daemon.client import KVStoreClient, StoreUnavailable
-from tests.kvstore.daemon.test_server import NS, chunk
+from tests.kvstore.daemon.server_helpers import NS, chunk
 
 ROOT = Path(__file__).resolve().parents[3]
 TOKEN = "cli-token"

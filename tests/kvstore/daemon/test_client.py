@@ -14,7 +14,7 @@ from kvstore.daemon.client import AsyncKVStoreClient, KVStoreClient, RemoteError
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
 from kvstore.daemon.server import ServerLimits, ThreadedServer, create_app
-from tests.kvstore.daemon.test_server import LAYOUT, NS, OTHER, chunk, make_store
+from tests.kvstore.daemon.server_helpers import LAYOUT, NS, OTHER, chunk, make_store
 
 KEYS = NS.chunk_keys(list(range(4 * 6)))
 

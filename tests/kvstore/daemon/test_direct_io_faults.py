@@ -24,7 +24,7 @@ from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
 from kvstore.daemon.server import STATE_KEY, ServerLimits, ThreadedServer, create_app
 from kvstore.store import ChunkStore
-from tests.kvstore.daemon.test_server import parse_get_body
+from tests.kvstore.daemon.server_helpers import parse_get_body
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float16", chunk_size=4)
 CB = LAYOUT.chunk_bytes  # 256
