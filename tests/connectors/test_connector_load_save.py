@@ -17,7 +17,9 @@ from kvstore.api import PrefixStore
 from kvstore.config import StoreConfig
 from kvstore.store import ChunkStore
 
-from tests.connectors.fake_engine import BS, D, H, L, STORE_MARK, FakeEngine, kv_value, make_conn, prompt
+from tests.connectors.fake_engine import (
+    BS, D, H, L, STORE_MARK, FakeEngine, kv_value, make_conn, prompt,
+)
 
 
 # ---- index arithmetic ----------------------------------------------------------------------

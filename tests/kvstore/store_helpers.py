@@ -1,5 +1,5 @@
-"""Shared pieces of the ChunkStore scenario tests (``test_store_capacity_pins``, ``test_store_tiers``,
-``test_store_io``).
+"""Shared pieces of the ChunkStore scenario tests (``test_store_capacity_pins``,
+``test_store_tiers``, ``test_store_io``).
 
 Tiny layout: 2 layers, 1 KV head, head_dim 4, fp16, chunk_size 4 -> 128 bytes per chunk; memory
 tiers use 128-byte pages so one chunk = one page and byte figures are exact multiples of 128.

@@ -1,5 +1,5 @@
-"""ChunkStore scenarios, with exact values: concurrent puts and gets, write-through persist, gets into
-caller buffers, lookups that never wait for a busy lock, and the pin table.
+"""ChunkStore scenarios, with exact values: concurrent puts and gets, write-through persist, gets
+into caller buffers, lookups that never wait for a busy lock, and the pin table.
 
 Tiny layout of ``store_helpers``: 128-byte chunks, one page each.
 """

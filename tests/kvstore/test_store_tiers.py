@@ -1,5 +1,5 @@
-"""ChunkStore scenarios, with exact values: hits from the GPU, CPU and disk tiers, promotion, restart
-on the same disk, disk damage, eviction order, metrics and clear.
+"""ChunkStore scenarios, with exact values: hits from the GPU, CPU and disk tiers, promotion,
+restart on the same disk, disk damage, eviction order, metrics and clear.
 
 Tiny layout of ``store_helpers``: 128-byte chunks, one page each.
 """

@@ -1,7 +1,8 @@
 """Shared pieces of the daemon's in-process HTTP tests (``test_server_routes``,
 ``test_server_buffers``, ``test_client``, ``test_cli``, ``direct_io_helpers``): a tiny layout
 and namespaces, a real ChunkStore, the module-scoped ``server`` fixture (a ``ThreadedServer``
-with auth and small limits) with its per-test clean-up, and raw request helpers that send bytes unaltered.
+with auth and small limits) with its per-test clean-up, and raw request helpers that send bytes
+unaltered.
 """
 import http.client
 import json
