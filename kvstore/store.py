@@ -27,8 +27,7 @@ and stats are ``kvstore.store_admin.StoreAdmin``; reservations and borrowed read
 ``kvstore.direct.DirectIO``. ``ChunkStore`` delegates their public methods.
 
 Concurrency: one store lock guards the tiers' indexes and pins. Copies out of a memory tier
-run outside the lock (the chunk is reader-pinned, so nobody frees its pages meanwhile); disk
-encoding and writes run on the disk tier's writer thread.
+run outside the lock (the chunk is reader-pinned); disk I/O runs on the disk tier's writer.
 
 Lifetime of a chunk (``[num_layers, 2, chunk_size, num_kv_heads, head_dim]``)::
 
@@ -61,9 +60,7 @@ class ChunkStore(KVStoreBase):
     """In-process tiered store (see module docstring). Thread-safe.
 
     ``put_chunks`` and ``persist`` copy the tensors they are given (``copies_on_put`` in
-    ``capabilities``), so a caller may reuse its buffers as soon as they return. Direct I/O
-    for a server (reserve pages, commit them in place; borrow pinned views) is
-    ``kvstore.direct.DirectIO``'s; removal, pins, persist and stats ``StoreAdmin``'s.
+    ``capabilities``), so a caller may reuse its buffers as soon as they return.
 
     Args:
         config: capacities, policies and paths.
