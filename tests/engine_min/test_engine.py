@@ -2,10 +2,10 @@
 batching == alone, prefix caching, preemption under a tiny pool, bad input, stopping rules."""
 import pytest
 
-from connectors.base import KVConnectorBase
 from engine_min.config import EngineConfig
 from engine_min.engine import LLMEngine
 from engine_min.sampler import SamplingParams
+from tests.engine_min.null_connector import NullConnector
 
 PROMPTS = ["The capital of Germany is", "Once upon a time, there was a", "def fibonacci(n):",
            "The best way to learn physics is", "List three colors:", "Water boils at",
@@ -154,7 +154,7 @@ def test_cli_reports_a_missing_model(capsys):
     assert "model path does not exist: /no/such/model.gguf" in capsys.readouterr().err
 
 
-class RecordingConnector(KVConnectorBase):
+class RecordingConnector(NullConnector):
     """Records register_model and register_kv_caches; reports no external hits (the engine's
     seams still run)."""
 
@@ -167,27 +167,6 @@ class RecordingConnector(KVConnectorBase):
 
     def register_kv_caches(self, kv_cache, block_size):
         self.registered = (kv_cache, block_size)
-
-    def get_num_new_matched_tokens(self, seq, num_local):
-        return 0
-
-    def update_state_after_alloc(self, seq, block_ids, num_external):
-        pass
-
-    def start_load_kv(self, sched_out, kv_cache):
-        pass
-
-    def wait_for_load(self):
-        pass
-
-    def save(self, sched_out, kv_cache):
-        pass
-
-    def request_finished(self, seq, block_ids):
-        pass
-
-    def wait_for_save(self, timeout_s=None):
-        return True
 
     def get_stats(self):
         return {"external_prefix_cache_queries": 0}

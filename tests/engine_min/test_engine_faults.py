@@ -26,11 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from connectors.base import KVConnectorBase
 from engine_min.config import EngineConfig
 from engine_min.engine import LLMEngine
 from engine_min.sampler import SamplingParams
 from engine_min.serve.server import ServerThread, create_app
+from tests.engine_min.null_connector import NullConnector
 
 MODEL = "smollm2-faults"
 GOOD, BAD, NEXT = "The capital of France is", "Once upon a time, there was a", "Water boils at"
@@ -203,36 +203,12 @@ class FaultAt:
         pass  # the connector is attached before the requests are added
 
 
-class RaisingConnector(KVConnectorBase):
+class RaisingConnector(NullConnector):
     """A connector with no store whose ``update_state_after_alloc`` raises for "bad"."""
-
-    def get_num_new_matched_tokens(self, seq, num_computed):
-        return 0, False
 
     def update_state_after_alloc(self, seq, block_ids, num_external):
         if seq.request_id == "bad":
             raise RuntimeError("injected fault")
-
-    def start_load_kv(self, sched_out, kv_cache):
-        pass
-
-    def wait_for_load(self):
-        return []
-
-    def save(self, sched_out, kv_cache):
-        pass
-
-    def request_finished(self, seq, block_ids):
-        pass
-
-    def register_kv_caches(self, kv_cache, block_size):
-        pass
-
-    def wait_for_save(self, timeout_s=None):
-        return True
-
-    def get_stats(self):
-        return {}
 
 
 @pytest.mark.parametrize("stage, bad_sampling, bad_tokens", [

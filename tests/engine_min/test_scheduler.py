@@ -2,11 +2,11 @@
 preemption by recompute and the connector seams (exact block ids and token counts)."""
 import pytest
 
-from connectors.base import KVConnectorBase
 from engine_min.block_manager import BlockManager
 from engine_min.sampler import SamplingParams
 from engine_min.scheduler import Scheduler
 from engine_min.sequence import Sequence, SequenceStatus
+from tests.engine_min.null_connector import NullConnector
 
 BS = 4
 
@@ -77,7 +77,7 @@ def test_preemption_by_recompute_of_newest():
     assert b.token_ids == list(range(50, 54)) + [7]         # its output is kept and recomputed
 
 
-class RecordingConnector(KVConnectorBase):
+class RecordingConnector(NullConnector):
     """Offers 4 external tokens and records the calls the scheduler makes (the worker side,
     which the scheduler never calls, does nothing)."""
 
@@ -94,24 +94,6 @@ class RecordingConnector(KVConnectorBase):
 
     def request_finished(self, seq, block_ids):
         self.calls.append(("finished", seq.request_id, list(block_ids)))
-
-    def register_kv_caches(self, kv_cache, block_size):
-        pass
-
-    def start_load_kv(self, sched_out, kv_cache):
-        pass
-
-    def wait_for_load(self):
-        return []
-
-    def save(self, sched_out, kv_cache):
-        pass
-
-    def wait_for_save(self, timeout_s=None):
-        return True
-
-    def get_stats(self):
-        return {}
 
 
 def test_connector_seams_at_admission_and_finish():
