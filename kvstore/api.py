@@ -206,6 +206,12 @@ class KVStoreBase(ABC):
     def close(self) -> None:
         """Release resources (flush disk writes). Idempotent."""
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 class PrefixStore:
     """Token-level view of a ``KVStoreBase`` for one namespace.

@@ -394,9 +394,3 @@ class ChunkStore(KVStoreBase):
             self._st.closed = True
             for t in self.tiers:
                 t.close()
-
-    def __enter__(self) -> "ChunkStore":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

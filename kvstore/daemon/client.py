@@ -321,9 +321,3 @@ class KVStoreClient(KVStoreBase):
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
         self._loop.close()
-
-    def __enter__(self) -> "KVStoreClient":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
