@@ -6,7 +6,7 @@ capacity 0 is absent. Tier order is fixed: GPU -> CPU -> DISK (fastest first).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from kvstore.eviction import POLICIES
 from kvstore.layout import KVLayout
@@ -44,6 +44,18 @@ class StoreConfig:
             (``ChunkStore.register``); the least recently used beyond are forgotten and counted
             (``namespace_evictions``). A forgotten namespace loses nothing: its chunks stay and
             its next call checks its layout again (a few microseconds).
+        remote_url: Redis below the local tiers, shared by every store pointing at it
+            (``redis://[user:password@]host:port[,host:port...]``: one address = standalone
+            or a cluster seed, several = cluster startup nodes; ``rediss://`` = TLS); None = no
+            remote tier. See ``kvstore.tiers.remote``. A password in the URL moves to
+            ``remote_password`` (never shown by ``repr`` or ``to_dict``).
+        remote_key_prefix: deployment prefix of every Redis key.
+        remote_ttl_s: seconds a value lives after its last write or read (0 = no expiry).
+        remote_timeout_s: deadline of a remote lookup or get (seconds).
+        remote_queue_bytes: most bytes waiting to be written to Redis (beyond: dropped).
+        remote_codec: value codec in Redis (``raw``, ``auto``, ``lz4``, ``shuffle-lz4``).
+        remote_password: Redis password when the URL has none (else
+            ``$KVSTORE_REMOTE_PASSWORD``).
 
     Raises:
         ValueError: negative or unparsable sizes, no tier at all, a disk tier without a path,
@@ -64,9 +76,16 @@ class StoreConfig:
     page_bytes: int | str = "4KiB"
     disk_codec: str = "auto"
     max_namespaces: int = 4096
+    remote_url: str | None = None
+    remote_key_prefix: str = "kvstore"
+    remote_ttl_s: float = 0.0
+    remote_timeout_s: float = 0.25
+    remote_queue_bytes: int | str = "256MiB"
+    remote_codec: str = "raw"
+    remote_password: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("gpu_bytes", "cpu_bytes", "disk_bytes", "page_bytes"):
+        for name in ("gpu_bytes", "cpu_bytes", "disk_bytes", "page_bytes", "remote_queue_bytes"):
             object.__setattr__(self, name, parse_size(getattr(self, name)))
         if not (self.gpu_bytes or self.cpu_bytes or self.disk_bytes):
             raise ValueError("StoreConfig needs at least one tier with capacity > 0")
@@ -84,10 +103,30 @@ class StoreConfig:
             raise ValueError(f"page_bytes must be a positive multiple of 64, got {self.page_bytes}")
         if type(self.max_namespaces) is not int or self.max_namespaces <= 0:
             raise ValueError(f"max_namespaces must be a positive int, got {self.max_namespaces!r}")
+        self._check_remote()
         for tier in ("gpu", "cpu"):
             cap = getattr(self, f"{tier}_bytes")
             if 0 < cap < self.page_bytes:
                 raise ValueError(f"{tier}_bytes={cap} is smaller than one page ({self.page_bytes} bytes)")
+
+    def _check_remote(self) -> None:
+        if self.remote_url is None:
+            return
+        from kvstore.tiers.redis_url import parse_redis_url
+        ep = parse_redis_url(self.remote_url, env={})
+        if ep.password:  # keep it out of repr/to_dict
+            if self.remote_password is None:
+                object.__setattr__(self, "remote_password", ep.password)
+            object.__setattr__(self, "remote_url", ep.without_password())
+        for name in ("remote_ttl_s", "remote_timeout_s"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        if not self.remote_ttl_s >= 0 or not 0 < self.remote_timeout_s < float("inf"):
+            raise ValueError(f"remote_ttl_s must be >= 0 and remote_timeout_s > 0, got "
+                             f"{self.remote_ttl_s} and {self.remote_timeout_s}")
+        if self.remote_queue_bytes <= 0:
+            raise ValueError(f"remote_queue_bytes must be > 0, got {self.remote_queue_bytes}")
+        if self.remote_codec not in DISK_CODECS:
+            raise ValueError(f"unknown remote_codec {self.remote_codec!r}; choose one of {DISK_CODECS}")
 
     @property
     def tiers(self) -> tuple[str, ...]:
@@ -120,7 +159,11 @@ class StoreConfig:
                                  f"{layout.to_dict()}")
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """Every field (``remote_password`` as ``"***"`` when set)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if out["remote_password"]:
+            out["remote_password"] = "***"
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> "StoreConfig":

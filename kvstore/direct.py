@@ -78,7 +78,8 @@ class BorrowedChunks:
         parts: per key, the chunk's bytes as 1-D ``uint8`` tensors in order (views of the
             tier's pages for a host-memory hit; one new tensor for a chunk read by
             ``read_lower``), or None when absent (or found in a lower tier and not read yet).
-        lower: indexes of keys found only in a lower tier, to be read by ``read_lower``.
+        lower: indexes of keys found only in a lower tier (the remote tier included: keys
+            stored in no local tier when the store has one), to be read by ``read_lower``.
 
     Use as a context manager, or call ``release`` exactly when the views are no longer used
     (the reader pins keep the pages from being evicted or reused until then).
@@ -241,7 +242,7 @@ class DirectIO:
                     st.metrics.inc("hits", tier=t.name)
                 else:
                     parts.append(None)
-                    if t is not None:
+                    if t is not None or st.remote is not None:
                         lower.append(i)
                     else:
                         st.metrics.inc("misses")
@@ -250,7 +251,10 @@ class DirectIO:
     def _borrow_read_lower(self, b: BorrowedChunks) -> None:
         st = self._st
         read: list[torch.Tensor | None] = [None] * len(b.keys)
+        remote = [i for i in b.lower if b.plan[i] is None]
         for i in b.lower:
+            if b.plan[i] is None:
+                continue
             kv = st.read_checked(b.ns.layout, *b.plan[i])
             read[i] = kv
             if kv is None:
@@ -261,6 +265,11 @@ class DirectIO:
         if st.config.promote_on_hit and b.lower:
             with st.lock:
                 st.mover.promote(b.plan, read, st.doomed)
+        for i, kv in zip(remote, st.read_remote(b.ns.layout, [b.keys[i] for i in remote])):
+            if kv is None:
+                st.metrics.inc("misses")
+            else:
+                b.parts[i] = [kv.reshape(-1).view(torch.uint8)]
         b.lower = []
 
     def _borrow_release(self, b: BorrowedChunks) -> None:

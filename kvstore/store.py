@@ -54,6 +54,7 @@ from kvstore.tiers.base import Tier
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.gpu import GpuTier
+from kvstore.tiers.remote import RemoteTier
 
 
 class ChunkStore(KVStoreBase):
@@ -110,6 +111,11 @@ class ChunkStore(KVStoreBase):
             if isinstance(t, DiskTier) and t.num_bad_at_open:
                 self.metrics.inc("corruptions", t.num_bad_at_open, tier=t.name)
         try:
+            if config.remote_url:
+                st.remote = RemoteTier(
+                    config.remote_url, config.remote_key_prefix, config.remote_ttl_s,
+                    config.remote_timeout_s, config.remote_queue_bytes, config.remote_password,
+                    config.remote_codec, registry=self.metrics.registry)
             for ns in namespaces:
                 self.register(ns)
         except BaseException:
@@ -123,10 +129,16 @@ class ChunkStore(KVStoreBase):
         memory), and borrowed reads unless a subclass redefines ``get_chunks`` (its reads must
         go through it); durable puts with a disk tier. Tiers as configured, top first."""
         own_reads = type(self).get_chunks is ChunkStore.get_chunks
+        remote = (RemoteTier.name,) if self._st.remote is not None else ()
         return StoreCapabilities(
             borrowed_reads=own_reads, reservations=True, pins=True,
             durable_puts=self.has_disk_tier, nonblocking_lookup=True, get_into_buffers=True,
-            copies_on_put=True, tiers=tuple(t.name for t in self.tiers))
+            copies_on_put=True, tiers=tuple(t.name for t in self.tiers) + remote)
+
+    @property
+    def remote(self) -> RemoteTier | None:
+        """The remote tier (Redis), or None."""
+        return self._st.remote
 
     def register(self, ns: Namespace) -> None:
         """Check ``ns``'s chunk size against every tier (done on first use otherwise). The
@@ -177,8 +189,20 @@ class ChunkStore(KVStoreBase):
                 if t is None:
                     break
                 tiers.append(t.name)
+            rest = keys[len(tiers):]
+            local = [st.locate(k) for k in rest] if rest and st.remote is not None else None
         finally:
             st.lock.release()
+        if local is not None:
+            if not blocking:
+                return None  # the remote tier is network I/O: not on the caller's event loop
+            found = st.remote.lookup([k for k, t in zip(rest, local) if t is None])
+            it = iter(found)
+            for t in local:
+                name = t.name if t is not None else (RemoteTier.name if next(it) else None)
+                if name is None:
+                    break
+                tiers.append(name)
         cs = ns.layout.chunk_size
         self.metrics.inc("lookups")
         self.metrics.inc("requested_tokens", len(keys) * cs)
@@ -191,7 +215,12 @@ class ChunkStore(KVStoreBase):
         st.check_keys(ns, keys)
         with st.lock:
             st.expire_leases()
-            return [st.locate(k) is not None for k in keys]
+            found = [st.locate(k) is not None for k in keys]
+        if st.remote is not None and not all(found):
+            missing = [i for i, f in enumerate(found) if not f]
+            for i, f in zip(missing, st.remote.lookup([keys[i] for i in missing])):
+                found[i] = f
+        return found
 
     def get_chunks(self, ns: Namespace, keys: Sequence[ChunkKey],
                    out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor | None]:
@@ -234,10 +263,13 @@ class ChunkStore(KVStoreBase):
                         st.pins.drop_reader(item[0])
                         st.maybe_free(item[0])
         for item, kv in zip(plan, out):
-            if kv is None:
-                self.metrics.inc("misses")
-            else:
+            if kv is not None:
                 self.metrics.inc("hits", tier=item[1].name)
+        if st.remote is not None:
+            todo = [i for i, item in enumerate(plan) if item is None]
+            for i, kv in zip(todo, st.read_remote(ns.layout, [keys[i] for i in todo])):
+                out[i] = kv
+        self.metrics.inc("misses", sum(kv is None for kv in out))
         self.metrics.observe("get", time.perf_counter() - t0)
         return out
 
@@ -284,6 +316,11 @@ class ChunkStore(KVStoreBase):
                 else:
                     ok = any(st.mover.insert(j, key, item, parent)
                              for j in range(len(self.tiers)))
+                if ok and st.remote is not None:
+                    if res is not None:
+                        st.write_behind(key, res.tier.read(key), parent, owned=True)
+                    else:
+                        st.write_behind(key, item, parent)
                 stored += ok
                 if not ok:
                     self.metrics.inc("rejected_chunks")
@@ -394,3 +431,5 @@ class ChunkStore(KVStoreBase):
             self._st.closed = True
             for t in self.tiers:
                 t.close()
+        if self._st.remote is not None:
+            self._st.remote.close()

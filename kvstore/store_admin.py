@@ -30,10 +30,15 @@ class StoreAdmin:
 
     # ---- removal and pins -----------------------------------------------------------------------
     def remove(self, ns: Namespace, keys: Sequence[ChunkKey]) -> int:
+        """Remove ``keys`` from every tier, the remote one included; returns how many were
+        stored somewhere."""
         st = self._st
         st.check_keys(ns, keys)
         with st.lock:
-            return sum(self._remove_one(k) for k in keys)
+            local = [self._remove_one(k) for k in keys]
+        if st.remote is None:
+            return sum(local)
+        return sum(a or b for a, b in zip(local, st.remote.delete(keys)))
 
     def _remove_one(self, key: ChunkKey) -> bool:
         st = self._st
@@ -46,12 +51,18 @@ class StoreAdmin:
         return True
 
     def clear(self, ns: Namespace | None = None) -> int:
+        """Remove every chunk (of ``ns`` when given) from every tier, the remote one included
+        (every value under its key prefix, on every node); returns how many distinct chunks
+        went."""
         st = self._st
         with st.lock:
             keys = {k for t in st.tiers for k in t.keys()}
             if ns is not None:
                 keys = {k for k in keys if k.ns_id == ns.ns_id}
-            return sum(self._remove_one(k) for k in keys)
+            removed = {k for k in keys if self._remove_one(k)}
+        if st.remote is not None:
+            removed |= st.remote.clear(ns.ns_id if ns is not None else None)
+        return len(removed)
 
     def pin(self, ns: Namespace, keys: Sequence[ChunkKey], lease_s: float | None = None) -> int:
         st = self._st
@@ -144,7 +155,8 @@ class StoreAdmin:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until queued disk writes are committed. False on timeout."""
-        return all(t.flush(timeout) for t in self._st.tiers if isinstance(t, DiskTier))
+        ok = all(t.flush(timeout) for t in self._st.tiers if isinstance(t, DiskTier))
+        return (self._st.remote is None or self._st.remote.flush(timeout)) and ok
 
     # ---- introspection ------------------------------------------------------------------------
     def unreachable_bytes(self) -> int:
@@ -166,6 +178,8 @@ class StoreAdmin:
                    "unreachable_bytes": self.unreachable_bytes(),
                    "num_namespaces": st.num_namespaces}
         out.update(st.metrics.snapshot())
+        if st.remote is not None:
+            out["remote"] = st.remote.stats()
         return out
 
     def check_integrity(self) -> None:

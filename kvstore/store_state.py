@@ -28,6 +28,7 @@ from kvstore.tiers.memory import MemoryTier
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.direct import Reservation
+    from kvstore.tiers.remote import RemoteTier
 
 log = logging.getLogger("kvstore.store")
 
@@ -58,6 +59,8 @@ class StoreState:
         self.doomed: set[ChunkKey] = set()
         self.reserved: dict[ChunkKey, ChunkKey | None] = {}
         self.mover = TierMover(tiers, metrics, self.pins.evictable, self.doomed, self.reserved)
+        #: the remote tier (Redis) below ``tiers``, or None (``kvstore.tiers.remote``)
+        self.remote: "RemoteTier | None" = None
         #: layouts of the namespaces checked by ``register``, least recently used first
         #: (at most ``config.max_namespaces``)
         self._layouts: OrderedDict[bytes, KVLayout] = OrderedDict()
@@ -202,6 +205,44 @@ class StoreState:
         with self.lock:
             tier.delete(key)
         self.metrics.inc("stale_index_entries", tier=tier.name)
+
+    def read_remote(self, layout: KVLayout, keys: Sequence[ChunkKey]) -> list[torch.Tensor | None]:
+        """Read ``keys`` (stored in no local tier) from the remote tier: per key the chunk
+        ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` on ``config.return_device``, or
+        None. Hits are counted (``hits{tier="remote"}``) and, with ``promote_on_hit``, copied
+        into the top tier in order (each after its parent), unless a local tier holds them
+        by now."""
+        if not keys:
+            return []
+        got = self.remote.get(keys, layout)
+        out: list[torch.Tensor | None] = []
+        with self.lock:
+            for key, item in zip(keys, got):
+                if item is None:
+                    out.append(None)
+                    continue
+                kv, parent = item
+                self.metrics.inc("hits", tier="remote")
+                if self.config.promote_on_hit and self.locate(key) is None \
+                        and key not in self.doomed:
+                    try:
+                        if self.mover.insert(0, key, kv, parent):
+                            self.metrics.inc("promotions", tier="remote")
+                    except Exception:
+                        log.exception("promotion of %r from the remote tier failed", key)
+                        self.metrics.inc("errors", tier=self.tiers[0].name)
+                dev = self.config.return_device
+                out.append(kv if str(dev) == "cpu" else kv.to(dev))
+        return out
+
+    def write_behind(self, key: ChunkKey, kv: torch.Tensor, parent: ChunkKey | None,
+                     owned: bool = False) -> None:
+        """Queue a newly stored chunk for the remote tier (a CPU copy unless ``owned``: a CPU
+        tensor nobody else writes); dropped and counted there when its queue is full."""
+        cpu = kv.detach()
+        if not owned or cpu.device.type != "cpu":
+            cpu = cpu.to("cpu", copy=True)
+        self.remote.put_behind(key, cpu.contiguous(), parent)
 
     def commit_reserved(self, res: "Reservation", key: ChunkKey, parent: ChunkKey | None,
                         layout: KVLayout) -> bool:

@@ -1,0 +1,110 @@
+"""Parse the remote tier's Redis address: ``redis://[user:password@]host:port[,host:port...]``.
+
+One address names a standalone server; several name startup nodes of a Redis Cluster (the rest
+of the cluster is discovered from them). ``rediss://`` asks for TLS. A standalone address may
+end in ``/<db>``. The password may come from the URL, from ``KVSTORE_REMOTE_PASSWORD`` or from
+the caller; it is never part of ``str()``/``repr()`` of the result (``redacted``), so logging
+an endpoint never logs a password.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from urllib.parse import unquote
+
+PASSWORD_ENV = "KVSTORE_REMOTE_PASSWORD"
+DEFAULT_PORT = 6379
+
+
+@dataclass(frozen=True)
+class RedisEndpoint:
+    """Where the remote tier's Redis lives.
+
+    Attributes:
+        nodes: ``(host, port)`` of each startup node (one: standalone or a cluster's seed).
+        username: ACL user (``""``: the default user).
+        password: the password (``None``: none); not shown by ``repr``.
+        tls: ``rediss://``.
+        db: database number (standalone only).
+    """
+
+    nodes: tuple[tuple[str, int], ...]
+    username: str = ""
+    password: str | None = field(default=None, repr=False)
+    tls: bool = False
+    db: int = 0
+
+    def redacted(self) -> str:
+        """The URL without its password (``redis://user:***@h:p,h:p``)."""
+        scheme = "rediss" if self.tls else "redis"
+        auth = ""
+        if self.username or self.password:
+            auth = f"{self.username}{':***' if self.password else ''}@"
+        hosts = ",".join(f"{h}:{p}" for h, p in self.nodes)
+        return f"{scheme}://{auth}{hosts}" + (f"/{self.db}" if self.db else "")
+
+    def __str__(self) -> str:
+        return self.redacted()
+
+    def without_password(self) -> str:
+        """The URL with the user but no password (to keep in configs that may be logged)."""
+        scheme = "rediss" if self.tls else "redis"
+        auth = f"{self.username}@" if self.username else ""
+        hosts = ",".join(f"{h}:{p}" for h, p in self.nodes)
+        return f"{scheme}://{auth}{hosts}" + (f"/{self.db}" if self.db else "")
+
+
+def parse_redis_url(url: str, password: str | None = None,
+                    env: dict | None = None) -> RedisEndpoint:
+    """Parse ``url`` (see module docstring). ``password`` (or ``$KVSTORE_REMOTE_PASSWORD``)
+    applies when the URL carries none.
+
+    Raises:
+        ValueError: another scheme, no host, a bad port, a db with several nodes, or a bad db.
+            The message never contains the password.
+    """
+    env = os.environ if env is None else env
+    if not isinstance(url, str) or "://" not in url:
+        raise ValueError("remote URL must look like redis://[user:password@]host:port[,host:port]")
+    scheme, rest = url.split("://", 1)
+    if scheme not in ("redis", "rediss"):
+        raise ValueError(f"remote URL scheme must be redis:// or rediss://, got {scheme}://")
+    user, pw = "", None
+    if "@" in rest:
+        auth, rest = rest.rsplit("@", 1)
+        user, sep, pw_text = auth.partition(":")
+        user = unquote(user)
+        pw = unquote(pw_text) if sep else None
+    db = 0
+    if "/" in rest:
+        rest, db_text = rest.split("/", 1)
+        if db_text:
+            try:
+                db = int(db_text)
+            except ValueError:
+                raise ValueError(f"remote URL database must be a number, got {db_text!r}") from None
+            if db < 0:
+                raise ValueError(f"remote URL database must be >= 0, got {db}")
+    nodes = []
+    for part in rest.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        host, sep, port_text = part.rpartition(":")
+        if not sep:
+            host, port_text = part, str(DEFAULT_PORT)
+        host = host.strip("[]")
+        try:
+            port = int(port_text)
+        except ValueError:
+            raise ValueError(f"remote URL port must be a number, got {port_text!r}") from None
+        if not host or not 0 < port < 65536:
+            raise ValueError(f"remote URL node {host or '?'}:{port_text} is not host:port")
+        nodes.append((host, port))
+    if not nodes:
+        raise ValueError("remote URL names no host")
+    if db and len(nodes) > 1:
+        raise ValueError("a Redis Cluster has only database 0; drop /<db> from the remote URL")
+    if pw is None:
+        pw = password if password is not None else env.get(PASSWORD_ENV) or None
+    return RedisEndpoint(tuple(nodes), user, pw, scheme == "rediss", db)

@@ -1,0 +1,405 @@
+"""Remote tier: chunks in Redis (standalone or Cluster), shared by every store that points at
+the same deployment, on any host.
+
+It is the last tier of a ``ChunkStore`` and differs from the local tiers in one way: nobody
+holds an index of it (other hosts write to it, Redis evicts from it on its own), so the store
+asks it. Lookups ask for presence (``EXISTS``), gets read and check values (``GET``), both
+as one pipeline per node, all nodes at once, within ``timeout_s`` (``kvstore.tiers.redis_nodes``).
+A node that fails or is late costs misses for its keys; the engine never waits past the
+deadline and never gets an error from this tier.
+
+Writes are write-behind: the store hands over a copy of each chunk it newly stores
+(``put_behind``), a background thread writes them (``SET``, with ``EX ttl_s`` when set) in
+batches, one pipeline per node. The queue is bounded in bytes; a chunk that does not fit, a
+write a full Redis refuses (``maxmemory`` with ``noeviction``) or a write to a failed node is
+dropped and counted (``kvstore_remote_dropped_writes_total{reason}``), never raised.
+
+Keys and values:
+
+* key: ``<prefix>:<namespace id hex>:<prefix hash hex>``. The namespace id covers the model,
+  layout, dtype and ``cache_salt``, so tenants and models never share a key; the deployment
+  prefix keeps several deployments on one Redis apart. No hash tags: a prompt's chunks spread
+  over every master.
+* value: ``kvstore.codec``'s self-describing format (version, codec, dtype, shape, the chunk's
+  own key (namespace id + prefix hash), its parent's key, checksums), then the payload. A
+  value that fails any check (other key or namespace, shape or dtype other than the layout's,
+  checksum, truncated, unknown version) is a miss, counted
+  (``kvstore_remote_validation_failures_total{reason}``) and deleted.
+
+Capacity is Redis's own: run it with ``maxmemory`` and an eviction policy (``allkeys-lru``);
+a value Redis evicted is simply a miss.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections import deque
+from typing import Sequence
+
+import torch
+from prometheus_client import CollectorRegistry
+from redis.exceptions import AskError, MovedError, OutOfMemoryError, RedisError, ResponseError
+
+from kvstore.codec import CODECS, CorruptChunkError, pack_value, unpack_value
+from kvstore.keys import ChunkKey
+from kvstore.layout import DTYPES, KVLayout, dtype_name
+from kvstore.tiers.redis_nodes import RedisNodes
+from kvstore.tiers.redis_url import parse_redis_url
+from kvstore.tiers.remote_metrics import RemoteMetrics
+
+log = logging.getLogger("kvstore.tiers.remote")
+
+#: Puts written per batch at most (one pipeline per node per batch).
+BATCH_OPS = 64
+#: Bytes of values written per batch at most.
+BATCH_BYTES = 64 * 2**20
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-/]{1,64}$")
+
+
+class RemoteTier:
+    """Chunks in Redis, written behind and read with validation (see module docstring).
+    Thread-safe.
+
+    Args:
+        url: ``redis://[user:password@]host:port[,host:port...]`` (``kvstore.tiers.redis_url``;
+            several addresses: startup nodes of a cluster).
+        key_prefix: deployment prefix of every key (letters, digits, ``_.-/``; 1-64 chars).
+        ttl_s: seconds a value lives after its last write or read (``GETEX`` refreshes it);
+            0 = no expiry (Redis's ``maxmemory`` policy decides).
+        timeout_s: deadline of a lookup or get (seconds), and socket timeout of every call.
+        queue_bytes: most bytes of chunks waiting to be written; beyond, writes are dropped.
+        password: used when the URL has none (else ``$KVSTORE_REMOTE_PASSWORD``).
+        codec: value codec (``raw`` default: fp16 KV rarely compresses; ``auto``, ``lz4``,
+            ``shuffle-lz4`` as the disk tier).
+        registry: Prometheus registry for ``kvstore_remote_*`` (the store's).
+        breaker_threshold, breaker_reset_s: per-node circuit breaker (consecutive failures that
+            open it; seconds before a trial request).
+
+    Raises:
+        ValueError: a bad URL, prefix, ttl, timeout, queue size or codec.
+        kvstore.tiers.redis_nodes.RemoteConfigError (a ValueError): Redis unreachable, the
+            password refused, or several addresses that are not a cluster.
+    """
+
+    name = "remote"
+
+    def __init__(self, url: str, key_prefix: str = "kvstore", ttl_s: float = 0.0,
+                 timeout_s: float = 0.25, queue_bytes: int = 256 * 2**20,
+                 password: str | None = None, codec: str = "raw",
+                 registry: CollectorRegistry | None = None, breaker_threshold: int = 3,
+                 breaker_reset_s: float = 5.0) -> None:
+        if not isinstance(key_prefix, str) or not _PREFIX_RE.match(key_prefix):
+            raise ValueError(f"remote key prefix must be 1-64 of letters, digits, _.-/, got "
+                             f"{key_prefix!r}")
+        if not ttl_s >= 0 or not timeout_s > 0 or queue_bytes <= 0:
+            raise ValueError(f"remote tier needs ttl_s >= 0, timeout_s > 0 and queue_bytes > 0, "
+                             f"got {ttl_s}, {timeout_s}, {queue_bytes}")
+        if codec != "auto" and codec not in CODECS:
+            raise ValueError(f"unknown remote codec {codec!r}; choose one of {CODECS} or 'auto'")
+        self.endpoint = parse_redis_url(url, password)
+        self.key_prefix, self.ttl_s, self.timeout_s = key_prefix, float(ttl_s), float(timeout_s)
+        self.queue_capacity, self.codec = int(queue_bytes), codec
+        self.metrics = RemoteMetrics(registry)
+        self.nodes = RedisNodes(self.endpoint, self.timeout_s, breaker_threshold,
+                                breaker_reset_s, on_breaker=self.metrics.breaker)
+        self._prefix = key_prefix.encode() + b":"
+        self._cond = threading.Condition()
+        self._queue: deque = deque()  # ("put", key, kv, parent) | ("del", redis key)
+        self._queued_bytes = 0
+        self._inflight = 0
+        self._closed = False
+        self._writer = threading.Thread(target=self._writer_loop, name="kvstore-remote-writer",
+                                        daemon=True)
+        self._writer.start()
+        log.info("remote tier: %s %s, key prefix %r, ttl %ss, deadline %.3fs",
+                 "Redis Cluster" if self.nodes.cluster else "Redis", self.endpoint,
+                 key_prefix, self.ttl_s or "none", self.timeout_s)
+
+    # ---- keys -------------------------------------------------------------------------------
+    def redis_key(self, key: ChunkKey) -> bytes:
+        """``<prefix>:<ns id hex>:<prefix hash hex>`` (bytes)."""
+        return self._prefix + key.ns_id.hex().encode() + b":" + key.prefix_hash.hex().encode()
+
+    def _pattern(self, ns_id: bytes | None) -> bytes:
+        return self._prefix + (ns_id.hex().encode() + b":*" if ns_id is not None else b"*")
+
+    def _group(self, rkeys: Sequence[bytes], cmd) -> tuple[dict, list]:
+        """node -> commands, and per key (node, index in that node's commands)."""
+        groups: dict = {}
+        where = []
+        for rk in rkeys:
+            node = self.nodes.node_of(rk)
+            cmds = groups.setdefault(node, [])
+            where.append((node, len(cmds)))
+            cmds.append(cmd(rk))
+        return groups, where
+
+    # ---- reads ------------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Whether each key has a value in Redis now (one ``EXISTS`` per key, one pipeline per
+        node, within ``timeout_s``). A failed or late node answers False for its keys."""
+        if not keys:
+            return []
+        t0 = time.perf_counter()
+        groups, where = self._group([self.redis_key(k) for k in keys], lambda rk: ("EXISTS", rk))
+        res = self.nodes.run(groups, time.monotonic() + self.timeout_s)
+        found = []
+        for node, i in where:
+            r = res.get(node)
+            found.append(r is not None and r[i] == 1)
+        self.metrics.inc("lookups", len(keys))
+        self.metrics.inc("lookup_hits", sum(found))
+        self.metrics.observe("lookup", time.perf_counter() - t0)
+        return found
+
+    def get(self, keys: Sequence[ChunkKey], layout: KVLayout
+            ) -> list[tuple[torch.Tensor, ChunkKey | None] | None]:
+        """Read and check each key's value.
+
+        Returns:
+            Per key: ``(kv, parent)`` with ``kv`` a new CPU tensor
+            ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` of ``layout``'s dtype and
+            ``parent`` the key recorded with it; or None (absent, its node failed or was late,
+            or the value failed a check: then it is also deleted and counted).
+        """
+        if not keys:
+            return []
+        t0 = time.perf_counter()
+        rkeys = [self.redis_key(k) for k in keys]
+        if self.ttl_s:
+            ttl = max(1, int(round(self.ttl_s)))
+            cmd = lambda rk: ("GETEX", rk, "EX", ttl)  # noqa: E731
+        else:
+            cmd = lambda rk: ("GET", rk)  # noqa: E731
+        groups, where = self._group(rkeys, cmd)
+        res = self.nodes.run(groups, time.monotonic() + self.timeout_s)
+        out: list = []
+        nbytes = 0
+        shape, dtype = layout.shape(), layout.dtype
+        for key, rk, (node, i) in zip(keys, rkeys, where):
+            r = res.get(node)
+            value = r[i] if r is not None else None
+            if not isinstance(value, (bytes, bytearray)):
+                out.append(None)
+                continue
+            nbytes += len(value)
+            try:
+                h, raw = unpack_value(value, bytes(key))
+                if h.dtype != dtype or tuple(h.shape) != shape:
+                    raise CorruptChunkError(f"layout: value is {h.dtype} {list(h.shape)}, the "
+                                            f"namespace says {dtype} {list(shape)}")
+                parent = ChunkKey.from_bytes(h.parent) if h.parent else None
+            except (CorruptChunkError, ValueError) as e:
+                self._invalid(key, rk, str(e))
+                out.append(None)
+                continue
+            kv = torch.from_numpy(raw).view(DTYPES[h.dtype]).view(h.shape)
+            out.append((kv, parent))
+        hits = sum(o is not None for o in out)
+        self.metrics.inc("reads", len(keys))
+        self.metrics.inc("hits", hits)
+        self.metrics.inc("misses", len(keys) - hits)
+        self.metrics.inc("read_bytes", nbytes)
+        self.metrics.observe("get", time.perf_counter() - t0)
+        return out
+
+    def _invalid(self, key: ChunkKey, rk: bytes, why: str) -> None:
+        reason = ("checksum" if "checksum" in why else "key" if "belongs to key" in why
+                  else "layout" if why.startswith("layout") else "header")
+        log.warning("remote tier: value of %r failed a check (%s); deleting it", key, why)
+        self.metrics.inc("validation_failures", label=reason)
+        self._enqueue(("del", rk), 0)
+
+    # ---- writes -----------------------------------------------------------------------------
+    def put_behind(self, key: ChunkKey, kv: torch.Tensor, parent: ChunkKey | None) -> bool:
+        """Queue ``kv`` (a CPU tensor the caller hands over and no longer writes) to be written
+        as ``key``'s value. Returns False when it was dropped (queue full, tier closed)."""
+        nbytes = kv.numel() * kv.element_size()
+        with self._cond:
+            if self._closed or self._queued_bytes + nbytes > self.queue_capacity:
+                self.metrics.inc("dropped_writes", label="queue_full" if not self._closed
+                                 else "closed")
+                return False
+        return self._enqueue(("put", key, kv, parent), nbytes)
+
+    def _enqueue(self, op: tuple, nbytes: int) -> bool:
+        with self._cond:
+            if self._closed:
+                return False
+            self._queue.append((op, nbytes))
+            self._queued_bytes += nbytes
+            self.metrics.queue_bytes.set(self._queued_bytes)
+            self._cond.notify_all()
+        return True
+
+    def _writer_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                batch, size = [], 0
+                while self._queue and len(batch) < BATCH_OPS and size < BATCH_BYTES:
+                    op, n = self._queue.popleft()
+                    batch.append(op)
+                    size += n
+                self._inflight += 1
+            try:
+                self._write_batch(batch)
+            except Exception:
+                log.exception("remote tier: writer failed on a batch; dropping it")
+                self.metrics.inc("dropped_writes", sum(op[0] == "put" for op in batch), "error")
+            finally:
+                with self._cond:
+                    self._inflight -= 1
+                    self._queued_bytes -= size
+                    self.metrics.queue_bytes.set(self._queued_bytes)
+                    self._cond.notify_all()
+
+    def _encode(self, key: ChunkKey, kv: torch.Tensor, parent: ChunkKey | None) -> bytes:
+        raw = kv.reshape(-1).view(torch.uint8).numpy()  # [nbytes]
+        return pack_value(bytes(key), bytes(parent) if parent is not None else None, raw,
+                          dtype_name(kv.dtype), tuple(kv.shape), self.codec)
+
+    def _write_batch(self, batch: list) -> None:
+        t0 = time.perf_counter()
+        ex = ("EX", max(1, int(round(self.ttl_s)))) if self.ttl_s else ()
+        groups: dict = {}
+        items = []  # (node, index, kind, redis key, value)
+        for op in batch:
+            if op[0] == "put":
+                rk, value = self.redis_key(op[1]), self._encode(*op[1:])
+                cmd = ("SET", rk, value) + ex
+            else:
+                rk, value = op[1], None
+                cmd = ("UNLINK", rk)
+            node = self.nodes.node_of(rk)
+            cmds = groups.setdefault(node, [])
+            items.append((node, len(cmds), op[0], rk, value))
+            cmds.append(cmd)
+        res = self.nodes.run(groups, None)
+        for node, i, kind, rk, value in items:
+            r = res.get(node)
+            r = r[i] if r is not None else ConnectionError("node unavailable")
+            if isinstance(r, (MovedError, AskError)):
+                r = self._redirected(kind, rk, value, ex)
+            if kind == "del":
+                if not isinstance(r, Exception):
+                    self.metrics.inc("deleted", int(r or 0))
+                continue
+            if isinstance(r, Exception):
+                reason = ("full" if isinstance(r, OutOfMemoryError) else
+                          "error" if isinstance(r, ResponseError) else "unavailable")
+                self.metrics.inc("dropped_writes", label=reason)
+                log.debug("remote tier: write of %r dropped: %s", rk, r)
+            else:
+                self.metrics.inc("writes")
+                self.metrics.inc("written_bytes", len(value))
+        self.metrics.observe("put", time.perf_counter() - t0)
+
+    def _redirected(self, kind: str, rk: bytes, value, ex: tuple):
+        """Redo one command through the cluster client (it follows MOVED/ASK)."""
+        client = self.nodes.cluster_client()
+        try:
+            if kind == "put":
+                return client.execute_command("SET", rk, value, *ex)
+            return client.execute_command("UNLINK", rk)
+        except RedisError as e:
+            return e
+
+    # ---- removal ----------------------------------------------------------------------------
+    def _forget_queued(self, match) -> None:
+        """Drop queued puts whose key ``match``es (they would bring removed chunks back)."""
+        with self._cond:
+            kept = deque()
+            for op, n in self._queue:
+                if op[0] == "put" and match(op[1]):
+                    self._queued_bytes -= n
+                else:
+                    kept.append((op, n))
+            self._queue = kept
+            self.metrics.queue_bytes.set(self._queued_bytes)
+
+    def delete(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Delete the values of ``keys`` now (and their queued writes). Returns, per key,
+        whether a value was deleted (False also for a key on a failed node: its value stays,
+        which is stale data for nobody: a value is only ever the right KV of its key)."""
+        keys = list(keys)
+        if not keys:
+            return []
+        wanted = set(keys)
+        self._forget_queued(lambda k: k in wanted)
+        groups, where = self._group([self.redis_key(k) for k in keys], lambda rk: ("UNLINK", rk))
+        res = self.nodes.run(groups, None)
+        out = [res.get(node) is not None and not isinstance(res[node][i], Exception)
+               and int(res[node][i] or 0) > 0 for node, i in where]
+        self.metrics.inc("deleted", sum(out))
+        return out
+
+    def chunk_key(self, rk: bytes) -> ChunkKey | None:
+        """Inverse of ``redis_key`` (None for a key of another form)."""
+        parts = rk[len(self._prefix):].split(b":")
+        try:
+            return ChunkKey(bytes.fromhex(parts[0].decode()), bytes.fromhex(parts[1].decode()))
+        except (IndexError, ValueError, UnicodeDecodeError):
+            return None
+
+    def clear(self, ns_id: bytes | None = None) -> set[ChunkKey]:
+        """Delete every value of namespace ``ns_id`` (None: every value under this tier's key
+        prefix) on every master (``SCAN`` + ``UNLINK``), and the queued writes. Returns the
+        keys deleted; a master that fails is logged and skipped."""
+        self._forget_queued(lambda k: ns_id is None or k.ns_id == ns_id)
+        pattern, gone = self._pattern(ns_id), set()
+        for node in self.nodes.primaries():
+            try:
+                client = self.nodes.client(node)
+                batch = []
+                for rk in client.scan_iter(match=pattern, count=1000):
+                    batch.append(rk)
+                    if len(batch) >= 500:
+                        client.unlink(*batch)
+                        gone.update(batch)
+                        batch = []
+                if batch:
+                    client.unlink(*batch)
+                    gone.update(batch)
+            except RedisError as e:
+                log.warning("remote tier: clear on %s failed: %s", node, e)
+        self.metrics.inc("deleted", len(gone))
+        return {k for k in map(self.chunk_key, gone) if k is not None}
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    @property
+    def queued_bytes(self) -> int:
+        return self._queued_bytes
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write is done (written or dropped). False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and not self._inflight, timeout)
+
+    def stats(self) -> dict:
+        """Address (no password), mode, settings, queue, breaker states and counters."""
+        return {"url": self.endpoint.redacted(), "cluster": self.nodes.cluster,
+                "key_prefix": self.key_prefix, "ttl_s": self.ttl_s, "timeout_s": self.timeout_s,
+                "queue_bytes": self._queued_bytes, "queue_capacity_bytes": self.queue_capacity,
+                "breakers": self.nodes.breaker_states(), **self.metrics.snapshot()}
+
+    def close(self, flush_timeout: float = 10.0) -> None:
+        """Write what is queued (up to ``flush_timeout`` seconds), then close. Idempotent."""
+        with self._cond:
+            if self._closed:
+                return
+        self.flush(flush_timeout)
+        with self._cond:
+            self._closed = True
+            dropped = sum(op[0] == "put" for op, _ in self._queue)
+            self._queue.clear()  # (not written in time: the writer stops after its batch)
+            self._cond.notify_all()
+        if dropped:
+            self.metrics.inc("dropped_writes", dropped, "closed")
+        self._writer.join(timeout=flush_timeout)
+        self.nodes.close()
