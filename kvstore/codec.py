@@ -95,8 +95,10 @@ def _sample_compresses(raw: np.ndarray, itemsize: int) -> bool:
     return len(packed) <= (1.0 - MIN_SAVING) * sample.nbytes
 
 
-def decode_payload(codec: str, payload, raw_nbytes: int, itemsize: int) -> np.ndarray:
-    """Raw bytes (a new writable uint8 array) from a payload.
+def decode_payload(codec: str, payload, raw_nbytes: int, itemsize: int,
+                   copy: bool = True) -> np.ndarray:
+    """Raw bytes (a new writable uint8 array) from a payload; with ``copy=False`` a ``raw``
+    payload is returned as a view of ``payload`` itself (read-only when it is).
 
     Raises:
         CorruptChunkError: the payload does not decode to ``raw_nbytes`` bytes.
@@ -105,7 +107,8 @@ def decode_payload(codec: str, payload, raw_nbytes: int, itemsize: int) -> np.nd
         if codec == "raw":
             if len(payload) != raw_nbytes:
                 raise CorruptChunkError(f"raw payload has {len(payload)} bytes, header says {raw_nbytes}")
-            return np.frombuffer(payload, dtype=np.uint8).copy()
+            arr = np.frombuffer(payload, dtype=np.uint8)
+            return arr.copy() if copy else arr
         out = lz4.block.decompress(payload, uncompressed_size=raw_nbytes, return_bytearray=True)
     except (lz4.block.LZ4BlockError, ValueError) as e:
         raise CorruptChunkError(f"{codec} payload does not decode: {e}") from e
@@ -169,8 +172,9 @@ def unpack_header(buf) -> ChunkHeader:
                        parent, pos)
 
 
-def unpack_value(buf, expect_key: bytes) -> tuple[ChunkHeader, np.ndarray]:
-    """Header and verified raw bytes of a stored value.
+def unpack_value(buf, expect_key: bytes, copy: bool = True) -> tuple[ChunkHeader, np.ndarray]:
+    """Header and verified raw bytes of a stored value (``copy=False``: a ``raw`` payload as
+    a view of ``buf``, see ``decode_payload``).
 
     Raises:
         CorruptChunkError: any header problem, a key other than ``expect_key``, a shape/dtype
@@ -187,7 +191,7 @@ def unpack_value(buf, expect_key: bytes) -> tuple[ChunkHeader, np.ndarray]:
     if int(np.prod(h.shape)) * ITEMSIZE[h.dtype] != h.raw_nbytes:
         raise CorruptChunkError(f"shape {h.shape} x {h.dtype} does not match {h.raw_nbytes} bytes")
     raw = decode_payload(h.codec, mv[h.payload_offset:len(mv) - _TRAILER.size], h.raw_nbytes,
-                         ITEMSIZE[h.dtype])
+                         ITEMSIZE[h.dtype], copy)
     # a raw payload is covered by the trailer already; check what a decoder produced
     if h.codec != "raw" and checksum(raw) != h.checksum:
         raise CorruptChunkError("payload checksum mismatch")

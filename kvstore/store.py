@@ -54,7 +54,10 @@ from kvstore.tiers.base import Tier
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.gpu import GpuTier
-from kvstore.tiers.remote import RemoteTier
+
+#: tier name of the remote tier (``kvstore.tiers.remote``, imported only when configured: it
+#: needs the ``redis`` package)
+REMOTE = "remote"
 
 
 class ChunkStore(KVStoreBase):
@@ -112,6 +115,7 @@ class ChunkStore(KVStoreBase):
                 self.metrics.inc("corruptions", t.num_bad_at_open, tier=t.name)
         try:
             if config.remote_url:
+                from kvstore.tiers.remote import RemoteTier
                 st.remote = RemoteTier(
                     config.remote_url, config.remote_key_prefix, config.remote_ttl_s,
                     config.remote_timeout_s, config.remote_queue_bytes, config.remote_password,
@@ -129,15 +133,15 @@ class ChunkStore(KVStoreBase):
         memory), and borrowed reads unless a subclass redefines ``get_chunks`` (its reads must
         go through it); durable puts with a disk tier. Tiers as configured, top first."""
         own_reads = type(self).get_chunks is ChunkStore.get_chunks
-        remote = (RemoteTier.name,) if self._st.remote is not None else ()
+        remote = (REMOTE,) if self._st.remote is not None else ()
         return StoreCapabilities(
             borrowed_reads=own_reads, reservations=True, pins=True,
             durable_puts=self.has_disk_tier, nonblocking_lookup=True, get_into_buffers=True,
             copies_on_put=True, tiers=tuple(t.name for t in self.tiers) + remote)
 
     @property
-    def remote(self) -> RemoteTier | None:
-        """The remote tier (Redis), or None."""
+    def remote(self):
+        """The remote tier (``kvstore.tiers.remote.RemoteTier``: Redis), or None."""
         return self._st.remote
 
     def register(self, ns: Namespace) -> None:
@@ -199,7 +203,7 @@ class ChunkStore(KVStoreBase):
             found = st.remote.lookup([k for k, t in zip(rest, local) if t is None])
             it = iter(found)
             for t in local:
-                name = t.name if t is not None else (RemoteTier.name if next(it) else None)
+                name = t.name if t is not None else (REMOTE if next(it) else None)
                 if name is None:
                     break
                 tiers.append(name)
@@ -226,8 +230,10 @@ class ChunkStore(KVStoreBase):
                    out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor | None]:
         """As ``KVStoreBase.get_chunks``; ``out`` (optional, one contiguous tensor per key of
         the layout's shape and dtype on ``config.return_device``) receives chunks read from a
-        memory tier, which are then returned as ``out[i]`` (a disk hit is a new tensor), so a
-        caller reusing buffers allocates nothing per call.
+        memory tier or from Redis, which are then returned as ``out[i]`` (a disk hit is a new
+        tensor), so a caller reusing buffers allocates nothing per call. Without ``out``, a
+        chunk read from Redis is a tensor over the received value's memory: copy it before
+        writing into it.
 
         Raises:
             ValueError: a key of another namespace, or ``len(out) != len(keys)``.
@@ -268,6 +274,8 @@ class ChunkStore(KVStoreBase):
         if st.remote is not None:
             todo = [i for i, item in enumerate(plan) if item is None]
             for i, kv in zip(todo, st.read_remote(ns.layout, [keys[i] for i in todo])):
+                if kv is not None and bufs[i] is not None:
+                    kv = bufs[i].copy_(kv)
                 out[i] = kv
         self.metrics.inc("misses", sum(kv is None for kv in out))
         self.metrics.observe("get", time.perf_counter() - t0)

