@@ -23,6 +23,8 @@ from typing import Callable, Sequence
 
 import redis
 from redis.cluster import ClusterNode, RedisCluster
+from redis.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import AskError, AuthenticationError, MovedError, RedisError, ResponseError
 
 from kvstore.tiers.breaker import CircuitBreaker
@@ -68,7 +70,7 @@ class RedisNodes:
         self._last_refresh = 0.0
         kw = dict(username=endpoint.username or None, password=endpoint.password,
                   ssl=endpoint.tls, socket_timeout=timeout_s,
-                  socket_connect_timeout=max(timeout_s, 0.5))
+                  socket_connect_timeout=timeout_s)
         seed = self._check_seed(kw)
         self.cluster = seed is None
         self._pool = None
@@ -91,7 +93,10 @@ class RedisNodes:
         cluster node."""
         errors = []
         for host, port in self.endpoint.nodes:
+            # no retries: a call is bounded by the deadline, a failure is a miss (redis-py's
+            # default retries with backoff would stall a call on a dead server for seconds)
             r = redis.Redis(host=host, port=port, db=self.endpoint.db,
+                            retry=Retry(NoBackoff(), 0),
                             **{**kw, "socket_timeout": STARTUP_TIMEOUT_S,
                                "socket_connect_timeout": STARTUP_TIMEOUT_S})
             try:
@@ -120,10 +125,9 @@ class RedisNodes:
                 raise RemoteConfigError(f"{len(self.endpoint.nodes)} nodes given but {host}:{port} "
                                         f"is not a cluster node (cluster_enabled:0); give one "
                                         f"address for a standalone Redis")
-            r.connection_pool.connection_kwargs.update(socket_timeout=self.timeout_s,
-                                                       socket_connect_timeout=max(self.timeout_s, 0.5))
-            r.connection_pool.disconnect()
-            return r
+            r.close()  # (its connections keep the startup timeout)
+            return redis.Redis(host=host, port=port, db=self.endpoint.db,
+                               retry=Retry(NoBackoff(), 0), **kw)
         raise RemoteConfigError(f"cannot reach Redis at {self.endpoint}: {'; '.join(errors)}")
 
     # ---- routing ----------------------------------------------------------------------------

@@ -55,7 +55,7 @@ log = logging.getLogger("kvstore.tiers.remote")
 #: Puts written per batch at most (one pipeline per node per batch).
 BATCH_OPS = 64
 #: Bytes of values written per batch at most.
-BATCH_BYTES = 64 * 2**20
+BATCH_BYTES = 32 * 2**20
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-/]{1,64}$")
 
 
