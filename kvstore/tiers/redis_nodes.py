@@ -222,7 +222,7 @@ class RedisNodes:
             out[node] = self._settle(node, f.result)
         for f in late:
             node = futures[f]
-            log.warning("remote tier: node %s answered after the deadline; its keys miss", node)
+            log.debug("remote tier: node %s answered after the deadline; its keys miss", node)
             self.breaker(node).failure()
             out[node] = None
         return out
@@ -231,7 +231,7 @@ class RedisNodes:
         try:
             res = fn(*args)
         except RedisError as e:
-            log.warning("remote tier: node %s failed: %s: %s", node, type(e).__name__, e)
+            log.debug("remote tier: node %s failed: %s: %s", node, type(e).__name__, e)
             self.breaker(node).failure()
             return None
         self.breaker(node).success()

@@ -117,7 +117,7 @@ class RemoteTier:
         self.queue_capacity, self.codec = int(queue_bytes), codec
         self.metrics = RemoteMetrics(registry)
         self.nodes = RedisNodes(self.endpoint, self.timeout_s, breaker_threshold,
-                                breaker_reset_s, on_breaker=self.metrics.breaker)
+                                breaker_reset_s, on_breaker=self._on_breaker)
         self._prefix = key_prefix.encode() + b":"
         self._cond = threading.Condition()
         self._queue: deque = deque()  # ("put", key, kv, parent) | ("del", redis key)
@@ -130,6 +130,14 @@ class RemoteTier:
         log.info("remote tier: %s %s, key prefix %r, ttl %ss, deadline %.3fs",
                  "Redis Cluster" if self.nodes.cluster else "Redis", self.endpoint,
                  key_prefix, self.ttl_s or "none", self.timeout_s)
+
+    def _on_breaker(self, node: str, state: str) -> None:
+        if state == "open":
+            log.warning("remote tier: node %s keeps failing; its keys miss for %.1f s (circuit "
+                        "breaker open)", node, self.nodes.breaker(node).reset_s)
+        elif state == "closed":
+            log.info("remote tier: node %s answers again (circuit breaker closed)", node)
+        self.metrics.breaker(node, state)
 
     # ---- keys -------------------------------------------------------------------------------
     def redis_key(self, key: ChunkKey) -> bytes:
@@ -362,6 +370,15 @@ class RemoteTier:
         except (IndexError, ValueError, UnicodeDecodeError):
             return None
 
+    @staticmethod
+    def _unlink_each(client, rkeys: list[bytes]) -> list[bytes]:
+        """``UNLINK`` each key (one command per key, one pipeline: a cluster node refuses a
+        multi-key command across slots); returns the keys that existed."""
+        pipe = client.pipeline(transaction=False)
+        for rk in rkeys:
+            pipe.unlink(rk)
+        return [rk for rk, n in zip(rkeys, pipe.execute()) if n]
+
     def clear(self, ns_id: bytes | None = None) -> set[ChunkKey]:
         """Delete every value of namespace ``ns_id`` (None: every value under this tier's key
         prefix) on every master (``SCAN`` + ``UNLINK``), and the queued writes. Returns the
@@ -375,12 +392,10 @@ class RemoteTier:
                 for rk in client.scan_iter(match=pattern, count=1000):
                     batch.append(rk)
                     if len(batch) >= 500:
-                        client.unlink(*batch)
-                        gone.update(batch)
+                        gone.update(self._unlink_each(client, batch))
                         batch = []
                 if batch:
-                    client.unlink(*batch)
-                    gone.update(batch)
+                    gone.update(self._unlink_each(client, batch))
             except RedisError as e:
                 log.warning("remote tier: clear on %s failed: %s", node, e)
         self.metrics.inc("deleted", len(gone))
