@@ -73,7 +73,7 @@ class RedisNodes:
                   socket_connect_timeout=timeout_s)
         seed = self._check_seed(kw)
         self.cluster = seed is None
-        self._pool = None
+        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvstore-remote")
         if self.cluster:
             try:
                 self._rc = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in endpoint.nodes],
@@ -82,7 +82,6 @@ class RedisNodes:
                 raise RemoteConfigError(f"cannot open the Redis Cluster at {endpoint}: "
                                         f"{type(e).__name__}: {e}") from None
             self._single = None
-            self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvstore-remote")
         else:
             self._rc = None
             self._single = seed
@@ -210,7 +209,7 @@ class RedisNodes:
                 todo.append((node, cmds))
         if not todo:
             return out
-        if len(todo) == 1 or self._pool is None:
+        if deadline is None and len(todo) == 1:  # (each node's socket timeout bounds it)
             for node, cmds in todo:
                 out[node] = self._settle(node, self._call, node, cmds)
             return out
@@ -247,8 +246,7 @@ class RedisNodes:
 
     def close(self) -> None:
         """Close every connection. Idempotent."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
         try:
             if self.cluster:
                 self._rc.close()

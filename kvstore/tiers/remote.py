@@ -56,6 +56,9 @@ log = logging.getLogger("kvstore.tiers.remote")
 BATCH_OPS = 64
 #: Bytes of values written per batch at most.
 BATCH_BYTES = 32 * 2**20
+#: A get's deadline is ``timeout_s`` plus this many seconds per GiB of chunks asked (a floor
+#: of 256 MiB/s: a long prompt's chunks are not cut off by a deadline sized for a lookup).
+GET_SECONDS_PER_GIB = 4.0
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-/]{1,64}$")
 
 
@@ -82,7 +85,8 @@ class RemoteTier:
         key_prefix: deployment prefix of every key (letters, digits, ``_.-/``; 1-64 chars).
         ttl_s: seconds a value lives after its last write or read (``GETEX`` refreshes it);
             0 = no expiry (Redis's ``maxmemory`` policy decides).
-        timeout_s: deadline of a lookup or get (seconds), and socket timeout of every call.
+        timeout_s: deadline of a lookup (seconds) and socket timeout of every call; a get's
+            deadline adds ``GET_SECONDS_PER_GIB`` per GiB of chunks asked.
         queue_bytes: most bytes of chunks waiting to be written; beyond, writes are dropped.
         password: used when the URL has none (else ``$KVSTORE_REMOTE_PASSWORD``).
         codec: value codec (``raw`` default: fp16 KV rarely compresses; ``auto``, ``lz4``,
@@ -198,7 +202,8 @@ class RemoteTier:
         else:
             cmd = lambda rk: ("GET", rk)  # noqa: E731
         groups, where = self._group(rkeys, cmd)
-        res = self.nodes.run(groups, time.monotonic() + self.timeout_s)
+        allowance = len(keys) * layout.chunk_bytes / 2**30 * GET_SECONDS_PER_GIB
+        res = self.nodes.run(groups, time.monotonic() + self.timeout_s + allowance)
         out: list = []
         nbytes = 0
         shape, dtype = layout.shape(), layout.dtype
