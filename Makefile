@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.vllm-installed-stamp
 
-.PHONY: venv test test-core test-vllm vllm-venv demo clean
+.PHONY: venv redis test test-core test-vllm vllm-venv demo clean
 
 venv: $(STAMP)
 
@@ -23,11 +23,26 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# redis-server and redis-cli for the tests of the remote tier (they start their own servers on free
+# loopback ports). Installed with apt-get when missing and run as root (as CI is); otherwise this
+# only says what to install: tests that need Redis then skip, or fail under CI=true.
+redis:
+	@if command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1; then \
+		:; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing redis-server with apt-get"; \
+		DEBIAN_FRONTEND=noninteractive apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; \
+	else \
+		echo "redis-server is missing: install it with 'apt-get install redis-server' (or run" \
+		     "'make redis' as root); tests that need Redis skip, and fail under CI=true"; \
+	fi
+
 # The whole suite: the project's tests in .venv, then the vLLM connector's integration tests in
 # their own environment (.venv-vllm, CPU build of vLLM; see tools/make_vllm_env.sh).
 test: test-core test-vllm
 
-test-core: $(STAMP)
+test-core: $(STAMP) redis
 	$(VPY) -m pytest -q -ra $(PYTEST_ARGS)
 
 vllm-venv: $(VLLM_STAMP)

@@ -2,38 +2,24 @@
 chunks written and read with redis-py's asyncio client (MSET/MGET of a batch per round trip)."""
 from __future__ import annotations
 
-import socket
-import subprocess
-import time
-
 import torch
 
 from bench.daemon_load_common import CHUNK_BYTES, run_clients
-from bench.servers import free_port
+from bench.redis_servers import RedisServer
 
 
-class Redis:
-    """``redis-server`` on a free port without persistence, or None if it is not installed."""
+class Redis(RedisServer):
+    """``redis-server`` on a free port without persistence, started on construction, with a
+    1 GiB query buffer (a batch of MSET values arrives in one command).
+
+    Raises:
+        RedisNotInstalled: no ``redis-server`` on ``PATH``.
+        RuntimeError: it did not start (the message has its log tail).
+    """
 
     def __init__(self, workdir: str):
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", workdir, "--proto-max-bulk-len", "1gb",
-             "--client-query-buffer-limit", "1gb"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 10
-        while time.time() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
+        super().__init__(workdir, extra_args=("--client-query-buffer-limit", "1gb"))
+        self.start()
 
 
 async def bench_redis(port: int, clients: int, rounds: int, batch: int,
