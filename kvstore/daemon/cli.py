@@ -70,6 +70,28 @@ def _serve_parser(sub) -> None:
                         "request timeout, then 503); CPU-tier chunks take none (read and sent in "
                         "place). Default auto: cpu+gpu bytes / 16, at least 32MiB; 0 = "
                         "unbounded")
+    _remote_flags(p)
+
+
+def _remote_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("remote tier (Redis shared by every daemon; docs/remote-tier.md)")
+    g.add_argument("--remote-url",
+                   help="redis://host:port (standalone or a cluster seed), "
+                        "redis://h1:7000,h2:7000,h3:7000 (cluster startup nodes) or rediss:// "
+                        "(TLS); the password comes from $KVSTORE_REMOTE_PASSWORD or the config "
+                        "file (remote_password), not from a flag. Default: no remote tier")
+    g.add_argument("--remote-key-prefix",
+                   help="deployment prefix of every Redis key, <prefix>:<namespace>:<hash> "
+                        "(default kvstore)")
+    g.add_argument("--remote-ttl-s", type=float,
+                   help="seconds a value lives after its last write or read (default 0: no "
+                        "expiry; Redis's maxmemory policy evicts)")
+    g.add_argument("--remote-timeout-s", type=float,
+                   help="deadline of a remote lookup in seconds; a late node's keys miss "
+                        "(default 0.25)")
+    g.add_argument("--remote-queue-bytes",
+                   help="most chunk bytes waiting to be written behind; beyond, writes are "
+                        "dropped and counted (default 256MiB)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -190,19 +212,29 @@ def return_freed_buffers_to_os(threshold_bytes: int = 1 << 20) -> bool:
         return False
 
 
+class _NoError(Exception):
+    """Matches nothing (``build_store`` without a remote tier)."""
+
+
 def build_store(cfg) -> Any:
     """The ``ChunkStore`` for a ``ServeConfig``.
 
     Raises:
         ValueError: the tiers cannot be created (a disk path that is not a writable directory
             or not an lmdb environment, a memory tier the machine cannot allocate, a GPU tier
-            without the device), with the reason.
+            without the device, a remote tier whose Redis is unreachable, refuses the password
+            or is not the cluster the URL names), with the reason and never the password.
     """
     import lmdb
     from kvstore.config import StoreConfig
     from kvstore.store import ChunkStore
+    remote_error: type[Exception] = _NoError
+    if cfg.remote_url is not None:
+        from kvstore.tiers.redis_nodes import RemoteConfigError as remote_error
     try:
         return ChunkStore(StoreConfig(**cfg.store_config_kwargs()))
+    except remote_error as e:  # its message never holds the password
+        raise ValueError(f"cannot start the remote tier: {e}") from None
     except (OSError, lmdb.Error) as e:
         raise ValueError(f"cannot open the disk tier at {cfg.disk_path!r}: {e}") from None
     except RuntimeError as e:  # torch: allocation failed, device unavailable

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -65,11 +65,24 @@ class ServeConfig:
             (``ChunkStore.register``); beyond, the least recently used is forgotten (counted
             in ``kvstore_namespace_evictions_total``; its chunks stay, a later request
             checks its layout again).
+        remote_url: Redis below the local tiers, shared by every daemon pointing at it
+            (``redis://[user:password@]host:port[,host:port...]``: one address = standalone or
+            a cluster seed, several = cluster startup nodes; ``rediss://`` = TLS; see
+            ``kvstore.tiers.remote``); None = no remote tier. A password in the URL moves to
+            ``remote_password``.
+        remote_key_prefix: deployment prefix of every Redis key (``<prefix>:<ns>:<hash>``).
+        remote_ttl_s: seconds a value lives in Redis after its last write or read (0 = no
+            expiry: Redis's ``maxmemory`` policy evicts).
+        remote_timeout_s: deadline of a remote lookup (seconds; a get adds time per GiB).
+        remote_queue_bytes: most chunk bytes waiting to be written to Redis (beyond: dropped).
+        remote_password: Redis password when the URL has none; no flag (it would show in
+            ``ps``): ``$KVSTORE_REMOTE_PASSWORD`` or the config file. Never in ``repr``.
 
     Raises:
         ValueError: a bad size (``page_bytes`` not a positive multiple of 64), port, log level
-            or timeout (not a positive number of seconds), or a non-loopback bind without
-            ``auth_token``, ``tenants_file`` or ``insecure``.
+            or timeout (not a positive number of seconds), a non-loopback bind without
+            ``auth_token``, ``tenants_file`` or ``insecure``, or a bad remote URL, TTL, timeout
+            or queue size (messages never hold the password).
     """
 
     host: str = "127.0.0.1"
@@ -95,6 +108,12 @@ class ServeConfig:
     max_namespaces: int = 4096
     http_parser: str = "python"
     max_inflight_bytes: int | str | None = None
+    remote_url: str | None = None
+    remote_key_prefix: str = "kvstore"
+    remote_ttl_s: float = 0.0
+    remote_timeout_s: float = 0.25
+    remote_queue_bytes: int | str = "256MiB"
+    remote_password: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("cpu_bytes", "gpu_bytes", "disk_bytes", "max_body_bytes", "page_bytes"):
@@ -138,20 +157,51 @@ class ServeConfig:
                              f"{self.page_bytes}")
         if self.http_parser not in ("python", "c"):
             raise ValueError(f"http_parser must be 'python' or 'c', got {self.http_parser!r}")
+        self._check_remote()
         if not (self.auth_token or self.tenants_file or self.insecure
                 or is_loopback(self.host)):
             raise ValueError(f"refusing to bind non-loopback address {self.host!r} without "
                              "--auth-token or --tenants-file (or --insecure to accept "
                              "unauthenticated access)")
 
+    def _check_remote(self) -> None:
+        """Normalise the remote fields (empty text = unset; a URL password moves to
+        ``remote_password``) and check them, so a bad one fails before any tier is built."""
+        for name in ("remote_url", "remote_password"):
+            if getattr(self, name) == "":
+                object.__setattr__(self, name, None)
+        for name in ("remote_ttl_s", "remote_timeout_s"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        object.__setattr__(self, "remote_queue_bytes", parse_size(self.remote_queue_bytes))
+        if not self.remote_ttl_s >= 0 or not 0 < self.remote_timeout_s < math.inf:
+            raise ValueError(f"remote_ttl_s must be >= 0 and remote_timeout_s a positive number "
+                             f"of seconds, got {self.remote_ttl_s} and {self.remote_timeout_s}")
+        if self.remote_queue_bytes <= 0:
+            raise ValueError(f"remote_queue_bytes must be > 0, got {self.remote_queue_bytes}")
+        if self.remote_url is None:
+            return
+        from kvstore.tiers.redis_url import parse_redis_url
+        ep = parse_redis_url(self.remote_url, env={})
+        if ep.password:  # keep it out of repr and of every message that shows the URL
+            if self.remote_password is None:
+                object.__setattr__(self, "remote_password", ep.password)
+            object.__setattr__(self, "remote_url", ep.without_password())
+
     def store_config_kwargs(self) -> dict:
-        """Keyword arguments of ``kvstore.config.StoreConfig`` for these tiers."""
-        return {"gpu_bytes": self.gpu_bytes, "cpu_bytes": self.cpu_bytes,
-                "disk_bytes": self.disk_bytes, "disk_path": self.disk_path,
-                "page_bytes": self.page_bytes,
-                "device": self.device if self.gpu_bytes else "cpu",
-                "gpu_policy": self.policy, "cpu_policy": self.policy,
-                "disk_policy": self.policy, "max_namespaces": self.max_namespaces}
+        """Keyword arguments of ``kvstore.config.StoreConfig`` for these tiers (and the remote
+        tier when ``remote_url`` is set)."""
+        out = {"gpu_bytes": self.gpu_bytes, "cpu_bytes": self.cpu_bytes,
+               "disk_bytes": self.disk_bytes, "disk_path": self.disk_path,
+               "page_bytes": self.page_bytes,
+               "device": self.device if self.gpu_bytes else "cpu",
+               "gpu_policy": self.policy, "cpu_policy": self.policy,
+               "disk_policy": self.policy, "max_namespaces": self.max_namespaces}
+        if self.remote_url is not None:
+            out.update(remote_url=self.remote_url, remote_key_prefix=self.remote_key_prefix,
+                       remote_ttl_s=self.remote_ttl_s, remote_timeout_s=self.remote_timeout_s,
+                       remote_queue_bytes=self.remote_queue_bytes,
+                       remote_password=self.remote_password)
+        return out
 
 
 def default_max_connections(nofile: int | None = None) -> int:
