@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from tests.kvstore.remote_helpers import LAY, NS, count, make_store, prompt, rkey, same
+from tests.kvstore.remote_helpers import NS, count, make_store, prompt, rkey, same
 from tests.redis_fixtures import redis_cluster, shared_redis_cluster  # noqa: F401
 
 N = 24  # chunks per prompt: enough that every master holds several

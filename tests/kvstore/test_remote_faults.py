@@ -145,7 +145,8 @@ def test_killed_at_runtime_lookups_miss_within_the_deadline_then_the_breaker_ope
             t0 = time.monotonic()
             assert b.lookup_keys(NS, keys) == LookupResult(0, 4, (), 4)
             assert time.monotonic() - t0 < 0.25 + 0.5
-        assert f'kvstore_remote_breaker_state{{node="{node}"}} 1.0' in b.metrics.exposition().decode()
+        text = b.metrics.exposition().decode()
+        assert f'kvstore_remote_breaker_state{{node="{node}"}} 1.0' in text
         assert count(b.remote, "breaker_opens", node) == 1
         t0 = time.monotonic()
         for _ in range(20):
