@@ -1,6 +1,10 @@
-"""Shared pytest setup: tests marked ``gpu`` skip unless CUDA (and Triton) are present."""
+"""Shared pytest setup: tests marked ``gpu`` skip unless CUDA (and Triton) are present; the Redis
+fixtures of ``tests.redis_fixtures`` are available to every test."""
 import pytest
 import torch
+
+# real Redis servers (standalone, 3-master cluster) for the remote tier's tests
+pytest_plugins = ["tests.redis_fixtures"]
 
 
 def _has_triton() -> bool:
