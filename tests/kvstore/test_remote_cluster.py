@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from tests.kvstore.remote_helpers import NS, count, make_store, prompt, rkey, same
+from tests.kvstore.remote_helpers import NS, count, make_store, make_tier, prompt, rkey, same
 from tests.redis_fixtures import redis_cluster, shared_redis_cluster  # noqa: F401
 
 N = 24  # chunks per prompt: enough that every master holds several
@@ -107,9 +107,10 @@ def test_lookup_and_get_send_one_pipeline_per_master(stores, shared_redis_cluste
         c.close()
 
 
-def test_a_killed_master_costs_only_its_keys(redis_cluster):  # noqa: F811
+def test_a_killed_master_costs_only_its_keys_and_comes_back_empty(redis_cluster):  # noqa: F811
     a = make_store(redis_cluster.url)
     b = make_store(redis_cluster.url, promote_on_hit=False)
+    t = make_tier(redis_cluster.url, breaker_reset_s=0.3)
     try:
         keys, kvs = prompt(NS, 2, N)
         assert a.put_chunks(NS, keys, kvs) == N and a.flush(5.0)
@@ -135,9 +136,24 @@ def test_a_killed_master_costs_only_its_keys(redis_cluster):  # noqa: F811
         assert b.exists(NS, more) == more_alive
         assert same(b.get_chunks(NS, more), [kv if ok else None
                                              for kv, ok in zip(more_kvs, more_alive)])
+        # the master comes back empty with its slots: once its breaker lets a call through,
+        # a tier writes to it again (ChunkStore's breaker pause is 5 s; ``t`` has 0.3 s)
+        assert t.lookup(keys) == alive
+        redis_cluster.nodes[dead].restart()
+        redis_cluster.wait_ready()
+        time.sleep(0.3)
+        assert t.lookup(keys) == alive  # its old keys are gone
+        assert t.nodes.breaker_states()[dead_name] == "closed"
+        again = [k for k, ok in zip(keys, alive) if not ok]
+        assert all(t.put_behind(k, kvs[keys.index(k)], None) for k in again) and t.flush(5.0)
+        assert count(t, "writes") == len(again) and count(t, "dropped_writes") == 0
+        assert t.lookup(keys) == [True] * N
+        with redis_cluster.nodes[dead].client() as r:
+            assert r.dbsize() == len(again)
     finally:
         a.close()
         b.close()
+        t.close()
 
 
 def test_a_hung_master_costs_at_most_the_deadline(shared_redis_cluster):  # noqa: F811
