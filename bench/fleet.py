@@ -1,0 +1,257 @@
+"""Two hosts sharing KV through Redis: ``python -m bench.fleet [--quick] [--json]``.
+
+Long-document Q&A over a fleet of two "hosts" on this machine (``bench.fleet_procs``): each host
+is a ``kvstore serve --remote-url CLUSTER`` daemon (small CPU tier, no disk) with one
+``engine_min serve --kvstore-url`` on it, both daemons on one 3-master Redis Cluster; a third
+engine without a store gives the recompute baseline. Engines run with their own prefix cache
+off, so reuse comes from the store only. Per document (token ids, ``doc_tokens`` long, a
+multiple of the chunk size so the whole document is in full chunks):
+
+1. ``recompute``: engine0 (no store) answers question 1 about the document: full prefill;
+   its greedy output is the reference;
+2. host 1 reads the document (engine1, question 0); the bench waits until daemon1 has written
+   the document's chunks to Redis;
+3. ``remote hit``: host 2 (engine2) answers question 1: daemon2 has none of the document, so
+   the whole document is loaded from Redis (checked: daemon2's remote hits grew by exactly the
+   document's chunks and its CPU tier served none);
+4. ``local hit``: host 2 answers question 2: now from daemon2's CPU tier (checked likewise).
+
+TTFTs are the client's (send -> first streamed token), medians over the documents. Greedy
+outputs of the remote hits must equal the reference (``outputs_identical``; the server streams
+text, so the comparison is of the streamed text, token event by token event). Then the
+remote tier's get throughput is measured on the same chunks (``bench.fleet_get``).
+Targets: ``remote_vs_recompute`` >= 10 (recompute TTFT / remote-hit TTFT), ``remote_vs_local``
+<= 1.5 (remote-hit TTFT / local-hit TTFT), ``remote_get_vs_raw`` >= 0.8.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import aiohttp
+import numpy as np
+
+from bench.client import RequestResult, StreamingClient, first_model
+from bench.fleet_get import measure_get_throughput
+from bench.fleet_procs import FleetGroup, FleetOptions
+from bench.servers import install_cleanup_handlers
+from bench.workloads import Request, random_tokens
+from kvstore.keys import Namespace
+
+TARGETS = {"remote_vs_recompute": (">=", 10.0), "remote_vs_local": ("<=", 1.5),
+           "remote_get_vs_raw": (">=", 0.8)}
+
+
+@dataclass(frozen=True)
+class FleetWorkload:
+    """Documents and questions (token ids, seeded). Sizes in tokens."""
+
+    num_docs: int = 3
+    doc_tokens: int = 2048
+    question_tokens: int = 24
+    answer_tokens: int = 8
+    seed: int = 0
+
+    def doc(self, i: int) -> tuple[int, ...]:
+        return random_tokens(np.random.default_rng([self.seed, 1, i]), self.doc_tokens)
+
+    def question(self, i: int, j: int) -> tuple[int, ...]:
+        return random_tokens(np.random.default_rng([self.seed, 2, i, j]), self.question_tokens)
+
+    def request(self, i: int, j: int) -> Request:
+        return Request(f"d{i}-q{j}", 0.0, self.doc(i) + self.question(i, j), self.answer_tokens,
+                       f"d{i}", j)
+
+
+class Asker:
+    """Sends one request at a time to the fleet's engines (one event loop, one session)."""
+
+    def __init__(self, fleet: FleetGroup) -> None:
+        self.fleet = fleet
+        self.loop = asyncio.new_event_loop()
+        self.session = self.loop.run_until_complete(self._session())
+        self.model = self.loop.run_until_complete(first_model(self.session,
+                                                              fleet.url("engine0")))
+
+    async def _session(self) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession()
+
+    def ask(self, role: str, req: Request) -> RequestResult:
+        """Send ``req`` to engine ``role`` and stream the answer.
+
+        Raises:
+            RuntimeError: the request failed (the server's error in the message).
+        """
+        client = StreamingClient(self.session, self.fleet.url(role), self.model)
+        res = self.loop.run_until_complete(client.send(req, time.perf_counter()))
+        if not res.ok:
+            raise RuntimeError(f"{role} {req.request_id}: {res.error}")
+        return res
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.session.close())
+        self.loop.close()
+
+
+def _hits(before: dict, after: dict) -> dict:
+    """Chunks served per tier between two daemon stats, and the remote tier's own count."""
+    b, a = before["hits_by_tier"], after["hits_by_tier"]
+    out = {t: a.get(t, 0) - b.get(t, 0) for t in set(a) | set(b)}
+    return {"cpu": out.get("cpu", 0), "remote": out.get("remote", 0),
+            "remote_tier_hits": after["remote"]["hits"] - before["remote"]["hits"]}
+
+
+def run_document(fleet: FleetGroup, asker: Asker, wl: FleetWorkload, i: int,
+                 num_chunks: int) -> dict:
+    """Steps 1-4 of the module docstring for document ``i``; the figures and checks of it."""
+    ref = asker.ask("engine0", wl.request(i, 1))
+    st1 = fleet.daemon_stats("daemon1")
+    read = asker.ask("engine1", wl.request(i, 0))
+    fleet.wait_remote_writes("daemon1", st1, num_chunks)
+    st2 = fleet.daemon_stats("daemon2")
+    remote = asker.ask("engine2", wl.request(i, 1))
+    st3 = fleet.daemon_stats("daemon2")
+    local = asker.ask("engine2", wl.request(i, 2))
+    st4 = fleet.daemon_stats("daemon2")
+    return {"doc": i, "recompute_ttft_s": ref.ttft_s, "host1_read_ttft_s": read.ttft_s,
+            "remote_hit_ttft_s": remote.ttft_s, "local_hit_ttft_s": local.ttft_s,
+            "remote_hit_chunks": _hits(st2, st3), "local_hit_chunks": _hits(st3, st4),
+            "remote_hit_cached_tokens": remote.num_cached_tokens,
+            "local_hit_cached_tokens": local.num_cached_tokens,
+            "output_identical": remote.text == ref.text,
+            "recompute_text": ref.text, "remote_hit_text": remote.text}
+
+
+def _namespace(fleet: FleetGroup) -> Namespace:
+    """The engines' namespace, as daemon1 reports it."""
+    named = [n["namespace"] for n in fleet.daemon_stats("daemon1")["namespaces"]
+             if n["namespace"]]
+    if len(named) != 1:
+        raise RuntimeError(f"daemon1 holds {len(named)} named namespaces, expected 1")
+    return Namespace.from_dict(named[0])
+
+
+def summarize(docs: list[dict], num_chunks: int) -> dict:
+    """Medians, checks and ratios over the per-document figures."""
+    med = {k: statistics.median(d[k] for d in docs)
+           for k in ("recompute_ttft_s", "host1_read_ttft_s", "remote_hit_ttft_s",
+                     "local_hit_ttft_s")}
+    exact = all(d["remote_hit_chunks"] == {"cpu": 0, "remote": num_chunks,
+                                           "remote_tier_hits": num_chunks}
+                and d["local_hit_chunks"] == {"cpu": num_chunks, "remote": 0,
+                                              "remote_tier_hits": 0} for d in docs)
+    return {**med, "outputs_identical": all(d["output_identical"] for d in docs),
+            "hits_counted_exactly": exact,
+            "remote_vs_recompute": med["recompute_ttft_s"] / med["remote_hit_ttft_s"],
+            "remote_vs_local": med["remote_hit_ttft_s"] / med["local_hit_ttft_s"]}
+
+
+def run(wl: FleetWorkload, fo: FleetOptions, get_reps: int = 5) -> dict:
+    """Start the fleet, run every document, measure get throughput, stop the fleet.
+
+    Returns:
+        The JSON object ``--json`` prints (see ``main``).
+    """
+    if wl.doc_tokens % fo.chunk_size:
+        raise ValueError(f"doc_tokens ({wl.doc_tokens}) must be a multiple of chunk_size "
+                         f"({fo.chunk_size}): the whole document is then in full chunks")
+    num_chunks = wl.doc_tokens // fo.chunk_size
+    load = [os.getloadavg()[0]]
+    t0 = time.perf_counter()
+    with FleetGroup(fleet=fo) as fleet:
+        startup_s = time.perf_counter() - t0
+        asker = Asker(fleet)
+        try:
+            warm = Request("warm", 0.0, random_tokens(np.random.default_rng([wl.seed, 3]), 16),
+                           2, "warm", 0)
+            for role in ("engine0", "engine1", "engine2"):
+                asker.ask(role, warm)  # first-call allocations; too short to store a chunk
+            docs = [run_document(fleet, asker, wl, i, num_chunks) for i in range(wl.num_docs)]
+        finally:
+            asker.close()
+        ns = _namespace(fleet)
+        get = measure_get_throughput(fleet.cluster.url, ns, [wl.doc(i) for i in range(wl.num_docs)],
+                                     reps=get_reps)
+        commands = fleet.commands()
+    load.append(os.getloadavg()[0])
+    res = {**summarize(docs, num_chunks), **get}
+    res["targets"] = {k: {"target": f"{op} {v}", "met": res[k] >= v if op == ">=" else res[k] <= v}
+                      for k, (op, v) in TARGETS.items()}
+    res["settings"] = {**asdict(wl), **asdict(fo), "chunks_per_doc": num_chunks,
+                       "get_reps": get_reps, "threads": fo.threads or os.cpu_count()}
+    res.update(documents=docs, startup_s=startup_s, elapsed_s=time.perf_counter() - t0,
+               load_average=load, commands=commands)
+    return res
+
+
+def print_table(res: dict, file=sys.stdout) -> None:
+    """The figures as a readable table (medians over the documents)."""
+    s = res["settings"]
+    print(f"fleet: {s['num_docs']} documents x {s['doc_tokens']} tokens ({s['chunks_per_doc']} "
+          f"chunks of {s['chunk_size']}), 2 hosts, {s['masters']}-master Redis Cluster", file=file)
+    rows = [("recompute TTFT (host 2, no reuse)", f"{res['recompute_ttft_s']:.3f} s"),
+            ("host 1 read TTFT (cold store)", f"{res['host1_read_ttft_s']:.3f} s"),
+            ("remote-hit TTFT (host 2, from Redis)", f"{res['remote_hit_ttft_s']:.3f} s"),
+            ("local-hit TTFT (host 2, its CPU tier)", f"{res['local_hit_ttft_s']:.3f} s"),
+            ("RemoteTier.get", f"{res['remote_get_gbps']:.2f} GB/s"),
+            ("redis-py raw pipelined GET", f"{res['redis_raw_get_gbps']:.2f} GB/s"),
+            ("outputs identical to recompute", str(res["outputs_identical"])),
+            ("hits counted exactly", str(res["hits_counted_exactly"]))]
+    for k, t in res["targets"].items():
+        rows.append((f"{k} (target {t['target']})", f"{res[k]:.2f}{'' if t['met'] else '  MISSED'}"))
+    width = max(len(r[0]) for r in rows)
+    for name, val in rows:
+        print(f"  {name:<{width}}  {val}", file=file)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.fleet", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="smoke mode: 2 documents of 512 tokens in chunks of 64, 2 get reps")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object on stdout (the table goes to stderr)")
+    p.add_argument("--out", default=None, help="also write the JSON object to this file")
+    p.add_argument("--num-docs", type=int, default=None)
+    p.add_argument("--doc-tokens", type=int, default=None)
+    p.add_argument("--chunk-size", type=int, default=None)
+    p.add_argument("--get-reps", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch threads per engine")
+    p.add_argument("--daemon-cpu-bytes", default="512MiB")
+    p.add_argument("--log-dir", default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    install_cleanup_handlers()
+    quick = dict(num_docs=2, doc_tokens=512, chunk_size=64, get_reps=2)
+    full = dict(num_docs=3, doc_tokens=2048, chunk_size=256, get_reps=5)
+    d = quick if args.quick else full
+    pick = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in d.items()}
+    for k, v in pick.items():
+        if v <= 0:
+            raise SystemExit(f"--{k.replace('_', '-')} must be > 0, got {v}")
+    wl = FleetWorkload(num_docs=pick["num_docs"], doc_tokens=pick["doc_tokens"])
+    fo = FleetOptions(daemon_cpu_bytes=args.daemon_cpu_bytes, chunk_size=pick["chunk_size"],
+                      threads=args.threads, log_dir=args.log_dir)
+    res = run(wl, fo, get_reps=pick["get_reps"])
+    res["settings"]["quick"] = args.quick
+    print_table(res, sys.stderr if args.json else sys.stdout)  # (stdout: the JSON alone)
+    if args.json:
+        print(json.dumps(res))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)
