@@ -11,7 +11,6 @@ from collections import Counter
 import pytest
 
 from tests.kvstore.remote_helpers import NS, count, make_store, make_tier, prompt, rkey, same
-from tests.redis_fixtures import redis_cluster, shared_redis_cluster  # noqa: F401
 
 N = 24  # chunks per prompt: enough that every master holds several
 
@@ -58,14 +57,14 @@ class CallCounter:
 
 
 @pytest.fixture
-def stores(shared_redis_cluster):  # noqa: F811
+def stores(shared_redis_cluster):
     a, b = make_store(shared_redis_cluster.url), make_store(shared_redis_cluster.url)
     yield a, b
     a.close()
     b.close()
 
 
-def test_a_prompt_spreads_over_every_master(stores, shared_redis_cluster):  # noqa: F811
+def test_a_prompt_spreads_over_every_master(stores, shared_redis_cluster):
     a, _ = stores
     assert a.remote.nodes.cluster is True
     keys, kvs = prompt(NS, 0, N)
@@ -80,7 +79,7 @@ def test_a_prompt_spreads_over_every_master(stores, shared_redis_cluster):  # no
         names[shared_redis_cluster.node_for_key(rkey(k))] for k in keys]
 
 
-def test_lookup_and_get_send_one_pipeline_per_master(stores, shared_redis_cluster):  # noqa: F811
+def test_lookup_and_get_send_one_pipeline_per_master(stores, shared_redis_cluster):
     a, b = stores
     keys, kvs = prompt(NS, 1, N)
     per_node = node_counts(shared_redis_cluster, keys)
@@ -107,7 +106,7 @@ def test_lookup_and_get_send_one_pipeline_per_master(stores, shared_redis_cluste
         c.close()
 
 
-def test_a_killed_master_costs_only_its_keys_and_comes_back_empty(redis_cluster):  # noqa: F811
+def test_a_killed_master_costs_only_its_keys_and_comes_back_empty(redis_cluster):
     a = make_store(redis_cluster.url)
     b = make_store(redis_cluster.url, promote_on_hit=False)
     t = make_tier(redis_cluster.url, breaker_reset_s=0.3)
@@ -156,7 +155,7 @@ def test_a_killed_master_costs_only_its_keys_and_comes_back_empty(redis_cluster)
         t.close()
 
 
-def test_a_hung_master_costs_at_most_the_deadline(shared_redis_cluster):  # noqa: F811
+def test_a_hung_master_costs_at_most_the_deadline(shared_redis_cluster):
     a = make_store(shared_redis_cluster.url)
     b = make_store(shared_redis_cluster.url, promote_on_hit=False, remote_timeout_s=0.25)
     hung = shared_redis_cluster.nodes[2]

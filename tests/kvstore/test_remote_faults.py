@@ -16,7 +16,7 @@ from kvstore.store import ChunkStore
 from kvstore.tiers.redis_nodes import RemoteConfigError
 from tests.kvstore.remote_helpers import (
     CB, LAY, NS, count, make_store, make_tier, prompt, same)
-from tests.redis_fixtures import redis_server, require_redis  # noqa: F401
+from tests.redis_fixtures import require_redis
 
 
 def put_all(tier, keys, kvs) -> list[bool]:
@@ -45,7 +45,7 @@ def test_full_redis_refuses_writes_counted_as_full_while_local_puts_succeed(tmp_
             assert same(s.get_chunks(NS, keys), kvs)
 
 
-def test_a_chunk_larger_than_the_queue_is_dropped_as_queue_full(redis_server):  # noqa: F811
+def test_a_chunk_larger_than_the_queue_is_dropped_as_queue_full(redis_server):
     with make_store(redis_server.url, remote_queue_bytes=CB - 1) as s:
         keys, kvs = prompt(NS, 0, 5)
         assert s.put_chunks(NS, keys, kvs) == 5
@@ -57,7 +57,7 @@ def test_a_chunk_larger_than_the_queue_is_dropped_as_queue_full(redis_server):  
         assert s.lookup_keys(NS, keys).tiers == ("cpu",) * 5
 
 
-def test_queue_bytes_bound_queued_and_in_flight_writes(redis_server):  # noqa: F811
+def test_queue_bytes_bound_queued_and_in_flight_writes(redis_server):
     """With Redis hung the writer's batch is in flight and still counts against the queue,
     so exactly 3 chunks (the queue's bytes) are accepted; the other 13 are dropped at once."""
     with make_store(redis_server.url, remote_queue_bytes=3 * CB, remote_timeout_s=5.0) as s:
@@ -77,7 +77,7 @@ def test_queue_bytes_bound_queued_and_in_flight_writes(redis_server):  # noqa: F
             assert r.dbsize() == 3
 
 
-def test_restarted_empty_redis_misses_then_takes_writes_again(redis_server):  # noqa: F811
+def test_restarted_empty_redis_misses_then_takes_writes_again(redis_server):
     t = make_tier(redis_server.url)
     try:
         keys, kvs = prompt(NS, 0, 4)
@@ -133,7 +133,7 @@ def test_redis_down_at_startup_is_a_config_error():
 
 
 def test_killed_at_runtime_lookups_miss_within_the_deadline_then_the_breaker_opens(
-        redis_server):  # noqa: F811
+        redis_server):
     a, b = make_store(redis_server.url), make_store(redis_server.url, remote_timeout_s=0.25)
     try:
         keys, kvs = prompt(NS, 0, 4)
@@ -163,7 +163,7 @@ def test_killed_at_runtime_lookups_miss_within_the_deadline_then_the_breaker_ope
         b.close()
 
 
-def test_hung_redis_costs_one_deadline_per_call_until_the_breaker_opens(redis_server):  # noqa: F811
+def test_hung_redis_costs_one_deadline_per_call_until_the_breaker_opens(redis_server):
     t = make_tier(redis_server.url, timeout_s=0.25, breaker_reset_s=0.5)
     try:
         keys, kvs = prompt(NS, 0, 3)

@@ -8,7 +8,6 @@ import pytest
 from kvstore.api import LookupResult
 from kvstore.keys import Namespace
 from tests.kvstore.remote_helpers import LAY, NS, count, make_store, prompt, rkey, same
-from tests.redis_fixtures import shared_redis_cluster  # noqa: F401
 
 N = 12
 TENANT_A = Namespace("remote-test-model", LAY, cache_salt="tenant-a")
@@ -27,7 +26,7 @@ def redis_keys(cluster) -> set[bytes]:
 
 @pytest.mark.parametrize("ns_a, ns_b", [(TENANT_A, TENANT_B), (MODEL_X, MODEL_Y)],
                          ids=["cache_salt", "model"])
-def test_namespaces_never_share_chunks(shared_redis_cluster, ns_a, ns_b):  # noqa: F811
+def test_namespaces_never_share_chunks(shared_redis_cluster, ns_a, ns_b):
     """Same token ids in both namespaces: each store sees only its own namespace's chunks."""
     a = make_store(shared_redis_cluster.url, ns=ns_a)
     b = make_store(shared_redis_cluster.url, ns=ns_b)
@@ -58,7 +57,7 @@ def test_namespaces_never_share_chunks(shared_redis_cluster, ns_a, ns_b):  # noq
             s.close()
 
 
-def test_key_prefixes_keep_deployments_apart(shared_redis_cluster):  # noqa: F811
+def test_key_prefixes_keep_deployments_apart(shared_redis_cluster):
     a = make_store(shared_redis_cluster.url, remote_key_prefix="dep-a")
     b = make_store(shared_redis_cluster.url, remote_key_prefix="dep-b")
     try:
@@ -84,7 +83,7 @@ def test_key_prefixes_keep_deployments_apart(shared_redis_cluster):  # noqa: F81
 
 
 def test_clear_of_a_namespace_deletes_exactly_its_keys_on_every_master(
-        shared_redis_cluster):  # noqa: F811
+        shared_redis_cluster):
     a = make_store(shared_redis_cluster.url, ns=TENANT_A, cpu_chunks=128)
     a.register(TENANT_B)
     try:

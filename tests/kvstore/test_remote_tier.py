@@ -10,7 +10,6 @@ from kvstore.codec import pack_value, unpack_header
 from kvstore.layout import dtype_name
 from tests.kvstore.remote_helpers import (
     CB, LAY, NS, count, make_store, prompt, rkey, same, sample, value_bytes)
-from tests.redis_fixtures import redis_server  # noqa: F401
 
 
 def expected_value(key, parent, kv) -> bytes:
@@ -21,14 +20,14 @@ def expected_value(key, parent, kv) -> bytes:
 
 
 @pytest.fixture
-def stores(redis_server):  # noqa: F811
+def stores(redis_server):
     a, b = make_store(redis_server.url), make_store(redis_server.url)
     yield a, b
     a.close()
     b.close()
 
 
-def test_a_chunk_put_by_one_store_is_a_bit_exact_hit_in_another(stores, redis_server):  # noqa: F811
+def test_a_chunk_put_by_one_store_is_a_bit_exact_hit_in_another(stores, redis_server):
     a, b = stores
     keys, kvs = prompt(NS, 0, 4)
     assert a.put_chunks(NS, keys, kvs) == 4
@@ -99,7 +98,7 @@ def test_get_into_out_buffers_from_redis(stores):
     assert torch.equal(bufs[3], torch.full(LAY.shape(), -1.0, dtype=torch.float16))
 
 
-def test_remove_and_clear_reach_redis(stores, redis_server):  # noqa: F811
+def test_remove_and_clear_reach_redis(stores, redis_server):
     a, b = stores
     keys, kvs = prompt(NS, 3, 4)
     assert a.put_chunks(NS, keys, kvs) == 4 and a.flush(5.0)
@@ -117,7 +116,7 @@ def test_remove_and_clear_reach_redis(stores, redis_server):  # noqa: F811
     assert b.lookup_keys(NS, keys).num_hit_chunks == 0
 
 
-def test_stats_show_the_remote_tier_without_a_password(redis_server):  # noqa: F811
+def test_stats_show_the_remote_tier_without_a_password(redis_server):
     with make_store(redis_server.url, remote_timeout_s=0.5) as s:
         st = s.stats()["remote"]
         assert (st["url"], st["cluster"], st["key_prefix"], st["ttl_s"], st["timeout_s"]) == (
@@ -126,7 +125,7 @@ def test_stats_show_the_remote_tier_without_a_password(redis_server):  # noqa: F
         assert "remote" in s.capabilities.tiers
 
 
-def test_ttl_is_set_on_write_and_refreshed_on_read(redis_server):  # noqa: F811
+def test_ttl_is_set_on_write_and_refreshed_on_read(redis_server):
     a = make_store(redis_server.url, remote_ttl_s=100)
     b = make_store(redis_server.url, remote_ttl_s=100)
     try:
@@ -144,7 +143,7 @@ def test_ttl_is_set_on_write_and_refreshed_on_read(redis_server):  # noqa: F811
         b.close()
 
 
-def test_no_ttl_by_default(stores, redis_server):  # noqa: F811
+def test_no_ttl_by_default(stores, redis_server):
     a, _ = stores
     keys, kvs = prompt(NS, 5, 1)
     assert a.put_chunks(NS, keys, kvs) == 1 and a.flush(5.0)
@@ -152,7 +151,7 @@ def test_no_ttl_by_default(stores, redis_server):  # noqa: F811
         assert r.ttl(rkey(keys[0])) == -1
 
 
-def test_compressed_codec_round_trips(redis_server):  # noqa: F811
+def test_compressed_codec_round_trips(redis_server):
     a = make_store(redis_server.url, remote_codec="shuffle-lz4")
     b = make_store(redis_server.url)
     try:

@@ -11,7 +11,6 @@ from kvstore.codec import checksum, pack_value, unpack_header
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
 from tests.kvstore.remote_helpers import NS, count, make_store, prompt, rkey, same, sample
-from tests.redis_fixtures import redis_server  # noqa: F401
 
 BAD = 1  # index of the corrupted chunk in the 4-chunk prompt
 
@@ -56,7 +55,7 @@ def garbage(r, keys):
     (flip_version_byte_only, "checksum"),
     (garbage, "checksum"),
 ])
-def test_an_invalid_value_is_a_counted_deleted_miss(redis_server, corrupt, reason):  # noqa: F811
+def test_an_invalid_value_is_a_counted_deleted_miss(redis_server, corrupt, reason):
     a, b = make_store(redis_server.url), make_store(redis_server.url, promote_on_hit=False)
     try:
         keys, kvs = prompt(NS, 0, 4)
@@ -86,7 +85,7 @@ def test_an_invalid_value_is_a_counted_deleted_miss(redis_server, corrupt, reaso
     KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16", chunk_size=4),
     KVLayout(num_layers=2, num_kv_heads=4, head_dim=4, dtype="float16", chunk_size=4),
 ])
-def test_a_value_of_another_layout_under_a_key_is_a_layout_miss(redis_server, other):  # noqa: F811
+def test_a_value_of_another_layout_under_a_key_is_a_layout_miss(redis_server, other):
     """The namespace id covers the layout, so this cannot happen by itself: the value of a
     NS chunk is written by hand under a key of namespace ``ns2`` (another layout), with that
     key in its header, so only the layout check can catch it."""

@@ -8,13 +8,12 @@ from kvstore.daemon.client import KVStoreClient
 from kvstore.daemon.server import ServerLimits, ThreadedServer, create_app
 from kvstore.store import ChunkStore
 from tests.kvstore.remote_helpers import CB, NS, prompt, rkey, same
-from tests.redis_fixtures import shared_redis_cluster  # noqa: F401
 
 TOKEN = "daemon-remote-token"
 
 
 @pytest.fixture
-def daemons(shared_redis_cluster):  # noqa: F811
+def daemons(shared_redis_cluster):
     """Daemons A and B: their servers and clients."""
     out = []
     for _ in range(2):
@@ -39,7 +38,7 @@ def redis_keys(cluster) -> set[bytes]:
 
 
 def test_a_chunk_put_through_daemon_a_is_a_hit_through_daemon_b(
-        daemons, shared_redis_cluster):  # noqa: F811
+        daemons, shared_redis_cluster):
     (srv_a, client_a), (srv_b, client_b) = daemons
     keys, kvs = prompt(NS, 0, 8)
     assert client_a.put_chunks(NS, keys, kvs) == 8
