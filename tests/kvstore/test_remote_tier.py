@@ -166,3 +166,16 @@ def test_compressed_codec_round_trips(redis_server):
     finally:
         a.close()
         b.close()
+
+
+def test_try_lookup_answers_inline_only_when_redis_need_not_be_asked(stores):
+    a, b = stores
+    keys, kvs = prompt(NS, 6, 3)
+    assert a.put_chunks(NS, keys, kvs) == 3 and a.flush(5.0)
+    assert a.try_lookup_keys(NS, keys) == LookupResult(3, 4, ("cpu",) * 3, 3)
+    assert b.try_lookup_keys(NS, keys) is None  # Redis would need asking: caller uses a thread
+    assert count(b.remote, "lookups") == 0
+    longer, _ = prompt(NS, 6, 4)
+    assert a.try_lookup_keys(NS, longer) is None  # the 4th chunk may be in Redis
+    assert same(b.get_chunks(NS, keys[:1]), kvs[:1])
+    assert b.try_lookup_keys(NS, keys[:1]) == LookupResult(1, 4, ("cpu",), 1)
