@@ -178,7 +178,7 @@ def test_hung_redis_costs_one_deadline_per_call_until_the_breaker_opens(redis_se
             assert t.nodes.breaker_states() == {node: "open"}
             t0 = time.monotonic()
             assert t.lookup(keys) == [False] * 3 and t.get(keys, LAY) == [None] * 3
-            assert time.monotonic() - t0 < 0.05  # refused by the breaker, nothing sent
+            assert time.monotonic() - t0 < 0.1  # refused by the breaker, nothing sent (vs 0.25 s)
         finally:
             os.kill(redis_server.proc.pid, signal.SIGCONT)
         time.sleep(0.5)  # the breaker's pause
