@@ -38,6 +38,8 @@ SAMPLE_BYTES = 128 * 1024
 
 _FIXED = struct.Struct("<4sHBBQQ5I")
 _TRAILER = struct.Struct("<Q")
+#: Bytes of the trailing checksum.
+TRAILER_BYTES = _TRAILER.size
 #: Largest overhead of a value: fixed part + two length-prefixed 48-byte keys + trailer.
 HEADER_BYTES_MAX = _FIXED.size + 2 * 49 + _TRAILER.size
 

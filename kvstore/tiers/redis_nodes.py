@@ -103,14 +103,15 @@ class RedisNodes:
                 enabled = int(r.info("cluster").get("cluster_enabled", 0)) == 1
             except AuthenticationError:
                 r.close()
+                if not self.endpoint.password:
+                    raise RemoteConfigError(
+                        f"Redis at {host}:{port} needs a password (AUTH failed): give it in "
+                        f"--remote-url or $KVSTORE_REMOTE_PASSWORD") from None
                 raise RemoteConfigError(
                     f"Redis at {host}:{port} refused the credentials (AUTH failed): check the "
                     f"user/password of --remote-url or $KVSTORE_REMOTE_PASSWORD") from None
             except ResponseError as e:
                 r.close()
-                if "NOAUTH" in str(e) or "WRONGPASS" in str(e):
-                    raise RemoteConfigError(f"Redis at {host}:{port} needs a password: give it "
-                                            f"in --remote-url or $KVSTORE_REMOTE_PASSWORD") from None
                 raise RemoteConfigError(f"Redis at {host}:{port}: {e}") from None
             except RedisError as e:
                 r.close()

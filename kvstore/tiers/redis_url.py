@@ -40,8 +40,10 @@ class RedisEndpoint:
         auth = ""
         if self.username or self.password:
             auth = f"{self.username}{':***' if self.password else ''}@"
-        hosts = ",".join(f"{h}:{p}" for h, p in self.nodes)
-        return f"{scheme}://{auth}{hosts}" + (f"/{self.db}" if self.db else "")
+        return f"{scheme}://{auth}{self._hosts()}" + (f"/{self.db}" if self.db else "")
+
+    def _hosts(self) -> str:
+        return ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.nodes)
 
     def __str__(self) -> str:
         return self.redacted()
@@ -50,8 +52,7 @@ class RedisEndpoint:
         """The URL with the user but no password (to keep in configs that may be logged)."""
         scheme = "rediss" if self.tls else "redis"
         auth = f"{self.username}@" if self.username else ""
-        hosts = ",".join(f"{h}:{p}" for h, p in self.nodes)
-        return f"{scheme}://{auth}{hosts}" + (f"/{self.db}" if self.db else "")
+        return f"{scheme}://{auth}{self._hosts()}" + (f"/{self.db}" if self.db else "")
 
 
 def parse_redis_url(url: str, password: str | None = None,
@@ -90,10 +91,18 @@ def parse_redis_url(url: str, password: str | None = None,
         part = part.strip()
         if not part:
             continue
-        host, sep, port_text = part.rpartition(":")
-        if not sep:
-            host, port_text = part, str(DEFAULT_PORT)
-        host = host.strip("[]")
+        if part.startswith("["):  # IPv6: [addr] or [addr]:port
+            host, close, tail = part[1:].partition("]")
+            if not close or (tail and not tail.startswith(":")):
+                raise ValueError(f"remote URL node {part!r}: an IPv6 address is written [addr]:port")
+            port_text = tail[1:] if tail else str(DEFAULT_PORT)
+        else:
+            host, sep, port_text = part.rpartition(":")
+            if not sep:
+                host, port_text = part, str(DEFAULT_PORT)
+            if ":" in host:
+                raise ValueError(f"remote URL node {part!r}: an IPv6 address is written "
+                                 f"[addr]:port")
         try:
             port = int(port_text)
         except ValueError:

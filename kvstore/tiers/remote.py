@@ -43,7 +43,8 @@ import torch
 from prometheus_client import CollectorRegistry
 from redis.exceptions import AskError, MovedError, OutOfMemoryError, RedisError, ResponseError
 
-from kvstore.codec import CODECS, CorruptChunkError, pack_value, unpack_value
+from kvstore.codec import (CODECS, MAGIC, TRAILER_BYTES, CorruptChunkError, pack_value,
+                           unpack_header, unpack_value)
 from kvstore.keys import ChunkKey
 from kvstore.layout import DTYPES, KVLayout, dtype_name
 from kvstore.tiers.redis_nodes import RedisNodes
@@ -73,6 +74,26 @@ def _tensor(raw, dtype: str, shape) -> torch.Tensor:
     else:
         t = torch.from_numpy(raw)
     return t.view(DTYPES[dtype]).view(shape)
+
+
+def failure_reason(value: bytes, why: str) -> str:
+    """Which check a value failed, as a ``validation_failures`` label: ``header`` (not a chunk
+    value: bad magic), ``version`` (a format version this build does not read), ``truncated``
+    (shorter than its header says), ``key`` (another chunk's or namespace's value), ``layout``
+    (a dtype or shape other than the namespace's), ``checksum`` (bytes changed)."""
+    if bytes(value[:4]) != MAGIC:
+        return "header"
+    try:
+        h = unpack_header(value)
+    except CorruptChunkError as e:
+        return "truncated" if "truncated" in str(e) or "shorter" in str(e) else "version"
+    if h.codec == "raw" and len(value) < h.payload_offset + h.raw_nbytes + TRAILER_BYTES:
+        return "truncated"
+    if why.startswith("layout"):
+        return "layout"
+    if "belongs to key" in why:
+        return "key"
+    return "checksum"
 
 
 class RemoteTier:
@@ -221,7 +242,7 @@ class RemoteTier:
                                             f"namespace says {dtype} {list(shape)}")
                 parent = ChunkKey.from_bytes(h.parent) if h.parent else None
             except (CorruptChunkError, ValueError) as e:
-                self._invalid(key, rk, str(e))
+                self._invalid(key, rk, value, str(e))
                 out.append(None)
                 continue
             out.append((_tensor(raw, h.dtype, h.shape), parent))
@@ -233,10 +254,10 @@ class RemoteTier:
         self.metrics.observe("get", time.perf_counter() - t0)
         return out
 
-    def _invalid(self, key: ChunkKey, rk: bytes, why: str) -> None:
-        reason = ("checksum" if "checksum" in why else "key" if "belongs to key" in why
-                  else "layout" if why.startswith("layout") else "header")
-        log.warning("remote tier: value of %r failed a check (%s); deleting it", key, why)
+    def _invalid(self, key: ChunkKey, rk: bytes, value: bytes, why: str) -> None:
+        reason = failure_reason(value, why)
+        log.warning("remote tier: value of %r failed a check (%s: %s); deleting it", key,
+                    reason, why)
         self.metrics.inc("validation_failures", label=reason)
         self._enqueue(("del", rk), 0)
 

@@ -127,3 +127,14 @@ def test_store_config_remote_defaults_and_validation():
         StoreConfig(remote_url="redis://h:1", remote_codec="zstd")
     assert StoreConfig(remote_url="redis://h:1", remote_queue_bytes="1MiB").remote_queue_bytes \
         == 1 << 20
+
+
+def test_ipv6_nodes_need_brackets_and_print_with_them():
+    ep = parse_redis_url("redis://u:pw@[::1],[fe80::2]:7001", env={})
+    assert ep.nodes == (("::1", 6379), ("fe80::2", 7001))
+    assert ep.redacted() == "redis://u:***@[::1]:6379,[fe80::2]:7001"
+    assert ep.without_password() == "redis://u@[::1]:6379,[fe80::2]:7001"
+    assert parse_redis_url(ep.without_password(), env={}).nodes == ep.nodes
+    for bad in ("redis://::1", "redis://[::1", "redis://[::1]x"):
+        with pytest.raises(ValueError, match=r"\[addr\]:port"):
+            parse_redis_url(bad, env={})

@@ -50,10 +50,10 @@ def garbage(r, keys):
 @pytest.mark.parametrize("corrupt, reason", [
     (flip_payload_byte, "checksum"),
     (copy_other_chunk, "key"),
-    (truncate, "checksum"),          # the trailer checksum no longer matches
-    (flip_version_byte, "header"),    # checksum right, version unknown
-    (flip_version_byte_only, "checksum"),
-    (garbage, "checksum"),
+    (truncate, "truncated"),          # shorter than its header says
+    (flip_version_byte, "version"),   # checksum right, version unknown
+    (flip_version_byte_only, "version"),  # (the trailer checksum fails too: version named first)
+    (garbage, "header"),              # not a chunk value (bad magic)
 ])
 def test_an_invalid_value_is_a_counted_deleted_miss(redis_server, corrupt, reason):
     a, b = make_store(redis_server.url), make_store(redis_server.url, promote_on_hit=False)
