@@ -56,6 +56,9 @@ class StoreConfig:
         remote_codec: value codec in Redis (``raw``, ``auto``, ``lz4``, ``shuffle-lz4``).
         remote_password: Redis password when the URL has none (else
             ``$KVSTORE_REMOTE_PASSWORD``).
+        remote_breaker_failures: consecutive failures of a Redis node that open its circuit
+            breaker (its keys then miss at once).
+        remote_breaker_reset_s: seconds a node's breaker stays open before one trial call.
 
     Raises:
         ValueError: negative or unparsable sizes, no tier at all, a disk tier without a path,
@@ -83,6 +86,8 @@ class StoreConfig:
     remote_queue_bytes: int | str = "256MiB"
     remote_codec: str = "raw"
     remote_password: str | None = field(default=None, repr=False)
+    remote_breaker_failures: int = 3
+    remote_breaker_reset_s: float = 5.0
 
     def __post_init__(self) -> None:
         for name in ("gpu_bytes", "cpu_bytes", "disk_bytes", "page_bytes", "remote_queue_bytes"):
@@ -123,6 +128,11 @@ class StoreConfig:
         if not self.remote_ttl_s >= 0 or not 0 < self.remote_timeout_s < float("inf"):
             raise ValueError(f"remote_ttl_s must be >= 0 and remote_timeout_s > 0, got "
                              f"{self.remote_ttl_s} and {self.remote_timeout_s}")
+        if type(self.remote_breaker_failures) is not int or self.remote_breaker_failures < 1 \
+                or not 0 < float(self.remote_breaker_reset_s) < float("inf"):
+            raise ValueError(f"remote_breaker_failures must be an int >= 1 and "
+                             f"remote_breaker_reset_s > 0, got {self.remote_breaker_failures!r} "
+                             f"and {self.remote_breaker_reset_s!r}")
         if self.remote_queue_bytes <= 0:
             raise ValueError(f"remote_queue_bytes must be > 0, got {self.remote_queue_bytes}")
         if self.remote_codec not in DISK_CODECS:

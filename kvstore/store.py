@@ -119,7 +119,9 @@ class ChunkStore(KVStoreBase):
                 st.remote = RemoteTier(
                     config.remote_url, config.remote_key_prefix, config.remote_ttl_s,
                     config.remote_timeout_s, config.remote_queue_bytes, config.remote_password,
-                    config.remote_codec, registry=self.metrics.registry)
+                    config.remote_codec, registry=self.metrics.registry,
+                    breaker_threshold=config.remote_breaker_failures,
+                    breaker_reset_s=config.remote_breaker_reset_s)
             for ns in namespaces:
                 self.register(ns)
         except BaseException:

@@ -188,3 +188,17 @@ def test_hung_redis_costs_one_deadline_per_call_until_the_breaker_opens(redis_se
         assert count(t, "breaker_opens", node) == 1
     finally:
         t.close()
+
+
+def test_breaker_settings_come_from_the_store_config(redis_server):
+    with make_store(redis_server.url, remote_breaker_failures=1, remote_breaker_reset_s=0.3) as s:
+        keys, kvs = prompt(NS, 0, 2)
+        assert s.put_chunks(NS, keys, kvs) == 2 and s.flush(5.0)
+        redis_server.kill()
+        assert s.lookup_keys(NS, keys).num_hit_chunks == 2  # local tiers answer
+        assert s.remote.lookup(keys) == [False, False]       # one failure opens the breaker
+        assert s.remote.nodes.breaker_states() == {f"127.0.0.1:{redis_server.port}": "open"}
+        time.sleep(0.35)
+        assert s.remote.nodes.breaker_states() == {f"127.0.0.1:{redis_server.port}": "half_open"}
+    with pytest.raises(ValueError, match="remote_breaker_failures"):
+        StoreConfig(remote_url="redis://h:1", remote_breaker_failures=0)
