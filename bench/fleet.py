@@ -204,7 +204,8 @@ def print_table(res: dict, file=sys.stdout) -> None:
             ("outputs identical to recompute", str(res["outputs_identical"])),
             ("hits counted exactly", str(res["hits_counted_exactly"]))]
     for k, t in res["targets"].items():
-        rows.append((f"{k} (target {t['target']})", f"{res[k]:.2f}{'' if t['met'] else '  MISSED'}"))
+        missed = "" if t["met"] else "  MISSED"
+        rows.append((f"{k} (target {t['target']})", f"{res[k]:.2f}{missed}"))
     width = max(len(r[0]) for r in rows)
     for name, val in rows:
         print(f"  {name:<{width}}  {val}", file=file)

@@ -1,8 +1,9 @@
 """The processes of a two-host fleet on one machine, for ``bench.fleet`` and its test.
 
     one Redis Cluster (3 masters, ``bench.redis_servers.RedisClusterGroup``)
-    host 1: daemon1 = kvstore serve --remote-url CLUSTER --cpu-bytes SMALL   engine1 --kvstore-url daemon1
-    host 2: daemon2 = kvstore serve --remote-url CLUSTER --cpu-bytes SMALL   engine2 --kvstore-url daemon2
+    host 1: daemon1 = kvstore serve --remote-url CLUSTER --cpu-bytes SMALL
+            engine1 = engine_min serve --kvstore-url daemon1
+    host 2: daemon2, engine2 likewise
     reference: engine0 without a store (the recompute baseline: same prompts, no reuse)
 
 Every engine runs with ``--no-prefix-caching``, so reuse can only come from its daemon: a
