@@ -1,0 +1,219 @@
+"""Wire format of the daemon's same-host path: a Unix domain socket for control, the CPU arena
+in shared memory for data. Pure framing helpers (blocking and asyncio), no store logic.
+
+Why: an engine on the daemon's host should load at memory speed. Over this path a get moves
+no chunk bytes through a socket: the daemon pins the chunks and answers with where their bytes
+lie in the arena (page runs); the client, which mapped the arena read-only once, copies them
+straight into its destination and then releases the pins.
+
+Frames (both directions) reuse the binary message of ``kvstore.daemon.protocol``::
+
+    b"KVS\\x01" | uint32 LE header length | JSON header | payload (header["payload_bytes"] bytes)
+
+Every request header has ``"op"``; keys travel as hex of ``bytes(ChunkKey)``, namespaces as
+``Namespace.to_dict()``, exactly as over HTTP (``kvstore.daemon.fields``). Every reply has
+``"ok": true`` and the op's fields, or ``"ok": false, "status": int, "error": str`` (the HTTP
+status the same failure gets over HTTP: 400 bad input, 401 bad token, 403 another tenant's
+namespace or a reader's write, 404 unknown op, 413 too many keys, 503 shutting down).
+
+Requests and replies, in order on one connection (one request in flight per connection, except
+``release``, which has no reply):
+
+=========  =====================================================  ==================================
+op         request fields                                         reply fields
+=========  =====================================================  ==================================
+hello      ``version`` (1), ``token`` (str or null)               ``version``, ``instance`` (the
+                                                                  daemon's id, as in ``/v1/stats``),
+                                                                  ``arena_bytes``, ``page_bytes``,
+                                                                  ``tenant`` ({name, role, salt});
+                                                                  the arena's file descriptor rides
+                                                                  on this reply (``SCM_RIGHTS``)
+                                                                  when ``arena_bytes`` > 0
+lookup     ``namespace``, ``keys``                                as ``/v1/lookup``
+exists     ``namespace``, ``keys``                                ``exists`` [bool]
+get        ``namespace``, ``keys``                                ``borrow`` (int or null),
+                                                                  ``chunks``: per key null (miss),
+                                                                  ``{"runs": [[offset, nbytes], ...]}``
+                                                                  (bytes in the arena, in order) or
+                                                                  ``{"inline": nbytes}`` (bytes in
+                                                                  this reply's payload, in key
+                                                                  order: chunks of lower tiers)
+release    ``borrow``                                             (none: no reply)
+put        the put header of ``kvstore.daemon.protocol``          ``stored`` (int), ``rejected``
+           (``namespace``, ``chunks`` with ``xxh3``, ...),        ({reason: count})
+           payload = the chunks' bytes in order
+remove     ``namespace``, ``keys``                                ``removed``
+clear      ``namespace`` (or null: admin only)                    ``removed``
+pin        ``namespace``, ``keys``, ``lease_s`` (or null)         ``pinned``
+unpin      ``namespace``, ``keys``                                ``unpinned``
+stats      (none)                                                 as ``/v1/stats``
+=========  =====================================================  ==================================
+
+Pins of a get (``borrow``) belong to the connection: ``release`` drops them, and so does the
+connection's end (a client that dies releases everything it held). A pinned chunk's pages are
+never reused, even if it is removed or evicted meanwhile, so the bytes a client copies are the
+chunk's until it releases them.
+
+Security: the socket file is mode 0600; the daemon accepts only peers of its own uid or root
+(``SO_PEERCRED``) and checks the token in ``hello`` as HTTP checks the bearer token. The arena is
+an anonymous memory file (``memfd``) reachable only through the descriptor passed on an
+accepted connection; a client maps it read-only (``PROT_READ``), so it cannot write a page.
+"""
+from __future__ import annotations
+
+import array
+import asyncio
+import json
+import socket
+import struct
+
+from kvstore.daemon.protocol import (MAX_HEADER_BYTES, PREAMBLE, PREAMBLE_BYTES, ProtocolError,
+                                     decode_preamble, encode_preamble_and_header)
+
+#: Version of this path's messages (sent in ``hello``).
+SHM_VERSION = 1
+#: ops with a reply (``release`` has none)
+OPS = ("hello", "lookup", "exists", "get", "release", "put", "remove", "clear", "pin", "unpin",
+       "stats")
+#: ``struct ucred`` of ``SO_PEERCRED``: pid, uid, gid
+_UCRED = struct.Struct("3i")
+
+
+def encode_frame(header: dict, payload_bytes: int = 0) -> bytes:
+    """Preamble + JSON header of one frame (``payload_bytes`` recorded in the header when > 0;
+    the caller sends that many payload bytes right after).
+
+    Raises:
+        ProtocolError: a header larger than ``MAX_HEADER_BYTES``.
+    """
+    if payload_bytes:
+        header = {**header, "payload_bytes": payload_bytes}
+    return encode_preamble_and_header(header)
+
+
+def decode_header(blob: bytes) -> tuple[dict, int]:
+    """``(header, payload bytes)`` from a frame's JSON header.
+
+    Raises:
+        ProtocolError: not a JSON object, or a bad ``payload_bytes``.
+    """
+    try:
+        header = json.loads(blob)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"frame header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("frame header must be a JSON object")
+    n = header.get("payload_bytes", 0)
+    if type(n) is not int or n < 0:
+        raise ProtocolError(f"payload_bytes must be an int >= 0, got {n!r}")
+    return header, n
+
+
+def error_reply(status: int, message: str) -> dict:
+    """The reply of a failed request."""
+    return {"ok": False, "status": status, "error": message}
+
+
+# ---- asyncio (daemon side) -------------------------------------------------------------------
+async def read_frame(reader: asyncio.StreamReader) -> tuple[dict, int] | None:
+    """The next frame's ``(header, payload bytes)`` (the payload is left in ``reader``), or
+    None at a clean end of stream (between frames).
+
+    Raises:
+        ProtocolError: a malformed preamble or header. asyncio.IncompleteReadError: the stream
+            ended inside a frame.
+    """
+    try:
+        pre = await reader.readexactly(PREAMBLE_BYTES)
+    except asyncio.IncompleteReadError as e:
+        if not e.partial:
+            return None
+        raise
+    n = decode_preamble(pre)
+    return decode_header(await reader.readexactly(n))
+
+
+# ---- blocking (client side) ------------------------------------------------------------------
+def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``.
+
+    Raises:
+        ConnectionError: the peer closed the connection first.
+    """
+    got, n = 0, len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("daemon closed the connection")
+        got += k
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    recv_exact_into(sock, memoryview(buf))
+    return buf
+
+
+def recv_frame(sock: socket.socket, fds: list[int] | None = None) -> tuple[dict, int]:
+    """The next frame's ``(header, payload bytes)`` from a blocking socket (the payload is
+    left in the socket). With ``fds`` (a list), file descriptors passed with the frame's first
+    bytes (``SCM_RIGHTS``) are appended to it.
+
+    Raises:
+        ProtocolError: a malformed frame. ConnectionError: the daemon closed the connection.
+    """
+    if fds is None:
+        pre = bytes(recv_exact(sock, PREAMBLE_BYTES))
+    else:
+        pre, got = recv_with_fds(sock, PREAMBLE_BYTES)
+        fds.extend(got)
+        if len(pre) < PREAMBLE_BYTES:
+            pre += bytes(recv_exact(sock, PREAMBLE_BYTES - len(pre)))
+    n = decode_preamble(pre)
+    return decode_header(bytes(recv_exact(sock, n)))
+
+
+def recv_with_fds(sock: socket.socket, maxlen: int, maxfds: int = 4) -> tuple[bytes, list[int]]:
+    """Up to ``maxlen`` bytes and the descriptors passed with them (``SCM_RIGHTS``).
+
+    Raises:
+        ConnectionError: the peer closed the connection.
+    """
+    fds = array.array("i")
+    msg, anc, _flags, _addr = sock.recvmsg(maxlen, socket.CMSG_SPACE(maxfds * fds.itemsize))
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+    if not msg:
+        for fd in fds:
+            _close(fd)
+        raise ConnectionError("daemon closed the connection")
+    return msg, list(fds)
+
+
+def send_with_fds(sock: socket.socket, data: bytes, fds: list[int]) -> None:
+    """Send ``data`` with ``fds`` attached to its first byte (``SCM_RIGHTS``); the rest of
+    ``data``, if the socket did not take it at once, is sent plainly."""
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
+    sent = sock.sendmsg([data], anc)
+    if sent < len(data):
+        sock.sendall(memoryview(data)[sent:])
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a connected Unix socket (``SO_PEERCRED``)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    return _UCRED.unpack(raw)[1]
+
+
+def _close(fd: int) -> None:
+    import os
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+__all__ = ["SHM_VERSION", "OPS", "MAX_HEADER_BYTES", "PREAMBLE", "ProtocolError", "encode_frame",
+           "decode_header", "error_reply", "read_frame", "recv_exact", "recv_exact_into",
+           "recv_frame", "recv_with_fds", "send_with_fds", "peer_uid"]
