@@ -11,6 +11,12 @@ Which store a ``StoreSpec`` opens:
   ``CircuitBreakerStore`` when ``breaker`` is given;
 * both: ``LayeredStore`` = the in-process tiers in front of the daemon.
 
+``remote_url`` adds a remote tier (Redis, ``kvstore.tiers.remote``) below the in-process tiers,
+shared by every store pointing at the same Redis; alone it comes with a CPU tier of
+``DEFAULT_CPU_BYTES``. It is a tier of the in-process store, so it needs one: with only ``url``
+(a daemon) it is refused; give the daemon ``kvstore serve --remote-url`` instead. Its password
+comes from the URL or ``$KVSTORE_REMOTE_PASSWORD`` and never shows in ``repr``.
+
 With a daemon and an ``auth_token``, the daemon is asked once for the token's tenant salt
 (``GET /v1/whoami``, ``daemon_tenant_salt``); every namespace the connector names must carry
 it (``kvstore.daemon.tenants.bind_salt``).
@@ -23,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -33,6 +39,8 @@ log = logging.getLogger("kvstore.connectors.stores")
 
 #: disk tier size when only ``disk_path`` is given.
 DEFAULT_DISK_BYTES = "4GiB"
+#: CPU tier size when only ``remote_url`` is given (``StoreConfig``'s default).
+DEFAULT_CPU_BYTES = "1GiB"
 #: Deadline of the one ``whoami`` call a daemon-backed connector makes at start (seconds).
 WHOAMI_TIMEOUT_S = 2.0
 
@@ -88,6 +96,18 @@ class StoreSpec:
         breaker: wrap the daemon client in a ``CircuitBreakerStore`` with these deadlines;
             None = the bare client.
         name: tells apart in-process stores of equal sizes in one registry.
+        remote_url: Redis of the in-process store's remote tier
+            (``redis://[user:password@]host:port[,host:port...]``, ``rediss://``); None = none.
+            A password in it moves to ``remote_password`` at construction.
+        remote_key_prefix: deployment prefix of every Redis key.
+        remote_ttl_s: seconds a value lives after its last write or read (0 = no expiry).
+        remote_timeout_s: deadline of a remote lookup (seconds).
+        remote_password: Redis password when the URL has none (else
+            ``$KVSTORE_REMOTE_PASSWORD``); not in ``repr``.
+
+    Raises:
+        ValueError: at construction, a ``remote_url`` that does not parse (the message never
+            holds the password).
     """
 
     cpu_bytes: int | str | None = None
@@ -98,21 +118,64 @@ class StoreSpec:
     timeout_s: float = 0.5
     breaker: BreakerTimes | None = None
     name: str = "default"
+    remote_url: str | None = None
+    remote_key_prefix: str = "kvstore"
+    remote_ttl_s: float = 0.0
+    remote_timeout_s: float = 0.25
+    remote_password: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.remote_url:
+            object.__setattr__(self, "remote_url", None)
+            return
+        from kvstore.tiers.redis_url import parse_redis_url
+        ep = parse_redis_url(self.remote_url, env={})
+        if ep.password:  # out of repr (a spec is logged) and of the registry's key
+            if self.remote_password is None:
+                object.__setattr__(self, "remote_password", ep.password)
+            object.__setattr__(self, "remote_url", ep.without_password())
 
     def check(self) -> None:
         """Raises:
-            ValueError: no store given, ``disk_bytes`` without ``disk_path``, a bad URL."""
+            ValueError: no store given, ``disk_bytes`` without ``disk_path``, a bad URL, a
+                ``remote_url`` with a daemon but no in-process tiers."""
         if self.disk_bytes and not self.disk_path:
             raise ValueError("disk_bytes needs disk_path")
         if not (self.local or self.url):
             raise ValueError("no store: give cpu_bytes, disk_path or url")
         if self.url:
             http_url(self.url)
+        if self.remote_url and self.url and not (self.cpu_bytes or self.disk_path):
+            raise ValueError("remote_url is a tier of the in-process store and url names only "
+                             "a daemon: give the daemon the remote tier (kvstore serve "
+                             "--remote-url) instead, or add in-process tiers (cpu_bytes)")
 
     @property
     def local(self) -> bool:
-        """Whether the spec names in-process tiers."""
-        return bool(self.cpu_bytes) or bool(self.disk_path)
+        """Whether the spec names in-process tiers (a remote tier alone brings a CPU tier;
+        with a daemon it is refused by ``check``)."""
+        return bool(self.cpu_bytes) or bool(self.disk_path) or (
+            bool(self.remote_url) and not self.url)
+
+    def store_config(self):
+        """The ``kvstore.config.StoreConfig`` of the in-process store.
+
+        Raises:
+            ValueError: as ``StoreConfig`` (a bad size, remote TTL or timeout).
+        """
+        from kvstore.config import StoreConfig
+        cpu = self.cpu_bytes or 0
+        if not cpu and not self.disk_path and self.remote_url:
+            cpu = DEFAULT_CPU_BYTES
+        remote = {}
+        if self.remote_url:
+            remote = dict(remote_url=self.remote_url, remote_key_prefix=self.remote_key_prefix,
+                          remote_ttl_s=self.remote_ttl_s, remote_timeout_s=self.remote_timeout_s,
+                          remote_password=self.remote_password)
+        return StoreConfig(cpu_bytes=cpu,
+                           disk_bytes=(self.disk_bytes or DEFAULT_DISK_BYTES)
+                           if self.disk_path else 0,
+                           disk_path=self.disk_path, **remote)
 
 
 @dataclass(frozen=True)
@@ -136,19 +199,16 @@ def open_store(spec: StoreSpec) -> OpenedStore:
     error nothing stays open.
 
     Raises:
-        ValueError: as ``StoreSpec.check``; a bad size.
+        ValueError: as ``StoreSpec.check``; a bad size; a remote tier that cannot start
+            (``kvstore.tiers.redis_nodes.RemoteConfigError``: Redis unreachable, the password
+            refused, not the cluster the URL names).
         OSError: a disk path that cannot be opened (a file, not writable, in use).
     """
     spec.check()
     stores: list[KVStoreBase] = []
     if spec.local:
-        from kvstore.config import StoreConfig
         from kvstore.store import ChunkStore
-        cfg = StoreConfig(cpu_bytes=spec.cpu_bytes or 0,
-                          disk_bytes=(spec.disk_bytes or DEFAULT_DISK_BYTES)
-                          if spec.disk_path else 0,
-                          disk_path=spec.disk_path)
-        stores.append(ChunkStore(cfg))
+        stores.append(ChunkStore(spec.store_config()))
     try:
         return _with_daemon(spec, stores)
     except BaseException:
