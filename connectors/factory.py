@@ -27,7 +27,7 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
                      chunk_size: int = DEFAULT_CHUNK_SIZE, deadline_s: float = 0.5, *,
                      model_id: str | None = None, revision: str | None = None,
                      auth_token: str | None = None, save_generated: bool = True,
-                     tail_chunk_size: int = 0,
+                     tail_chunk_size: int = 0, remote: dict | None = None,
                      **connector_kwargs: Any) -> EngineMinConnector:
     """A connector over the store these options describe (see module docstring).
 
@@ -51,6 +51,9 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
         tail_chunk_size: also store the tokens past the last full chunk as pieces of this
             many tokens (a multiple of the block size dividing ``chunk_size``); 0 (default) =
             full chunks only. See ``connectors.engine_min``.
+        remote: the in-process store's remote tier (Redis) as ``StoreSpec`` fields
+            (``remote_url``, ``remote_key_prefix``, ``remote_ttl_s``, ``remote_timeout_s``);
+            None = none.
         connector_kwargs: further ``EngineMinConnector`` arguments.
 
     Raises:
@@ -67,7 +70,7 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
                            get_timeout_s_base=timeout_s)
     opened = open_store(StoreSpec(cpu_bytes=cpu_bytes, disk_path=disk_path,
                                   disk_bytes=disk_bytes, url=url, auth_token=auth_token,
-                                  timeout_s=timeout_s, breaker=breaker))
+                                  timeout_s=timeout_s, breaker=breaker, **(remote or {})))
     store = opened.store
     try:
         if url and auth_token:
