@@ -18,11 +18,17 @@ from kvstore.defaults import DEFAULT_CHUNK_SIZE
 if TYPE_CHECKING:
     from connectors.engine_min import EngineMinConnector
 
-__all__ = ["STORE_FLAGS", "SizeError", "StoreFlagError", "add_store_args",
-           "connector_from_args", "parse_size"]
+__all__ = ["REMOTE_FLAGS", "STORE_FLAGS", "SizeError", "StoreFlagError", "add_store_args",
+           "connector_from_args", "parse_size", "remote_options"]
 
 #: The flags (as ``argparse`` attribute names) that each name a store; none set = no store.
-STORE_FLAGS = ("kvstore_cpu_bytes", "kvstore_disk_path", "kvstore_disk_bytes", "kvstore_url")
+STORE_FLAGS = ("kvstore_cpu_bytes", "kvstore_disk_path", "kvstore_disk_bytes", "kvstore_url",
+               "kvstore_remote_url")
+#: The remote tier's flags (``argparse`` attribute names) -> ``StoreSpec`` fields.
+REMOTE_FLAGS = {"kvstore_remote_url": "remote_url",
+                "kvstore_remote_key_prefix": "remote_key_prefix",
+                "kvstore_remote_ttl_s": "remote_ttl_s",
+                "kvstore_remote_timeout_s": "remote_timeout_s"}
 
 
 class StoreFlagError(ValueError):
@@ -70,32 +76,57 @@ def add_store_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    help="also store a prompt's tokens past its last full chunk as pieces of N "
                    "tokens (a multiple of the block size dividing the chunk size), so a hit "
                    "recomputes < N tokens instead of up to a chunk; 0 (default) = off")
+    s.add_argument("--kvstore-remote-url", default=None, metavar="URL",
+                   help="in-process store: a remote tier in Redis below its tiers, shared by "
+                   "every engine pointing at it: redis://HOST:PORT (standalone or a cluster "
+                   "seed), redis://H1:P1,H2:P2 (cluster), rediss:// (TLS); password from "
+                   "$KVSTORE_REMOTE_PASSWORD. Alone: with a 1GiB CPU tier. With only "
+                   "--kvstore-url, give the daemon --remote-url instead")
+    s.add_argument("--kvstore-remote-key-prefix", default=None, metavar="PREFIX",
+                   help="deployment prefix of every Redis key (default kvstore)")
+    s.add_argument("--kvstore-remote-ttl-s", type=float, default=None, metavar="SECONDS",
+                   help="seconds a value lives in Redis after its last write or read "
+                   "(default 0: no expiry)")
+    s.add_argument("--kvstore-remote-timeout-s", type=float, default=None, metavar="SECONDS",
+                   help="deadline of a remote lookup; a late Redis node's keys miss "
+                   "(default 0.25)")
     return s
 
 
 def connector_from_args(args: argparse.Namespace) -> EngineMinConnector | None:
     """The connector of the store flags (``kvstore_cpu_bytes``, ``kvstore_disk_path``,
-    ``kvstore_disk_bytes``, ``kvstore_url``, ``kvstore_chunk_size``, optional
-    ``kvstore_deadline_s``, ``kvstore_auth_token`` and ``kvstore_tail_chunk_size``), or None
-    when no store flag is set.
+    ``kvstore_disk_bytes``, ``kvstore_url``, ``kvstore_remote_*``, ``kvstore_chunk_size``,
+    optional ``kvstore_deadline_s``, ``kvstore_auth_token`` and ``kvstore_tail_chunk_size``),
+    or None when no store flag is set.
 
-    The store is in-process tiers (cpu bytes, disk path and bytes), a remote daemon (url), or
-    both (local tiers in front of the daemon).
+    The store is in-process tiers (cpu bytes, disk path and bytes, a remote tier in Redis), a
+    remote daemon (url), or both (local tiers in front of the daemon).
 
     Raises:
-        StoreFlagError: a tail chunk size without a store, disk bytes without a disk path.
-        ValueError: as ``connectors.factory.create_connector`` (a bad URL, size or chunk size).
+        StoreFlagError: a tail chunk size or remote-tier setting without a store, disk bytes
+            without a disk path, a remote URL with only a daemon, a remote URL that does not
+            parse.
+        ValueError: as ``connectors.factory.create_connector`` (a bad URL, size or chunk size;
+            ``kvstore.tiers.redis_nodes.RemoteConfigError``: Redis unreachable or the password
+            refused).
         OSError: a disk path that cannot be opened (a file, not writable).
     """
     opts = {k: getattr(args, f"kvstore_{k}", None)
             for k in ("cpu_bytes", "disk_path", "disk_bytes", "url")}
-    if all(v is None for v in opts.values()):
+    remote = remote_options(args)
+    if all(v is None for v in opts.values()) and not remote:
         if getattr(args, "kvstore_tail_chunk_size", 0):  # would be ignored silently
             raise StoreFlagError("--kvstore-tail-chunk-size needs a store: --kvstore-cpu-bytes, "
-                                 "--kvstore-disk-path or --kvstore-url")
+                                 "--kvstore-disk-path, --kvstore-url or --kvstore-remote-url")
         return None
     if opts["disk_bytes"] and not opts["disk_path"]:
         raise StoreFlagError("--kvstore-disk-bytes needs --kvstore-disk-path")
+    if remote and opts["url"] and not (opts["cpu_bytes"] or opts["disk_path"]):
+        raise StoreFlagError("--kvstore-remote-url adds a tier to the in-process store, but "
+                             "--kvstore-url names only a daemon: start the daemon with "
+                             "kvstore serve --remote-url instead (or add --kvstore-cpu-bytes)")
+    if remote:
+        opts["remote"] = remote
     extra = {}
     for k in ("chunk_size", "deadline_s", "auth_token", "tail_chunk_size"):
         v = getattr(args, f"kvstore_{k}", None)
@@ -103,3 +134,31 @@ def connector_from_args(args: argparse.Namespace) -> EngineMinConnector | None:
             extra[k] = v
     from connectors.factory import create_connector
     return create_connector(**opts, **extra)
+
+
+def remote_options(args: argparse.Namespace) -> dict:
+    """The remote tier's settings given by ``args`` as ``StoreSpec`` fields (``{}``: no remote
+    tier), checked without connecting to Redis.
+
+    Raises:
+        StoreFlagError: a remote-tier setting without ``--kvstore-remote-url``, a URL that does
+            not parse, a negative TTL or a non-positive timeout (never showing the password).
+    """
+    given = {field: getattr(args, flag, None) for flag, field in REMOTE_FLAGS.items()}
+    given = {k: v for k, v in given.items() if v is not None}
+    if not given:
+        return {}
+    if not given.get("remote_url"):
+        names = ", ".join("--" + f.replace("_", "-") for f, k in REMOTE_FLAGS.items()
+                          if k in given)
+        raise StoreFlagError(f"{names} needs --kvstore-remote-url")
+    from kvstore.tiers.redis_url import parse_redis_url
+    try:
+        parse_redis_url(given["remote_url"], env={})
+    except ValueError as e:
+        raise StoreFlagError(f"--kvstore-remote-url: {e}") from None
+    ttl, timeout = given.get("remote_ttl_s", 0.0), given.get("remote_timeout_s", 1.0)
+    if not ttl >= 0 or not 0 < timeout < float("inf"):
+        raise StoreFlagError(f"--kvstore-remote-ttl-s must be >= 0 and --kvstore-remote-timeout-s "
+                             f"a positive number of seconds, got {ttl} and {timeout}")
+    return given
