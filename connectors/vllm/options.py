@@ -50,7 +50,8 @@ class ConnectorOptions:
                 a positive integer multiple of ``block_size``; a ``tail_chunk_size`` that is
                 negative, does not divide ``chunk_size``, is not smaller or not a multiple of
                 ``block_size``; ``timeout_s`` not a positive number; ``pin_lease_s`` negative;
-                ``save_queue_bytes`` not a byte size (``512MiB`` or an int).
+                ``save_queue_bytes`` not a byte size (``512MiB`` or an int); a bad remote tier
+                setting (``remote_fields``).
         """
         chunk_size = _int(extra, "chunk_size", DEFAULT_CHUNK_SIZE, minimum=1)
         tail = extra.get("tail_chunk_size")
@@ -112,11 +113,62 @@ def _seconds(extra: Mapping[str, Any], key: str, default: float, allow_zero: boo
     return seconds
 
 
+#: ``kv_connector_extra_config`` keys of the in-process store's remote tier (Redis).
+REMOTE_KEYS = ("remote_url", "remote_key_prefix", "remote_ttl_s", "remote_timeout_s")
+
+
+def remote_fields(extra: Mapping[str, Any]) -> dict:
+    """The remote tier's ``StoreSpec`` fields ``extra`` gives (``{}``: none): ``remote_url``
+    (``redis://host:port[,host:port...]``, ``rediss://``; password in it or in
+    ``$KVSTORE_REMOTE_PASSWORD``), ``remote_key_prefix``, ``remote_ttl_s`` (>= 0),
+    ``remote_timeout_s`` (> 0). Checked without connecting to Redis.
+
+    Raises:
+        ValueError: naming the key: a remote key without ``remote_url``, a URL that does not
+            parse (the message never holds the password), a prefix that is not text, a bad
+            number of seconds; ``remote_url`` together with ``kvstore_url`` (the remote tier
+            belongs to the daemon then: ``kvstore serve --remote-url``).
+    """
+    given = [k for k in REMOTE_KEYS if extra.get(k) not in (None, "")]
+    if not given:
+        return {}
+    if "remote_url" not in given:
+        raise ValueError(f"kv_connector_extra_config {', '.join(map(repr, given))} needs "
+                         f"'remote_url'")
+    if extra.get("kvstore_url"):
+        raise ValueError("kv_connector_extra_config 'remote_url' is a tier of the in-process "
+                         "store, but 'kvstore_url' names a daemon: start the daemon with "
+                         "kvstore serve --remote-url instead")
+    from kvstore.tiers.redis_url import parse_redis_url
+    url = extra["remote_url"]
+    try:
+        parse_redis_url(url, env={})
+    except ValueError as e:
+        raise ValueError(f"kv_connector_extra_config 'remote_url': {e}") from None
+    out: dict[str, Any] = {"remote_url": url}
+    if "remote_key_prefix" in given:
+        if not isinstance(extra["remote_key_prefix"], str):
+            raise ValueError(f"kv_connector_extra_config 'remote_key_prefix' must be text, "
+                             f"got {extra['remote_key_prefix']!r}")
+        out["remote_key_prefix"] = extra["remote_key_prefix"]
+    if "remote_ttl_s" in given:
+        out["remote_ttl_s"] = _seconds(extra, "remote_ttl_s", 0.0, allow_zero=True)
+    if "remote_timeout_s" in given:
+        out["remote_timeout_s"] = _seconds(extra, "remote_timeout_s", 0.25, allow_zero=False)
+    return out
+
+
 def store_spec(extra: Mapping[str, Any], timeout_s: float) -> StoreSpec:
     """The store ``extra`` names: the daemon at ``kvstore_url`` (the bare client, calls with
     ``timeout_s``), else in-process tiers (``cpu_bytes`` default ``"1GiB"``, ``disk_bytes``,
-    ``disk_path``; ``store_name`` tells apart equal ones). With ``kvstore_url`` the in-process
-    keys are not used (logged as a warning when given)."""
+    ``disk_path``; ``store_name`` tells apart equal ones) with a remote tier in Redis when
+    ``remote_url`` is given (``remote_fields``). With ``kvstore_url`` the in-process keys are
+    not used (logged as a warning when given).
+
+    Raises:
+        ValueError: as ``remote_fields``.
+    """
+    remote = remote_fields(extra)
     if extra.get("kvstore_url"):
         local = [k for k in ("cpu_bytes", "disk_bytes", "disk_path") if extra.get(k)]
         if local:
@@ -126,4 +178,4 @@ def store_spec(extra: Mapping[str, Any], timeout_s: float) -> StoreSpec:
                          timeout_s=timeout_s)
     return StoreSpec(cpu_bytes=str(extra.get("cpu_bytes", "1GiB")),
                      disk_bytes=extra.get("disk_bytes") or None, disk_path=extra.get("disk_path"),
-                     name=str(extra.get("store_name", "default")))
+                     name=str(extra.get("store_name", "default")), **remote)
