@@ -24,6 +24,9 @@ import torch
 
 from kvstore.api import KVStoreBase, LookupResult, StoreCapabilities
 from kvstore.daemon import protocol as P
+from kvstore.daemon.shm_client import CAPABILITIES as SHM_CAPABILITIES
+from kvstore.daemon.shm_client import ShmKVStoreClient, check_out
+from kvstore.daemon.shm_discovery import discover_socket
 from kvstore.daemon.transport import Transport, check_url
 from kvstore.errors import RemoteError, StoreUnavailable
 from kvstore.keys import ChunkKey, Namespace
@@ -140,17 +143,25 @@ class AsyncKVStoreClient:
         return await self._http.call("GET", "/metrics", handle, idempotent=True,
                                      timeout_s=timeout_s)
 
-    async def get_chunks(self, ns: Namespace, keys: Sequence[ChunkKey], *,
+    async def get_chunks(self, ns: Namespace, keys: Sequence[ChunkKey],
+                         out: Sequence[torch.Tensor] | None = None, *,
                          timeout_s: float | None = None) -> list[torch.Tensor | None]:
         """Chunks ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` or None per key.
-        A payload failing its checksum is returned as None (and logged)."""
+        A payload failing its checksum is returned as None (and logged). ``out`` (optional):
+        one contiguous CPU tensor per key of the layout, read into and returned as ``out[i]``.
+
+        Raises:
+            ValueError: a bad ``out`` (count, shape, dtype, device, not contiguous).
+        """
+        if out is not None:
+            check_out(ns, keys, out)
         if not keys:
             return []
 
         async def handle(resp):
             if resp.status == 404:
                 return [None] * len(keys)
-            return await _read_get_body(resp.content, ns, keys)
+            return await _read_get_body(resp.content, ns, keys, out)
         return await self._http.call("POST", "/v1/get", handle, idempotent=True,
                                      timeout_s=timeout_s, body=P.key_request(ns, keys),
                                      headers={"Content-Type": "application/json"})
@@ -212,17 +223,19 @@ class AsyncKVStoreClient:
 
 
 async def _read_get_body(reader: aiohttp.StreamReader, ns: Namespace,
-                         keys: Sequence[ChunkKey]) -> list[torch.Tensor | None]:
+                         keys: Sequence[ChunkKey], bufs: Sequence[torch.Tensor] | None = None
+                         ) -> list[torch.Tensor | None]:
     hdr_len = P.decode_preamble(await reader.readexactly(P.PREAMBLE_BYTES))
     header = P.parse_json(await reader.readexactly(hdr_len), "get response header")
     entries = P.parse_get_response_header(header, ns, keys)
     layout = ns.layout
     out: list[torch.Tensor | None] = []
-    for e in entries:
+    for i, e in enumerate(entries):
         if not e.found:
             out.append(None)
             continue
-        kv = torch.empty(layout.shape(), dtype=layout.torch_dtype)  # [L, 2, T, H, D]
+        kv = bufs[i] if bufs is not None else \
+            torch.empty(layout.shape(), dtype=layout.torch_dtype)  # [L, 2, T, H, D]
         view = memoryview(kv.view(torch.uint8).reshape(-1).numpy())
         pos = 0
         while pos < e.nbytes:
@@ -242,27 +255,76 @@ async def _read_get_body(reader: aiohttp.StreamReader, ns: Namespace,
 class KVStoreClient(KVStoreBase):
     """Synchronous, thread-safe ``KVStoreBase`` over the daemon (same surface as ``ChunkStore``).
 
-    Runs one private event loop on a daemon thread; every method blocks at most its deadline
-    (``timeout_s``) and raises ``StoreUnavailable`` when the server does not answer in time,
-    ``RemoteError`` for error answers, ``ValueError`` for bad tensors. Arguments as in
-    ``AsyncKVStoreClient``.
+    Two paths behind one surface:
+
+    * ``unix:///PATH``: the daemon's Unix socket, its CPU arena mapped read-only
+      (``kvstore.daemon.shm_client.ShmKVStoreClient``; gets copy straight out of the arena).
+    * ``http://HOST:PORT``: HTTP on one private event loop thread. With ``same_host=True``
+      (the default) the first call asks the daemon (``/v1/stats``, else ``/v1/whoami``) for
+      its ``unix_socket``; when that socket exists on this host and its ``hello`` answers the
+      same ``instance``, every later call goes over it. HTTP stays otherwise (no socket,
+      another host, a refused hello); ``same_host=False`` forces HTTP.
+
+    Every method blocks at most its deadline (``timeout_s``) and raises ``StoreUnavailable``
+    when the daemon does not answer in time, ``RemoteError`` for error answers, ``ValueError``
+    for bad tensors. Other arguments as in ``AsyncKVStoreClient`` (both paths take them).
+    ``/metrics`` (``metrics_text``) is served over HTTP only.
     """
 
-    def __init__(self, url: str, **kwargs: Any):
+    def __init__(self, url: str, *, same_host: bool = True, **kwargs: Any):
+        self._shm: ShmKVStoreClient | None = None
+        self._async: AsyncKVStoreClient | None = None
+        self._closed = False
+        self._discovering = False
+        if isinstance(url, str) and url.startswith("unix://"):
+            self._shm = ShmKVStoreClient(url, **kwargs)
+            self.url = self._shm.url
+            return
         self._async = AsyncKVStoreClient(url, **kwargs)
         self.url = self._async.url
+        self._shm_kwargs = kwargs
+        self._discovering = same_host
+        self._discover_lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-client",
                                         daemon=True)
         self._thread.start()
-        self._closed = False
 
     #: Every call crosses to the daemon (blocks up to its deadline); the daemon pins; its
-    #: tiers are one ``"remote"`` tier here.
-    capabilities = StoreCapabilities(remote=True, pins=True, tiers=("remote",))
+    #: tiers are one ``"remote"`` tier here; ``get_chunks`` takes ``out=`` on both paths.
+    capabilities = SHM_CAPABILITIES
+
+    @property
+    def transport(self) -> str:
+        """``"unix"`` or ``"http"``: the path calls take now (``"http"`` until a first call
+        has discovered the daemon's socket)."""
+        return "unix" if self._shm is not None else "http"
+
+    def _path(self, timeout_s: float | None) -> ShmKVStoreClient | None:
+        """The Unix-socket client calls go to, or None for HTTP (discovering it first).
+
+        Raises:
+            StoreUnavailable: the daemon did not answer the discovery (nothing decided: the
+                next call asks again).
+        """
+        if self._discovering:
+            with self._discover_lock:
+                if self._discovering:
+                    self._shm = discover_socket(
+                        lambda route: self._run(getattr(self._async, route)(
+                            timeout_s=timeout_s), timeout_s), self._shm_kwargs, timeout_s)
+                    self._discovering = False
+        return self._shm
+
+    def _call(self, name: str, timeout_s: float | None, *args: Any, **kw: Any) -> Any:
+        shm = self._path(timeout_s)
+        if shm is not None:
+            return getattr(shm, name)(*args, timeout_s=timeout_s, **kw)
+        return self._run(getattr(self._async, name)(*args, timeout_s=timeout_s, **kw),
+                         timeout_s)
 
     def _run(self, coro, timeout_s: float | None) -> Any:
-        if self._closed:
+        if self._closed or self._async is None:
             coro.close()
             raise RuntimeError("KVStoreClient is closed")
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -276,48 +338,62 @@ class KVStoreClient(KVStoreBase):
             raise StoreUnavailable(f"{self.url}: no answer within {wait} s") from None
 
     def lookup_keys(self, ns, keys, *, timeout_s=None) -> LookupResult:
-        return self._run(self._async.lookup_keys(ns, keys, timeout_s=timeout_s), timeout_s)
+        return self._call("lookup_keys", timeout_s, ns, keys)
 
-    def get_chunks(self, ns, keys, *, timeout_s=None) -> list[torch.Tensor | None]:
-        return self._run(self._async.get_chunks(ns, keys, timeout_s=timeout_s), timeout_s)
+    def get_chunks(self, ns, keys, out=None, *, timeout_s=None) -> list[torch.Tensor | None]:
+        """As ``AsyncKVStoreClient.get_chunks`` (``out``: buffers to read into)."""
+        return self._call("get_chunks", timeout_s, ns, keys, out)
 
     def put_chunks(self, ns, keys, kvs, parents=None, *, durable=None, timeout_s=None) -> int:
-        return self._run(self._async.put_chunks(ns, keys, kvs, parents, durable=durable,
-                                                timeout_s=timeout_s), timeout_s)
+        return self._call("put_chunks", timeout_s, ns, keys, kvs, parents, durable=durable)
 
     def exists(self, ns, keys, *, timeout_s=None) -> list[bool]:
-        return self._run(self._async.exists(ns, keys, timeout_s=timeout_s), timeout_s)
+        return self._call("exists", timeout_s, ns, keys)
 
     def remove(self, ns, keys, *, timeout_s=None) -> int:
-        return self._run(self._async.remove(ns, keys, timeout_s=timeout_s), timeout_s)
+        return self._call("remove", timeout_s, ns, keys)
 
     def clear(self, ns=None, *, timeout_s=None) -> int:
-        return self._run(self._async.clear(ns, timeout_s=timeout_s), timeout_s)
+        return self._call("clear", timeout_s, ns)
 
     def pin(self, ns, keys, lease_s=None, *, timeout_s=None) -> int:
-        return self._run(self._async.pin(ns, keys, lease_s, timeout_s=timeout_s), timeout_s)
+        return self._call("pin", timeout_s, ns, keys, lease_s)
 
     def unpin(self, ns, keys, *, timeout_s=None) -> int:
-        return self._run(self._async.unpin(ns, keys, timeout_s=timeout_s), timeout_s)
+        return self._call("unpin", timeout_s, ns, keys)
 
     def stats(self, *, timeout_s=None) -> dict:
-        return self._run(self._async.stats(timeout_s=timeout_s), timeout_s)
+        return self._call("stats", timeout_s)
 
     def whoami(self, *, timeout_s=None) -> dict:
-        return self._run(self._async.whoami(timeout_s=timeout_s), timeout_s)
+        return self._call("whoami", timeout_s)
 
     def metrics_text(self, *, timeout_s=None) -> str:
+        """The daemon's Prometheus text (HTTP only).
+
+        Raises:
+            RemoteError(404): a ``unix://`` client (``/metrics`` is an HTTP route).
+        """
+        if self._async is None:
+            raise RemoteError(404, "/metrics is served over HTTP only; ask the daemon's "
+                                   "http:// URL")
         return self._run(self._async.metrics_text(timeout_s=timeout_s), timeout_s)
 
     def healthy(self, *, timeout_s: float = 1.0) -> bool:
+        if self._async is None:
+            return self._shm.healthy(timeout_s=timeout_s)
         return self._run(self._async.healthy(timeout_s=timeout_s), timeout_s)
 
     def close(self) -> None:
-        """Close pooled connections and stop the loop thread. Idempotent."""
+        """Close connections (the daemon drops a Unix connection's pins) and stop the loop
+        thread. Idempotent."""
         if self._closed:
             return
-        asyncio.run_coroutine_threadsafe(self._async.close(), self._loop).result(5)
         self._closed = True
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
-        self._loop.close()
+        if self._shm is not None:
+            self._shm.close()
+        if self._async is not None:
+            asyncio.run_coroutine_threadsafe(self._async.close(), self._loop).result(5)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+            self._loop.close()

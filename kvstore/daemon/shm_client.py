@@ -1,0 +1,342 @@
+"""Same-host client of the kvstore daemon: ``ShmKVStoreClient``, a thread-safe synchronous
+``KVStoreBase`` over the daemon's Unix socket (``kvstore serve --unix-socket PATH``), with the
+daemon's CPU arena mapped read-only (``kvstore.daemon.shm_protocol``).
+
+A get moves no chunk bytes through the socket when the chunks are in the daemon's CPU tier:
+the daemon pins them and answers with their page runs in the arena; the client copies the
+runs straight into the destination (a new tensor, or the caller's ``out`` buffers), then
+sends ``release``. Chunks of lower tiers come inline in the reply. A put sends the chunks'
+bytes from the tensors' own memory (``sendmsg``, no join copy); the daemon reads them into
+reserved arena pages and checks each xxh3 before committing.
+
+Deadlines and errors as ``kvstore.daemon.client.KVStoreClient``: every call ends within its
+deadline (``timeout_s``) with a result, ``StoreUnavailable`` (daemon gone, refused, hung),
+``RemoteError`` (an error reply, with the HTTP status the same failure gets over HTTP) or
+``ValueError`` (bad arguments, checked before sending). Idempotent calls are retried on a
+fresh connection when a pooled one turns out dead (a restarted daemon); pin/unpin are not
+retried once sent. A connection that failed mid-call is closed, which releases its pins.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from kvstore.api import KVStoreBase, LookupResult, StoreCapabilities
+from kvstore.daemon import protocol as P
+from kvstore.daemon.shm_conn import Conn, unix_path
+from kvstore.errors import RemoteError, StoreUnavailable
+from kvstore.keys import ChunkKey, Namespace
+
+__all__ = ["ShmKVStoreClient", "check_out", "unix_path"]
+
+log = logging.getLogger("kvstore.daemon.shm_client")
+
+#: What a client of the daemon offers, over either path (``KVStoreClient`` declares the same).
+CAPABILITIES = StoreCapabilities(remote=True, pins=True, get_into_buffers=True,
+                                 tiers=("remote",))
+_BROKEN = (ConnectionError, EOFError, OSError)
+
+
+class ShmKVStoreClient(KVStoreBase):
+    """Synchronous, thread-safe ``KVStoreBase`` over the daemon's Unix socket.
+
+    Connections are pooled (one per concurrent call, ``hello`` once each); the arena is
+    mapped once per daemon start. Nothing is opened until the first call.
+
+    Args:
+        path: the socket path, or ``unix:///PATH``.
+        auth_token: the daemon's token (as HTTP's bearer token), if it has one.
+        timeout_s: default per-call deadline in seconds (retries included).
+        durable: default of ``put_chunks(durable=...)``.
+        pool_size: most idle connections kept.
+        retry_backoff_s: first retry delay of an idempotent call (doubles, capped at 0.5 s).
+        refused_tries: attempts while the socket is absent or refuses before a call raises
+            ``StoreUnavailable`` (None: until the deadline).
+        refused_backoff_s: wait between refused attempts (seconds).
+
+    Raises:
+        ValueError: a malformed path or ``refused_tries``.
+    """
+
+    capabilities = CAPABILITIES
+
+    def __init__(self, path: str, *, auth_token: str | None = None, timeout_s: float = 10.0,
+                 durable: bool = False, pool_size: int = 32, retry_backoff_s: float = 0.02,
+                 refused_tries: int | None = 2, refused_backoff_s: float = 0.05):
+        if refused_tries is not None and (type(refused_tries) is not int or refused_tries < 1):
+            raise ValueError(f"refused_tries must be a positive int or None, got "
+                             f"{refused_tries!r}")
+        self.path = unix_path(path)
+        self.url = "unix://" + self.path
+        self.timeout_s, self.durable, self.pool_size = timeout_s, durable, pool_size
+        self.retry_backoff_s = retry_backoff_s
+        self.refused_tries, self.refused_backoff_s = refused_tries, refused_backoff_s
+        self._token = auth_token or None
+        self._lock = threading.Lock()
+        self._idle: list[Conn] = []
+        self._arenas: dict = {}  # "current": the Arena of the last daemon start greeted
+        self._closed = False
+
+    # ---- connections ----------------------------------------------------------------------
+    def _take(self, deadline: float) -> Conn:
+        """An idle connection the daemon has not closed, else a new one."""
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("ShmKVStoreClient is closed")
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                return Conn(self.path, self._token, deadline, self._arenas)
+            if conn.alive():
+                return conn
+            conn.close()
+
+    def _give(self, conn: Conn) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self.pool_size:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def _call(self, what: str, fn: Callable[[Conn, float], Any], *, idempotent: bool,
+              timeout_s: float | None) -> Any:
+        """Run ``fn(conn, deadline)`` on a pooled connection with the deadline and retries
+        of the module docstring."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        attempt, refused, last = 0, 0, None
+        while True:
+            if time.monotonic() >= deadline:
+                raise StoreUnavailable(f"{what} {self.url}: no answer within {timeout} s "
+                                       f"(last error: {last!r})")
+            try:
+                conn = self._take(deadline)
+            except (FileNotFoundError, ConnectionRefusedError) as e:
+                refused, last = refused + 1, e
+                if self.refused_tries is not None and refused >= self.refused_tries:
+                    raise StoreUnavailable(f"{what} {self.url}: connection refused ({refused} "
+                                           "tries); is the kvstore daemon running?") from None
+                time.sleep(max(0.0, min(self.refused_backoff_s, deadline - time.monotonic())))
+                continue
+            except TimeoutError:
+                raise StoreUnavailable(f"{what} {self.url}: no answer within {timeout} s "
+                                       "(connecting)") from None
+            except RemoteError as e:
+                if e.status != 503 or not idempotent:
+                    raise
+                last = e
+            except P.ProtocolError as e:
+                raise RemoteError(502, f"malformed hello reply: {e}") from None
+            except _BROKEN as e:
+                last = e
+            else:
+                try:
+                    out = fn(conn, deadline)
+                except RemoteError as e:
+                    self._give(conn)  # the reply was read whole: the connection is fine
+                    if e.status != 503 or not idempotent:
+                        raise
+                    last = e
+                except TimeoutError:
+                    conn.close()
+                    raise StoreUnavailable(f"{what} {self.url}: no answer within {timeout} s"
+                                           ) from None
+                except P.ProtocolError as e:
+                    conn.close()
+                    raise RemoteError(502, f"malformed {what} reply: {e}") from None
+                except _BROKEN as e:
+                    conn.close()
+                    if not idempotent:
+                        raise StoreUnavailable(f"{what} {self.url} failed after sending; not "
+                                               f"retried (not idempotent): {e!r}") from e
+                    last = e
+                except BaseException:
+                    conn.close()
+                    raise
+                else:
+                    self._give(conn)
+                    return out
+            delay = min(self.retry_backoff_s * 2 ** attempt, 0.5, deadline - time.monotonic())
+            attempt += 1
+            if delay > 0:
+                time.sleep(delay)
+
+    def _keys_op(self, op: str, ns: Namespace, keys: Sequence[ChunkKey], *, idempotent: bool,
+                 timeout_s: float | None, **extra: Any) -> dict:
+        from kvstore.daemon.shm_conn import key_frame
+        frame = key_frame(op, P.key_request(ns, keys, **extra))
+        return self._call(op, lambda c, d: c.request(frame, d), idempotent=idempotent,
+                          timeout_s=timeout_s)
+
+    def hello(self, *, timeout_s: float | None = None) -> dict:
+        """Open (or reuse) a connection: ``{"instance", "tenant", "arena_bytes",
+        "page_bytes"}`` of the daemon's ``hello``. Raises as any call."""
+        def fn(c: Conn, _d: float) -> dict:
+            h = c.hello
+            return {"instance": h.instance, "tenant": h.tenant, "arena_bytes": h.arena.nbytes,
+                    "page_bytes": h.page_bytes}
+        return self._call("hello", fn, idempotent=True, timeout_s=timeout_s)
+
+    # ---- KVStoreBase ----------------------------------------------------------------------
+    def lookup_keys(self, ns, keys, *, timeout_s=None) -> LookupResult:
+        r = self._keys_op("lookup", ns, keys, idempotent=True, timeout_s=timeout_s)
+        return LookupResult(r["num_hit_chunks"], r["chunk_size"], tuple(r["tiers"]),
+                            r["num_requested_chunks"])
+
+    def exists(self, ns, keys, *, timeout_s=None) -> list[bool]:
+        return list(self._keys_op("exists", ns, keys, idempotent=True,
+                                  timeout_s=timeout_s)["exists"])
+
+    def remove(self, ns, keys, *, timeout_s=None) -> int:
+        return self._keys_op("remove", ns, keys, idempotent=True, timeout_s=timeout_s)["removed"]
+
+    def pin(self, ns, keys, lease_s=None, *, timeout_s=None) -> int:
+        return self._keys_op("pin", ns, keys, idempotent=False, timeout_s=timeout_s,
+                             lease_s=lease_s)["pinned"]
+
+    def unpin(self, ns, keys, *, timeout_s=None) -> int:
+        return self._keys_op("unpin", ns, keys, idempotent=False,
+                             timeout_s=timeout_s)["unpinned"]
+
+    def clear(self, ns=None, *, timeout_s=None) -> int:
+        head = {"op": "clear", "namespace": None if ns is None else ns.to_dict()}
+        return self._call("clear", lambda c, d: c.request(head, d), idempotent=True,
+                          timeout_s=timeout_s)["removed"]
+
+    def stats(self, *, timeout_s=None) -> dict:
+        """As ``GET /v1/stats`` (an admin token's)."""
+        r = self._call("stats", lambda c, d: c.request({"op": "stats"}, d), idempotent=True,
+                       timeout_s=timeout_s)
+        return {k: v for k, v in r.items() if k not in ("ok", "payload_bytes")}
+
+    def whoami(self, *, timeout_s=None) -> dict:
+        """``{"tenant", "role", "cache_salt"}`` of this client's token, as ``GET /v1/whoami``
+        (from ``hello``)."""
+        t = self.hello(timeout_s=timeout_s)["tenant"]
+        return {"tenant": t.get("name"), "role": t.get("role"), "cache_salt": t.get("salt")}
+
+    def healthy(self, *, timeout_s: float = 1.0) -> bool:
+        """True when the daemon answers a ``hello`` on a new connection within ``timeout_s``."""
+        try:
+            Conn(self.path, self._token, time.monotonic() + timeout_s, self._arenas).close()
+            return True
+        except (TimeoutError, RemoteError, *_BROKEN):
+            return False
+
+    def get_chunks(self, ns, keys, out=None, *, timeout_s=None) -> list[torch.Tensor | None]:
+        """Chunks ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` or None per key.
+        ``out`` (optional): one contiguous CPU tensor per key of ``ns.layout``'s shape and
+        dtype; found chunks are read into them and returned as ``out[i]``.
+
+        Raises:
+            ValueError: ``len(out) != len(keys)`` or an ``out`` tensor that does not fit.
+        """
+        if out is not None:
+            check_out(ns, keys, out)
+        if not keys:
+            return []
+        frame = _key_frame("get", ns, keys)
+        return self._call("get", lambda c, d: _get(c, d, frame, ns, keys, out), idempotent=True,
+                          timeout_s=timeout_s)
+
+    def put_chunks(self, ns, keys, kvs, parents=None, *, durable=None, timeout_s=None) -> int:
+        """Store chunks (their bytes sent from the tensors' memory). ``parents`` and the
+        result as ``KVStoreBase.put_chunks``; ``durable`` waits for the disk tier's commit.
+
+        Raises:
+            ValueError: ``len(keys) != len(kvs)``, a bad ``parents`` count, or a tensor not
+                matching ``ns.layout`` (nothing is sent then).
+        """
+        if len(keys) != len(kvs):
+            raise ValueError(f"{len(keys)} keys but {len(kvs)} tensors")
+        if parents is not None and len(parents) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(parents)} parents")
+        if not keys:
+            return 0
+        for kv in kvs:
+            ns.layout.validate(kv)
+        parts = [P.entry_for(k, kv) for k, kv in zip(keys, kvs)]
+        entries = [e for e, _ in parts]
+        if parents is not None:
+            entries = [dataclasses.replace(e, parent=p, parent_given=True)
+                       if i == 0 or p != keys[i - 1] else e
+                       for i, (e, p) in enumerate(zip(entries, parents))]
+        from kvstore.daemon.shm_protocol import encode_frame
+        head = encode_frame({"op": "put", "namespace": ns.to_dict(),
+                             "durable": self.durable if durable is None else bool(durable),
+                             "chunks": [e.to_dict() for e in entries]},
+                            sum(e.nbytes for e in entries))
+        views = [v for _, v in parts]
+        return self._call("put", lambda c, d: c.request(head, d, views)["stored"],
+                          idempotent=True, timeout_s=timeout_s)
+
+    def close(self) -> None:
+        """Close every connection (the daemon drops their pins). Idempotent."""
+        with self._lock:
+            self._closed, idle, self._idle = True, self._idle, []
+        for c in idle:
+            c.close()
+
+
+def _key_frame(op: str, ns: Namespace, keys: Sequence[ChunkKey]) -> bytes:
+    from kvstore.daemon.shm_conn import key_frame
+    return key_frame(op, P.key_request(ns, keys))
+
+
+def check_out(ns: Namespace, keys: Sequence[ChunkKey], out: Sequence[torch.Tensor]) -> None:
+    if len(out) != len(keys):
+        raise ValueError(f"get_chunks: {len(keys)} keys but {len(out)} out tensors")
+    lay = ns.layout
+    for t in out:
+        if (tuple(t.shape) != lay.shape() or t.dtype != lay.torch_dtype
+                or t.device.type != "cpu" or not t.is_contiguous()):
+            raise ValueError(f"get_chunks: each out tensor must be a contiguous CPU "
+                             f"{lay.dtype} tensor of shape {list(lay.shape())}, got "
+                             f"{t.dtype} {list(t.shape)} on {t.device}")
+
+
+def _get(conn: Conn, deadline: float, frame: bytes, ns: Namespace, keys: Sequence[ChunkKey],
+         out: Sequence[torch.Tensor] | None) -> list[torch.Tensor | None]:
+    """One get exchange: copy each found chunk's arena runs (or read its inline bytes) into
+    its destination, then release the borrow. Raises as ``Conn.request``."""
+    reply = conn.request(frame, deadline)
+    chunks, borrow = reply.get("chunks"), reply.get("borrow")
+    if not isinstance(chunks, list) or len(chunks) != len(keys):
+        raise P.ProtocolError(f"get reply lists {str(chunks)[:40]} for {len(keys)} keys")
+    lay, arena = ns.layout, conn.hello.arena
+    got: list[torch.Tensor | None] = []
+    inline = 0
+    for i, c in enumerate(chunks):
+        if c is None:
+            got.append(None)
+            continue
+        kv = out[i] if out is not None else torch.empty(lay.shape(), dtype=lay.torch_dtype)
+        dst = kv.view(torch.uint8).reshape(-1).numpy()  # [chunk_bytes]
+        if not isinstance(c, dict):
+            raise P.ProtocolError(f"bad get reply entry {str(c)[:60]}")
+        if "runs" in c:
+            arena.copy_runs(c["runs"], dst)
+        elif c.get("inline") == lay.chunk_bytes:
+            conn.recv_into(memoryview(dst), deadline)
+            inline += lay.chunk_bytes
+        else:
+            raise P.ProtocolError(f"bad get reply entry {str(c)[:60]}: want runs or "
+                                  f"inline={lay.chunk_bytes}")
+        got.append(kv)
+    if inline != reply["payload_bytes"]:
+        raise P.ProtocolError(f"get reply carries {reply['payload_bytes']} payload bytes; "
+                              f"its inline chunks {inline}")
+    if borrow is not None:
+        conn.send([_release_frame(borrow)], deadline)
+    return got
+
+
+def _release_frame(borrow: Any) -> bytes:
+    blob = json.dumps({"op": "release", "borrow": borrow}, separators=(",", ":")).encode()
+    return P.PREAMBLE.pack(P.MAGIC, len(blob)) + blob
