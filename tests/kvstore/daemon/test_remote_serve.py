@@ -153,8 +153,11 @@ def test_wrong_password_exits_nonzero_within_seconds_naming_auth(redis_with_pass
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith("kvstore serve: cannot start the remote tier: Redis at "
                                 f"127.0.0.1:{redis_with_password.port}"), out
-    # (redis-py reports NOAUTH, no password given, as a refused AUTH too)
     assert "AUTH failed" in lines[-1], out
+    if how == "none":
+        assert "needs a password" in lines[-1], out
+    else:
+        assert "refused the credentials" in lines[-1], out
     assert "Traceback" not in out
     assert wrong not in out and PASSWORD not in out
 
