@@ -197,7 +197,8 @@ class Conn:
     def alive(self) -> bool:
         """False when the daemon has closed this (idle) connection or sent on it unasked."""
         try:
-            self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # b"": closed; else junk
+            self.sock.setblocking(False)  # (with a timeout set, Python would wait for data)
+            self.sock.recv(1, socket.MSG_PEEK)  # b"": closed; bytes: out of step
         except BlockingIOError:
             return True  # nothing to read: open and in step
         except OSError:
