@@ -66,7 +66,9 @@ def add_store_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     s.add_argument("--kvstore-disk-bytes", type=parse_size, default=None, metavar="SIZE",
                    help="in-process store: disk tier bytes (needs --kvstore-disk-path)")
     s.add_argument("--kvstore-url", default=None, metavar="URL",
-                   help="remote store daemon (kvstore serve), e.g. http://127.0.0.1:8500")
+                   help="remote store daemon (kvstore serve), e.g. http://127.0.0.1:8500, or "
+                   "unix:///PATH (its --unix-socket; an http:// daemon on this host that has "
+                   "one is used through it by itself)")
     s.add_argument("--kvstore-auth-token", default=os.environ.get("KVSTORE_AUTH_TOKEN"),
                    metavar="TOKEN", help="bearer token of a daemon started with --auth-token "
                    "(default $KVSTORE_AUTH_TOKEN)")

@@ -22,7 +22,8 @@ With a daemon and an ``auth_token``, the daemon is asked once for the token's te
 it (``kvstore.daemon.tenants.bind_salt``).
 
 Sizes accept ints or text (``"512MiB"``). ``url`` accepts ``http://HOST:PORT`` or
-``tcp://HOST:PORT`` (the same daemon).
+``tcp://HOST:PORT`` (the same daemon), or ``unix:///PATH`` (a daemon's ``--unix-socket`` on
+this host; an ``http://`` daemon on this host that has one is switched to it by itself).
 """
 from __future__ import annotations
 
@@ -46,11 +47,17 @@ WHOAMI_TIMEOUT_S = 2.0
 
 
 def http_url(url: str) -> str:
-    """``url`` as the daemon client takes it (``tcp://`` becomes ``http://``).
+    """``url`` as the daemon client takes it (``tcp://`` becomes ``http://``; a same-host
+    daemon's ``unix:///PATH`` is kept).
 
     Raises:
-        ValueError: not ``http(s)://HOST:PORT`` / ``tcp://HOST:PORT``, a bad port, no host.
+        ValueError: not ``http(s)://HOST:PORT`` / ``tcp://HOST:PORT`` / ``unix:///PATH``, a
+            bad port, no host, a relative socket path.
     """
+    if url.startswith("unix://"):
+        from kvstore.daemon.shm_conn import unix_path
+        unix_path(url)
+        return url
     if url.startswith("tcp://"):
         url = "http://" + url[len("tcp://"):]
     if not url.startswith(("http://", "https://")):
