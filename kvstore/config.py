@@ -23,6 +23,9 @@ class StoreConfig:
     Attributes:
         gpu_bytes: GPU-tier pool bytes (0 = no GPU tier). Preallocated on ``device``.
         cpu_bytes: CPU-tier arena bytes (0 = no CPU tier). Preallocated (pinned under CUDA).
+        cpu_shared: put the CPU arena in a sealed anonymous memory file that same-host clients
+            can map read-only (``kvstore.tiers.cpu``; the daemon's ``--unix-socket`` path);
+            needs a CPU tier.
         disk_bytes: disk-tier bytes of stored values (0 = no disk tier); needs ``disk_path``.
         disk_path: lmdb directory (created if missing).
         device: device of the GPU tier (``"cuda"``, ``"cuda:1"``; ``"cpu"`` runs the GPU tier's
@@ -62,12 +65,14 @@ class StoreConfig:
 
     Raises:
         ValueError: negative or unparsable sizes, no tier at all, a disk tier without a path,
-            an unknown policy or codec, a page size that is not a positive multiple of 64, a
-            memory tier smaller than one page, or a non-positive ``max_namespaces``.
+            an unknown policy or codec, ``cpu_shared`` without a CPU tier, a page size that is
+            not a positive multiple of 64, a memory tier smaller than one page, or a
+            non-positive ``max_namespaces``.
     """
 
     gpu_bytes: int | str = 0
     cpu_bytes: int | str = "1GiB"
+    cpu_shared: bool = False
     disk_bytes: int | str = 0
     disk_path: str | None = None
     device: str = "cpu"
@@ -94,6 +99,9 @@ class StoreConfig:
             object.__setattr__(self, name, parse_size(getattr(self, name)))
         if not (self.gpu_bytes or self.cpu_bytes or self.disk_bytes):
             raise ValueError("StoreConfig needs at least one tier with capacity > 0")
+        if self.cpu_shared is not False and (self.cpu_shared is not True or not self.cpu_bytes):
+            raise ValueError(f"cpu_shared must be a bool and needs cpu_bytes > 0, got "
+                             f"{self.cpu_shared!r} with cpu_bytes={self.cpu_bytes}")
         if self.disk_bytes and not self.disk_path:
             raise ValueError("disk_bytes > 0 needs disk_path")
         if self.disk_path is not None:

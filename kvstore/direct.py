@@ -23,6 +23,7 @@ import torch
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.layout import KVLayout
 from kvstore.tiers.base import Tier
+from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.memory import MemoryTier
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -38,6 +39,11 @@ class _AlreadyStored:
 
 
 ALREADY_STORED = _AlreadyStored()
+
+
+def is_shared(tier) -> bool:
+    """Whether ``tier`` is a CPU tier whose arena same-host clients map (``CpuTier.shared_fd``)."""
+    return isinstance(tier, CpuTier) and tier.shared_fd is not None
 
 
 def is_direct(tier) -> bool:
@@ -80,6 +86,8 @@ class BorrowedChunks:
             ``read_lower``), or None when absent (or found in a lower tier and not read yet).
         lower: indexes of keys found only in a lower tier (the remote tier included: keys
             stored in no local tier when the store has one), to be read by ``read_lower``.
+        runs: per key, ``((byte offset, nbytes), ...)`` of a chunk borrowed from a shared CPU
+            arena (``ChunkStore.shared_arena``): where ``parts`` lie in that arena; else None.
 
     Use as a context manager, or call ``release`` exactly when the views are no longer used
     (the reader pins keep the pages from being evicted or reused until then).
@@ -91,6 +99,7 @@ class BorrowedChunks:
     plan: list = field(repr=False)
     parts: list[list[torch.Tensor] | None]
     lower: list[int]
+    runs: list[tuple[tuple[int, int], ...] | None] = field(default_factory=list)
     released: bool = False
 
     def read_lower(self) -> None:
@@ -228,6 +237,7 @@ class DirectIO:
         chunk_bytes = ns.layout.chunk_bytes
         plan: list[tuple[ChunkKey, Tier] | None] = []
         parts: list[list[torch.Tensor] | None] = []
+        runs: list[tuple[tuple[int, int], ...] | None] = []
         lower: list[int] = []
         with st.lock:
             st.expire_leases()
@@ -238,15 +248,18 @@ class DirectIO:
                     t.touch(k)
                 plan.append((k, t) if t is not None else None)
                 if t is not None and is_direct(t) and t.nbytes_of(k) >= chunk_bytes:
-                    parts.append(t.run_views(t.entry_runs(k)))
+                    where = t.entry_runs(k)
+                    parts.append(t.run_views(where))
+                    runs.append(where if is_shared(t) else None)
                     st.metrics.inc("hits", tier=t.name)
                 else:
                     parts.append(None)
+                    runs.append(None)
                     if t is not None or st.remote is not None:
                         lower.append(i)
                     else:
                         st.metrics.inc("misses")
-        return BorrowedChunks(self, ns, list(keys), plan, parts, lower)
+        return BorrowedChunks(self, ns, list(keys), plan, parts, lower, runs)
 
     def _borrow_read_lower(self, b: BorrowedChunks) -> None:
         st = self._st

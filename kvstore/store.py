@@ -91,7 +91,8 @@ class ChunkStore(KVStoreBase):
                 self.tiers.append(GpuTier(config.gpu_bytes, config.page_bytes, config.device,
                                           config.gpu_policy))
             if config.cpu_bytes:
-                self.tiers.append(CpuTier(config.cpu_bytes, config.page_bytes, config.cpu_policy))
+                self.tiers.append(CpuTier(config.cpu_bytes, config.page_bytes, config.cpu_policy,
+                                          shared=config.cpu_shared))
         except BaseException:
             if disk is not None:
                 disk.close()  # (releases the disk path)
@@ -424,6 +425,16 @@ class ChunkStore(KVStoreBase):
     def release_reservations(self, items: Sequence) -> None:
         """Give back the reservations among ``items``. Idempotent."""
         self._direct.release_reservations(items)
+
+    def shared_arena(self) -> tuple[int, int, int] | None:
+        """The CPU tier's shared arena (``StoreConfig.cpu_shared``) as ``(fd, nbytes,
+        page_bytes)``: its memfd (owned by the tier, valid until ``close``), its size and page
+        size in bytes; None without one. Chunks borrowed from it (``borrow_chunks``) lie at
+        ``BorrowedChunks.runs``."""
+        for t in self.tiers:
+            if isinstance(t, CpuTier) and t.shared_fd is not None:
+                return t.shared_fd, t.pool.numel(), t.page_bytes
+        return None
 
     def borrow_chunks(self, ns: Namespace, keys: Sequence[ChunkKey]) -> BorrowedChunks:
         """Reader-pinned zero-copy views of the stored chunks (see ``DirectIO.borrow_chunks``);
