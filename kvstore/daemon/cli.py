@@ -70,6 +70,10 @@ def _serve_parser(sub) -> None:
                         "request timeout, then 503); CPU-tier chunks take none (read and sent in "
                         "place). Default auto: cpu+gpu bytes / 16, at least 32MiB; 0 = "
                         "unbounded")
+    p.add_argument("--unix-socket",
+                   help="also serve same-host clients on this Unix socket (unix:///PATH or "
+                        "PATH; mode 0600, the daemon's user or root only): they map the CPU "
+                        "arena read-only and copy chunks from it at memory speed")
     _remote_flags(p)
 
 
@@ -253,9 +257,11 @@ async def _serve(cfg, store, tenants=None) -> None:
     def on_listen(bound) -> None:
         # One parseable line on stdout: scripts and tests wait for it (and read the port).
         print(f"kvstore serve: listening on http://{bound[0]}:{bound[1]}", flush=True)
+        if cfg.unix_socket:  # (a second line: the first one's last word stays the URL)
+            print(f"kvstore serve: same-host path on unix://{cfg.unix_socket}", flush=True)
     await serve_until_signal(app, cfg.host, cfg.port, shutdown_timeout_s=cfg.shutdown_timeout_s,
                              on_listen=on_listen, max_connections=cfg.max_connections,
-                             idle_timeout_s=cfg.idle_timeout_s)
+                             idle_timeout_s=cfg.idle_timeout_s, unix_socket=cfg.unix_socket)
 
 
 def _client(args):

@@ -77,12 +77,17 @@ class ServeConfig:
         remote_queue_bytes: most chunk bytes waiting to be written to Redis (beyond: dropped).
         remote_password: Redis password when the URL has none; no flag (it would show in
             ``ps``): ``$KVSTORE_REMOTE_PASSWORD`` or the config file. Never in ``repr``.
+        unix_socket: path of a Unix socket for same-host clients (``unix:///PATH`` or
+            ``PATH``; made absolute): they map the CPU arena read-only and read chunks from it
+            (``kvstore.daemon.shm_server``); the CPU tier is then a shared arena. None = HTTP
+            only.
 
     Raises:
         ValueError: a bad size (``page_bytes`` not a positive multiple of 64), port, log level
             or timeout (not a positive number of seconds), a non-loopback bind without
             ``auth_token``, ``tenants_file`` or ``insecure``, or a bad remote URL, TTL, timeout
-            or queue size (messages never hold the password).
+            or queue size (messages never hold the password), or a Unix socket path longer
+            than 107 bytes.
     """
 
     host: str = "127.0.0.1"
@@ -114,6 +119,7 @@ class ServeConfig:
     remote_timeout_s: float = 0.25
     remote_queue_bytes: int | str = "256MiB"
     remote_password: str | None = field(default=None, repr=False)
+    unix_socket: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("cpu_bytes", "gpu_bytes", "disk_bytes", "max_body_bytes", "page_bytes"):
@@ -158,6 +164,7 @@ class ServeConfig:
         if self.http_parser not in ("python", "c"):
             raise ValueError(f"http_parser must be 'python' or 'c', got {self.http_parser!r}")
         self._check_remote()
+        self._check_unix_socket()
         if not (self.auth_token or self.tenants_file or self.insecure
                 or is_loopback(self.host)):
             raise ValueError(f"refusing to bind non-loopback address {self.host!r} without "
@@ -187,6 +194,17 @@ class ServeConfig:
                 object.__setattr__(self, "remote_password", ep.password)
             object.__setattr__(self, "remote_url", ep.without_password())
 
+    def _check_unix_socket(self) -> None:
+        path = self.unix_socket
+        if path in (None, ""):
+            object.__setattr__(self, "unix_socket", None)
+            return
+        path = os.path.abspath(str(path).removeprefix("unix://"))
+        if len(os.fsencode(path)) > 107:
+            raise ValueError(f"unix_socket path {path!r} is longer than 107 bytes (the limit "
+                             "of a Unix socket address)")
+        object.__setattr__(self, "unix_socket", path)
+
     def store_config_kwargs(self) -> dict:
         """Keyword arguments of ``kvstore.config.StoreConfig`` for these tiers (and the remote
         tier when ``remote_url`` is set)."""
@@ -195,7 +213,8 @@ class ServeConfig:
                "page_bytes": self.page_bytes,
                "device": self.device if self.gpu_bytes else "cpu",
                "gpu_policy": self.policy, "cpu_policy": self.policy,
-               "disk_policy": self.policy, "max_namespaces": self.max_namespaces}
+               "disk_policy": self.policy, "max_namespaces": self.max_namespaces,
+               "cpu_shared": self.unix_socket is not None and self.cpu_bytes > 0}
         if self.remote_url is not None:
             out.update(remote_url=self.remote_url, remote_key_prefix=self.remote_key_prefix,
                        remote_ttl_s=self.remote_ttl_s, remote_timeout_s=self.remote_timeout_s,

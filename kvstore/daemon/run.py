@@ -1,5 +1,6 @@
 """Running a kvstore server app: SIGTERM/SIGINT drain (``serve_until_signal``) and a
-private event-loop thread (``ThreadedServer``)."""
+private event-loop thread (``ThreadedServer``); either also serves the same-host path
+(``kvstore.daemon.shm_server``) when given a Unix socket path."""
 from __future__ import annotations
 
 import asyncio
@@ -39,7 +40,8 @@ def _guard(app: web.Application, max_connections: int | None,
 async def serve_until_signal(app: web.Application, host: str, port: int, *,
                              shutdown_timeout_s: float = 30.0, on_listen=None,
                              max_connections: int | None = None,
-                             idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S) -> None:
+                             idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S,
+                             unix_socket: str | None = None) -> None:
     """Serve ``app`` until SIGTERM/SIGINT, then drain: /readyz turns 503, the listening socket
     closes (no new connections), in-flight requests finish (up to ``shutdown_timeout_s``), and
     the app's cleanup runs. The caller closes (flushes) the store afterwards.
@@ -50,9 +52,12 @@ async def serve_until_signal(app: web.Application, host: str, port: int, *,
             ``RLIMIT_NOFILE``, 0: no cap).
         idle_timeout_s: a connection without a complete request's headers this many seconds
             after connecting or after its last response is closed (None: aiohttp's default).
+        unix_socket: also serve the same-host path on this socket path (``ShmServer``);
+            started before ``on_listen`` is called, drained with the HTTP requests.
 
     Raises:
-        ValueError: ``host:port`` cannot be listened on (in use, not this host's), naming it.
+        ValueError: ``host:port`` or ``unix_socket`` cannot be listened on (in use, not this
+            host's), naming it.
     """
     import signal
     guard = _guard(app, max_connections, idle_timeout_s)
@@ -66,6 +71,9 @@ async def serve_until_signal(app: web.Application, host: str, port: int, *,
         await runner.cleanup()
         raise ValueError(f"cannot listen on {host}:{port}: {e}") from None
     bound = site._server.sockets[0].getsockname()[:2]  # type: ignore[union-attr]
+    shm = None
+    if unix_socket is not None:
+        shm = await _start_shm(app, unix_socket, runner)
     log.info("connection cap %d, idle timeout %s s", guard.max_connections, idle_timeout_s)
     if on_listen is not None:
         on_listen(bound)
@@ -79,13 +87,30 @@ async def serve_until_signal(app: web.Application, host: str, port: int, *,
         set_ready(app, False)
         for s in list(runner.sites):  # stop accepting connections
             await s.stop()
+        if shm is not None:
+            shm.stop_accepting()
         # aiohttp's own shutdown stops reading request bodies at once, so uploads in flight
         # would be lost: wait for them here first (new requests on open connections get 503).
         if not await app[_state_key()].wait_idle(shutdown_timeout_s):
             log.warning("%d requests still in flight after %.1f s; cancelling them",
                         app[_state_key()].active, shutdown_timeout_s)
     finally:
+        if shm is not None:
+            await shm.stop()
         await runner.cleanup()
+
+
+async def _start_shm(app: web.Application, path: str, runner: web.AppRunner):
+    """Start the same-host path's ``ShmServer`` on ``path`` (the runner is cleaned up if it
+    cannot listen). Raises ValueError naming the path."""
+    from kvstore.daemon.shm_server import ShmServer
+    try:
+        shm = ShmServer(app, path)
+        await shm.start()
+    except ValueError:
+        await runner.cleanup()
+        raise
+    return shm
 
 
 class ThreadedServer:
@@ -96,37 +121,58 @@ class ThreadedServer:
     """
 
     def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0, *,
-                 max_connections: int = 0, idle_timeout_s: float | None = None):
-        """``max_connections`` and ``idle_timeout_s`` as ``serve_until_signal`` (defaults
-        here: no cap, aiohttp's idle timeout)."""
+                 max_connections: int = 0, idle_timeout_s: float | None = None,
+                 unix_socket: str | None = None):
+        """``max_connections``, ``idle_timeout_s`` and ``unix_socket`` as
+        ``serve_until_signal`` (defaults here: no cap, aiohttp's idle timeout, no same-host
+        path). ``shm`` is the ``ShmServer`` (or None); ``unix_url`` its ``unix://`` URL."""
         import threading
         self.app = app
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-server",
                                         daemon=True)
         self._thread.start()
-        self.host, self.port = asyncio.run_coroutine_threadsafe(
-            self._start(host, port, max_connections, idle_timeout_s), self._loop).result(30)
+        self.shm = None
+        try:
+            self.host, self.port = asyncio.run_coroutine_threadsafe(
+                self._start(host, port, max_connections, idle_timeout_s, unix_socket),
+                self._loop).result(30)
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            self._loop.close()
+            raise
 
     async def _start(self, host: str, port: int, max_connections: int,
-                     idle_timeout_s: float | None):
+                     idle_timeout_s: float | None, unix_socket: str | None):
         guard = _guard(self.app, max_connections, idle_timeout_s)
         self._runner = web.AppRunner(self.app, handle_signals=False, shutdown_timeout=5,
                                      access_log=None, **guard.runner_kwargs())
         await self._runner.setup()
         site = GuardedTCPSite(self._runner, host, port, guard)
         await site.start()
+        if unix_socket is not None:
+            self.shm = await _start_shm(self.app, unix_socket, self._runner)
         return site._server.sockets[0].getsockname()[:2]  # type: ignore[union-attr]
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def unix_url(self) -> str | None:
+        return self.shm.url if self.shm is not None else None
+
+    async def _stop(self) -> None:
+        if self.shm is not None:
+            await self.shm.stop()
+        await self._runner.cleanup()
+
     def stop(self) -> None:
         """Stop listening, finish in-flight requests, stop the loop thread. Idempotent."""
         if self._loop.is_closed():
             return
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(30)
+        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
         self._loop.close()

@@ -8,8 +8,9 @@ Routes (wire format in ``kvstore.daemon.protocol``):
                          token required when the server has one, like every /v1 route:
                          metrics name namespaces' traffic; give Prometheus the token with
                          ``authorization: {type: Bearer, credentials: T}`` in the scrape job)
-    GET  /v1/stats       JSON: store.stats() plus "namespaces" (held, with chunk counts) and
-                         a "server" section
+    GET  /v1/stats       JSON: store.stats() plus "namespaces" (held, with chunk counts),
+                         "unix_socket" (the same-host path's socket or null), "instance"
+                         (this daemon start's id) and a "server" section
     POST /v1/lookup      JSON {namespace, keys}        -> {num_hit_chunks, chunk_size, tiers, ...}
     POST /v1/exists      JSON {namespace, keys}        -> {exists: [bool]}
     POST /v1/get         JSON {namespace, keys}        -> binary message; 404 if no key is found,
@@ -38,7 +39,6 @@ import asyncio
 import logging
 import time
 
-from aiohttp import helpers as _aiohttp_helpers
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -151,16 +151,7 @@ async def metrics(request: web.Request) -> web.Response:
 async def stats(request: web.Request) -> web.Response:
     caller(request).require_admin("/v1/stats")
     state: _ServerState = request.app[STATE_KEY]
-    out = dict(await state.call(request.app[STORE_KEY].stats))
-    out["namespaces"] = await state.call(state.namespace_stats, request.app[STORE_KEY])
-    out["server"] = {"protocol_version": P.PROTOCOL_VERSION, "ready": state.ready,
-                     "in_flight": int(state.in_flight._value.get()),
-                     "max_body_bytes": state.limits.max_body_bytes,
-                     "max_batch_keys": state.limits.max_batch_keys,
-                     "max_inflight_bytes": state.limits.max_inflight_bytes,
-                     "inflight_bytes": state.budget.held,
-                     "inflight_bytes_peak": state.budget.peak,
-                     "http_parser": "python" if _aiohttp_helpers.NO_EXTENSIONS else "c"}
+    out = await state.stats_body(request.app[STORE_KEY])
     return _ok(out)
 
 

@@ -3,12 +3,14 @@ budget, buffer pool, server metrics), app keys and small request/response helper
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from aiohttp import helpers as _aiohttp_helpers
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -98,6 +100,11 @@ class _ServerState:
         #: who may call (None: no auth, every caller is ``kvstore.daemon.tenants.OPEN``)
         self.tenants = tenant_table(limits)
         self.ready = True
+        #: this daemon start's id (``/v1/stats`` and the same-host path's ``hello``): a client
+        #: that found the Unix socket in an HTTP daemon's stats can tell it reached that daemon
+        self.instance = secrets.token_hex(8)
+        #: path of the same-host path's Unix socket while it listens (``shm_server``), else None
+        self.unix_socket: str | None = None
         self.active = 0  # requests being served (drain waits for 0)
         self.pool = ThreadPoolExecutor(limits.store_threads, thread_name_prefix="kvstore-io")
         self.budget = ByteBudget(limits.max_inflight_bytes)
@@ -154,6 +161,24 @@ class _ServerState:
             ns = self.namespaces.get(ns_id)
             out.append({"ns_id": ns_id.hex(), "num_chunks": n,
                         "namespace": None if ns is None else ns.to_dict()})
+        return out
+
+    async def stats_body(self, store: KVStoreBase) -> dict:
+        """The ``/v1/stats`` answer: ``store.stats()``, ``namespaces`` (``namespace_stats``),
+        ``unix_socket`` (the same-host path's socket, or None), ``instance`` and a ``server``
+        section. Store calls run on the pool."""
+        out = dict(await self.call(store.stats))
+        out["namespaces"] = await self.call(self.namespace_stats, store)
+        out["unix_socket"] = self.unix_socket
+        out["instance"] = self.instance
+        out["server"] = {"protocol_version": P.PROTOCOL_VERSION, "ready": self.ready,
+                         "in_flight": int(self.in_flight._value.get()),
+                         "max_body_bytes": self.limits.max_body_bytes,
+                         "max_batch_keys": self.limits.max_batch_keys,
+                         "max_inflight_bytes": self.limits.max_inflight_bytes,
+                         "inflight_bytes": self.budget.held,
+                         "inflight_bytes_peak": self.budget.peak,
+                         "http_parser": "python" if _aiohttp_helpers.NO_EXTENSIONS else "c"}
         return out
 
     def budget_wait_s(self) -> float:

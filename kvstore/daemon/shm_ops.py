@@ -1,0 +1,248 @@
+"""The ops of the daemon's same-host path (``kvstore.daemon.shm_protocol``'s table), each the
+twin of its HTTP route: same checks (tenant salt and role, namespace fit, batch limit), same
+store calls on the store thread pool, same answers.
+
+A handler takes the connection (``kvstore.daemon.shm_server.Connection``) and the request
+header; it returns the reply's fields, or None when it sent its reply itself (a get with
+inline bytes). It raises ``ProtocolError`` / ``Forbidden`` for an error reply. A put reads its
+payload from the connection; any payload a handler leaves unread is an error.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+import xxhash
+
+from kvstore.daemon import protocol as P
+from kvstore.daemon.payload import DROP_SCRATCH, can_persist, persist
+from kvstore.daemon.state import _check_fits, _shaped
+from kvstore.daemon.tenants import READ, WRITE
+from kvstore.direct import ALREADY_STORED, BorrowedChunks, Reservation
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvstore.daemon.shm_server import Connection
+
+#: A put's bytes are received and hashed in slices of this many bytes (hashed while in cache).
+RECV_SLICE = 512 << 10
+
+
+def _ns_keys(c: "Connection", h: dict, access: str = READ):
+    """``(namespace, keys)`` of a request, once the caller may use the namespace for
+    ``access`` (403) and it fits the store (400); more than ``max_batch_keys`` keys: 413."""
+    ns = P.parse_namespace(h.get("namespace"))
+    c.tenant.check(ns.cache_salt, access)
+    _check_fits(c.store, ns, c.state)
+    return ns, P.parse_keys(ns, h.get("keys"), c.state.limits.max_batch_keys)
+
+
+def _ok(**fields: Any) -> dict:
+    return {"ok": True, **fields}
+
+
+async def lookup(c: "Connection", h: dict) -> dict:
+    ns, keys = _ns_keys(c, h)
+    store = c.store
+    res = store.try_lookup_keys(ns, keys) if store.capabilities.nonblocking_lookup else None
+    if res is None:
+        res = await c.state.call(store.lookup_keys, ns, keys)
+    return _ok(num_hit_chunks=res.num_hit_chunks, chunk_size=res.chunk_size,
+               tiers=list(res.tiers), num_requested_chunks=res.num_requested_chunks)
+
+
+async def exists(c: "Connection", h: dict) -> dict:
+    ns, keys = _ns_keys(c, h)
+    found = await c.state.call(c.store.exists, ns, keys)
+    return _ok(exists=[bool(x) for x in found])
+
+
+async def get(c: "Connection", h: dict) -> None:
+    """Pin the chunks; answer arena runs for those in the shared arena (the borrow stays with
+    the connection until ``release``) and the bytes of the others inline (read from lower
+    tiers under the payload budget; their pins dropped once sent)."""
+    ns, keys = _ns_keys(c, h)
+    if not keys:
+        raise P.ProtocolError("'keys' must be a non-empty list")
+    state = c.state
+    # a timeout landing during a store call must neither leak the pins nor drop them while
+    # read_lower still reads (and promotes) under them
+    b = await state.call_owned(c.store.borrow_chunks, BorrowedChunks.release, ns, keys)
+    budget, lower, kept = 0, None, False
+    try:
+        if b.lower:
+            budget = len(b.lower) * ns.layout.chunk_bytes
+            await state.budget.acquire(budget, state.budget_wait_s())
+            lower = asyncio.ensure_future(state.call(b.read_lower))
+            await asyncio.shield(lower)
+        chunks, inline = _describe(b)
+        kept = any(r is not None for r in b.runs)
+        borrow = c.add_borrow(b) if kept else None
+        total = sum(v.nbytes for v in inline)
+        await c.reply(_ok(borrow=borrow, chunks=chunks, payload_bytes=total), inline)
+        state.bytes_out.inc(total)
+    finally:
+        state.budget.release(budget)
+        if not kept:
+            await asyncio.shield(_release_after(state, lower, b))
+
+
+def _describe(b: BorrowedChunks) -> tuple[list, list[memoryview]]:
+    """Per key ``{"runs": ...}``, ``{"inline": nbytes}`` or None, and the inline bytes."""
+    chunks: list = []
+    inline: list[memoryview] = []
+    for runs, parts in zip(b.runs, b.parts):
+        if runs is not None:
+            chunks.append({"runs": [[off, n] for off, n in runs]})
+        elif parts is not None:
+            chunks.append({"inline": sum(v.numel() for v in parts)})
+            inline += [memoryview(v.numpy()) for v in parts]
+        else:
+            chunks.append(None)
+    return chunks, inline
+
+
+async def _release_after(state, lower, b: BorrowedChunks) -> None:
+    """Drop a get's pins once its read of lower tiers (if any) has finished."""
+    if lower is not None:
+        await asyncio.wait([lower])
+    await state.call(b.release)
+
+
+async def put(c: "Connection", h: dict) -> dict:
+    """Read each chunk straight into pages reserved for it (``ChunkStore.reserve_chunks``),
+    checked against its xxh3, then commit the whole batch (``commit_chunks``): as
+    ``POST /v1/put`` (``kvstore.daemon.payload``), nothing is visible before every chunk
+    arrived and checked out."""
+    state, store = c.state, c.store
+    ns, entries, durable = P.parse_put_header(h, state.limits.max_batch_keys)
+    c.tenant.check(ns.cache_salt, WRITE)
+    _check_fits(store, ns, state)
+    if durable and not can_persist(store):
+        raise P.ProtocolError("durable put needs a disk tier (serve with --disk-path and "
+                              "--disk-bytes)")
+    if c.payload_left != P.payload_total(entries):
+        raise P.ProtocolError(f"payload is {c.payload_left} bytes but the chunks declare "
+                              f"{P.payload_total(entries)}")
+    budget, bufs, items, handed = [0], [], [None] * len(entries), False
+    try:
+        await _read_chunks(c, ns, entries, durable, budget, bufs, items)
+        keys, parents = [e.key for e in entries], P.put_parents(entries)
+        dropped = sum(it is None for it in items)
+        handed = True  # the store owns the reservations now
+        if state.direct and not durable:
+            stored = await state.call_shielded(store.commit_chunks, ns, keys, items, parents)
+        else:
+            stored = await state.call_shielded(store.put_chunks, ns, keys, items, parents)
+        if durable:
+            await state.call_shielded(persist, store, ns, keys, items, parents)
+        items = []
+    finally:
+        if not handed:
+            store.release_reservations(items)
+        if not handed or state.reuse_put_buffers:
+            state.buffers.give(bufs)
+        state.budget.release(budget[0])
+    state.bytes_in.inc(P.payload_total(entries))
+    return _ok(stored=int(stored), num_chunks=len(entries), durable=durable,
+               rejected={"no_room": dropped} if dropped else {})
+
+
+async def _read_chunks(c: "Connection", ns, entries, durable: bool, budget: list[int],
+                       bufs: list, items: list) -> None:
+    """Fill ``items`` (one ``Reservation``, tensor, ``ALREADY_STORED`` or None per entry)
+    from the payload, as ``kvstore.daemon.payload._read_put`` does: reserve a chunk's pages
+    just before its bytes arrive; no room (every chunk pinned): stage it for a lower tier,
+    or read and drop it and every later one. Raises ProtocolError on a checksum mismatch."""
+    state, store = c.state, c.store
+    direct = state.direct and not durable
+    lower = store.capabilities.has_lower_tiers
+    if not direct:
+        await _take_budget(state, budget, P.payload_total(entries))
+    parents = P.put_parents(entries)
+    scratch, room = None, True
+    for i, e in enumerate(entries):
+        if direct and room:
+            (items[i],) = await state.call_owned(store.reserve_chunks, store.release_reservations,
+                                                 ns, [e.key], [parents[i]])
+            room = items[i] is not None
+        staged = not direct or (items[i] is None and lower)
+        if direct and staged and not budget[0]:
+            await _take_budget(state, budget, P.payload_total(entries[i:]))
+        if isinstance(items[i], Reservation):
+            views = items[i].memoryviews()
+        elif staged:
+            buf = state.buffers.take(ns.layout.chunk_bytes)
+            bufs.append(buf)
+            items[i] = _shaped(buf, ns.layout)  # [L, 2, T, H, D]
+            views = [memoryview(buf.numpy())]
+        else:  # stored already, or no room anywhere: read through scratch
+            scratch = scratch or memoryview(bytearray(DROP_SCRATCH))
+            views = [scratch[:min(DROP_SCRATCH, e.nbytes - o)]
+                     for o in range(0, e.nbytes, DROP_SCRATCH)]
+        hasher = xxhash.xxh3_64()
+        for view in views:
+            await _recv_hashed(c, view, hasher)
+        if hasher.hexdigest() != e.xxh3:
+            state.rejected.labels("checksum").inc()
+            raise P.ProtocolError(f"checksum mismatch for key {e.key.hex()[:16]}...; "
+                                  "nothing stored")
+
+
+async def _recv_hashed(c: "Connection", view: memoryview, hasher) -> None:
+    """Fill ``view`` from the connection in ``RECV_SLICE`` pieces, hashing each as it lands."""
+    pos, n = 0, view.nbytes
+    while pos < n:
+        got = await c.recv_payload(view[pos:min(n, pos + RECV_SLICE)])
+        hasher.update(view[pos:pos + got])
+        pos += got
+
+
+async def _take_budget(state, budget: list[int], nbytes: int) -> None:
+    if nbytes:
+        await state.budget.acquire(nbytes, state.budget_wait_s())
+        budget[0] = nbytes
+
+
+async def remove(c: "Connection", h: dict) -> dict:
+    ns, keys = _ns_keys(c, h, WRITE)
+    return _ok(removed=int(await c.state.call(c.store.remove, ns, keys)))
+
+
+async def clear(c: "Connection", h: dict) -> dict:
+    if h.get("namespace") is None:
+        c.tenant.require_admin("clear of every namespace")
+        ns = None
+    else:
+        ns = P.parse_namespace(h.get("namespace"))
+        c.tenant.check(ns.cache_salt, WRITE)
+    return _ok(removed=int(await c.state.call(c.store.clear, ns)))
+
+
+async def pin(c: "Connection", h: dict) -> dict:
+    ns, keys = _ns_keys(c, h, WRITE)
+    max_lease = c.state.limits.max_lease_s
+    lease = h.get("lease_s")
+    if lease is not None and (isinstance(lease, bool) or not isinstance(lease, (int, float))
+                              or not lease > 0):
+        raise P.ProtocolError(f"lease_s must be a positive number, got {lease!r}")
+    lease = min(float(lease or max_lease), max_lease)
+    n = await c.state.call(c.store.pin, ns, keys, lease)
+    return _ok(pinned=int(n), lease_s=lease)
+
+
+async def unpin(c: "Connection", h: dict) -> dict:
+    ns, keys = _ns_keys(c, h, WRITE)
+    return _ok(unpinned=int(await c.state.call(c.store.unpin, ns, keys)))
+
+
+async def stats(c: "Connection", h: dict) -> dict:
+    c.tenant.require_admin("stats")
+    return _ok(**await c.state.stats_body(c.store))
+
+
+#: op name -> handler (``release`` and ``hello`` are the connection's own)
+HANDLERS: dict[str, Callable[["Connection", dict], Awaitable[dict | None]]] = {
+    "lookup": lookup, "exists": exists, "get": get, "put": put, "remove": remove,
+    "clear": clear, "pin": pin, "unpin": unpin, "stats": stats}
+
+__all__ = ["HANDLERS", "RECV_SLICE"]
