@@ -40,6 +40,7 @@ import numpy as np
 from bench.client import RequestResult, StreamingClient, first_model
 from bench.fleet_get import measure_get_throughput
 from bench.fleet_procs import FleetGroup, FleetOptions
+from bench.metrics_scrape import delta, scrape
 from bench.servers import install_cleanup_handlers
 from bench.workloads import Request, random_tokens
 from kvstore.keys import Namespace
@@ -107,6 +108,20 @@ def _hits(before: dict, after: dict) -> dict:
             "remote_tier_hits": after["remote"]["hits"] - before["remote"]["hits"]}
 
 
+def _daemon_seconds(before: dict, after: dict) -> dict:
+    """Where a daemon's time went between two ``/metrics`` scrapes (seconds): per route
+    (``kvstore_server_request_duration_seconds``) and in Redis gets
+    (``kvstore_remote_latency_seconds{op="get"}``: all nodes' pipelines, then the checks)."""
+    d = delta(before, after)
+    out = {"redis_get_s": d.get('kvstore_remote_latency_seconds_sum{op="get"}', 0.0)}
+    for key, v in d.items():
+        if key.startswith("kvstore_server_request_duration_seconds_sum{"):
+            route = key.split('route="', 1)[1].split('"', 1)[0]
+            if route.startswith("/v1/") and route != "/v1/stats":  # (not the bench's own)
+                out["route:" + route] = v
+    return out
+
+
 def run_document(fleet: FleetGroup, asker: Asker, wl: FleetWorkload, i: int,
                  num_chunks: int) -> dict:
     """Steps 1-4 of the module docstring for document ``i``; the figures and checks of it."""
@@ -114,14 +129,16 @@ def run_document(fleet: FleetGroup, asker: Asker, wl: FleetWorkload, i: int,
     st1 = fleet.daemon_stats("daemon1")
     read = asker.ask("engine1", wl.request(i, 0))
     fleet.wait_remote_writes("daemon1", st1, num_chunks)
-    st2 = fleet.daemon_stats("daemon2")
+    st2, m2 = fleet.daemon_stats("daemon2"), scrape(fleet.url("daemon2"))
     remote = asker.ask("engine2", wl.request(i, 1))
-    st3 = fleet.daemon_stats("daemon2")
+    st3, m3 = fleet.daemon_stats("daemon2"), scrape(fleet.url("daemon2"))
     local = asker.ask("engine2", wl.request(i, 2))
-    st4 = fleet.daemon_stats("daemon2")
+    st4, m4 = fleet.daemon_stats("daemon2"), scrape(fleet.url("daemon2"))
     return {"doc": i, "recompute_ttft_s": ref.ttft_s, "host1_read_ttft_s": read.ttft_s,
             "remote_hit_ttft_s": remote.ttft_s, "local_hit_ttft_s": local.ttft_s,
             "remote_hit_chunks": _hits(st2, st3), "local_hit_chunks": _hits(st3, st4),
+            "remote_hit_daemon_s": _daemon_seconds(m2, m3),
+            "local_hit_daemon_s": _daemon_seconds(m3, m4),
             "remote_hit_cached_tokens": remote.num_cached_tokens,
             "local_hit_cached_tokens": local.num_cached_tokens,
             "output_identical": remote.text == ref.text,
@@ -146,6 +163,8 @@ def summarize(docs: list[dict], num_chunks: int) -> dict:
                                            "remote_tier_hits": num_chunks}
                 and d["local_hit_chunks"] == {"cpu": num_chunks, "remote": 0,
                                               "remote_tier_hits": 0} for d in docs)
+    med["remote_hit_redis_get_s"] = statistics.median(d["remote_hit_daemon_s"]["redis_get_s"]
+                                                      for d in docs)
     return {**med, "outputs_identical": all(d["output_identical"] for d in docs),
             "hits_counted_exactly": exact,
             "remote_vs_recompute": med["recompute_ttft_s"] / med["remote_hit_ttft_s"],
@@ -199,6 +218,7 @@ def print_table(res: dict, file=sys.stdout) -> None:
             ("host 1 read TTFT (cold store)", f"{res['host1_read_ttft_s']:.3f} s"),
             ("remote-hit TTFT (host 2, from Redis)", f"{res['remote_hit_ttft_s']:.3f} s"),
             ("local-hit TTFT (host 2, its CPU tier)", f"{res['local_hit_ttft_s']:.3f} s"),
+            ("  of which daemon 2's Redis get", f"{res['remote_hit_redis_get_s']:.3f} s"),
             ("RemoteTier.get", f"{res['remote_get_gbps']:.2f} GB/s"),
             ("redis-py raw pipelined GET", f"{res['redis_raw_get_gbps']:.2f} GB/s"),
             ("outputs identical to recompute", str(res["outputs_identical"])),
