@@ -1,5 +1,6 @@
-"""``KVStoreClient`` / ``AsyncKVStoreClient``: the in-process store's surface over the wire,
-deadlines against dead, hung and restarting servers, retries only where safe."""
+"""``KVStoreClient`` / ``AsyncKVStoreClient``: the in-process store's surface over the wire
+(the ``client`` tests run over HTTP and over the daemon's Unix socket, discovered), deadlines
+against dead, hung and restarting servers, retries only where safe."""
 import asyncio
 import socket
 import threading
@@ -10,10 +11,12 @@ import torch
 from aiohttp.test_utils import TestServer
 
 from kvstore.api import LookupResult, PrefixStore
+from kvstore.config import StoreConfig
 from kvstore.daemon.client import AsyncKVStoreClient, KVStoreClient, RemoteError, StoreUnavailable
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
 from kvstore.daemon.server import ServerLimits, ThreadedServer, create_app
+from kvstore.store import ChunkStore
 from tests.kvstore.daemon.server_helpers import LAYOUT, NS, OTHER, chunk, make_store
 
 KEYS = NS.chunk_keys(list(range(4 * 6)))
@@ -21,18 +24,26 @@ KEYS = NS.chunk_keys(list(range(4 * 6)))
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    store = make_store(str(tmp_path_factory.mktemp("disk")), cpu_bytes=64 << 20)
-    srv = ThreadedServer(create_app(store, ServerLimits(auth_token="tok", max_lease_s=5.0)))
+    """The daemon over HTTP and over its Unix socket (a shared CPU arena, a disk tier)."""
+    d = tmp_path_factory.mktemp("daemon")
+    store = ChunkStore(StoreConfig(cpu_bytes=64 << 20, cpu_shared=True, page_bytes=256,
+                                   disk_path=str(d / "disk"), disk_bytes=64 << 20))
+    srv = ThreadedServer(create_app(store, ServerLimits(auth_token="tok", max_lease_s=5.0)),
+                         unix_socket=str(d / "kv.sock"))
     srv.store = store
     yield srv
     srv.stop()
     store.close()
 
 
-@pytest.fixture
-def client(server):
+@pytest.fixture(params=["http", "unix"])
+def client(server, request):
+    """The same tests on both paths: HTTP, and the Unix socket the client discovers."""
     server.store.clear()
-    with KVStoreClient(server.url, auth_token="tok", timeout_s=5.0) as c:
+    with KVStoreClient(server.url, auth_token="tok", timeout_s=5.0,
+                       same_host=request.param == "unix") as c:
+        c.whoami()  # the first call picks the path
+        assert c.transport == request.param
         yield c
 
 
