@@ -5,7 +5,8 @@
 Chunks are real-model-sized: SmolLM2-135M, 30 layers x 2 x 256 tokens x 3 KV heads x 64 dims
 fp16 = 5,898,240 bytes. Phases:
 
-1. memcpy: numpy copy of one chunk (the ceiling of any copy path), GB/s.
+1. memcpy: numpy copy of the chunks (the ceiling of any copy path), GB/s, measured in the
+   same-host phase (6), alternating with it.
 2. kvstore: batched put and get (``--batch`` chunks per round trip) with 1 and 8 concurrent
    clients (asyncio tasks sharing one pooled ``AsyncKVStoreClient``), GB/s of payload.
 3. Redis (``redis-server`` started here on a free port, no persistence): the same values with
@@ -20,6 +21,10 @@ fp16 = 5,898,240 bytes. Phases:
    CPU arena is faulted in as it fills (up to 1.0x), plus payload buffers in flight (at most
    the server's ``--max-inflight-bytes``, auto = cpu-bytes / 8 but >= 64 MiB, recorded as
    ``soak_max_inflight_bytes``) plus up to 2 MiB of socket read-ahead per connection.
+6. same host (``bench.daemon_load_shm``): get and put over the daemon's Unix socket with its
+   arena mapped read-only (``shm_get_gbps``, ``shm_put_gbps``, ``_8c`` for 8 clients) against
+   memcpy of the same chunks in the same run, and a 32-chunk lookup (``unix_lookup32_ms``).
+   The HTTP figures above stay HTTP (the daemon's socket is not used by them).
 """
 from __future__ import annotations
 
@@ -33,24 +38,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from bench.daemon_load_common import CHUNK_BYTES, LAYOUT, Daemon, chunk_pool, run_clients
 from bench.daemon_load_redis import Redis, bench_redis
+from bench.daemon_load_shm import shm_phase
 from bench.daemon_load_soak import soak
 from kvstore.daemon.client import AsyncKVStoreClient, KVStoreClient
 from kvstore.keys import Namespace
-
-
-def bench_memcpy(reps: int) -> float:
-    src = np.random.randint(0, 255, CHUNK_BYTES, dtype=np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        np.copyto(dst, src)
-    return reps * CHUNK_BYTES / (time.perf_counter() - t0) / 1e9
 
 
 async def bench_kvstore(url: str, clients: int, rounds: int, batch: int,
@@ -88,7 +83,7 @@ async def bench_kvstore(url: str, clients: int, rounds: int, batch: int,
 def bench_lookup32(url: str, tensors: list[torch.Tensor], reps: int) -> dict:
     ns = Namespace("bench-lookup", LAYOUT)
     keys = ns.chunk_keys(list(range(32 * LAYOUT.chunk_size)))
-    with KVStoreClient(url, timeout_s=60) as c:
+    with KVStoreClient(url, timeout_s=60, same_host=False) as c:  # HTTP (the socket: phase 6)
         for i in range(0, 32, 8):
             c.put_chunks(ns, keys[i:i + 8], [tensors[j % len(tensors)] for j in range(8)])
         assert c.lookup_keys(ns, keys).num_hit_chunks == 32
@@ -144,12 +139,13 @@ async def _main_async(args, out: dict, workdir: str) -> None:
         out["redis_skipped"] = "redis-server not installed"
     else:
         redis = Redis(workdir)
-    daemon = Daemon("2GiB", Path(workdir) / "daemon.log")
+    daemon = Daemon("2GiB", Path(workdir) / "daemon.log", str(Path(workdir) / "kvstore.sock"))
     try:
         await _throughput(args, out, daemon, redis, tensors)
         out.update(bench_lookup32(daemon.url, tensors, 300 if not args.quick else 100))
         print(f"lookup of a 32-chunk prompt: median {out['lookup32_ms']:.3f} ms, "
               f"p99 {out['lookup32_p99_ms']:.3f} ms")
+        shm_phase(daemon.unix_socket, args, tensors, out)
     finally:
         out["daemon_exit_code"] = daemon.stop()
         if redis is not None:
@@ -186,8 +182,6 @@ def main(argv=None) -> int:
     args.soak_cpu_bytes = (128 << 20) if args.quick else (512 << 20)
     torch.set_num_threads(1)
     out: dict = {"chunk_bytes": CHUNK_BYTES, "batch": args.batch, "quick": args.quick}
-    out["memcpy_gbps"] = bench_memcpy(20 if args.quick else 100)
-    print(f"memcpy (numpy, one {CHUNK_BYTES:,}-byte chunk): {out['memcpy_gbps']:.2f} GB/s")
     workdir = tempfile.mkdtemp(prefix="kvstore-daemon-load-")
     try:
         asyncio.run(_main_async(args, out, workdir))

@@ -21,13 +21,16 @@ CHUNK_BYTES = LAYOUT.chunk_bytes  # 5,898,240
 
 
 class Daemon:
-    """``python -m kvstore serve`` on a free loopback port (stopped with SIGTERM)."""
+    """``python -m kvstore serve`` on a free loopback port (stopped with SIGTERM), and on the
+    Unix socket ``unix_socket`` too when given (``--unix-socket``: the same-host path)."""
 
-    def __init__(self, cpu_bytes: str, log_path: Path):
+    def __init__(self, cpu_bytes: str, log_path: Path, unix_socket: str | None = None):
         self.log = open(log_path, "ab")
+        self.unix_socket = unix_socket
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvstore", "serve", "--port", "0", "--cpu-bytes", cpu_bytes,
-             "--policy", "lru", "--log-level", "warning", "--max-batch-keys", "256"],
+             "--policy", "lru", "--log-level", "warning", "--max-batch-keys", "256"]
+            + (["--unix-socket", unix_socket] if unix_socket else []),
             cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log,
             env={**os.environ, "PYTHONPATH": str(ROOT)})
         line = self.proc.stdout.readline().decode()

@@ -1,0 +1,156 @@
+"""The same-host phase of ``bench.daemon_load``: get and put through the daemon's Unix socket
+with its CPU arena mapped read-only (``kvstore.daemon.shm_client``), against memcpy of the same
+chunks in the same run, and a 32-chunk lookup over the socket.
+
+Figures (GB/s of chunk payload; ``_8c``: 8 client threads sharing one client's connection
+pool, each with its own connections):
+
+* ``memcpy_gbps``: ``np.copyto`` of the pool's chunks into preallocated destinations, one
+  thread (the ceiling of any copy path; targets: get >= 0.8x, put >= 0.5x).
+* ``shm_get_gbps``: ``get_chunks(..., out=)`` into preallocated buffers (an engine copying
+  into its KV pool); ``shm_get_alloc_gbps``: into new tensors.
+* ``shm_put_gbps``: ``put_chunks`` of ``batch`` chunks per call.
+* ``unix_lookup32_ms``: median (and p99) round trip of a lookup of a 32-chunk prompt.
+"""
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+import numpy as np
+import torch
+
+from bench.daemon_load_common import CHUNK_BYTES, LAYOUT
+from kvstore.daemon.shm_client import ShmKVStoreClient
+from kvstore.keys import Namespace
+
+
+def bench_memcpy_chunks(tensors: list[torch.Tensor], copies: int, batch: int) -> float:
+    """GB/s of ``copies`` chunk copies from ``tensors`` (round robin) into ``batch``
+    preallocated destinations (round robin: as a get copies into its ``out`` buffers), one
+    thread."""
+    srcs = [t.view(torch.uint8).reshape(-1).numpy() for t in tensors]
+    dsts = [np.empty_like(srcs[0]) for _ in range(batch)]
+    for d in dsts:  # first touch of the destinations
+        np.copyto(d, srcs[0])
+    t0 = time.perf_counter()
+    for i in range(copies):
+        np.copyto(dsts[i % len(dsts)], srcs[i % len(srcs)])
+    return copies * CHUNK_BYTES / (time.perf_counter() - t0) / 1e9
+
+
+def _run_threads(n: int, fn) -> float:
+    """Seconds for ``fn(i)`` to finish on ``n`` threads started together."""
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            fn(i)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - t0
+
+
+def bench_shm(path: str, clients: int, rounds: int, batch: int,
+              tensors: list[torch.Tensor], tag: str) -> dict:
+    """``{"put", "get", "get_alloc"}`` GB/s of ``clients`` threads doing ``rounds`` batches
+    each over the socket at ``path``."""
+    ns = Namespace(f"bench-shm-{tag}-{clients}", LAYOUT)
+    keys = ns.chunk_keys(list(range(clients * rounds * batch * LAYOUT.chunk_size)))
+    c = ShmKVStoreClient(path, timeout_s=120, pool_size=max(clients, 8))
+    outs = [[torch.empty(LAYOUT.shape(), dtype=LAYOUT.torch_dtype) for _ in range(batch)]
+            for _ in range(clients)]  # [30, 2, 256, 3, 64] each
+    for bufs in outs:
+        for b in bufs:
+            b.zero_()  # first touch
+
+    def batch_of(ci: int, r: int):
+        i = (ci * rounds + r) * batch
+        return keys[i:i + batch], [tensors[(i + j) % len(tensors)] for j in range(batch)]
+
+    def put(ci: int) -> None:
+        for r in range(rounds):
+            ks, kvs = batch_of(ci, r)
+            assert c.put_chunks(ns, ks, kvs) == batch
+
+    def get(ci: int, out: bool = True) -> None:
+        for r in range(rounds):
+            ks, _ = batch_of(ci, r)
+            got = c.get_chunks(ns, ks, outs[ci] if out else None)
+            assert all(g is not None for g in got)
+    try:
+        total = clients * rounds * batch * CHUNK_BYTES
+        _run_threads(clients, put)  # warm-up: first touch of the arena's pages
+        _run_threads(clients, get)
+        c.clear(ns)
+        t_put = _run_threads(clients, put)
+        t_get = _run_threads(clients, get)
+        t_alloc = _run_threads(clients, lambda ci: get(ci, out=False))
+        ks, kvs = batch_of(0, 0)  # bit-exact, as a benchmark that moves bytes must check
+        assert all(torch.equal(g, kv) for g, kv in zip(c.get_chunks(ns, ks), kvs))
+        c.clear(ns)
+    finally:
+        c.close()
+    return {"put": total / t_put / 1e9, "get": total / t_get / 1e9,
+            "get_alloc": total / t_alloc / 1e9}
+
+
+def bench_unix_lookup32(path: str, tensors: list[torch.Tensor], reps: int) -> dict:
+    """Median and p99 milliseconds of a 32-chunk lookup over the socket (1 client)."""
+    ns = Namespace("bench-shm-lookup", LAYOUT)
+    keys = ns.chunk_keys(list(range(32 * LAYOUT.chunk_size)))
+    with ShmKVStoreClient(path, timeout_s=60) as c:
+        for i in range(0, 32, 8):
+            c.put_chunks(ns, keys[i:i + 8], [tensors[j % len(tensors)] for j in range(8)])
+        assert c.lookup_keys(ns, keys).num_hit_chunks == 32
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            c.lookup_keys(ns, keys)
+            times.append(time.perf_counter() - t0)
+        c.clear(ns)
+    times.sort()
+    return {"unix_lookup32_ms": 1e3 * times[len(times) // 2],
+            "unix_lookup32_p99_ms": 1e3 * times[int(len(times) * 0.99)]}
+
+
+def shm_phase(path: str, args, tensors: list[torch.Tensor], out: dict) -> None:
+    """Fill ``out`` with the figures of the module docstring: memcpy and shm alternate
+    ``args.reps`` times per client count (medians; ratios are medians of per-repetition
+    ratios)."""
+    runs: dict = {}
+    copies = 8 * len(tensors)
+    for rep in range(args.reps):
+        for clients in (1, 8):
+            mc = bench_memcpy_chunks(tensors, copies, args.batch)
+            rounds = max(1, args.rounds // clients * 2)
+            r = bench_shm(path, clients, rounds, args.batch, tensors, f"r{rep}")
+            r["memcpy"] = mc
+            runs.setdefault(clients, []).append(r)
+            print(f"rep {rep}  {clients} client(s): shm put {r['put']:.2f} get {r['get']:.2f} "
+                  f"(new tensors {r['get_alloc']:.2f}) GB/s | memcpy {mc:.2f} GB/s")
+    for clients in (1, 8):
+        sfx = "" if clients == 1 else "_8c"
+        rs = runs[clients]
+        out[f"shm_put_gbps{sfx}"] = statistics.median(r["put"] for r in rs)
+        out[f"shm_get_gbps{sfx}"] = statistics.median(r["get"] for r in rs)
+        out[f"shm_get_alloc_gbps{sfx}"] = statistics.median(r["get_alloc"] for r in rs)
+        out[f"shm_get_vs_memcpy{sfx}"] = statistics.median(r["get"] / r["memcpy"] for r in rs)
+        out[f"shm_put_vs_memcpy{sfx}"] = statistics.median(r["put"] / r["memcpy"] for r in rs)
+    out["memcpy_gbps"] = statistics.median(r["memcpy"] for rs in runs.values() for r in rs)
+    out.update(bench_unix_lookup32(path, tensors, 300 if not args.quick else 100))
+    print(f"shm (median of {args.reps}): put {out['shm_put_gbps']:.2f} get "
+          f"{out['shm_get_gbps']:.2f} GB/s, 8 clients put {out['shm_put_gbps_8c']:.2f} get "
+          f"{out['shm_get_gbps_8c']:.2f} GB/s; memcpy {out['memcpy_gbps']:.2f} GB/s; get "
+          f"{out['shm_get_vs_memcpy']:.2f}x, put {out['shm_put_vs_memcpy']:.2f}x memcpy")
+    print(f"lookup of a 32-chunk prompt over the unix socket: median "
+          f"{out['unix_lookup32_ms']:.3f} ms, p99 {out['unix_lookup32_p99_ms']:.3f} ms")
