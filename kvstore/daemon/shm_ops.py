@@ -18,7 +18,7 @@ from kvstore.daemon import protocol as P
 from kvstore.daemon.payload import DROP_SCRATCH, can_persist, persist
 from kvstore.daemon.state import _check_fits, _shaped
 from kvstore.daemon.tenants import READ, WRITE
-from kvstore.direct import ALREADY_STORED, BorrowedChunks, Reservation
+from kvstore.direct import BorrowedChunks, Reservation
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.daemon.shm_server import Connection

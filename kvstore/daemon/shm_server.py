@@ -142,7 +142,7 @@ class ShmServer:
         try:
             uid = S.peer_uid(sock)
             if uid not in (os.geteuid(), 0):
-                await c.reply(S.error_reply(403, f"uid {uid} may not use this socket"))
+                await c.refuse(S.error_reply(403, f"uid {uid} may not use this socket"))
                 return
             if await c.hello():
                 await c.serve()
@@ -289,7 +289,7 @@ class Connection:
     def _authenticate(self, token: Any) -> Tenant | None:
         if self.state.tenants is None:
             return OPEN
-        if not isinstance(token, str):
+        if not isinstance(token, str) or token != token.strip():  # (the header form strips)
             return None
         return self.state.tenants.authenticate("Bearer " + token)
 
@@ -369,6 +369,20 @@ class Connection:
         await self.drain_payload()
         await self.reply(S.error_reply(status, message))
         return status, True
+
+    async def refuse(self, reply: dict, linger_s: float = 1.0) -> None:
+        """Answer a peer that may not be served, then close after it has sent its hello (up
+        to ``linger_s`` and 64 KiB, read and dropped), so that the hello does not fail with
+        EPIPE before the client could read why."""
+        await self.reply(reply)
+        self.sock.shutdown(socket.SHUT_WR)
+        scratch, left = memoryview(bytearray(4096)), 64 << 10
+        try:
+            async with asyncio.timeout(linger_s):
+                while left > 0 and (n := await self.loop.sock_recv_into(self.sock, scratch)):
+                    left -= n
+        except TimeoutError:
+            pass
 
     async def _fatal(self, status: int, message: str) -> None:
         """Answer an error after which the stream cannot go on, then end the connection: at
