@@ -4,7 +4,8 @@ the shared CPU arena (wire format and op table: ``kvstore.daemon.shm_protocol``)
 Lifetime of one connection::
 
     accept ─► SO_PEERCRED uid check ─► hello (token; reply carries the arena's fd) ─►
-    requests, one at a time (ops: ``kvstore.daemon.shm_ops``) ─► end: every borrow released
+    requests, one at a time (``kvstore.daemon.shm_session``; ops: ``kvstore.daemon.shm_ops``)
+    ─► end: every borrow released
 
 * The socket file is created mode 0600 before ``listen`` (no connection can arrive earlier); a
   socket file left by a dead daemon is removed at start, one that still answers is refused;
@@ -29,21 +30,15 @@ import logging
 import os
 import socket
 import stat
-import time
-from typing import Any
 
 from kvstore.api import KVStoreBase
-from kvstore.store import ChunkStore
-from kvstore.daemon import shm_ops
 from kvstore.daemon import shm_protocol as S
-from kvstore.daemon.protocol import PREAMBLE_BYTES, ProtocolError, decode_preamble
+from kvstore.daemon.shm_session import Connection
 from kvstore.daemon.state import STATE_KEY, STORE_KEY, _ServerState
-from kvstore.daemon.tenants import OPEN, Forbidden, Tenant
+from kvstore.store import ChunkStore
 
 log = logging.getLogger("kvstore.daemon.shm_server")
 
-#: Socket buffer asked for in each direction (bytes): a 5.9 MB chunk crosses in a few calls.
-SOCKET_BUFFER_BYTES = 4 << 20
 #: Longest path a Unix socket can bind (``sun_path`` minus its terminating NUL).
 MAX_SOCKET_PATH_BYTES = 107
 
@@ -152,258 +147,6 @@ class ShmServer:
             c.close()
 
 
-class Connection:
-    """One accepted client: its socket, tenant, borrows and request loop."""
-
-    def __init__(self, server: ShmServer, sock: socket.socket) -> None:
-        self.server, self.sock = server, sock
-        self.store, self.state = server.store, server.state
-        self.loop = asyncio.get_running_loop()
-        self.tenant: Tenant = OPEN
-        #: the request's payload bytes still unread in the socket
-        self.payload_left = 0
-        self.borrows: dict[int, Any] = {}
-        self._next_borrow = 1
-        sock.setblocking(False)
-        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
-            except OSError:
-                pass
-
-    # ---- I/O ----------------------------------------------------------------------------------
-    async def recv_some(self, view: memoryview) -> int:
-        """Read at least one byte into ``view``; returns how many.
-
-        Raises:
-            ConnectionError: the client closed the connection.
-        """
-        n = await self.loop.sock_recv_into(self.sock, view)
-        if n == 0:
-            raise ConnectionError("client closed the connection")
-        return n
-
-    async def recv_payload(self, view: memoryview) -> int:
-        """``recv_some`` of the request's payload (at most ``payload_left`` bytes)."""
-        if len(view) > self.payload_left:
-            raise ProtocolError(f"payload ends {len(view) - self.payload_left} bytes short of "
-                                "what its header declares")
-        n = await self.recv_some(view)
-        self.payload_left -= n
-        return n
-
-    async def recv_exact(self, n: int) -> bytes:
-        buf = bytearray(n)
-        view, pos = memoryview(buf), 0
-        while pos < n:
-            pos += await self.recv_some(view[pos:])
-        return bytes(buf)
-
-    async def reply(self, header: dict, payload: list | tuple = (), fds: list[int] = ()) -> None:
-        """Send one reply frame (``payload``: memoryviews of ``payload_bytes`` in all)."""
-        head = S.encode_frame(header)
-        if fds:
-            sent = self.sock.sendmsg([head], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                               _fd_bytes(fds))])
-            head = head[sent:]
-        if head:
-            await self.loop.sock_sendall(self.sock, head)
-        for view in payload:
-            await self.loop.sock_sendall(self.sock, view)
-
-    async def read_frame(self) -> tuple[dict, int] | None:
-        """The next request's ``(header, payload bytes)``, or None at a clean end."""
-        try:
-            pre = await self.recv_exact(PREAMBLE_BYTES)
-        except ConnectionError:
-            return None
-        header = await self.recv_exact(decode_preamble(pre))
-        return S.decode_header(header)
-
-    async def drain_payload(self) -> None:
-        """Read and drop the rest of the request's payload."""
-        scratch = memoryview(bytearray(min(self.payload_left, 256 << 10) or 1))
-        while self.payload_left > 0:
-            await self.recv_payload(scratch[:min(self.payload_left, len(scratch))])
-
-    # ---- borrows -----------------------------------------------------------------------------
-    def add_borrow(self, borrowed) -> int:
-        """Register a get's ``BorrowedChunks``; returns its id for ``release``."""
-        bid = self._next_borrow
-        self._next_borrow += 1
-        self.borrows[bid] = borrowed
-        return bid
-
-    def release_borrow(self, bid: Any) -> None:
-        """Drop borrow ``bid`` (unknown ids are ignored: ``release`` has no reply)."""
-        b = self.borrows.pop(bid, None) if type(bid) is int else None
-        if b is not None:
-            self._release_soon(b)
-
-    def _release_soon(self, b) -> None:
-        try:
-            self.state.pool.submit(b.release)
-        except RuntimeError:  # pool shut down (the server is stopping): release here
-            b.release()
-
-    def close(self) -> None:
-        for b in self.borrows.values():
-            self._release_soon(b)
-        self.borrows.clear()
-        self.sock.close()
-
-    # ---- protocol ------------------------------------------------------------------------------
-    async def hello(self) -> bool:
-        """Read and answer ``hello`` (within the request timeout); False when the connection
-        must close (answered with the reason)."""
-        try:
-            async with asyncio.timeout(self.state.limits.request_timeout_s):
-                frame = await self.read_frame()
-        except (ProtocolError, TimeoutError) as e:
-            await self.reply(S.error_reply(400, f"expected hello: {e}"))
-            return False
-        if frame is None:
-            return False
-        h, n = frame
-        if h.get("op") != "hello" or n:
-            await self.reply(S.error_reply(400, "the first request must be hello"))
-            return False
-        if h.get("version") != S.SHM_VERSION:
-            await self.reply(S.error_reply(400, f"unsupported shm protocol version "
-                                                f"{h.get('version')!r}; supported: "
-                                                f"{S.SHM_VERSION}"))
-            return False
-        tenant = self._authenticate(h.get("token"))
-        if tenant is None:
-            await self.reply(S.error_reply(401, "missing or wrong token"))
-            return False
-        self.tenant = tenant
-        srv = self.server
-        await self.reply({"ok": True, "version": S.SHM_VERSION, "instance": self.state.instance,
-                          "arena_bytes": srv.arena_bytes, "page_bytes": srv.page_bytes,
-                          "tenant": {"name": tenant.name, "role": tenant.role,
-                                     "salt": tenant.salt}},
-                         fds=[srv.arena_fd] if srv.arena_bytes else [])
-        return True
-
-    def _authenticate(self, token: Any) -> Tenant | None:
-        if self.state.tenants is None:
-            return OPEN
-        if not isinstance(token, str) or token != token.strip():  # (the header form strips)
-            return None
-        return self.state.tenants.authenticate("Bearer " + token)
-
-    async def serve(self) -> None:
-        """Answer requests until the client closes (or a fatal error)."""
-        while True:
-            try:
-                frame = await self.read_frame()
-            except ProtocolError as e:  # the stream's framing is lost
-                await self._fatal(400, str(e))
-                return
-            if frame is None:
-                return
-            if not await self._one(*frame):
-                return
-
-    async def _one(self, header: dict, payload_bytes: int) -> bool:
-        """Serve one request; False when the connection must end."""
-        op = header.get("op")
-        if op == "release":
-            self.release_borrow(header.get("borrow"))
-            self.payload_left = payload_bytes
-            await self.drain_payload()
-            return True
-        route = f"shm_{op}" if op in S.OPS else "shm_unknown"
-        limits, state = self.state.limits, self.state
-        t0, status, keep = time.perf_counter(), 200, True
-        state.active += 1
-        state.in_flight.inc()
-        self.payload_left = payload_bytes
-        try:
-            if payload_bytes > limits.max_body_bytes:
-                status = 413
-                await self._fatal(413, f"payload of {payload_bytes} bytes exceeds "
-                                       f"{limits.max_body_bytes}")
-                return False
-            status, keep = await self._dispatch(op, header)
-            return keep
-        finally:
-            state.active -= 1
-            state.in_flight.dec()
-            state.requests.labels(route, str(status)).inc()
-            state.latency.labels(route).observe(time.perf_counter() - t0)
-
-    async def _dispatch(self, op: Any, header: dict) -> tuple[int, bool]:
-        """Run ``op``; ``(status, keep the connection)``. Handlers send their own replies
-        when they return None."""
-        limits = self.state.limits
-        try:
-            if not self.state.ready:
-                raise ProtocolError("server is draining (shutting down); retry elsewhere or "
-                                    "later", 503)
-            handler = shm_ops.HANDLERS.get(op) if isinstance(op, str) else None
-            if op == "hello":
-                raise ProtocolError("hello is the connection's first request only")
-            if handler is None:
-                raise ProtocolError(f"unknown op {op!r}; ops: {', '.join(S.OPS)}", 404)
-            async with asyncio.timeout(limits.request_timeout_s):
-                out = await handler(self, header)
-                if self.payload_left:
-                    raise ProtocolError(f"{self.payload_left} payload bytes beyond what "
-                                        f"{op} reads")
-            if out is not None:
-                await self.reply(out)
-            return 200, True
-        except (ProtocolError, Forbidden) as e:
-            status = e.status if isinstance(e, ProtocolError) else 403
-            message = str(e)
-        except TimeoutError:
-            await self._fatal(504, f"request exceeded {limits.request_timeout_s} s")
-            return 504, False
-        except (ConnectionError, asyncio.IncompleteReadError):
-            raise
-        except Exception as e:  # noqa: BLE001 - the server stays up; the error goes to the client
-            log.exception("internal error on shm op %r", op)
-            status, message = 500, f"internal error: {type(e).__name__}: {e}"
-        await self.drain_payload()
-        await self.reply(S.error_reply(status, message))
-        return status, True
-
-    async def refuse(self, reply: dict, linger_s: float = 1.0) -> None:
-        """Answer a peer that may not be served, then close after it has sent its hello (up
-        to ``linger_s`` and 64 KiB, read and dropped), so that the hello does not fail with
-        EPIPE before the client could read why."""
-        await self.reply(reply)
-        self.sock.shutdown(socket.SHUT_WR)
-        scratch, left = memoryview(bytearray(4096)), 64 << 10
-        try:
-            async with asyncio.timeout(linger_s):
-                while left > 0 and (n := await self.loop.sock_recv_into(self.sock, scratch)):
-                    left -= n
-        except TimeoutError:
-            pass
-
-    async def _fatal(self, status: int, message: str) -> None:
-        """Answer an error after which the stream cannot go on, then end the connection: at
-        once when nothing is borrowed, else once the client closes its end (it may still be
-        copying borrowed pages)."""
-        try:
-            await self.reply(S.error_reply(status, message))
-            if self.borrows:
-                self.sock.shutdown(socket.SHUT_WR)
-                scratch = memoryview(bytearray(64 << 10))
-                while await self.loop.sock_recv_into(self.sock, scratch):
-                    pass
-        except OSError:
-            pass
-
-
-def _fd_bytes(fds: list[int]) -> bytes:
-    import array
-    return array.array("i", fds).tobytes()
-
-
 def _remove_stale(path: str) -> None:
     """Remove a socket file at ``path`` that no process answers on.
 
@@ -431,4 +174,4 @@ def _remove_stale(path: str) -> None:
     raise ValueError(f"another process is listening on {path}")
 
 
-__all__ = ["ShmServer", "Connection", "SOCKET_BUFFER_BYTES"]
+__all__ = ["ShmServer", "MAX_SOCKET_PATH_BYTES"]
