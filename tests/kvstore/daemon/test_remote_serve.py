@@ -22,7 +22,7 @@ from kvstore.daemon.client import KVStoreClient
 from bench.redis_servers import RedisServer
 from tests.kvstore.daemon.hostile_helpers import ROOT
 from tests.kvstore.remote_helpers import LAY, NS, prompt, rkey
-from tests.redis_fixtures import redis_server, require_redis  # noqa: F401
+from tests.redis_fixtures import require_redis
 
 PASSWORD = "pw-9f3a7c-not-for-logs"
 
