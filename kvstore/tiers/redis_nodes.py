@@ -185,14 +185,17 @@ class RedisNodes:
         return self._rc if self.cluster else self._single
 
     # ---- calls ------------------------------------------------------------------------------
-    def run(self, groups: dict[str, Sequence[tuple]], deadline: float | None
-            ) -> dict[str, list | None]:
+    def run(self, groups: dict[str, Sequence[tuple]], deadline: float | None,
+            post: Callable[[str, list], list] | None = None) -> dict[str, list | None]:
         """Run each node's commands as one pipeline, all nodes at once.
 
         Args:
             groups: node name -> commands (each a tuple of ``execute_command`` arguments).
             deadline: ``time.monotonic()`` by which answers must be in (None: the socket
                 timeout alone bounds each node).
+            post: ``post(node, results) -> results``, run on the node's worker as soon as its
+                answers are in (checking one node's values overlaps with the others still
+                sending); its time counts against the deadline.
 
         Returns:
             node name -> one result per command (a value, or the ``RedisError`` that command
@@ -212,9 +215,9 @@ class RedisNodes:
             return out
         if deadline is None and len(todo) == 1:  # (each node's socket timeout bounds it)
             for node, cmds in todo:
-                out[node] = self._settle(node, self._call, node, cmds)
+                out[node] = self._settle(node, self._call, node, cmds, post)
             return out
-        futures = {self._pool.submit(self._call, node, cmds): node for node, cmds in todo}
+        futures = {self._pool.submit(self._call, node, cmds, post): node for node, cmds in todo}
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         done, late = wait(futures, timeout=timeout)
         for f in done:
@@ -239,11 +242,12 @@ class RedisNodes:
             self.refresh()
         return res
 
-    def _call(self, node: str, cmds: Sequence[tuple]) -> list:
+    def _call(self, node: str, cmds: Sequence[tuple], post=None) -> list:
         pipe = self.client(node).pipeline(transaction=False)
         for c in cmds:
             pipe.execute_command(*c)
-        return pipe.execute(raise_on_error=False)
+        res = pipe.execute(raise_on_error=False)
+        return post(node, res) if post is not None else res
 
     def close(self) -> None:
         """Close every connection. Idempotent."""

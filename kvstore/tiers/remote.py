@@ -76,6 +76,19 @@ def _tensor(raw, dtype: str, shape) -> torch.Tensor:
     return t.view(DTYPES[dtype]).view(shape)
 
 
+def _decode(key: ChunkKey, value: bytes, shape: tuple, dtype: str) -> tuple:
+    """``(kv, parent, nbytes)`` of a valid value, or ``("invalid", why, nbytes, value)``."""
+    try:
+        h, raw = unpack_value(value, bytes(key), copy=False)
+        if h.dtype != dtype or tuple(h.shape) != shape:
+            raise CorruptChunkError(f"layout: value is {h.dtype} {list(h.shape)}, the "
+                                    f"namespace says {dtype} {list(shape)}")
+        parent = ChunkKey.from_bytes(h.parent) if h.parent else None
+    except (CorruptChunkError, ValueError) as e:
+        return ("invalid", str(e), len(value), value)
+    return (_tensor(raw, h.dtype, h.shape), parent, len(value))
+
+
 def failure_reason(value: bytes, why: str) -> str:
     """Which check a value failed, as a ``validation_failures`` label: ``header`` (not a chunk
     value: bad magic), ``version`` (a format version this build does not read), ``truncated``
@@ -223,29 +236,31 @@ class RemoteTier:
         else:
             cmd = lambda rk: ("GET", rk)  # noqa: E731
         groups, where = self._group(rkeys, cmd)
+        order = {node: [] for node in groups}  # node -> its keys in command order
+        for key, rk, (node, _) in zip(keys, rkeys, where):
+            order[node].append((key, rk))
+        shape, dtype = layout.shape(), layout.dtype
+
+        def check(node, values):  # on the node's worker, as soon as its answers are in
+            return [_decode(key, value, shape, dtype) if isinstance(value, (bytes, bytearray))
+                    else None for (key, _), value in zip(order[node], values)]
+
         allowance = len(keys) * layout.chunk_bytes / 2**30 * GET_SECONDS_PER_GIB
-        res = self.nodes.run(groups, time.monotonic() + self.timeout_s + allowance)
+        res = self.nodes.run(groups, time.monotonic() + self.timeout_s + allowance, post=check)
         out: list = []
         nbytes = 0
-        shape, dtype = layout.shape(), layout.dtype
         for key, rk, (node, i) in zip(keys, rkeys, where):
             r = res.get(node)
-            value = r[i] if r is not None else None
-            if not isinstance(value, (bytes, bytearray)):
+            item = r[i] if r is not None else None
+            if item is None:
                 out.append(None)
                 continue
-            nbytes += len(value)
-            try:
-                h, raw = unpack_value(value, bytes(key), copy=False)
-                if h.dtype != dtype or tuple(h.shape) != shape:
-                    raise CorruptChunkError(f"layout: value is {h.dtype} {list(h.shape)}, the "
-                                            f"namespace says {dtype} {list(shape)}")
-                parent = ChunkKey.from_bytes(h.parent) if h.parent else None
-            except (CorruptChunkError, ValueError) as e:
-                self._invalid(key, rk, value, str(e))
+            nbytes += item[2]
+            if isinstance(item[0], str):  # ("invalid", why, nbytes, value)
+                self._invalid(key, rk, item[3], item[1])
                 out.append(None)
-                continue
-            out.append((_tensor(raw, h.dtype, h.shape), parent))
+            else:
+                out.append(item[:2])
         hits = sum(o is not None for o in out)
         self.metrics.inc("reads", len(keys))
         self.metrics.inc("hits", hits)

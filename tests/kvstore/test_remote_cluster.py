@@ -51,9 +51,9 @@ class CallCounter:
         self._inner = nodes._call
         nodes._call = self
 
-    def __call__(self, node, cmds):
+    def __call__(self, node, cmds, post=None):
         self.calls.append((node, len(cmds)))
-        return self._inner(node, cmds)
+        return self._inner(node, cmds, post)
 
 
 @pytest.fixture
