@@ -61,6 +61,17 @@ class CpuTier(MemoryTier):
         super().__init__("cpu", pool, page_bytes, policy_name)
         self.pinned = pin_memory
 
+    def check_integrity(self) -> None:
+        """``MemoryTier``'s checks; a shared arena must also still be the whole memfd, sealed
+        (``ARENA_SEALS``), with the pool over this process's mapping of it."""
+        super().check_integrity()
+        if self.shared_fd is not None:
+            nbytes = self.pool.numel()
+            assert os.fstat(self.shared_fd).st_size == nbytes, "shared arena: memfd size drifted"
+            assert fcntl.fcntl(self.shared_fd, fcntl.F_GET_SEALS) == ARENA_SEALS, \
+                "shared arena: seals changed"
+            assert len(self._mm) == nbytes, "shared arena: pool is not the whole mapping"
+
     def close(self) -> None:
         """Drop every chunk; a shared arena also gives up its mapping and descriptor (the
         memory goes back to the OS once every client has unmapped it too). Idempotent."""
