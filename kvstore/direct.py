@@ -101,6 +101,9 @@ class BorrowedChunks:
     lower: list[int]
     runs: list[tuple[tuple[int, int], ...] | None] = field(default_factory=list)
     released: bool = False
+    #: chunks read from the remote tier, promoted into the top tier at ``release`` (after the
+    #: caller sent them: the copy is off the get's critical path)
+    promote_later: list = field(default_factory=list, repr=False)
 
     def read_lower(self) -> None:
         """Read the keys in ``lower`` into new tensors (and promote them, as ``get_chunks``
@@ -278,7 +281,8 @@ class DirectIO:
         if st.config.promote_on_hit and b.lower:
             with st.lock:
                 st.mover.promote(b.plan, read, st.doomed)
-        for i, kv in zip(remote, st.read_remote(b.ns.layout, [b.keys[i] for i in remote])):
+        got = st.read_remote(b.ns.layout, [b.keys[i] for i in remote], later=b.promote_later)
+        for i, kv in zip(remote, got):
             if kv is None:
                 st.metrics.inc("misses")
             else:
@@ -287,6 +291,9 @@ class DirectIO:
 
     def _borrow_release(self, b: BorrowedChunks) -> None:
         st = self._st
+        if b.promote_later:
+            st.promote_remote(b.promote_later)
+            b.promote_later = []
         with st.lock:
             for item in b.plan:
                 if item is not None:

@@ -206,34 +206,45 @@ class StoreState:
             tier.delete(key)
         self.metrics.inc("stale_index_entries", tier=tier.name)
 
-    def read_remote(self, layout: KVLayout, keys: Sequence[ChunkKey]) -> list[torch.Tensor | None]:
+    def read_remote(self, layout: KVLayout, keys: Sequence[ChunkKey],
+                    later: list | None = None) -> list[torch.Tensor | None]:
         """Read ``keys`` (stored in no local tier) from the remote tier: per key the chunk
         ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` on ``config.return_device``, or
         None. Hits are counted (``hits{tier="remote"}``) and, with ``promote_on_hit``, copied
         into the top tier in order (each after its parent), unless a local tier holds them
-        by now."""
+        by now: at once, or, when ``later`` (a list) is given, appended to it for
+        ``promote_remote`` (so a caller sends the chunks first and copies them after)."""
         if not keys:
             return []
         got = self.remote.get(keys, layout)
         out: list[torch.Tensor | None] = []
-        with self.lock:
-            for key, item in zip(keys, got):
-                if item is None:
-                    out.append(None)
-                    continue
-                kv, parent = item
-                self.metrics.inc("hits", tier="remote")
-                if self.config.promote_on_hit and self.locate(key) is None \
-                        and key not in self.doomed:
-                    try:
-                        if self.mover.insert(0, key, kv, parent):
-                            self.metrics.inc("promotions", tier="remote")
-                    except Exception:
-                        log.exception("promotion of %r from the remote tier failed", key)
-                        self.metrics.inc("errors", tier=self.tiers[0].name)
-                dev = self.config.return_device
-                out.append(kv if str(dev) == "cpu" else kv.to(dev))
+        hits = [(key, *item) for key, item in zip(keys, got) if item is not None]
+        self.metrics.inc("hits", len(hits), tier="remote")
+        if self.config.promote_on_hit:
+            if later is not None:
+                later.extend(hits)
+            else:
+                self.promote_remote(hits)
+        dev = self.config.return_device
+        for item in got:
+            out.append(None if item is None else item[0] if str(dev) == "cpu"
+                       else item[0].to(dev))
         return out
+
+    def promote_remote(self, hits: Sequence[tuple]) -> None:
+        """Copy chunks read from the remote tier (``(key, kv, parent)``, in prompt order) into
+        the top tier, skipping those a local tier holds by now or that were removed. Failures
+        are logged and counted, never raised."""
+        with self.lock:
+            for key, kv, parent in hits:
+                if self.locate(key) is not None or key in self.doomed:
+                    continue
+                try:
+                    if self.mover.insert(0, key, kv, parent):
+                        self.metrics.inc("promotions", tier="remote")
+                except Exception:
+                    log.exception("promotion of %r from the remote tier failed", key)
+                    self.metrics.inc("errors", tier=self.tiers[0].name)
 
     def write_behind(self, key: ChunkKey, kv: torch.Tensor, parent: ChunkKey | None,
                      owned: bool = False) -> None:
