@@ -19,6 +19,10 @@ sizes, deadlines and queue size before a store opens, naming the key of a bad va
   (``disk_path`` alone: a disk tier of ``connectors.stores.DEFAULT_DISK_BYTES``; with
   ``kvstore_url`` they are not used, and a warning says so). Stores are
   opened by ``connectors.stores.open_store``, as the engine_min connector's are.
+* ``remote_url``, ``remote_key_prefix``, ``remote_ttl_s``, ``remote_timeout_s``: a remote tier
+  in Redis or a Redis Cluster below the in-process tiers, shared with every store on any host
+  that points at it (not with ``kvstore_url``: set ``--remote-url`` on the daemon instead);
+  the password from the URL or ``$KVSTORE_REMOTE_PASSWORD``. See docs/remote-tier.md.
 * ``model_id`` (default: vLLM's served model name), ``revision``, ``weights_fingerprint``
   (``"auto"``, ``"off"`` or a given string), ``chunk_size`` (default
   ``kvstore.defaults.DEFAULT_CHUNK_SIZE``, 256; a multiple of vLLM's block size), ``hash_algo``: the
