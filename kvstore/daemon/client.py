@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, Sequence
 import aiohttp
 import torch
 
-from kvstore.api import KVStoreBase, LookupResult, StoreCapabilities
+from kvstore.api import KVStoreBase, LookupResult
 from kvstore.daemon import protocol as P
 from kvstore.daemon.shm_client import CAPABILITIES as SHM_CAPABILITIES
 from kvstore.daemon.shm_client import ShmKVStoreClient, check_out
