@@ -116,6 +116,18 @@ class BorrowedChunks:
             self.released = True
             self.io._borrow_release(self)
 
+    def try_release(self) -> bool:
+        """``release`` if it can finish at once: the store lock is free and nothing is left
+        to do but drop pins (no chunk to promote, none removed while pinned, whose delete
+        could touch a disk). Never waits (an event loop may call it inline); False, with
+        nothing done, when ``release`` must run elsewhere (a thread)."""
+        if self.released:
+            return True
+        if self.promote_later or not self.io._try_borrow_release(self):
+            return False
+        self.released = True
+        return True
+
     def __enter__(self) -> "BorrowedChunks":
         return self
 
@@ -235,6 +247,22 @@ class DirectIO:
         Raises:
             ValueError: a key of another namespace. RuntimeError: store closed.
         """
+        return self._borrow(ns, keys, blocking=True)
+
+    def try_borrow_chunks(self, ns: Namespace, keys: Sequence[ChunkKey]) -> BorrowedChunks | None:
+        """``borrow_chunks`` if it can finish at once: the store lock is free right now and
+        every key is either in a host memory tier or (without a remote tier) stored nowhere,
+        so ``.lower`` is empty. Else None at once, with nothing pinned or counted (never
+        waits: an event loop can call it inline and fall back to ``borrow_chunks`` on a
+        thread).
+
+        Raises:
+            ValueError, RuntimeError: as ``borrow_chunks``.
+        """
+        return self._borrow(ns, keys, blocking=False)
+
+    def _borrow(self, ns: Namespace, keys: Sequence[ChunkKey],
+                blocking: bool) -> BorrowedChunks | None:
         st = self._st
         st.check_keys(ns, keys)
         chunk_bytes = ns.layout.chunk_bytes
@@ -242,26 +270,42 @@ class DirectIO:
         parts: list[list[torch.Tensor] | None] = []
         runs: list[tuple[tuple[int, int], ...] | None] = []
         lower: list[int] = []
-        with st.lock:
+        hits: list[str] = []
+        misses = 0
+        if not st.lock.acquire(blocking):
+            return None
+        try:
             st.expire_leases()
             for i, k in enumerate(keys):
                 t = st.locate(k)
+                held = t is not None and is_direct(t) and t.nbytes_of(k) >= chunk_bytes
+                if not blocking and not held and (t is not None or st.remote is not None):
+                    for item in plan:  # a lower tier to read: undo, the caller uses a thread
+                        if item is not None:
+                            st.pins.drop_reader(item[0])
+                    return None
                 if t is not None:
                     st.pins.add_reader(k)
                     t.touch(k)
                 plan.append((k, t) if t is not None else None)
-                if t is not None and is_direct(t) and t.nbytes_of(k) >= chunk_bytes:
+                if held:
                     where = t.entry_runs(k)
                     parts.append(t.run_views(where))
                     runs.append(where if is_shared(t) else None)
-                    st.metrics.inc("hits", tier=t.name)
+                    hits.append(t.name)
                 else:
                     parts.append(None)
                     runs.append(None)
                     if t is not None or st.remote is not None:
                         lower.append(i)
                     else:
-                        st.metrics.inc("misses")
+                        misses += 1
+            for name in hits:
+                st.metrics.inc("hits", tier=name)
+            if misses:
+                st.metrics.inc("misses", misses)
+        finally:
+            st.lock.release()
         return BorrowedChunks(self, ns, list(keys), plan, parts, lower, runs)
 
     def _borrow_read_lower(self, b: BorrowedChunks) -> None:
@@ -288,6 +332,22 @@ class DirectIO:
             else:
                 b.parts[i] = [kv.reshape(-1).view(torch.uint8)]
         b.lower = []
+
+    def _try_borrow_release(self, b: BorrowedChunks) -> bool:
+        """Drop ``b``'s pins if the store lock is free and no chunk of it awaits deletion
+        (removed while pinned: its delete may touch a disk); False, nothing done, else."""
+        st = self._st
+        if not st.lock.acquire(False):
+            return False
+        try:
+            if any(item is not None and item[0] in st.doomed for item in b.plan):
+                return False
+            for item in b.plan:
+                if item is not None:
+                    st.pins.drop_reader(item[0])
+        finally:
+            st.lock.release()
+        return True
 
     def _borrow_release(self, b: BorrowedChunks) -> None:
         st = self._st

@@ -445,6 +445,15 @@ class ChunkStore(KVStoreBase):
         """
         return self._direct.borrow_chunks(ns, keys)
 
+    def try_borrow_chunks(self, ns: Namespace, keys: Sequence[ChunkKey]) -> BorrowedChunks | None:
+        """``borrow_chunks`` if it can finish at once (store lock free, nothing to read from a
+        lower or remote tier), else None with nothing pinned (``DirectIO.try_borrow_chunks``).
+
+        Raises:
+            ValueError: a key of another namespace. RuntimeError: store closed.
+        """
+        return self._direct.try_borrow_chunks(ns, keys)
+
     def close(self) -> None:
         with self._st.lock:
             if self._st.closed:

@@ -66,7 +66,11 @@ async def get(c: "Connection", h: dict) -> None:
     state = c.state
     # a timeout landing during a store call must neither leak the pins nor drop them while
     # read_lower still reads (and promotes) under them
-    b = await state.call_owned(c.store.borrow_chunks, BorrowedChunks.release, ns, keys)
+    store = c.store
+    # inline when the store lock is free and every chunk is in host memory (no thread hop)
+    b = store.try_borrow_chunks(ns, keys) if hasattr(store, "try_borrow_chunks") else None
+    if b is None:
+        b = await state.call_owned(store.borrow_chunks, BorrowedChunks.release, ns, keys)
     budget, lower, kept = 0, None, False
     try:
         if b.lower:
@@ -102,10 +106,12 @@ def _describe(b: BorrowedChunks) -> tuple[list, list[memoryview]]:
 
 
 async def _release_after(state, lower, b: BorrowedChunks) -> None:
-    """Drop a get's pins once its read of lower tiers (if any) has finished."""
+    """Drop a get's pins once its read of lower tiers (if any) has finished (inline when
+    ``try_release`` can, else on the store pool)."""
     if lower is not None:
         await asyncio.wait([lower])
-    await state.call(b.release)
+    if not b.try_release():
+        await state.call(b.release)
 
 
 async def put(c: "Connection", h: dict) -> dict:

@@ -120,6 +120,10 @@ class Connection:
             self._release_soon(b)
 
     def _release_soon(self, b) -> None:
+        """Release ``b`` inline when that cannot wait (``BorrowedChunks.try_release``), else
+        on the store pool."""
+        if b.try_release():
+            return
         try:
             self.state.pool.submit(b.release)
         except RuntimeError:  # pool shut down (the server is stopping): release here
