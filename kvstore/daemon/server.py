@@ -20,8 +20,10 @@ Routes (wire format in ``kvstore.daemon.protocol``):
     POST /v1/clear       JSON {namespace} or {all: true} -> {removed}
     POST /v1/pin         JSON {namespace, keys, lease_s} -> {pinned, lease_s}
     POST /v1/unpin       JSON {namespace, keys}        -> {unpinned}
-    GET  /v1/whoami      JSON {tenant, role, cache_salt}: the caller's identity and the salt
-                         its namespaces must carry (``kvstore.daemon.tenants``)
+    GET  /v1/whoami      JSON {tenant, role, cache_salt, unix_socket, instance}: the caller's
+                         identity, the salt its namespaces must carry
+                         (``kvstore.daemon.tenants``), and the daemon's same-host socket (or
+                         null) and per-start id, as /v1/stats gives them
 
 Auth (``kvstore.daemon.tenants``): with a token or tenants configured, every route but /healthz and
 /readyz needs ``Authorization: Bearer TOKEN`` of a known tenant (else 401). A tenant may name
@@ -174,7 +176,12 @@ async def exists(request: web.Request) -> web.Response:
 
 
 async def whoami(request: web.Request) -> web.Response:
-    return _ok(caller(request).whoami())
+    """The caller's identity, plus the daemon's ``unix_socket`` (None without a same-host
+    path) and ``instance`` as /v1/stats gives them (which tenant tokens may not read): a
+    client finds the same-host path of this very daemon from either."""
+    state = request.app[STATE_KEY]
+    return _ok({**caller(request).whoami(), "unix_socket": state.unix_socket,
+                "instance": state.instance})
 
 
 async def remove(request: web.Request) -> web.Response:

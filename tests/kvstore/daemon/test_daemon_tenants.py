@@ -43,6 +43,12 @@ def chunk(seed: int) -> torch.Tensor:
     return torch.randn(LAYOUT.shape(), generator=g).to(torch.float16)  # [2, 2, 4, 1, 8]
 
 
+def ident(client) -> dict:
+    """``whoami``'s identity fields (it also names the daemon's socket and instance)."""
+    who = client.whoami()
+    return {k: who[k] for k in ("tenant", "role", "cache_salt")}
+
+
 def status_of(fn, *args, **kw) -> int:
     """200 if the call succeeds, else the daemon's error status."""
     try:
@@ -142,7 +148,7 @@ def test_the_longest_token_allowed_authenticates_through_the_server():
     srv = ThreadedServer(create_app(store, ServerLimits(tenants=table)))
     try:
         with KVStoreClient(srv.url, auth_token=longest, timeout_s=10) as client:
-            assert client.whoami() == {"tenant": "big", "role": "reader", "cache_salt": "big"}
+            assert ident(client) == {"tenant": "big", "role": "reader", "cache_salt": "big"}
     finally:
         srv.stop()
         store.close()
@@ -167,9 +173,9 @@ def test_bind_salt_puts_a_clients_salt_under_its_tenants():
 # ---- the daemon -----------------------------------------------------------------------------
 def test_whoami_names_each_tokens_tenant_role_and_salt(daemon):
     c = daemon.clients
-    assert c["alice"].whoami() == {"tenant": "alice", "role": "tenant", "cache_salt": "alice"}
-    assert c["dash"].whoami() == {"tenant": "dash", "role": "reader", "cache_salt": "alice"}
-    assert c["ops"].whoami() == {"tenant": "ops", "role": "admin", "cache_salt": None}
+    assert ident(c["alice"]) == {"tenant": "alice", "role": "tenant", "cache_salt": "alice"}
+    assert ident(c["dash"]) == {"tenant": "dash", "role": "reader", "cache_salt": "alice"}
+    assert ident(c["ops"]) == {"tenant": "ops", "role": "admin", "cache_salt": None}
 
 
 def test_a_tenants_clear_all_is_403_and_the_other_tenants_chunks_stay(daemon):
@@ -288,7 +294,7 @@ def test_the_single_auth_token_is_one_admin_and_may_join_a_tenants_file(tmp_path
     store = ChunkStore(StoreConfig(cpu_bytes=1 << 20, page_bytes=256))
     with ThreadedServer(create_app(store, ServerLimits(auth_token="tok"))) as srv, \
             KVStoreClient(srv.url, auth_token="tok", timeout_s=10) as c:
-        assert c.whoami() == {"tenant": "admin", "role": "admin", "cache_salt": None}
+        assert ident(c) == {"tenant": "admin", "role": "admin", "cache_salt": None}
         assert c.put_chunks(NS_A, KA, [chunk(i) for i in range(3)]) == 3
         assert c.put_chunks(NS_B, KB, [chunk(i) for i in range(2)]) == 2
         assert c.clear() == 5
@@ -352,11 +358,11 @@ def test_kvstore_serve_reads_the_tenants_file_and_never_logs_a_token(tmp_path):
         with KVStoreClient(d.url, auth_token=TOKENS["alice"], timeout_s=10) as a, \
                 KVStoreClient(d.url, auth_token="wrong-token-0123456789", timeout_s=10) as w, \
                 d.client(timeout_s=10) as admin:
-            assert a.whoami() == {"tenant": "alice", "role": "tenant", "cache_salt": "alice"}
+            assert ident(a) == {"tenant": "alice", "role": "tenant", "cache_salt": "alice"}
             assert a.put_chunks(NS_A, KA, [chunk(i) for i in range(3)]) == 3
             assert status_of(a.clear) == 403 and status_of(a.get_chunks, NS_B, KB) == 403
             assert status_of(w.whoami) == 401
-            assert admin.whoami() == {"tenant": "admin", "role": "admin", "cache_salt": None}
+            assert ident(admin) == {"tenant": "admin", "role": "admin", "cache_salt": None}
             assert admin.clear() == 3
     finally:
         assert d.stop() == 0
