@@ -32,6 +32,7 @@ a value Redis evicted is simply a miss.
 from __future__ import annotations
 
 import logging
+import math
 import re
 import threading
 import time
@@ -145,9 +146,10 @@ class RemoteTier:
         if not isinstance(key_prefix, str) or not _PREFIX_RE.match(key_prefix):
             raise ValueError(f"remote key prefix must be 1-64 of letters, digits, _.-/, got "
                              f"{key_prefix!r}")
-        if not ttl_s >= 0 or not timeout_s > 0 or queue_bytes <= 0:
-            raise ValueError(f"remote tier needs ttl_s >= 0, timeout_s > 0 and queue_bytes > 0, "
-                             f"got {ttl_s}, {timeout_s}, {queue_bytes}")
+        if (not 0 <= ttl_s < math.inf or not 0 < timeout_s < math.inf
+                or not isinstance(queue_bytes, int) or queue_bytes <= 0):
+            raise ValueError(f"remote tier needs a finite ttl_s >= 0, a finite timeout_s > 0 and "
+                             f"a whole queue_bytes > 0, got {ttl_s}, {timeout_s}, {queue_bytes}")
         if codec != "auto" and codec not in CODECS:
             raise ValueError(f"unknown remote codec {codec!r}; choose one of {CODECS} or 'auto'")
         self.endpoint = parse_redis_url(url, password)
@@ -165,9 +167,13 @@ class RemoteTier:
         self._writer = threading.Thread(target=self._writer_loop, name="kvstore-remote-writer",
                                         daemon=True)
         self._writer.start()
-        log.info("remote tier: %s %s, key prefix %r, ttl %ss, deadline %.3fs",
+        for node in self.nodes.primaries():  # (every master's series exists from the start)
+            self.nodes.breaker(node)
+            self.metrics.add_node(node)
+        log.info("remote tier: %s %s, key prefix %r, ttl %s, deadline %.3fs",
                  "Redis Cluster" if self.nodes.cluster else "Redis", self.endpoint,
-                 key_prefix, self.ttl_s or "none", self.timeout_s)
+                 key_prefix, f"{max(1, round(self.ttl_s))}s" if self.ttl_s else "none",
+                 self.timeout_s)
 
     def _on_breaker(self, node: str, state: str) -> None:
         if state == "open":

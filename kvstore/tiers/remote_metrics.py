@@ -15,6 +15,9 @@ from kvstore.tiers.breaker import STATE_VALUE
 
 LATENCY_BUCKETS_S = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0)
 
+#: label values known in advance (exported at 0 from the start)
+REASONS = {"validation_failures": ("header", "version", "truncated", "key", "layout", "checksum"),
+           "dropped_writes": ("queue_full", "full", "unavailable", "error", "closed")}
 #: name -> (help, label or None)
 _COUNTERS = {
     "lookups": ("Chunks probed in Redis by lookups (EXISTS)", None),
@@ -28,7 +31,8 @@ _COUNTERS = {
     "validation_failures": ("Values that failed a check on read (deleted, served as misses)",
                             "reason"),
     "dropped_writes": ("Writes not done: queue_full, full (Redis maxmemory), unavailable "
-                       "(node down or its breaker open), error", "reason"),
+                       "(node down or its breaker open), error, closed (queued at close)",
+                       "reason"),
     "deleted": ("Values deleted (remove, clear, invalid values)", None),
     "breaker_opens": ("Times a node's circuit breaker opened", "node"),
 }
@@ -59,6 +63,14 @@ class RemoteMetrics:
         self.latency = Histogram("kvstore_remote_latency_seconds",
                                  "Remote tier call latency (all nodes of a call) by operation",
                                  ["op"], buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        for name, reasons in REASONS.items():
+            for reason in reasons:
+                self._counters[name].labels(reason)
+
+    def add_node(self, node: str) -> None:
+        """Export a master's breaker series (state 0, closed; no opens) before any change."""
+        self.breaker_state.labels(node=node).set(STATE_VALUE["closed"])
+        self._counters["breaker_opens"].labels(node)
 
     def inc(self, name: str, n: int = 1, label: str | None = None) -> None:
         """Add ``n`` to counter ``name`` (with its label value when it has one).
