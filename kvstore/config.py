@@ -133,9 +133,14 @@ class StoreConfig:
             object.__setattr__(self, "remote_url", ep.without_password())
         for name in ("remote_ttl_s", "remote_timeout_s"):
             object.__setattr__(self, name, float(getattr(self, name)))
-        if not self.remote_ttl_s >= 0 or not 0 < self.remote_timeout_s < float("inf"):
-            raise ValueError(f"remote_ttl_s must be >= 0 and remote_timeout_s > 0, got "
-                             f"{self.remote_ttl_s} and {self.remote_timeout_s}")
+        if not 0 <= self.remote_ttl_s < float("inf") or not 0 < self.remote_timeout_s < float("inf"):
+            raise ValueError(f"remote_ttl_s must be >= 0 (finite) and remote_timeout_s > 0 "
+                             f"(finite), got {self.remote_ttl_s} and {self.remote_timeout_s}")
+        import re
+        if not isinstance(self.remote_key_prefix, str) or \
+                not re.fullmatch(r"[A-Za-z0-9_.\-/]{1,64}", self.remote_key_prefix):
+            raise ValueError(f"remote_key_prefix must be 1-64 of letters, digits, _.-/, got "
+                             f"{self.remote_key_prefix!r}")
         if type(self.remote_breaker_failures) is not int or self.remote_breaker_failures < 1 \
                 or not 0 < float(self.remote_breaker_reset_s) < float("inf"):
             raise ValueError(f"remote_breaker_failures must be an int >= 1 and "

@@ -73,6 +73,10 @@ def parse_redis_url(url: str, password: str | None = None,
     user, pw = "", None
     if "@" in rest:
         auth, rest = rest.rsplit("@", 1)
+        if "@" in auth:
+            raise ValueError("remote URL: one user:password@ before all the nodes "
+                             "(redis://user:password@h1:p1,h2:p2); percent-encode an '@' in a "
+                             "password")
         user, sep, pw_text = auth.partition(":")
         user = unquote(user)
         pw = unquote(pw_text) if sep else None

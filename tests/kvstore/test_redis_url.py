@@ -138,3 +138,17 @@ def test_ipv6_nodes_need_brackets_and_print_with_them():
     for bad in ("redis://::1", "redis://[::1", "redis://[::1]x"):
         with pytest.raises(ValueError, match=r"\[addr\]:port"):
             parse_redis_url(bad, env={})
+
+
+def test_credentials_per_node_are_refused_not_folded_into_a_password():
+    with pytest.raises(ValueError, match="one user:password@") as e:
+        parse_redis_url("redis://:pw1@h:1,:pw2@h:2", env={})
+    assert "pw1" not in str(e.value) and "pw2" not in str(e.value)
+    assert parse_redis_url("redis://:p%40ss@h:1,h:2", env={}).password == "p@ss"
+
+
+def test_store_config_refuses_an_infinite_ttl_and_a_bad_prefix():
+    for bad in (dict(remote_ttl_s=float("inf")), dict(remote_key_prefix="a b"),
+                dict(remote_key_prefix="a:b"), dict(remote_key_prefix="")):
+        with pytest.raises(ValueError, match="remote_ttl_s|remote_key_prefix"):
+            StoreConfig(remote_url="redis://h:1", **bad)
