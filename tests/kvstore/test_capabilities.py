@@ -120,7 +120,9 @@ def test_a_chunk_store_whose_reads_are_redefined_declares_no_borrowed_reads():
 def test_client_declares_remote_and_no_direct_io(daemon):
     with KVStoreClient(daemon.url, timeout_s=5.0) as c:
         caps = c.capabilities
-        assert caps == StoreCapabilities(remote=True, pins=True, tiers=("remote",))
+        # get_chunks(out=) fills caller buffers on both paths (HTTP and the same-host socket)
+        assert caps == StoreCapabilities(remote=True, pins=True, get_into_buffers=True,
+                                         tiers=("remote",))
         assert not hasattr(c, "borrow_chunks") and not hasattr(c, "reserve_chunks")
         assert not hasattr(c, "persist") and not hasattr(c, "try_lookup_keys")
         assert c.put_chunks(NS, KEYS[:2], [chunk(0), chunk(1)]) == 2
