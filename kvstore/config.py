@@ -136,11 +136,8 @@ class StoreConfig:
         if not 0 <= self.remote_ttl_s < float("inf") or not 0 < self.remote_timeout_s < float("inf"):
             raise ValueError(f"remote_ttl_s must be >= 0 (finite) and remote_timeout_s > 0 "
                              f"(finite), got {self.remote_ttl_s} and {self.remote_timeout_s}")
-        import re
-        if not isinstance(self.remote_key_prefix, str) or \
-                not re.fullmatch(r"[A-Za-z0-9_.\-/]{1,64}", self.remote_key_prefix):
-            raise ValueError(f"remote_key_prefix must be 1-64 of letters, digits, _.-/, got "
-                             f"{self.remote_key_prefix!r}")
+        from kvstore.tiers.remote_values import check_key_prefix
+        check_key_prefix(self.remote_key_prefix, "remote_key_prefix")
         if type(self.remote_breaker_failures) is not int or self.remote_breaker_failures < 1 \
                 or not 0 < float(self.remote_breaker_reset_s) < float("inf"):
             raise ValueError(f"remote_breaker_failures must be an int >= 1 and "

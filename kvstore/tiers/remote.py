@@ -33,10 +33,8 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import threading
 import time
-import warnings
 from collections import deque
 from typing import Sequence
 
@@ -44,13 +42,13 @@ import torch
 from prometheus_client import CollectorRegistry
 from redis.exceptions import AskError, MovedError, OutOfMemoryError, RedisError, ResponseError
 
-from kvstore.codec import (CODECS, MAGIC, TRAILER_BYTES, CorruptChunkError, pack_value,
-                           unpack_header, unpack_value)
+from kvstore.codec import CODECS, pack_value
 from kvstore.keys import ChunkKey
-from kvstore.layout import DTYPES, KVLayout, dtype_name
+from kvstore.layout import KVLayout, dtype_name
 from kvstore.tiers.redis_nodes import RedisNodes
 from kvstore.tiers.redis_url import parse_redis_url
 from kvstore.tiers.remote_metrics import RemoteMetrics
+from kvstore.tiers.remote_values import check_key_prefix, decode_value, failure_reason
 
 log = logging.getLogger("kvstore.tiers.remote")
 
@@ -61,53 +59,6 @@ BATCH_BYTES = 32 * 2**20
 #: A get's deadline is ``timeout_s`` plus this many seconds per GiB of chunks asked (a floor
 #: of 256 MiB/s: a long prompt's chunks are not cut off by a deadline sized for a lookup).
 GET_SECONDS_PER_GIB = 4.0
-_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.\-/]{1,64}$")
-
-
-def _tensor(raw, dtype: str, shape) -> torch.Tensor:
-    """A tensor over ``raw`` (uint8 numpy, maybe a read-only view of the received value: no
-    copy of a chunk that was just received whole; the store copies it into its top tier, the
-    engine into its KV cache)."""
-    if not raw.flags.writeable:
-        with warnings.catch_warnings():  # (the value's bytes are ours alone; nobody writes them)
-            warnings.simplefilter("ignore", UserWarning)
-            t = torch.from_numpy(raw)
-    else:
-        t = torch.from_numpy(raw)
-    return t.view(DTYPES[dtype]).view(shape)
-
-
-def _decode(key: ChunkKey, value: bytes, shape: tuple, dtype: str) -> tuple:
-    """``(kv, parent, nbytes)`` of a valid value, or ``("invalid", why, nbytes, value)``."""
-    try:
-        h, raw = unpack_value(value, bytes(key), copy=False)
-        if h.dtype != dtype or tuple(h.shape) != shape:
-            raise CorruptChunkError(f"layout: value is {h.dtype} {list(h.shape)}, the "
-                                    f"namespace says {dtype} {list(shape)}")
-        parent = ChunkKey.from_bytes(h.parent) if h.parent else None
-    except (CorruptChunkError, ValueError) as e:
-        return ("invalid", str(e), len(value), value)
-    return (_tensor(raw, h.dtype, h.shape), parent, len(value))
-
-
-def failure_reason(value: bytes, why: str) -> str:
-    """Which check a value failed, as a ``validation_failures`` label: ``header`` (not a chunk
-    value: bad magic), ``version`` (a format version this build does not read), ``truncated``
-    (shorter than its header says), ``key`` (another chunk's or namespace's value), ``layout``
-    (a dtype or shape other than the namespace's), ``checksum`` (bytes changed)."""
-    if bytes(value[:4]) != MAGIC:
-        return "header"
-    try:
-        h = unpack_header(value)
-    except CorruptChunkError as e:
-        return "truncated" if "truncated" in str(e) or "shorter" in str(e) else "version"
-    if h.codec == "raw" and len(value) < h.payload_offset + h.raw_nbytes + TRAILER_BYTES:
-        return "truncated"
-    if why.startswith("layout"):
-        return "layout"
-    if "belongs to key" in why:
-        return "key"
-    return "checksum"
 
 
 class RemoteTier:
@@ -143,9 +94,7 @@ class RemoteTier:
                  password: str | None = None, codec: str = "raw",
                  registry: CollectorRegistry | None = None, breaker_threshold: int = 3,
                  breaker_reset_s: float = 5.0) -> None:
-        if not isinstance(key_prefix, str) or not _PREFIX_RE.match(key_prefix):
-            raise ValueError(f"remote key prefix must be 1-64 of letters, digits, _.-/, got "
-                             f"{key_prefix!r}")
+        check_key_prefix(key_prefix)
         if (not 0 <= ttl_s < math.inf or not 0 < timeout_s < math.inf
                 or not isinstance(queue_bytes, int) or queue_bytes <= 0):
             raise ValueError(f"remote tier needs a finite ttl_s >= 0, a finite timeout_s > 0 and "
@@ -248,7 +197,7 @@ class RemoteTier:
         shape, dtype = layout.shape(), layout.dtype
 
         def check(node, values):  # on the node's worker, as soon as its answers are in
-            return [_decode(key, value, shape, dtype) if isinstance(value, (bytes, bytearray))
+            return [decode_value(key, value, shape, dtype) if isinstance(value, (bytes, bytearray))
                     else None for (key, _), value in zip(order[node], values)]
 
         allowance = len(keys) * layout.chunk_bytes / 2**30 * GET_SECONDS_PER_GIB
