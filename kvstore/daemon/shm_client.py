@@ -5,9 +5,10 @@ daemon's CPU arena mapped read-only (``kvstore.daemon.shm_protocol``).
 A get moves no chunk bytes through the socket when the chunks are in the daemon's CPU tier:
 the daemon pins them and answers with their page runs in the arena; the client copies the
 runs straight into the destination (a new tensor, or the caller's ``out`` buffers), then
-sends ``release``. Chunks of lower tiers come inline in the reply. A put sends the chunks'
-bytes from the tensors' own memory (``sendmsg``, no join copy); the daemon reads them into
-reserved arena pages and checks each xxh3 before committing.
+sends ``release``. Chunks of lower tiers come inline in the reply. A put copies the chunks
+into the connection's staging area (a memfd of the client's that the daemon maps read-only),
+pipelined over requests; the daemon copies them into reserved arena pages and checks each
+xxh3 before committing (``kvstore.daemon.shm_put``).
 
 Deadlines and errors as ``kvstore.daemon.client.KVStoreClient``: every call ends within its
 deadline (``timeout_s``) with a result, ``StoreUnavailable`` (daemon gone, refused, hung),
@@ -18,7 +19,6 @@ retried once sent. A connection that failed mid-call is closed, which releases i
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import threading
@@ -30,6 +30,7 @@ import torch
 from kvstore.api import KVStoreBase, LookupResult, StoreCapabilities
 from kvstore.daemon import protocol as P
 from kvstore.daemon.shm_conn import Conn, unix_path
+from kvstore.daemon.shm_put import STAGING_BYTES, put_on
 from kvstore.errors import RemoteError, StoreUnavailable
 from kvstore.keys import ChunkKey, Namespace
 
@@ -59,6 +60,9 @@ class ShmKVStoreClient(KVStoreBase):
         refused_tries: attempts while the socket is absent or refuses before a call raises
             ``StoreUnavailable`` (None: until the deadline).
         refused_backoff_s: wait between refused attempts (seconds).
+        staging_bytes: bytes of each connection's put staging area (a sealed memfd the
+            daemon copies chunks out of; ``kvstore.daemon.shm_put``); 0: puts send their bytes
+            over the socket.
 
     Raises:
         ValueError: a malformed path or ``refused_tries``.
@@ -68,7 +72,8 @@ class ShmKVStoreClient(KVStoreBase):
 
     def __init__(self, path: str, *, auth_token: str | None = None, timeout_s: float = 10.0,
                  durable: bool = False, pool_size: int = 32, retry_backoff_s: float = 0.02,
-                 refused_tries: int | None = 2, refused_backoff_s: float = 0.05):
+                 refused_tries: int | None = 2, refused_backoff_s: float = 0.05,
+                 staging_bytes: int = STAGING_BYTES):
         if refused_tries is not None and (type(refused_tries) is not int or refused_tries < 1):
             raise ValueError(f"refused_tries must be a positive int or None, got "
                              f"{refused_tries!r}")
@@ -76,6 +81,9 @@ class ShmKVStoreClient(KVStoreBase):
         self.url = "unix://" + self.path
         self.timeout_s, self.durable, self.pool_size = timeout_s, durable, pool_size
         self.retry_backoff_s = retry_backoff_s
+        if type(staging_bytes) is not int or staging_bytes < 0:
+            raise ValueError(f"staging_bytes must be an int >= 0, got {staging_bytes!r}")
+        self.staging_bytes = staging_bytes
         self.refused_tries, self.refused_backoff_s = refused_tries, refused_backoff_s
         self._token = auth_token or None
         self._lock = threading.Lock()
@@ -246,8 +254,9 @@ class ShmKVStoreClient(KVStoreBase):
                           timeout_s=timeout_s)
 
     def put_chunks(self, ns, keys, kvs, parents=None, *, durable=None, timeout_s=None) -> int:
-        """Store chunks (their bytes sent from the tensors' memory). ``parents`` and the
-        result as ``KVStoreBase.put_chunks``; ``durable`` waits for the disk tier's commit.
+        """Store chunks, through the connection's staging area or from the tensors' memory
+        over the socket (``kvstore.daemon.shm_put``). ``parents`` and the result as
+        ``KVStoreBase.put_chunks``; ``durable`` waits for the disk tier's commit.
 
         Raises:
             ValueError: ``len(keys) != len(kvs)``, a bad ``parents`` count, or a tensor not
@@ -261,19 +270,9 @@ class ShmKVStoreClient(KVStoreBase):
             return 0
         for kv in kvs:
             ns.layout.validate(kv)
-        parts = [P.entry_for(k, kv) for k, kv in zip(keys, kvs)]
-        entries = [e for e, _ in parts]
-        if parents is not None:
-            entries = [dataclasses.replace(e, parent=p, parent_given=True)
-                       if i == 0 or p != keys[i - 1] else e
-                       for i, (e, p) in enumerate(zip(entries, parents))]
-        from kvstore.daemon.shm_protocol import encode_frame
-        head = encode_frame({"op": "put", "namespace": ns.to_dict(),
-                             "durable": self.durable if durable is None else bool(durable),
-                             "chunks": [e.to_dict() for e in entries]},
-                            sum(e.nbytes for e in entries))
-        views = [v for _, v in parts]
-        return self._call("put", lambda c, d: c.request(head, d, views)["stored"],
+        durable = self.durable if durable is None else bool(durable)
+        return self._call("put", lambda c, d: put_on(c, d, ns, keys, kvs, parents, durable,
+                                                     self.staging_bytes),
                           idempotent=True, timeout_s=timeout_s)
 
     def close(self) -> None:

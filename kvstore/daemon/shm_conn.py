@@ -117,6 +117,10 @@ class Conn:
 
     def __init__(self, path: str, token: str | None, deadline: float, arenas: dict):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        #: the put staging area passed to the daemon (``kvstore.daemon.shm_put``), if any
+        self.staging = None
+        #: True once the daemon (or this system) refused a staging area: put over the socket
+        self.staging_refused = False
         try:
             for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
                 self.sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
@@ -179,9 +183,19 @@ class Conn:
         """
         self.send([header if isinstance(header, bytes) else S.encode_frame(header)]
                   + list(payload), deadline)
+        return self.reply(deadline)
+
+    def reply(self, deadline: float) -> dict:
+        """Read the next reply's header (after requests sent with ``send``); raises as
+        ``request``."""
         self._until(deadline)
         reply, n = S.recv_frame(self.sock)
         return self.check(reply, n)
+
+    def send_fds(self, data: bytes, fds: list[int], deadline: float) -> None:
+        """Send ``data`` with ``fds`` attached (``SCM_RIGHTS``), in a message of its own."""
+        self._until(deadline)
+        S.send_with_fds(self.sock, data, fds)
 
     def check(self, reply: dict, payload_bytes: int) -> dict:
         """``reply`` if ``ok``; else its payload is skipped and ``RemoteError`` raised."""
@@ -214,6 +228,9 @@ class Conn:
             self.sock.close()
         except OSError:
             pass
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
 
 
 def key_frame(op: str, key_request_json: bytes) -> bytes:

@@ -10,15 +10,19 @@ payload from the connection; any payload a handler leaves unread is an error.
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
+import numpy as np
+import torch
 import xxhash
 
 from kvstore.daemon import protocol as P
 from kvstore.daemon.payload import DROP_SCRATCH, can_persist, persist
+from kvstore.daemon.shm_staging import copy_hashed, map_client_staging
 from kvstore.daemon.state import _check_fits, _shaped
 from kvstore.daemon.tenants import READ, WRITE
-from kvstore.direct import BorrowedChunks, Reservation
+from kvstore.direct import ALREADY_STORED, BorrowedChunks, Reservation
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.daemon.shm_server import Connection
@@ -126,12 +130,16 @@ async def put(c: "Connection", h: dict) -> dict:
     if durable and not can_persist(store):
         raise P.ProtocolError("durable put needs a disk tier (serve with --disk-path and "
                               "--disk-bytes)")
-    if c.payload_left != P.payload_total(entries):
+    staged = _staged_source(c, h, entries)
+    if staged is None and c.payload_left != P.payload_total(entries):
         raise P.ProtocolError(f"payload is {c.payload_left} bytes but the chunks declare "
                               f"{P.payload_total(entries)}")
-    budget, bufs, items, handed = [0], [], [None] * len(entries), False
+    budget, bufs, items, handed, copying = [0], [], [None] * len(entries), False, []
     try:
-        await _read_chunks(c, ns, entries, durable, budget, bufs, items)
+        if staged is None:
+            await _read_chunks(c, ns, entries, durable, budget, bufs, items)
+        else:
+            await _copy_staged(c, ns, entries, durable, budget, bufs, items, staged, copying)
         keys, parents = [e.key for e in entries], P.put_parents(entries)
         dropped = sum(it is None for it in items)
         handed = True  # the store owns the reservations now
@@ -143,6 +151,8 @@ async def put(c: "Connection", h: dict) -> dict:
             await state.call_shielded(persist, store, ns, keys, items, parents)
         items = []
     finally:
+        if copying and not copying[0].done():  # cancelled mid-copy: the pages are still written
+            await asyncio.shield(asyncio.wait(copying))
         if not handed:
             store.release_reservations(items)
         if not handed or state.reuse_put_buffers:
@@ -192,6 +202,92 @@ async def _read_chunks(c: "Connection", ns, entries, durable: bool, budget: list
             state.rejected.labels("checksum").inc()
             raise P.ProtocolError(f"checksum mismatch for key {e.key.hex()[:16]}...; "
                                   "nothing stored")
+
+
+def _staged_source(c: "Connection", h: dict, entries) -> np.ndarray | None:
+    """The staging bytes of a put from the connection's staging area (``staging_offset`` in
+    the header), or None for a put whose bytes follow on the socket.
+
+    Raises:
+        ProtocolError: no staging area, a bad offset, chunks past its end, or a payload too.
+    """
+    off = h.get("staging_offset")
+    if off is None:
+        return None
+    total = P.payload_total(entries)
+    if c.staging is None:
+        raise P.ProtocolError("put from staging before any stage request")
+    if type(off) is not int or off < 0 or off + total > c.staging.size:
+        raise P.ProtocolError(f"staging_offset {off!r} with {total} chunk bytes does not fit "
+                              f"the staging area of {c.staging.size} bytes")
+    if c.payload_left:
+        raise P.ProtocolError("a put from staging carries no payload")
+    return c.staging[off:off + total]
+
+
+async def _copy_staged(c: "Connection", ns, entries, durable: bool, budget: list[int],
+                       bufs: list, items: list, src: np.ndarray, copying: list) -> None:
+    """Fill ``items`` as ``_read_chunks`` does, from the client's staging bytes ``src``:
+    reserve the whole batch at once, stage into buffers what must go to a lower tier, then
+    copy and hash every chunk on the store pool (``copying`` holds that future, so that a
+    cancelled request waits for it before its pages are given back). Chunks stored already or
+    with no room anywhere are not read. Raises ProtocolError on a checksum mismatch."""
+    state, store = c.state, c.store
+    direct = state.direct and not durable
+    lower = store.capabilities.has_lower_tiers
+    keys, parents = [e.key for e in entries], P.put_parents(entries)
+    if direct:
+        items[:] = await state.call_owned(store.reserve_chunks, store.release_reservations,
+                                          ns, keys, parents)
+    need = [i for i, it in enumerate(items) if not direct or (it is None and lower)]
+    if need:
+        await _take_budget(state, budget, len(need) * ns.layout.chunk_bytes)
+    for i in need:
+        buf = state.buffers.take(ns.layout.chunk_bytes)
+        bufs.append(buf)
+        items[i] = _shaped(buf, ns.layout)  # [L, 2, T, H, D]
+    copying.append(asyncio.ensure_future(state.call(_copy_entries, src, entries, list(items))))
+    bad = await asyncio.shield(copying[0])
+    if bad is not None:
+        state.rejected.labels("checksum").inc()
+        raise P.ProtocolError(f"checksum mismatch for key {bad.key.hex()[:16]}...; nothing "
+                              "stored")
+
+
+def _copy_entries(src: np.ndarray, entries, items) -> Any:
+    """Copy each entry's bytes from ``src`` into its reservation or buffer, hashing what
+    landed there; the first entry whose hash differs from its ``xxh3``, or None."""
+    pos = 0
+    for e, it in zip(entries, items):
+        s, pos = src[pos:pos + e.nbytes], pos + e.nbytes
+        if isinstance(it, Reservation):
+            dsts, o = [], 0
+            for v in it.memoryviews():
+                dsts.append((o, np.frombuffer(v, dtype=np.uint8)))
+                o += v.nbytes
+        elif it is not None and it is not ALREADY_STORED:
+            dsts = [(0, it.view(torch.uint8).reshape(-1).numpy())]
+        else:
+            continue
+        if copy_hashed(s, dsts) != e.xxh3:
+            return e
+    return None
+
+
+async def stage(c: "Connection", h: dict) -> dict:
+    """Map the client's staging memfd (passed on the request's one payload byte) read-only
+    (``kvstore.daemon.shm_staging``); a later ``stage`` replaces it."""
+    if c.payload_left != 1:
+        raise P.ProtocolError("stage carries its memfd on a payload of exactly 1 byte")
+    fds = await c.recv_fds()
+    try:
+        if len(fds) != 1:
+            raise P.ProtocolError(f"stage must pass exactly one descriptor, got {len(fds)}")
+        c.staging = map_client_staging(fds[0], h.get("nbytes"), c.state.limits.max_body_bytes)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return _ok(staging_bytes=int(c.staging.size))
 
 
 async def _recv_hashed(c: "Connection", view: memoryview, hasher) -> None:
@@ -249,6 +345,6 @@ async def stats(c: "Connection", h: dict) -> dict:
 #: op name -> handler (``release`` and ``hello`` are the connection's own)
 HANDLERS: dict[str, Callable[["Connection", dict], Awaitable[dict | None]]] = {
     "lookup": lookup, "exists": exists, "get": get, "put": put, "remove": remove,
-    "clear": clear, "pin": pin, "unpin": unpin, "stats": stats}
+    "clear": clear, "pin": pin, "unpin": unpin, "stats": stats, "stage": stage}
 
 __all__ = ["HANDLERS", "RECV_SLICE"]

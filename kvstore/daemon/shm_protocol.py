@@ -16,8 +16,8 @@ Every request header has ``"op"``; keys travel as hex of ``bytes(ChunkKey)``, na
 status the same failure gets over HTTP: 400 bad input, 401 bad token, 403 another tenant's
 namespace or a reader's write, 404 unknown op, 413 too many keys, 503 shutting down).
 
-Requests and replies, in order on one connection (one request in flight per connection, except
-``release``, which has no reply):
+Requests and replies, in order on one connection (a client may send requests before reading
+earlier replies; they are served and answered in order; ``release`` has no reply):
 
 =========  =====================================================  ==================================
 op         request fields                                         reply fields
@@ -47,7 +47,16 @@ clear      ``namespace`` (or null: admin only)                    ``removed``
 pin        ``namespace``, ``keys``, ``lease_s`` (or null)         ``pinned``
 unpin      ``namespace``, ``keys``                                ``unpinned``
 stats      (none)                                                 as ``/v1/stats``
+stage      ``nbytes``; payload = 1 byte carrying the client's     ``staging_bytes``
+           staging memfd (``SCM_RIGHTS``;
+           ``kvstore.daemon.shm_staging``)
 =========  =====================================================  ==================================
+
+A put may instead take its chunks' bytes from the connection's staging area: the put header
+plus ``staging_offset`` (the first chunk's byte offset in the staging area; the chunks lie
+back to back from there) and no payload. The daemon copies each chunk into reserved arena
+pages and hashes the copy, so the client must not rewrite those bytes before the put's reply
+(it may send the next request first: replies come in request order, one per request).
 
 Pins of a get (``borrow``) belong to the connection: ``release`` drops them, and so does the
 connection's end (a client that dies releases everything it held). A pinned chunk's pages are
@@ -74,7 +83,7 @@ from kvstore.daemon.protocol import (MAX_HEADER_BYTES, PREAMBLE, PREAMBLE_BYTES,
 SHM_VERSION = 1
 #: ops with a reply (``release`` has none)
 OPS = ("hello", "lookup", "exists", "get", "release", "put", "remove", "clear", "pin", "unpin",
-       "stats")
+       "stats", "stage")
 #: ``struct ucred`` of ``SO_PEERCRED``: pid, uid, gid
 _UCRED = struct.Struct("3i")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import array
 import asyncio
 import logging
+import os
 import socket
 import time
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,8 @@ class Connection:
         self.payload_left = 0
         self.borrows: dict[int, Any] = {}
         self._next_borrow = 1
+        #: the client's put staging area (``stage``), ``np.uint8`` read-only, or None
+        self.staging = None
         sock.setblocking(False)
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             try:
@@ -70,6 +73,36 @@ class Connection:
         n = await self.recv_some(view)
         self.payload_left -= n
         return n
+
+    async def recv_fds(self) -> list[int]:
+        """Read the request's one payload byte with the descriptors it carries
+        (``SCM_RIGHTS``); the caller closes them.
+
+        Raises:
+            ConnectionError: the client closed the connection.
+        """
+        fd, room = self.sock.fileno(), socket.CMSG_SPACE(4 * array.array("i").itemsize)
+        while True:
+            try:
+                msg, anc, _flags, _addr = self.sock.recvmsg(1, room)
+                break
+            except (BlockingIOError, InterruptedError):
+                ready = self.loop.create_future()
+                self.loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+                try:
+                    await ready
+                finally:
+                    self.loop.remove_reader(fd)
+        fds = array.array("i")
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+        if not msg:
+            for f in fds:
+                os.close(f)
+            raise ConnectionError("client closed the connection")
+        self.payload_left -= len(msg)
+        return list(fds)
 
     async def recv_exact(self, n: int) -> bytes:
         buf = bytearray(n)
@@ -133,6 +166,7 @@ class Connection:
         for b in self.borrows.values():
             self._release_soon(b)
         self.borrows.clear()
+        self.staging = None
         self.sock.close()
 
     # ---- protocol ------------------------------------------------------------------------------

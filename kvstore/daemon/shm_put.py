@@ -1,0 +1,139 @@
+"""Puts of the same-host client (``kvstore.daemon.shm_client``) on one connection: through the
+connection's staging area when the daemon offers it, else over the socket.
+
+Staged (``kvstore.daemon.shm_staging``): the chunks are split into requests of about
+``GROUP_BYTES`` (whole chunks, at least one); request ``g`` is copied into half ``g % 2`` of
+the staging area, hashed as it is copied, and sent with ``staging_offset``; the client fills
+the other half while the daemon copies this one, and reads a reply only before it reuses that
+half. Each request commits on its own: a failure leaves the earlier requests' chunks stored
+(whole and checked, their parents with them), and a retry finds them stored.
+
+Over the socket: one request whose payload is sent from the tensors' own memory (``sendmsg``,
+no join copy); the daemon reads it into reserved arena pages and checks each xxh3.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Sequence
+
+import torch
+
+from kvstore.daemon import protocol as P
+from kvstore.daemon.shm_protocol import encode_frame
+from kvstore.daemon.shm_staging import ClientStaging
+from kvstore.errors import RemoteError
+from kvstore.keys import ChunkKey, Namespace
+
+#: Bytes of a connection's staging area (two halves; memory of the client, touched as used).
+STAGING_BYTES = 64 << 20
+#: Chunk bytes per put request from staging (whole chunks, at least one per request).
+GROUP_BYTES = 8 << 20
+
+
+def put_on(conn, deadline: float, ns: Namespace, keys: Sequence[ChunkKey],
+           kvs: Sequence[torch.Tensor], parents: Sequence[ChunkKey | None] | None,
+           durable: bool, staging_bytes: int = STAGING_BYTES) -> int:
+    """Store chunks on ``conn`` (a ``kvstore.daemon.shm_conn.Conn``): staged when the daemon
+    offers it and a chunk fits half the staging area, else over the socket. Returns how many
+    chunks were newly stored.
+
+    Raises:
+        RemoteError: an error reply (after every reply of the requests sent was read).
+        TimeoutError, ConnectionError, ProtocolError: as ``Conn.request``.
+    """
+    views = [P.tensor_bytes(kv) for kv in kvs]
+    staging = _staging(conn, deadline, staging_bytes) if staging_bytes else None
+    if staging is None or views[0].nbytes > staging.nbytes // 2:
+        return _put_socket(conn, deadline, ns, keys, kvs, views, parents, durable)
+    return _put_staged(conn, deadline, ns, keys, kvs, views, parents, durable, staging)
+
+
+def _staging(conn, deadline: float, nbytes: int) -> ClientStaging | None:
+    """The connection's staging area, made and passed on its first put; None when the daemon
+    refuses it (an older daemon, a smaller ``max_body_bytes``) or the system has no memfd."""
+    if conn.staging is not None or conn.staging_refused:
+        return conn.staging
+    try:
+        staging = ClientStaging(nbytes)
+    except OSError:
+        conn.staging_refused = True
+        return None
+    try:
+        conn.send([encode_frame({"op": "stage", "nbytes": nbytes}, 1)], deadline)
+        conn.send_fds(b"\0", [staging.fd], deadline)
+        conn.reply(deadline)
+    except RemoteError:  # e.g. 404 unknown op, 413 too large: put over the socket
+        staging.close()
+        conn.staging_refused = True
+        return None
+    except BaseException:
+        staging.close()
+        raise
+    conn.staging = staging
+    return staging
+
+
+def _entry(key: ChunkKey, kv: torch.Tensor, nbytes: int, xxh3: str, i: int,
+           keys: Sequence[ChunkKey], parents, first: bool) -> P.ChunkEntry:
+    """Header entry of chunk ``i``; its parent is written when it is not the previous
+    entry's key of the same request (``first``: the request's first entry)."""
+    e = P.ChunkEntry(key, nbytes, P.dtype_name(kv.dtype), tuple(kv.shape), xxh3)
+    if parents is not None:
+        if i == 0 or first or parents[i] != keys[i - 1]:
+            return P.ChunkEntry(key, nbytes, e.dtype, e.shape, xxh3, parent=parents[i],
+                                parent_given=True)
+    elif first and i:
+        return P.ChunkEntry(key, nbytes, e.dtype, e.shape, xxh3, parent=keys[i - 1],
+                            parent_given=True)
+    return e
+
+
+def _head(ns: Namespace, durable: bool, entries: list, **extra) -> dict:
+    return {"op": "put", "namespace": ns.to_dict(), "durable": durable,
+            "chunks": [e.to_dict() for e in entries], **extra}
+
+
+def _put_socket(conn, deadline, ns, keys, kvs, views, parents, durable) -> int:
+    entries = [_entry(k, kv, v.nbytes, P.checksum(v), i, keys, parents, False)
+               for i, (k, kv, v) in enumerate(zip(keys, kvs, views))]
+    head = encode_frame(_head(ns, durable, entries), sum(v.nbytes for v in views))
+    return conn.request(head, deadline, views)["stored"]
+
+
+def _put_staged(conn, deadline, ns, keys, kvs, views, parents, durable,
+                staging: ClientStaging) -> int:
+    cb = views[0].nbytes
+    half = staging.nbytes // 2
+    per = max(1, min(GROUP_BYTES, half) // cb)
+    pending: deque = deque()
+    stored, error = 0, None
+    for g, start in enumerate(range(0, len(keys), per)):
+        if len(pending) == 2:
+            stored, error = _take(conn, deadline, pending, stored, error)
+            if error is not None:
+                break
+        base = (g % 2) * half
+        entries = []
+        for j, i in enumerate(range(start, min(start + per, len(keys)))):
+            xxh3 = staging.write_hashed(base + j * cb, views[i])
+            entries.append(_entry(keys[i], kvs[i], cb, xxh3, i, keys, parents, j == 0))
+        conn.send([encode_frame(_head(ns, durable, entries, staging_offset=base))], deadline)
+        pending.append(g)
+    while pending:
+        stored, error = _take(conn, deadline, pending, stored, error)
+    if error is not None:
+        raise error
+    return stored
+
+
+def _take(conn, deadline, pending: deque, stored: int, error):
+    """Read the oldest pending reply: ``(stored so far, first error)``."""
+    pending.popleft()
+    try:
+        stored += conn.reply(deadline)["stored"]
+    except RemoteError as e:
+        error = error or e
+    return stored, error
+
+
+__all__ = ["GROUP_BYTES", "STAGING_BYTES", "put_on"]
