@@ -300,8 +300,8 @@ class DirectIO:
                         lower.append(i)
                     else:
                         misses += 1
-            for name in hits:
-                st.metrics.inc("hits", tier=name)
+            for name in set(hits):
+                st.metrics.inc("hits", hits.count(name), tier=name)
             if misses:
                 st.metrics.inc("misses", misses)
         finally:

@@ -208,8 +208,8 @@ class Namespace:
     def chunk_keys(self, tokens: Sequence[int] | np.ndarray) -> list["ChunkKey"]:
         """Keys of the full chunks of ``tokens`` (``len(tokens) // chunk_size`` keys)."""
         hashes = chain_hashes(self.digest, tokens, self.layout.chunk_size, self.hash_algo)
-        ns = self.ns_id
-        return [ChunkKey(ns, h) for h in hashes]
+        ns, trusted = self.ns_id, ChunkKey.trusted  # (16-byte id, hashes of hash_algo's size)
+        return [trusted(ns, h) for h in hashes]
 
 
 @dataclass(frozen=True, order=True)
@@ -236,6 +236,18 @@ class ChunkKey:
         if len(self.prefix_hash) not in (16, 32):
             raise ValueError(f"prefix_hash must be 16 or 32 bytes, got {len(self.prefix_hash)}")
         object.__setattr__(self, "_hash", hash((self.ns_id, self.prefix_hash)))
+
+    @classmethod
+    def trusted(cls, ns_id: bytes, prefix_hash: bytes) -> "ChunkKey":
+        """The key of parts known to be well formed (``ns_id`` 16 bytes, ``prefix_hash`` 16
+        or 32 bytes), built without the constructor's checks: about 4x cheaper, for paths
+        that make many keys at once from parts they checked (a namespace's own hashes, a
+        request's keys whose lengths were checked together). Equal to ``ChunkKey(ns_id,
+        prefix_hash)``."""
+        k = object.__new__(cls)
+        d = k.__dict__
+        d["ns_id"], d["prefix_hash"], d["_hash"] = ns_id, prefix_hash, hash((ns_id, prefix_hash))
+        return k
 
     def __hash__(self) -> int:
         return self._hash

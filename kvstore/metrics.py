@@ -56,6 +56,7 @@ class StoreMetrics:
                           registry=self.registry)
             for name, (help_, by_tier) in _COUNTERS.items()
         }
+        self._children: dict = {}
         self.used_bytes = Gauge("kvstore_used_bytes", "Bytes used by stored chunks", ["tier"],
                                 registry=self.registry)
         self.capacity_bytes = Gauge("kvstore_capacity_bytes", "Tier capacity in bytes", ["tier"],
@@ -72,8 +73,11 @@ class StoreMetrics:
         """
         if n <= 0:
             return
-        c = self._counters[name]
-        (c.labels(tier=tier) if tier is not None else c).inc(n)
+        c = self._children.get((name, tier))
+        if c is None:  # (a labelled child is looked up once: labels() costs microseconds)
+            c = self._counters[name]
+            c = self._children[(name, tier)] = c.labels(tier=tier) if tier is not None else c
+        c.inc(n)
         with self._lock:
             self._counts[name] += n
             if tier is not None:

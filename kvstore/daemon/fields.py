@@ -137,19 +137,19 @@ def parse_keys(ns: Namespace, values: Any, max_keys: int) -> list[ChunkKey]:
         raise ProtocolError("'keys' must be a list of hex strings")
     if len(values) > max_keys:
         raise ProtocolError(f"{len(values)} keys exceed the limit of {max_keys} per batch", 413)
-    # fast path: every key a hex string of this namespace with the same length; decoded at once
-    if values and all(v.__class__ is str for v in values):
-        n = len(values[0])
-        if n == 2 * (16 + PREFIX_HASH_BYTES[ns.hash_algo]) and all(len(v) == n for v in values):
-            try:
-                raw = bytes.fromhex("".join(values))
-            except ValueError:
-                raw = None
-            if raw is not None:
-                ns_id, half = ns.ns_id, n // 2
-                if all(raw[i:i + 16] == ns_id for i in range(0, len(raw), half)):
-                    return [ChunkKey(ns_id, raw[i + 16:i + half]) for i in range(0, len(raw), half)]
-    return [parse_key(ns, v) for v in values]  # slow path names the bad key
+    # fast path: every key a lowercase hex string of this namespace's id and hash size;
+    # decoded at once (the slow path names the first bad key)
+    n, ns_hex = 2 * (16 + PREFIX_HASH_BYTES[ns.hash_algo]), ns.ns_id.hex()
+    if values and all(v.__class__ is str and len(v) == n and v.startswith(ns_hex)
+                      for v in values):
+        try:
+            raw = bytes.fromhex("".join(values))
+        except ValueError:
+            raw = None
+        if raw is not None:
+            ns_id, size, trusted = ns.ns_id, n // 2, ChunkKey.trusted
+            return [trusted(ns_id, raw[i + 16:i + size]) for i in range(0, len(raw), size)]
+    return [parse_key(ns, v) for v in values]
 
 
 def key_request(ns: Namespace, keys: Sequence[ChunkKey], **extra: Any) -> bytes:

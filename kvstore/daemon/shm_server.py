@@ -67,6 +67,8 @@ class ShmServer:
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
         self._conns: set[asyncio.Task] = set()
+        #: (route, status) -> the request counter's and latency histogram's labelled children
+        self.route_metrics: dict[tuple[str, int], tuple] = {}
 
     @property
     def url(self) -> str:

@@ -248,8 +248,12 @@ class Connection:
         finally:
             state.active -= 1
             state.in_flight.dec()
-            state.requests.labels(route, str(status)).inc()
-            state.latency.labels(route).observe(time.perf_counter() - t0)
+            m = self.server.route_metrics.get((route, status))
+            if m is None:
+                m = self.server.route_metrics[(route, status)] = (
+                    state.requests.labels(route, str(status)), state.latency.labels(route))
+            m[0].inc()
+            m[1].observe(time.perf_counter() - t0)
 
     async def _dispatch(self, op: Any, header: dict) -> tuple[int, bool]:
         """Run ``op``; ``(status, keep the connection)``. Handlers send their own replies

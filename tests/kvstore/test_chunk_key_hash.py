@@ -1,8 +1,11 @@
 """``ChunkKey`` computes its hash once; equality, ordering and pickling are unchanged."""
 import copy
+import dataclasses
 import pickle
 import subprocess
 import sys
+
+import pytest
 
 from kvstore.keys import ChunkKey
 
@@ -29,3 +32,12 @@ def test_a_pickled_key_gets_the_hash_of_the_process_that_loads_it():
                          check=True, env={"PYTHONHASHSEED": "12345"})
     assert out.stdout.decode().strip() == "v"
     assert copy.deepcopy(A) == A and hash(copy.copy(A)) == hash(A)
+
+
+def test_a_trusted_key_is_the_same_key_as_a_checked_one():
+    t = ChunkKey.trusted(b"n" * 16, b"a" * 32)
+    assert t == A and hash(t) == hash(A) and {A: 1}[t] == 1 and repr(t) == repr(A)
+    assert bytes(t) == bytes(A) and t.hex() == A.hex() and sorted([t, A]) == [A, A]
+    assert pickle.loads(pickle.dumps(t)) == A and copy.deepcopy(t) == A
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.ns_id = b"m" * 16

@@ -168,5 +168,11 @@ def test_fast_key_request_and_parse_keys_match_the_generic_json_path():
         P.parse_keys(ns, d["keys"][:2] + [other.hex()], 8)
     with pytest.raises(P.ProtocolError, match="bad key"):
         P.parse_keys(ns, d["keys"][:1] + ["zz" * 48], 8)
+    # the fast path takes lowercase hex of the namespace; anything else goes the checked way
+    assert P.parse_keys(ns, [k.upper() for k in d["keys"]], 8) == keys
+    with pytest.raises(P.ProtocolError, match="prefix hash"):
+        P.parse_keys(ns, d["keys"][:1] + [d["keys"][1][:-32]], 8)
+    with pytest.raises(P.ProtocolError):
+        P.parse_keys(ns, d["keys"][:1] + [7], 8)
     with pytest.raises(P.ProtocolError, match="bad namespace"):
         P.parse_namespace({**d["namespace"], "layout": {"num_layers": 2}})
