@@ -1,6 +1,7 @@
-"""Long-document Q&A on the real vLLM engine (CPU): no connector, vLLM's ExampleConnector, and
-our KVStoreConnector (in-process CPU tier; ``kvstore serve`` daemon, then a second fresh engine
-process on the warm daemon), plus engine_min as a reference, in one run.
+"""Long-document Q&A and 2-round chats on the real vLLM engine (CPU): no connector, vLLM's own
+prefix caching, vLLM's ExampleConnector, and our KVStoreConnector (in-process CPU tier with
+layer-wise and with whole loads; ``kvstore serve`` daemon, then a second fresh engine process
+on the warm daemon), plus engine_min as a reference, in one run.
 
 Every configuration runs in its own fresh process (vLLM keeps global state), with vLLM's own
 prefix caching OFF so every reuse comes through the connector. Workload per document: question
@@ -10,7 +11,12 @@ TTFT is vLLM's own per-request figure (engine-core time from queued to first tok
 includes the connector's lookup and load); ``computed_tokens_p50_*``: prompt tokens vLLM still
 computed on a hit (our connector loads whole chunks, then the tail in vLLM-block-sized pieces;
 ``--fine-chunk-size 128`` adds a row with 128-token chunks); the 16-token greedy answer is compared token by token
-with the no-connector answers.
+with the no-connector answers. Chats (``--chats``, on documents of their own): round 1 a
+document and a question, answered in ``--chat-answer-tokens`` tokens; round 2 = round 1's
+prompt + that answer + a new question, whose TTFT shows reuse of round 1's prompt AND answer
+(ours saves generated tokens' KV too; vLLM's prefix cache keeps decoded blocks as well).
+``checks`` in the output: ours <= ExampleConnector's TTFT on repeat and shared questions, and
+round-2 TTFT ratios against vLLM's prefix caching and against no reuse.
 
 Run in the vLLM environment::
 
@@ -72,6 +78,23 @@ def make_workload(tokenizer, n_docs: int, doc_tokens: int) -> list[dict]:
     return out
 
 
+def make_chats(tokenizer, n_chats: int, doc_tokens: int) -> list[list[list[int]]]:
+    """Two-round chats as token lists, on documents the Q&A workload does not use: round 1 a
+    document and a question, round 2 another question (its prompt is round 1's prompt, the
+    answer, then this turn)."""
+    out = []
+    for i in range(n_chats):
+        d = 50 + i
+        n = 4
+        while len(tokenizer.encode(make_document(d, n))) < doc_tokens:
+            n += 4
+        t = ["Elm", "Oak", "Ash", "Fir", "Yew", "Bay", "Pine"][d % 7]
+        first = f"{make_document(d, n)}\nQuestion: how many arches has the bridge of {t}4?\nAnswer:"
+        second = f"\nQuestion: what is the name of the mayor of {t}5?\nAnswer:"
+        out.append([tokenizer.encode(first), tokenizer.encode(second)])
+    return out
+
+
 # ------------------------------------------------------------------------------------------
 # One engine process
 # ------------------------------------------------------------------------------------------
@@ -120,40 +143,66 @@ def _connector_stats(llm) -> dict:
     return out
 
 
+def _request(llm, tokens: list[int], max_tokens: int, spec: dict,
+             ignore_eos: bool = False) -> dict:
+    """One greedy request: its TTFT (s; vLLM's request metrics, or a separate 1-token generate
+    with ``spec["ttft_separate"]``), wall time, answer ids and text, connector stats after it."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    r: dict = {"num_tokens": len(tokens)}
+    if spec.get("ttft_separate", False):
+        t = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=tokens)],
+                     SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        r["ttft_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    out = llm.generate([TokensPrompt(prompt_token_ids=tokens)],
+                       SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                      ignore_eos=ignore_eos), use_tqdm=False)[0]
+    r["gen_s"] = time.perf_counter() - t
+    m = getattr(out, "metrics", None)
+    if "ttft_s" not in r and m is not None and getattr(m, "first_token_ts", 0):
+        # engine-core monotonic timestamps: queued -> first token
+        r["ttft_s"] = m.first_token_ts - (m.queued_ts or m.scheduled_ts)
+    r["output_ids"] = list(out.outputs[0].token_ids)
+    r["text"] = out.outputs[0].text
+    # prompt tokens not computed: vLLM's own prefix-cache hit plus what a connector loaded
+    r["num_cached_tokens"] = getattr(out, "num_cached_tokens", None)
+    st = _connector_stats(llm)
+    if st:
+        r["connector"] = st
+    return r
+
+
 def child_main(spec: dict) -> dict:
-    """Run ``spec["prompts"]`` (token lists) in one fresh engine; per prompt the TTFT (s) of a
-    request (vLLM's metrics; or a separate 1-token generate with ``spec["ttft_separate"]``) and
-    the greedy answer of ``max_tokens`` tokens."""
+    """Run ``spec["prompts"]`` (token lists) in one fresh engine, then each chat of
+    ``spec["chats"]`` (a chat: its user turns as token lists; round ``k``'s prompt = round
+    ``k-1``'s prompt + its answer + turn ``k``; answers of ``spec["chat_max_tokens"][k]``
+    tokens, exactly that many: EOS ignored). Per request (``results``; ``chats``, one list of
+    rounds per chat): the TTFT (s), the greedy answer (``max_tokens`` tokens for prompts),
+    connector stats after it."""
     t0 = time.perf_counter()
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     llm = _engine(spec)
     start_s = time.perf_counter() - t0
-    one = SamplingParams(temperature=0.0, max_tokens=1)
-    full = SamplingParams(temperature=0.0, max_tokens=int(spec.get("max_tokens", 16)))
     if spec.get("warmup", True):  # first forward passes are slow (allocations, kernels)
-        llm.generate([TokensPrompt(prompt_token_ids=list(range(1000, 1300)))], one, use_tqdm=False)
-    results = []
-    for tokens in spec["prompts"]:
-        r: dict = {"num_tokens": len(tokens)}
-        if spec.get("ttft_separate", False):
-            t = time.perf_counter()
-            llm.generate([TokensPrompt(prompt_token_ids=tokens)], one, use_tqdm=False)
-            r["ttft_s"] = time.perf_counter() - t
-        t = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], full, use_tqdm=False)[0]
-        r["gen_s"] = time.perf_counter() - t
-        m = getattr(out, "metrics", None)
-        if "ttft_s" not in r and m is not None and getattr(m, "first_token_ts", 0):
-            # engine-core monotonic timestamps: queued -> first token
-            r["ttft_s"] = m.first_token_ts - (m.queued_ts or m.scheduled_ts)
-        r["output_ids"] = list(out.outputs[0].token_ids)
-        r["text"] = out.outputs[0].text
-        results.append(r)
-        st = _connector_stats(llm)
-        if st:
-            r["connector"] = st
-    return {"start_s": start_s, "results": results, "connector": _connector_stats(llm)}
+        llm.generate([TokensPrompt(prompt_token_ids=list(range(1000, 1300)))],
+                     SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    max_tokens = int(spec.get("max_tokens", 16))
+    results = [_request(llm, list(tokens), max_tokens, spec) for tokens in spec["prompts"]]
+    chats = []
+    for turns in spec.get("chats", []):
+        rounds: list[dict] = []
+        prompt: list[int] = []
+        for k, turn in enumerate(turns):
+            prompt = prompt + (rounds[-1]["output_ids"] if rounds else []) + list(turn)
+            n = spec.get("chat_max_tokens", [max_tokens] * (k + 1))[k]
+            rounds.append({**_request(llm, prompt, int(n), spec, ignore_eos=True),
+                           "prompt_ids": prompt})
+        chats.append(rounds)
+    return {"start_s": start_s, "results": results, "chats": chats,
+            "connector": _connector_stats(llm)}
 
 
 def run_child(spec: dict, python: str | None = None, timeout_s: float = 600) -> dict:
@@ -247,8 +296,28 @@ def _engine_min_run(runs: dict, name: str, workload: list[dict], max_tokens: int
         runs[name] = {"skipped": f"engine_min unavailable: {e!r}"}
 
 
+def _chat_row(chats: list[list[dict]], base: list[list[dict]]) -> dict:
+    """Chat figures of one configuration: TTFT p50 of rounds 1 and 2, round 2's prompt tokens
+    not computed (p50; vLLM's prefix cache + connector loads), outputs equal to ``base``."""
+    row: dict = {}
+    for k in (0, 1):
+        ts = [c[k]["ttft_s"] for c in chats if len(c) > k and "ttft_s" in c[k]]
+        row[f"ttft_p50_chat_round{k + 1}_s"] = round(statistics.median(ts), 4) if ts else None
+    cached = [c[1]["num_cached_tokens"] for c in chats if len(c) > 1
+              and c[1].get("num_cached_tokens") is not None]
+    if cached:
+        row["chat_round2_cached_tokens_p50"] = statistics.median(cached)
+        row["chat_round2_prompt_tokens_p50"] = statistics.median(
+            [len(c[1]["prompt_ids"]) for c in chats if len(c) > 1])
+    same = [r["output_ids"] == b["output_ids"] for c, bc in zip(chats, base)
+            for r, b in zip(c, bc)]
+    row["chat_outputs_equal"] = f"{sum(same)}/{len(same)}"
+    return row
+
+
 def summarize(workload: list[dict], runs: dict[str, dict]) -> dict:
-    """Per configuration: TTFT p50 per kind, output equality with ``none``, connector stats."""
+    """Per configuration: TTFT p50 per kind, output equality with ``none``, connector stats,
+    and the chat figures (``_chat_row``)."""
     base = runs["none"]["results"]
     table = {}
     for name, run in runs.items():
@@ -273,6 +342,8 @@ def summarize(workload: list[dict], runs: dict[str, dict]) -> dict:
                 row[f"computed_tokens_p50_{kind}"] = statistics.median(ct)
         same = [r["output_ids"] == b["output_ids"] for r, b in zip(run["results"], base)]
         row["outputs_equal"] = f"{sum(same)}/{len(same)}"
+        if run.get("chats"):
+            row.update(_chat_row(run["chats"], runs["none"].get("chats", [])))
         cached = [r["cached_tokens"] for r in run["results"] if "cached_tokens" in r]
         if cached:
             row["engine_min_loaded_tokens_first_call"] = sum(cached)
@@ -280,9 +351,28 @@ def summarize(workload: list[dict], runs: dict[str, dict]) -> dict:
         if conn:
             row["loaded_tokens"] = conn.get("loaded_tokens")
             row["saved_chunks"] = conn.get("saved_chunks")
+            row["saved_tail_chunks"] = conn.get("saved_tail_chunks")
             row["load_errors"] = conn.get("load_errors")
         table[name] = row
     return table
+
+
+def checks(table: dict) -> dict:
+    """The claims the run tests: ours (in-process CPU tier) at most ExampleConnector's TTFT on
+    repeat and shared-prefix questions; chat round 2: ours against vLLM's own prefix caching
+    (the ratio of TTFTs, < 1: ours faster) and against no reuse."""
+    ours, ex = table.get("ours-cpu", {}), table.get("example", {})
+    vpc, none = table.get("vllm-prefix-cache", {}), table.get("none", {})
+    out: dict = {}
+    for kind in ("repeat", "shared"):
+        k = f"ttft_p50_{kind}_s"
+        if ours.get(k) is not None and ex.get(k) is not None:
+            out[f"ours_le_example_{kind}"] = ours[k] <= ex[k]
+    k = "ttft_p50_chat_round2_s"
+    for name, other in (("vllm_prefix_cache", vpc), ("no_reuse", none)):
+        if ours.get(k) and other.get(k):
+            out[f"chat_round2_ttft_ours_over_{name}"] = round(ours[k] / other[k], 3)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -299,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-min", action="store_true",
                    help="also time engine_min: alone, with an in-process CPU store, and on the "
                         "daemon vLLM filled (cross-engine hits)")
+    p.add_argument("--chats", type=int, default=3,
+                   help="2-round chats (their own documents of --doc-tokens) after the Q&A")
+    p.add_argument("--chat-answer-tokens", type=int, default=64,
+                   help="round 1's answer length (tokens, EOS ignored); round 2's: --max-tokens")
     p.add_argument("--json", help="write the full results here")
     a = p.parse_args(argv)
     if a.child:
@@ -312,14 +406,19 @@ def main(argv: list[str] | None = None) -> int:
     tok = AutoTokenizer.from_pretrained(model_dir)
     workload = make_workload(tok, a.docs, a.doc_tokens)
     prompts = [w["tokens"] for w in workload]
+    chats = make_chats(tok, a.chats, a.doc_tokens)
     common = {"model_dir": model_dir, "prompts": prompts, "max_tokens": a.max_tokens,
-              "prefix_caching": False, "chunk_size": a.chunk_size}
+              "prefix_caching": False, "chunk_size": a.chunk_size, "chats": chats,
+              "chat_max_tokens": [a.chat_answer_tokens, a.max_tokens]}
     runs: dict[str, dict] = {}
     t_all = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="vllm-example-") as ex_dir:
         plan = [("none", {"connector": "none"}),
+                ("vllm-prefix-cache", {"connector": "none", "prefix_caching": True}),
                 ("example", {"connector": "example", "example_path": ex_dir}),
-                ("ours-cpu", {"connector": "ours-cpu"})]
+                ("ours-cpu", {"connector": "ours-cpu"}),
+                ("ours-cpu-whole-loads", {"connector": "ours-cpu",
+                                          "extra": {"layerwise_load": False}})]
         if a.fine_chunk_size and a.fine_chunk_size != a.chunk_size:
             plan.append((f"ours-cpu-chunk{a.fine_chunk_size}",
                          {"connector": "ours-cpu", "chunk_size": a.fine_chunk_size}))
@@ -339,14 +438,18 @@ def main(argv: list[str] | None = None) -> int:
                         cpu_bytes="1GiB")
     table = summarize(workload, runs)
     report = {"workload": {"docs": a.docs, "prompt_tokens": [len(x) for x in prompts],
-                           "kinds": [w["kind"] for w in workload]},
-              "configs": table, "wall_s": round(time.perf_counter() - t_all, 1),
-              "notes": "vLLM prefix caching off; TTFT = vLLM request metrics (queued -> first token); "
-                       "outputs compared with the no-connector run token by token; our connector "
-                       "loads whole chunks and then tail pieces of vLLM's block size (128), so a hit "
-                       "recomputes what ExampleConnector does: the tokens past the last whole "
-                       "block before the last prompt token"}
-    print(json.dumps(table, indent=2))
+                           "kinds": [w["kind"] for w in workload],
+                           "chat_round1_prompt_tokens": [len(c[0]) for c in chats],
+                           "chat_answer_tokens": a.chat_answer_tokens},
+              "configs": table, "checks": checks(table),
+              "wall_s": round(time.perf_counter() - t_all, 1),
+              "notes": "vLLM prefix caching off except in 'vllm-prefix-cache'; TTFT = vLLM request "
+                       "metrics (queued -> first token); outputs compared with the no-connector "
+                       "run token by token; our connector loads whole chunks and then tail pieces "
+                       "of vLLM's block size (128), so a hit recomputes what ExampleConnector "
+                       "does: the tokens past the last whole block before the last prompt token; "
+                       "chat round 2 = round 1's prompt + its answer + a new question"}
+    print(json.dumps({"configs": table, "checks": report["checks"]}, indent=2))
     if a.json:
         Path(a.json).write_text(json.dumps({**report, "runs": runs}, indent=2))
     return 0

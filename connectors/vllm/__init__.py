@@ -49,15 +49,24 @@ sizes, deadlines and queue size before a store opens, naming the key of a bad va
   that does not fit is dropped (counted) instead of stalling the engine.
 * ``pin_lease_s`` (default 30): chunks found by a lookup are pinned for this long so no eviction
   removes them before the load (0 disables pinning).
+* ``layerwise_load`` (default true): a step's loads run on a background thread, store read
+  then layer after layer, while the forward pass runs; vLLM's ``wait_for_layer_load`` in
+  layer ``i``'s attention waits only until layer ``i`` is written. ``false``: whole loads,
+  every layer written before the forward pass starts.
 
-What moves: whole chunks of ``chunk_size`` prompt tokens, as tensors
+What moves: whole chunks of ``chunk_size`` tokens, as tensors
 ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` (K = index 0, V = index 1), then the
-prompt's tail past the last full chunk in whole pieces of ``tail_chunk_size`` tokens (looked
-up where the stored chunks end, up to the end of that chunk; counted as ``*_tail_chunks``).
-Only tokens beyond vLLM's own prefix-cache hit are loaded, and at most ``prompt_len - 1``
-tokens (the last prompt token is always computed). A chunk is saved once vLLM has computed all
-its tokens; the KV is copied out of the paged cache at the end of that step and written by a
-background thread. Keys, hits, load plans and save ranges are the connector core's
+tail past the last full chunk in whole pieces of ``tail_chunk_size`` tokens (looked up where
+the stored chunks end, up to the end of that chunk; counted as ``*_tail_chunks``). Only
+tokens beyond vLLM's own prefix-cache hit are loaded, and at most ``prompt_len - 1`` tokens
+(the last prompt token is always computed). Saved: prompt AND generated tokens. A chunk (a
+piece, once the prompt's last full chunk is computed) is saved at the step that computes its
+last token, so a chat's round 2 (round 1's prompt + answer + a new turn) finds round 1's
+answer too; the last sampled token (no KV yet) and a partial block are never stored. The KV
+is copied out of the paged cache at the end of that step and written by a background thread.
+A unit left when a request finishes (its last token's id unknown at that step: async
+scheduling) makes ``request_finished`` keep the blocks until the next step has copied it
+out (``get_finished``). Keys, hits, load plans and save ranges are the connector core's
 (``connectors.chunk_plan.RequestChunks``), the engine_min connector's too, so both engines
 name the same chunks and pieces.
 
@@ -69,7 +78,8 @@ the cache ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` holding, per 
 all K rows and then all V rows (i.e. ``view(B, H, 2, N, D)``).
 
 Files: ``connector`` (the ``KVConnectorBase_V1`` shell), ``scheduler`` (lookups, each step's
-metadata), ``worker`` (loads, saves, the writer), ``records`` (what passes between the sides),
+metadata), ``worker`` (loads, saves, the writer), ``layer_load`` (the layer-wise loader
+thread), ``records`` (what passes between the sides),
 ``options`` (the configuration keys), ``identity`` (namespaces), ``paged_layout`` (the probed
 paged-cache layout), ``shared`` (store calls, counters).
 

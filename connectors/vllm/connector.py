@@ -93,7 +93,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.worker = WorkerSide(self.layout, layer_names, int(spec.block_size),
                                      int(kv_cache_config.num_blocks), calls, self._counters,
                                      opts.save_queue_bytes,
-                                     lambda: cc.static_forward_context)
+                                     lambda: cc.static_forward_context, opts.layerwise_load)
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
         if role == KVConnectorRole.SCHEDULER and policy != "recompute":
             log.warning("kv_load_failure_policy=%r: a failed store load fails the request; "
@@ -151,9 +151,12 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request; saves were copied out synchronously, so blocks may be freed."""
-        self.scheduler.finished(request)
-        return False, None
+        """Forget the request. Its chunks and pieces are saved at the step that computes
+        their last token (generated tokens included), so usually nothing is left and the
+        blocks may be freed at once: ``(False, None)``. When a unit is left (its last token's
+        id was not known at that step: async scheduling), ``(True, None)``: the next step
+        copies it out of ``block_ids`` and ``get_finished`` then frees the blocks."""
+        return self.scheduler.finished(request, block_ids), None
 
     # ==== worker side ======================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -171,35 +174,61 @@ class KVStoreConnector(KVConnectorBase_V1):
         return meta if isinstance(meta, KVStoreConnectorMetadata) else None
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        """Load this step's chunks into the paged cache (synchronously, before the forward
-        pass). A missing chunk, a store error or a deadline marks the blocks of the remaining
-        tokens as failed, for vLLM to recompute."""
+        """Start this step's loads: layer-wise (``layerwise_load``, the default) on the loader
+        thread while the forward pass runs, else whole before returning. A missing chunk, a
+        store error or a deadline marks the blocks of the remaining tokens as failed, for
+        vLLM to recompute."""
         meta = self._metadata()
         if meta is not None and meta.loads:
-            self.worker.load(meta.loads)
+            self.worker.start_load(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads finish in ``start_load_kv``; nothing to wait for."""
+        """Block until this step's load has written ``layer_name``'s KV (layer-wise loads;
+        whole loads are done already)."""
+        self.worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        """Saves are copied out for all layers at once in ``wait_for_save``."""
+        """Saves are copied out for all layers at once in ``wait_for_save``: per layer the
+        copy is the same work, and the step waits for it either way (on CPU nothing runs
+        beside the forward pass to hide it)."""
 
     def wait_for_save(self) -> None:
-        """Copy this step's finished chunks out of the paged cache (the only part that blocks
-        the step) and queue them for the background writer; when the queue is full the save
-        is dropped and counted."""
+        """Wait for this step's load to end, then copy this step's finished chunks out of the
+        paged cache (the only part of a save that blocks the step) and queue them for the
+        background writer; when the queue is full the save is dropped and counted. The
+        finished requests whose last saves these were may then free their blocks."""
+        if self.worker is None:
+            return
+        self.worker.finish_load()
         meta = self._metadata()
-        if meta is not None and meta.saves:
-            self.worker.save(meta.saves)
+        if meta is None:
+            return
+        try:
+            if meta.saves:
+                self.worker.save(meta.saves)
+        finally:
+            if meta.finished:
+                self.worker.copied(meta.finished)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
+        """Finished requests whose delayed blocks may now be freed (their last saves are
+        copied out), and no asynchronous loads."""
+        if self.worker is None:
+            return None, None
+        return self.worker.finished_sending(finished_req_ids) or None, None
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until queued saves are written. Returns False on timeout."""
         return self.worker.flush(timeout_s) if self.worker is not None else True
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks whose load failed since the last call (vLLM recomputes them)."""
-        return self.worker.failed_blocks() if self.worker is not None else set()
+        """Blocks whose load failed since the last call (vLLM recomputes them); waits for this
+        step's layer-wise load first."""
+        if self.worker is None:
+            return set()
+        self.worker.finish_load()
+        return self.worker.failed_blocks()
 
     def shutdown(self) -> None:
         """Write queued saves (bounded wait), stop the writer, release the store."""

@@ -30,6 +30,8 @@ class ConnectorOptions:
         pin_lease_s: how long chunks found by a lookup stay pinned (s); 0 = no pins.
         save_queue_bytes: bytes of gathered chunks the background writer may hold.
         store: the store to open (shared by the connectors of one process).
+        layerwise_load: loads run layer by layer beside the forward pass (layer ``i``'s
+            attention waits only for layer ``i``); False: whole loads before it.
     """
 
     chunk_size: int
@@ -38,6 +40,7 @@ class ConnectorOptions:
     pin_lease_s: float
     save_queue_bytes: int
     store: StoreSpec
+    layerwise_load: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any], block_size: int) -> "ConnectorOptions":
@@ -50,8 +53,9 @@ class ConnectorOptions:
                 a positive integer multiple of ``block_size``; a ``tail_chunk_size`` that is
                 negative, does not divide ``chunk_size``, is not smaller or not a multiple of
                 ``block_size``; ``timeout_s`` not a positive number; ``pin_lease_s`` negative;
-                ``save_queue_bytes`` not a byte size (``512MiB`` or an int); a bad remote tier
-                setting (``remote_fields``).
+                ``save_queue_bytes`` not a byte size (``512MiB`` or an int); ``layerwise_load``
+                not a boolean (``true``/``false``, 1/0); a bad remote tier setting
+                (``remote_fields``).
         """
         chunk_size = _int(extra, "chunk_size", DEFAULT_CHUNK_SIZE, minimum=1)
         tail = extra.get("tail_chunk_size")
@@ -73,7 +77,28 @@ class ConnectorOptions:
             raise ValueError(f"kv_connector_extra_config 'save_queue_bytes': {e}") from None
         return cls(chunk_size=chunk_size, tail_chunk_size=tail, timeout_s=timeout_s,
                    pin_lease_s=_seconds(extra, "pin_lease_s", 30.0, allow_zero=True),
-                   save_queue_bytes=queue_bytes, store=store_spec(extra, timeout_s))
+                   save_queue_bytes=queue_bytes, store=store_spec(extra, timeout_s),
+                   layerwise_load=_bool(extra, "layerwise_load", True))
+
+
+def _bool(extra: Mapping[str, Any], key: str, default: bool) -> bool:
+    """``extra[key]`` (default ``default``) as a bool: a bool, 0/1, or the text
+    ``true``/``false``/``1``/``0``/``yes``/``no``/``on``/``off`` (any case).
+
+    Raises:
+        ValueError: naming ``key`` and the value.
+    """
+    value = extra.get(key, default)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    text = str(value).strip().lower() if isinstance(value, str) else None
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"kv_connector_extra_config {key!r} must be true or false, got {value!r}")
 
 
 def _int(extra: Mapping[str, Any], key: str, default: int, minimum: int) -> int:

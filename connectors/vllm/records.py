@@ -49,7 +49,8 @@ class RequestState:
 
     Attributes:
         request: vLLM's ``Request``.
-        tokens: its prompt token ids (only prompt chunks are stored).
+        tokens: its prompt token ids (what is looked up; saves read ``request.all_token_ids``,
+            prompt and generated tokens).
         chunks: its chunk state in the connector core (key chains, the last lookup's hit,
             how far chunks and tail pieces are saved or known stored).
         num_local: tokens computed by vLLM's own prefix cache at admission.

@@ -28,10 +28,12 @@ log = logging.getLogger("kvstore.connectors.vllm")
 
 @dataclass
 class KVStoreConnectorMetadata(KVConnectorMetadata):
-    """One step's loads (before the forward pass) and saves (after it)."""
+    """One step's loads (before the forward pass) and saves (after it); ``finished``: the
+    finished requests whose blocks vLLM keeps until these saves are copied out."""
 
     loads: list[ChunkTransfer] = field(default_factory=list)
     saves: list[ChunkTransfer] = field(default_factory=list)
+    finished: set[str] = field(default_factory=set)
 
 
 def scheduled_requests(out: "SchedulerOutput") -> tuple[list[ScheduledRequest], set[str]]:
@@ -71,6 +73,8 @@ class SchedulerSide:
         self.pin_lease_s = pin_lease_s
         self._block_table = block_table
         self.requests: dict[str, RequestState] = {}
+        self.finish_saves: list[ChunkTransfer] = []   # of finished requests, for the next step
+        self.finish_ids: set[str] = set()
 
     def _state(self, request: Any) -> RequestState:
         state = self.requests.get(request.request_id)
@@ -151,7 +155,9 @@ class SchedulerSide:
 
     def build_meta(self, scheduler_output: "SchedulerOutput") -> KVStoreConnectorMetadata:
         """This step's loads (requests admitted with external tokens) and saves (chunks, then
-        tail pieces, whose tokens are all computed once this step's forward pass is done)."""
+        tail pieces, of prompt and generated tokens, whose tokens are all computed once this
+        step's forward pass is done), plus the last saves of requests finished since the
+        previous step (``finished``)."""
         meta = KVStoreConnectorMetadata()
         steps, resumed = scheduled_requests(scheduler_output)
         for step in steps:
@@ -169,19 +175,44 @@ class SchedulerSide:
                 state.load = None
             done = step.num_computed + scheduler_output.num_scheduled_tokens.get(step.req_id, 0)
             meta.saves += self._saves(step.req_id, state, done, block_ids)
+        meta.saves += self.finish_saves
+        meta.finished = self.finish_ids
+        self.finish_saves, self.finish_ids = [], set()
         return meta
 
     def _saves(self, req_id: str, state: RequestState, done: int,
                block_ids: list[int]) -> list[ChunkTransfer]:
-        """Save transfers of the prompt's full chunks in ``[0, done)`` not saved yet, and, once
-        the prompt's last full chunk is computed, of its tail pieces in ``[0, done)``."""
-        tokens, chunks = state.tokens, state.chunks
+        """Save transfers of the full chunks in ``[0, end)`` not saved yet and, once the
+        prompt's last full chunk is computed, of the tail pieces in ``[0, end)``; ``end`` =
+        ``min(done, tokens known)`` over prompt and generated tokens, so a chunk or piece
+        filled by decoding is saved at the step that computes its last token::
+
+            tokens   | prompt ........................ | generated ..... |x   (x: no KV yet)
+            saved    | chunks ...  | chunk filled by decoding | pieces | partial block (not stored)
+        """
+        tokens, chunks = state.request.all_token_ids, state.chunks
         end = min(done, len(tokens))
         ranges = [chunks.chunks_to_save(tokens, end)]
-        if end >= self.geometry.floor_to_chunk(len(tokens)):
+        if end >= self.geometry.floor_to_chunk(len(state.tokens)):
             ranges.append(chunks.pieces_to_save(tokens, end))
         return [save_transfer(req_id, r, block_ids) for r in ranges if r is not None]
 
-    def finished(self, request: "Request") -> None:
-        """Forget ``request``."""
-        self.requests.pop(request.request_id, None)
+    def finished(self, request: "Request", block_ids: list[int]) -> bool:
+        """Forget ``request``; a chunk or piece of it whose KV is computed (prompt and generated
+        tokens but the last sampled one) and not saved yet is saved by the next step's
+        metadata from ``block_ids`` (its blocks as vLLM passes them to ``request_finished``).
+
+        Returns:
+            True when such a save is pending: vLLM must keep the blocks until the worker
+            reports the request in ``get_finished`` (after copying them out).
+        """
+        state = self.requests.pop(request.request_id, None)
+        if state is None:
+            return False
+        done = min(int(request.num_computed_tokens), len(request.all_token_ids) - 1)
+        saves = self._saves(request.request_id, state, done, list(block_ids))
+        if not saves:
+            return False
+        self.finish_saves += saves
+        self.finish_ids.add(request.request_id)
+        return True

@@ -1,11 +1,13 @@
-"""Worker side of the vLLM connector: the paged KV caches, loads scattered into them before the
-forward pass, saves gathered out of them after it and written by the shared background writer
+"""Worker side of the vLLM connector: the paged KV caches, loads scattered into them (layer
+by layer beside the forward pass, ``connectors.vllm.layer_load``, or whole before it), saves
+gathered out of them after the forward pass and written by the shared background writer
 (``connectors.save_queue.SaveQueue``).
 """
 from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from typing import Any, Callable
 
@@ -16,6 +18,7 @@ from kvstore.keys import ChunkKey, Namespace
 from kvstore.layout import KVLayout
 
 from connectors.save_queue import SaveQueue
+from connectors.vllm.layer_load import LayerLoad, Loader
 from connectors.vllm.paged_layout import PagedLayout, derive_paged_layout
 from connectors.vllm.records import ChunkTransfer
 from connectors.vllm.shared import Counters, StoreCalls
@@ -47,11 +50,13 @@ class WorkerSide:
         save_queue_bytes: bytes of gathered chunks the background writer may hold.
         forward_context: ``() -> {layer name: attention layer}`` (vLLM's static forward
             context), read once when the paged layout is derived.
+        layerwise: loads run layer by layer on a background thread (``start_load``,
+            ``wait_layer``); False: whole loads before the forward pass.
     """
 
     def __init__(self, layout: KVLayout, layer_names: list[str], block_size: int,
                  num_blocks: int, calls: StoreCalls, counters: Counters, save_queue_bytes: int,
-                 forward_context: Callable[[], dict[str, Any]]) -> None:
+                 forward_context: Callable[[], dict[str, Any]], layerwise: bool = False) -> None:
         self.layout, self.layer_names = layout, layer_names
         self.block_size, self.num_blocks = block_size, num_blocks
         self.calls, self.counters = calls, counters
@@ -60,6 +65,13 @@ class WorkerSide:
         self.paged: PagedLayout | None = None
         self._layout_error: str | None = None
         self._failed_blocks: set[int] = set()
+        self._fail_lock = threading.Lock()
+        self._layer_pos = {n: i for i, n in enumerate(layer_names)}
+        self._caches: list[torch.Tensor] = []
+        self.layerwise = layerwise
+        self._loader: Loader | None = None
+        self._load: LayerLoad | None = None
+        self._copied: set[str] = set()    # finished requests whose last saves are copied out
         self.saves = SaveQueue(self._put, save_queue_bytes, self._saved,
                                name="kvstore-vllm-saver")
 
@@ -75,6 +87,7 @@ class WorkerSide:
             raise ValueError(f"registered KV caches {names[:3]}... differ from the KV cache "
                              f"group's layers {self.layer_names[:3]}...")
         self.kv_caches = {n: kv_caches[n] for n in names}
+        self._caches = list(self.kv_caches.values())
 
     def ensure_layout(self) -> PagedLayout | None:
         """The paged layout, derived at the first call; None (logged once) when it cannot be
@@ -113,54 +126,128 @@ class WorkerSide:
         return blocks[torch.div(tok, bs, rounding_mode="floor")] * bs + tok % bs
 
     # ---- loads -----------------------------------------------------------------------------
-    def _fail(self, t: ChunkTransfer, from_token: int) -> None:
+    def _fail(self, t: ChunkTransfer, from_token: int, count: bool = True) -> None:
+        """Mark the blocks of ``t``'s tokens ``[from_token, t.end)`` failed (vLLM recomputes
+        from the first); ``count``: one more ``load_errors``."""
         bs = self.block_size
         first, last = from_token // bs, (t.end - 1) // bs
-        self._failed_blocks.update(t.block_ids[first:last + 1])
-        self.counters.add(load_errors=1)
+        with self._fail_lock:
+            self._failed_blocks.update(t.block_ids[first:last + 1])
+        if count:
+            self.counters.add(load_errors=1)
 
     def load(self, loads: list[ChunkTransfer]) -> None:
-        """Scatter ``loads`` into the paged caches (synchronously). A missing chunk, a store
-        error or a deadline marks the blocks of the remaining tokens as failed."""
+        """Scatter ``loads`` into the paged caches, every layer, before returning (whole
+        loads). A missing chunk, a store error or a deadline marks the blocks of the remaining
+        tokens as failed."""
+        t0 = time.perf_counter()
+        moves = self._fetch(loads)
+        for layer in range(len(self.layer_names)):
+            self._scatter_layer(moves, layer)
+        self.counters.add(load_s=time.perf_counter() - t0)
+
+    def start_load(self, loads: list[ChunkTransfer]) -> None:
+        """Start ``loads``: layer-wise (``layerwise``) on the loader thread, where
+        ``wait_layer`` waits for one layer; else whole (``load``) before returning."""
+        self.finish_load()
+        if not loads:
+            return
+        self.ensure_layout()    # derived here, on the engine's thread, not on the loader's
+        if not self.layerwise:
+            self.load(loads)
+            return
+        if self._loader is None:
+            self._loader = Loader(len(self.layer_names))
+        t0 = time.perf_counter()
+
+        def scatter(moves: list, layer: int) -> None:
+            self._scatter_layer(moves, layer)
+            if layer == len(self.layer_names) - 1:
+                self.counters.add(load_s=time.perf_counter() - t0)
+
+        def failed(e: BaseException) -> None:
+            log.warning("kvstore layer-wise load failed (%s); recomputing", e)
+            for t in loads:
+                self._fail(t, t.start)
+
+        self._load = self._loader.start(lambda: self._fetch(loads), scatter, failed)
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Block until this step's load has written layer ``layer_name`` (no load in flight,
+        or a layer the connector does not move: return at once)."""
+        load, i = self._load, self._layer_pos.get(layer_name)
+        if load is not None and i is not None:
+            load.wait_layer(i)
+
+    def finish_load(self) -> None:
+        """Block until this step's layer-wise load is done (every layer written, or failed
+        blocks recorded)."""
+        load, self._load = self._load, None
+        if load is not None:
+            load.wait()
+
+    def _fetch(self, loads: list[ChunkTransfer]) -> list[tuple[Any, torch.Tensor]]:
+        """Read ``loads``' chunks from the store and check them: the moves ``(plan, kv)`` with
+        ``kv`` ``[num_layers, 2, n, num_kv_heads, head_dim]`` of the tokens to write. A
+        missing or unusable chunk, a store error or a deadline marks the blocks from there on
+        as failed (the later chunks of that transfer are not written)."""
         paged = self.ensure_layout()
-        caches = list(self.kv_caches.values())
+        moves: list[tuple[Any, torch.Tensor]] = []
+        failed: set[str] = set()    # requests whose load stopped: later transfers not read
         for t in loads:
-            t0 = time.perf_counter()
             C = t.ns.layout.chunk_size
             tail = t.ns.layout != self.layout
-            if paged is None:
-                self._fail(t, t.start)
+            if t.request_id in failed:
+                self._fail(t, t.start, count=False)
                 continue
+            if not self._fetch_one(t, paged, C, tail, moves):
+                failed.add(t.request_id)
+        return moves
+
+    def _fetch_one(self, t: ChunkTransfer, paged: PagedLayout | None, C: int, tail: bool,
+                   moves: list[tuple[Any, torch.Tensor]]) -> bool:
+        """``_fetch`` of one transfer (chunk size ``C``; ``tail``: tail pieces), appending
+        to ``moves``; False when it stopped short (its blocks from there on marked failed)."""
+        if paged is None:
+            self._fail(t, t.start)
+            return False
+        try:
+            chunks = self.calls(self.calls.store.get_chunks, t.ns, t.keys)
+        except Exception as e:
+            log.warning("kvstore load of %s failed (%s); recomputing", t.request_id, e)
+            self._fail(t, t.start)
+            return False
+        n_tok, ok = 0, True
+        for i, kv in enumerate(chunks):
+            c0 = (t.first_chunk + i) * C
+            lo, hi = max(t.start, c0), min(t.end, c0 + C)
+            if kv is None:
+                self._fail(t, lo)
+                ok = False
+                break
             try:
-                chunks = self.calls(self.calls.store.get_chunks, t.ns, t.keys)
+                t.ns.layout.validate(kv)
+                moves.append((paged.plan(self._slots(t, lo, hi)), kv[:, :, lo - c0:hi - c0]))
             except Exception as e:
-                log.warning("kvstore load of %s failed (%s); recomputing", t.request_id, e)
-                self._fail(t, t.start)
-                continue
-            n_tok = 0
-            for i, kv in enumerate(chunks):
-                c0 = (t.first_chunk + i) * C
-                lo, hi = max(t.start, c0), min(t.end, c0 + C)
-                if kv is None:
-                    self._fail(t, lo)
-                    break
-                try:
-                    t.ns.layout.validate(kv)
-                    plan = paged.plan(self._slots(t, lo, hi))
-                    part = kv[:, :, lo - c0:hi - c0]
-                    for layer, cache in enumerate(caches):
-                        paged.scatter(cache, plan, part[layer])
-                except Exception as e:
-                    log.warning("kvstore chunk of %s unusable (%s); recomputing", t.request_id, e)
-                    self._fail(t, lo)
-                    break
-                n_tok += hi - lo
-                self.counters.add(**{"loaded_tail_chunks" if tail else "loaded_chunks": 1})
-            self.counters.add(loads=1, loaded_tokens=n_tok, load_s=time.perf_counter() - t0)
+                log.warning("kvstore chunk of %s unusable (%s); recomputing", t.request_id, e)
+                self._fail(t, lo)
+                ok = False
+                break
+            n_tok += hi - lo
+            self.counters.add(**{"loaded_tail_chunks" if tail else "loaded_chunks": 1})
+        self.counters.add(loads=1, loaded_tokens=n_tok)
+        return ok
+
+    def _scatter_layer(self, moves: list[tuple[Any, torch.Tensor]], layer: int) -> None:
+        """Write layer ``layer`` of every move into that layer's paged cache."""
+        paged, cache = self.paged, self._caches[layer]
+        for plan, kv in moves:
+            paged.scatter(cache, plan, kv[layer])
 
     def failed_blocks(self) -> set[int]:
         """Blocks whose load failed since the last call."""
-        out, self._failed_blocks = self._failed_blocks, set()
+        with self._fail_lock:
+            out, self._failed_blocks = self._failed_blocks, set()
         return out
 
     # ---- saves -----------------------------------------------------------------------------
@@ -216,6 +303,22 @@ class WorkerSide:
         """Wait until queued saves are written. False on timeout."""
         return self.saves.wait(timeout_s)
 
+    def copied(self, req_ids: set[str]) -> None:
+        """The last saves of the finished requests ``req_ids`` are copied out of the paged
+        cache (or dropped): their blocks may be freed (``finished_sending``)."""
+        self._copied |= req_ids
+
+    def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
+        """The requests of ``copied`` among ``finished_req_ids`` (vLLM's finished requests
+        of this step, which hold every request whose last saves this step's metadata carried),
+        reported once."""
+        out = self._copied & set(finished_req_ids)
+        self._copied -= out
+        return out
+
     def close(self, timeout_s: float = 30.0) -> None:
-        """Write queued saves (bounded wait) and stop the writer."""
+        """Finish the load in flight, write queued saves (bounded wait), stop both threads."""
+        self.finish_load()
+        if self._loader is not None:
+            self._loader.close(timeout_s)
         self.saves.close(timeout_s)

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.slow
 CHUNK = 256
 BLOCK = 128   # vLLM CPU backend's default block size (checked below from the engine)
 MAX_TOKENS = 12
+ROUND1_TOKENS = 190   # round 1's answer of the chat test: it fills chunk 4 and one piece
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +51,29 @@ def prompts(model_dir):
 
 
 @pytest.fixture(scope="module")
-def baseline(model_dir, prompts):
-    """Greedy outputs of vLLM without any connector (fresh process)."""
+def chat(model_dir):
+    """A 2-round chat as token lists: U1 (another document's question, 1219..1279 tokens), U2
+    (the next question); round 2's prompt = U1 + round 1's answer + U2."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    u1 = tok.encode(make_document(2, 32) + "\nQuestion: how many arches has the bridge of "
+                    "Ash4?\nAnswer:")
+    u2 = tok.encode("\nQuestion: what is the name of the mayor of Ash5?\nAnswer:")
+    assert 1219 <= len(u1) < 1280, len(u1)
+    return {"U1": u1, "U2": u2}
+
+
+@pytest.fixture(scope="module")
+def baseline(model_dir, prompts, chat):
+    """Greedy outputs of vLLM without any connector (fresh process): P, Q, and the chat's
+    two rounds (answers of ROUND1_TOKENS then MAX_TOKENS tokens)."""
     res = run_child({"model_dir": model_dir, "connector": "none",
                      "warmup": False, "max_tokens": MAX_TOKENS,
-                     "prompts": [prompts["P"], prompts["Q"]]})
-    return {"P": res["results"][0]["output_ids"], "Q": res["results"][1]["output_ids"]}
+                     "prompts": [prompts["P"], prompts["Q"]],
+                     "chats": [[chat["U1"], chat["U2"]]],
+                     "chat_max_tokens": [ROUND1_TOKENS, MAX_TOKENS]})
+    return {"P": res["results"][0]["output_ids"], "Q": res["results"][1]["output_ids"],
+            "chat": [r["output_ids"] for r in res["chats"][0]]}
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +96,15 @@ def engine(model_dir):
     worker.shutdown()
 
 
-def _gen(engine, tokens) -> tuple[list[int], dict, dict]:
+def _gen(engine, tokens, max_tokens: int = MAX_TOKENS,
+         ignore_eos: bool = False) -> tuple[list[int], dict, dict]:
     """Generate greedily; return output ids and the worker/scheduler counter deltas."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     w, s = engine["w"], engine["s"]
     w0, s0 = dict(w.counters), dict(s.counters)
-    out = engine["llm"].generate([TokensPrompt(prompt_token_ids=list(tokens))],
-                                 SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    out = engine["llm"].generate([TokensPrompt(prompt_token_ids=list(tokens))], params,
                                  use_tqdm=False)[0]
     assert w.flush(30)
     dw = {k: w.counters[k] - w0[k] for k in w0}
@@ -220,7 +239,7 @@ def test_store_load_error_falls_back_to_recompute(engine, prompts, baseline):
         w.store = real
     assert out == baseline["P"]
     assert ds["external_tokens"] == 4 * CHUNK + BLOCK
-    assert dw["load_errors"] == 2                       # the full chunks and the tail piece
+    assert dw["load_errors"] == 1       # the full chunks; the tail piece after them is not read
     assert dw["loaded_tokens"] == 0
 
 
@@ -235,6 +254,93 @@ def test_lookup_deadline_means_prefill(engine, prompts, baseline):
         s.store = real
     assert out == baseline["P"]
     assert ds["lookup_errors"] == 1 and ds["external_tokens"] == 0 and dw["loaded_tokens"] == 0
+
+
+class _Missing:
+    """Store wrapper whose ``get_chunks`` answers None for the chunks at ``index`` of each
+    call whose namespace is ``ns`` (evicted between lookup and load)."""
+
+    def __init__(self, inner, ns, index: int):
+        self.inner, self.ns, self.index = inner, ns, index
+
+    def get_chunks(self, ns, keys, *a, **k):
+        got = self.inner.get_chunks(ns, keys, *a, **k)
+        if ns == self.ns and len(got) > self.index:
+            got[self.index] = None
+        return got
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
+def test_a_chunk_missing_at_load_time_is_recomputed_from_there(engine, prompts, baseline,
+                                                                layerwise):
+    """kv_load_failure_policy="recompute": chunk 2 of P is gone when the load reads it, so
+    chunks 0-1 land, vLLM recomputes from token 512 on, and the answer is unchanged."""
+    assert engine["llm"].reset_prefix_cache()
+    w = engine["w"]
+    real, w.worker.layerwise = w.store, layerwise
+    w.store = _Missing(real, w.namespaces.base, 2)
+    try:
+        out, dw, ds = _gen(engine, prompts["P"])
+    finally:
+        w.store, w.worker.layerwise = real, True
+    assert out == baseline["P"]
+    assert ds["external_tokens"] == 4 * CHUNK + BLOCK
+    assert dw["loaded_tokens"] == 2 * CHUNK and dw["loaded_chunks"] == 2
+    assert dw["loaded_tail_chunks"] == 0 and dw["load_errors"] == 1
+
+
+def test_layerwise_and_whole_loads_give_the_no_store_answer(engine, prompts, baseline):
+    """The same hit (P after a prefix-cache reset) loaded layer by layer (the default: each
+    attention layer waits for its own layer, in layer order) and whole."""
+    w = engine["w"]
+    assert w.worker.layerwise is True and w.options.layerwise_load is True
+    waited: list[str] = []
+    real_wait = w.worker.wait_layer
+
+    def record(name):
+        if w.worker._load is not None:
+            waited.append(name)
+        real_wait(name)
+
+    w.worker.wait_layer = record
+    try:
+        for layerwise in (True, False):
+            w.worker.layerwise = layerwise
+            waited.clear()
+            assert engine["llm"].reset_prefix_cache()
+            out, dw, ds = _gen(engine, prompts["P"])
+            assert out == baseline["P"], layerwise
+            assert dw["loaded_tokens"] == 4 * CHUNK + BLOCK and dw["load_errors"] == 0
+            # layer-wise: the load step's 30 attention layers each waited for their own layer
+            assert waited == (w.worker.layer_names if layerwise else []), layerwise
+    finally:
+        w.worker.wait_layer = real_wait
+        w.worker.layerwise = True
+
+
+def test_chat_round_2_hits_round_1_prompt_and_answer(engine, chat, baseline):
+    """Round 1 (U1, 1219..1279 tokens, answer of ROUND1_TOKENS = 190 tokens): the KV of every
+    token but the last sampled one is computed, end = len(U1) + 189 in [1408, 1469).
+    Prefill saves chunks 0-3 and piece [1024, 1152); decoding fills chunk 4 [1024, 1280) at
+    token 1280 and piece [1280, 1408) at token 1408, each saved at that step. Round 2 (U1 +
+    answer + U2), after vLLM's own prefix cache is reset, loads 5 chunks + 1 piece = 1408
+    tokens: all of U1 and the answer's first 1408 - len(U1) tokens."""
+    u1 = chat["U1"]
+    out1, dw, ds = _gen(engine, u1, max_tokens=ROUND1_TOKENS, ignore_eos=True)
+    assert out1 == baseline["chat"][0] and len(out1) == ROUND1_TOKENS
+    assert ds["external_tokens"] == 0                         # a new document
+    assert dw["saved_chunks"] == 5 and dw["saved_tail_chunks"] == 2
+    assert dw["dropped_saves"] == 0 and dw["save_errors"] == 0
+    assert engine["llm"].reset_prefix_cache()
+    out2, dw, ds = _gen(engine, u1 + out1 + chat["U2"])
+    assert out2 == baseline["chat"][1]
+    assert ds["local_tokens"] == 0
+    assert ds["external_tokens"] == dw["loaded_tokens"] == 5 * CHUNK + BLOCK == 1408
+    assert dw["loaded_chunks"] == 5 and dw["loaded_tail_chunks"] == 1
+    assert dw["load_errors"] == 0 and 1408 - len(u1) > 128   # answer tokens came from the store
 
 
 def test_two_engine_processes_share_prefix_through_daemon(model_dir, prompts, baseline):
