@@ -9,6 +9,10 @@ Configurations (all engines get the same small KV pool, so only the reuse path d
     kvstore-remote  daemon + engine --kvstore-url               (daemon started here)
     shared          daemon + 2 engines --kvstore-url            (requests spread round-robin)
 
+The daemon also listens on a Unix socket (``--unix-socket``, unless ``daemon_unix_socket`` is
+off), so its engines, on the same host, find it through ``/v1/stats`` and load through shared
+memory, as a same-host deployment does; off, they use HTTP.
+
 ``ServerGroup`` is a context manager: every process it started (each in its own process group)
 is terminated on exit, on an exception, on Ctrl-C, on SIGTERM, and at interpreter exit.
 """
@@ -55,6 +59,8 @@ class ServerOptions:
         policy: the daemon's eviction policy.
         kvstore_chunk_size: store chunk size in tokens for engines with a store (``None``: the
             server's default).
+        daemon_unix_socket: the daemon offers its same-host path (``--unix-socket`` in a
+            temporary folder), which its engines use by themselves; False: HTTP only.
         startup_timeout_s: how long to wait for ``/health``.
         log_dir: where process logs go (a temporary folder when ``None``).
     """
@@ -69,6 +75,7 @@ class ServerOptions:
     daemon_args: tuple[str, ...] = ()
     policy: str = "lru"
     kvstore_chunk_size: int | None = None
+    daemon_unix_socket: bool = True
     startup_timeout_s: float = 300.0
     log_dir: str | None = None
 
@@ -81,10 +88,10 @@ def _engine_cmd(port: int, opts: ServerOptions, extra: list[str]) -> list[str]:
     return cmd + extra + list(opts.engine_args)
 
 
-def _daemon_cmd(port: int, opts: ServerOptions) -> list[str]:
+def _daemon_cmd(port: int, opts: ServerOptions, unix_socket: str | None = None) -> list[str]:
     return [sys.executable, "-m", "kvstore", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--cpu-bytes", opts.kvstore_cpu_bytes, "--policy", opts.policy,
-            *opts.daemon_args]
+            *(["--unix-socket", unix_socket] if unix_socket else []), *opts.daemon_args]
 
 
 def engine_help() -> str:
@@ -166,8 +173,12 @@ class ServerGroup:
             extra = ["--kvstore-cpu-bytes", self.opts.tiny_cpu_bytes, "--kvstore-disk-path", disk,
                      "--kvstore-disk-bytes", self.opts.disk_bytes]
         elif self.name in ("kvstore-remote", "shared"):
-            port = free_port()
-            self._spawn("daemon", _daemon_cmd(port, self.opts), port, "/healthz", threads)
+            port, sock = free_port(), None
+            if self.opts.daemon_unix_socket:
+                sock_dir = tempfile.mkdtemp(prefix="bench-kvsock-")
+                self._tmp.append(sock_dir)
+                sock = os.path.join(sock_dir, "kvstore.sock")
+            self._spawn("daemon", _daemon_cmd(port, self.opts, sock), port, "/healthz", threads)
             extra = ["--kvstore-url", f"http://127.0.0.1:{port}"]
         if extra and self.name != "recompute" and self.opts.kvstore_chunk_size:
             extra += ["--kvstore-chunk-size", str(self.opts.kvstore_chunk_size)]

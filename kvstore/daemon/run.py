@@ -73,7 +73,7 @@ async def serve_until_signal(app: web.Application, host: str, port: int, *,
     bound = site._server.sockets[0].getsockname()[:2]  # type: ignore[union-attr]
     shm = None
     if unix_socket is not None:
-        shm = await _start_shm(app, unix_socket, runner)
+        shm = await _start_shm(app, unix_socket, runner, guard.max_connections)
     log.info("connection cap %d, idle timeout %s s", guard.max_connections, idle_timeout_s)
     if on_listen is not None:
         on_listen(bound)
@@ -100,12 +100,14 @@ async def serve_until_signal(app: web.Application, host: str, port: int, *,
         await runner.cleanup()
 
 
-async def _start_shm(app: web.Application, path: str, runner: web.AppRunner):
-    """Start the same-host path's ``ShmServer`` on ``path`` (the runner is cleaned up if it
-    cannot listen). Raises ValueError naming the path."""
+async def _start_shm(app: web.Application, path: str, runner: web.AppRunner,
+                     max_connections: int = 0):
+    """Start the same-host path's ``ShmServer`` on ``path`` with its own cap of
+    ``max_connections`` (0: none) (the runner is cleaned up if it cannot listen). Raises
+    ValueError naming the path."""
     from kvstore.daemon.shm_server import ShmServer
     try:
-        shm = ShmServer(app, path)
+        shm = ShmServer(app, path, max_connections)
         await shm.start()
     except ValueError:
         await runner.cleanup()
@@ -152,7 +154,8 @@ class ThreadedServer:
         site = GuardedTCPSite(self._runner, host, port, guard)
         await site.start()
         if unix_socket is not None:
-            self.shm = await _start_shm(self.app, unix_socket, self._runner)
+            self.shm = await _start_shm(self.app, unix_socket, self._runner,
+                                        guard.max_connections)
         return site._server.sockets[0].getsockname()[:2]  # type: ignore[union-attr]
 
     @property

@@ -224,10 +224,12 @@ class ShmKVStoreClient(KVStoreBase):
         return {k: v for k, v in r.items() if k not in ("ok", "payload_bytes")}
 
     def whoami(self, *, timeout_s=None) -> dict:
-        """``{"tenant", "role", "cache_salt"}`` of this client's token, as ``GET /v1/whoami``
-        (from ``hello``)."""
-        t = self.hello(timeout_s=timeout_s)["tenant"]
-        return {"tenant": t.get("name"), "role": t.get("role"), "cache_salt": t.get("salt")}
+        """``{"tenant", "role", "cache_salt", "instance", "unix_socket"}`` of this client's
+        token and daemon, as ``GET /v1/whoami`` (from ``hello``)."""
+        h = self.hello(timeout_s=timeout_s)
+        t = h["tenant"]
+        return {"tenant": t.get("name"), "role": t.get("role"), "cache_salt": t.get("salt"),
+                "instance": h["instance"], "unix_socket": self.path}
 
     def healthy(self, *, timeout_s: float = 1.0) -> bool:
         """True when the daemon answers a ``hello`` on a new connection within ``timeout_s``."""

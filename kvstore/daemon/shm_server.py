@@ -49,13 +49,15 @@ class ShmServer:
     Args:
         app: the aiohttp app (its store, limits, metrics and thread pool are shared).
         path: the socket file's path.
+        max_connections: open connections allowed (the daemon's ``--max-connections``); one
+            more is answered 503 after ``hello`` is sent and closed. 0: no cap.
 
     ``start`` and ``stop`` run on the app's event loop. The store should have a shared arena
     (``ChunkStore.shared_arena``); without one ``hello`` announces ``arena_bytes`` 0 and every
     get answers its chunks inline.
     """
 
-    def __init__(self, app, path: str) -> None:
+    def __init__(self, app, path: str, max_connections: int = 0) -> None:
         self.store: KVStoreBase = app[STORE_KEY]
         self.state: _ServerState = app[STATE_KEY]
         self.path = os.path.abspath(path)
@@ -67,6 +69,8 @@ class ShmServer:
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
         self._conns: set[asyncio.Task] = set()
+        #: open connections beyond this many are answered 503 and closed (0: no cap)
+        self.max_connections = max_connections
         #: (route, status) -> the request counter's and latency histogram's labelled children
         self.route_metrics: dict[tuple[str, int], tuple] = {}
 
@@ -140,6 +144,11 @@ class ShmServer:
             uid = S.peer_uid(sock)
             if uid not in (os.geteuid(), 0):
                 await c.refuse(S.error_reply(403, f"uid {uid} may not use this socket"))
+                return
+            if self.max_connections and len(self._conns) > self.max_connections:
+                log.debug("unix socket at its cap of %d connections", self.max_connections)
+                await c.refuse(S.error_reply(503, f"too many connections (cap "
+                                                  f"{self.max_connections}); retry later"))
                 return
             if await c.hello():
                 await c.serve()

@@ -84,7 +84,10 @@ def test_gets_copy_from_the_read_only_arena_bit_exact(client, daemon, monkeypatc
     assert client.put_chunks(NS, KEYS[:4], kvs) == 0  # stored already
     hello = client.hello()
     assert hello["arena_bytes"] == 1 << 20 and hello["page_bytes"] == 256
-    assert client.whoami() == {"tenant": "admin", "role": "admin", "cache_salt": None}
+    w = client.whoami()
+    assert w == {"tenant": "admin", "role": "admin", "cache_salt": None,
+                 "instance": client.hello()["instance"], "unix_socket": client.path}
+    assert len(w["instance"]) > 8
     calls = count_copies(monkeypatch)
     got = client.get_chunks(NS, KEYS[:5])
     assert [torch.equal(g, kv) for g, kv in zip(got[:4], kvs)] == [True] * 4 and got[4] is None
