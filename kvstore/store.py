@@ -24,7 +24,8 @@ Pin counts live in ``kvstore.pins`` (``PinTable``); insert/evict/spill/promote i
 argument checks in ``kvstore.store_state`` (``StoreState``). The store is composed of three
 parts over that state: this module is the data path (lookup, get, put); removal, pins, persist
 and stats are ``kvstore.store_admin.StoreAdmin``; reservations and borrowed reads are
-``kvstore.direct.DirectIO``. ``ChunkStore`` delegates their public methods.
+``kvstore.direct.DirectIO``. ``ChunkStore`` takes their public methods from the mixins of
+``kvstore.store_methods``.
 
 Concurrency: one store lock guards the tiers' indexes and pins. Copies out of a memory tier
 run outside the lock (the chunk is reader-pinned); disk I/O runs on the disk tier's writer.
@@ -44,11 +45,12 @@ import torch
 
 from kvstore.api import KVStoreBase, LookupResult, StoreCapabilities
 from kvstore.config import StoreConfig
-from kvstore.direct import ALREADY_STORED, BorrowedChunks, DirectIO, Reservation
+from kvstore.direct import ALREADY_STORED, DirectIO, Reservation
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.layout import KVLayout
 from kvstore.metrics import StoreMetrics
 from kvstore.store_admin import StoreAdmin
+from kvstore.store_methods import AdminMethods, DirectMethods
 from kvstore.store_state import StoreState
 from kvstore.tiers.base import Tier
 from kvstore.tiers.cpu import CpuTier
@@ -60,7 +62,7 @@ from kvstore.tiers.gpu import GpuTier
 REMOTE = "remote"
 
 
-class ChunkStore(KVStoreBase):
+class ChunkStore(AdminMethods, DirectMethods, KVStoreBase):
     """In-process tiered store (see module docstring). Thread-safe.
 
     ``put_chunks`` and ``persist`` copy the tensors they are given (``copies_on_put`` in
@@ -341,56 +343,6 @@ class ChunkStore(KVStoreBase):
         self.metrics.observe("put", time.perf_counter() - t0)
         return stored
 
-    # ---- removal, pins, durability, introspection (``StoreAdmin``) ----------------------------
-    def remove(self, ns: Namespace, keys: Sequence[ChunkKey]) -> int:
-        return self._admin.remove(ns, keys)
-
-    def clear(self, ns: Namespace | None = None) -> int:
-        return self._admin.clear(ns)
-
-    def pin(self, ns: Namespace, keys: Sequence[ChunkKey], lease_s: float | None = None) -> int:
-        return self._admin.pin(ns, keys, lease_s)
-
-    def unpin(self, ns: Namespace, keys: Sequence[ChunkKey]) -> int:
-        """Drop one explicit pin per key (a plain pin first, else the oldest leased one)."""
-        return self._admin.unpin(ns, keys)
-
-    def pin_count(self, key: ChunkKey) -> int:
-        """Current pins of ``key`` (readers + explicit + leased)."""
-        return self._admin.pin_count(key)
-
-    @property
-    def has_lower_tiers(self) -> bool:
-        """Whether a chunk the top tier cannot take may still go to a tier below it."""
-        return self._admin.has_lower_tiers
-
-    @property
-    def has_disk_tier(self) -> bool:
-        """Whether the store has a disk tier (so ``persist`` can make chunks durable)."""
-        return self._admin.has_disk_tier
-
-    def persist(self, ns: Namespace, keys: Sequence[ChunkKey], kvs: Sequence[torch.Tensor],
-                timeout: float | None = None,
-                parents: Sequence[ChunkKey | None] | None = None) -> int:
-        """Write chunks through to the disk tier and wait for the commit; returns how many
-        are committed (see ``StoreAdmin.persist``).
-
-        Raises:
-            RuntimeError: no disk tier, or closed. ValueError: bad keys, counts or tensors.
-        """
-        return self._admin.persist(ns, keys, kvs, timeout, parents)
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until queued disk writes are committed. False on timeout."""
-        return self._admin.flush(timeout)
-
-    def unreachable_bytes(self) -> int:
-        """Bytes of chunks a prefix lookup can never reach (see ``StoreAdmin``)."""
-        return self._admin.unreachable_bytes()
-
-    def stats(self) -> dict:
-        return self._admin.stats()
-
     def stored_keys(self) -> set[ChunkKey]:
         return {k for t in self.tiers for k in t.keys()}
 
@@ -401,31 +353,6 @@ class ChunkStore(KVStoreBase):
         """Check every memory owner (tiers, pins); raises ``AssertionError``."""
         self._admin.check_integrity()
 
-    # ---- direct I/O (``kvstore.direct.DirectIO``) ---------------------------------------------
-    def reserve_chunks(self, ns: Namespace, keys: Sequence[ChunkKey],
-                       parents: Sequence[ChunkKey | None] | None = None) -> list:
-        """Per key a ``Reservation`` in the host-memory top tier, ``ALREADY_STORED`` or None
-        (see ``DirectIO.reserve_chunks``).
-
-        Raises:
-            ValueError: bad namespace, keys or parents. RuntimeError: store closed.
-        """
-        return self._direct.reserve_chunks(ns, keys, parents)
-
-    def commit_chunks(self, ns: Namespace, keys: Sequence[ChunkKey], items: Sequence,
-                      parents: Sequence[ChunkKey | None] | None = None) -> int:
-        """Store filled reservations in place, tensors by copy; returns how many were newly
-        stored (see ``DirectIO.commit_chunks``).
-
-        Raises:
-            ValueError: bad keys, counts, tensors or reservation sizes (all released).
-        """
-        return self._direct.commit_chunks(ns, keys, items, parents)
-
-    def release_reservations(self, items: Sequence) -> None:
-        """Give back the reservations among ``items``. Idempotent."""
-        self._direct.release_reservations(items)
-
     def shared_arena(self) -> tuple[int, int, int] | None:
         """The CPU tier's shared arena (``StoreConfig.cpu_shared``) as ``(fd, nbytes,
         page_bytes)``: its memfd (owned by the tier, valid until ``close``), its size and page
@@ -435,24 +362,6 @@ class ChunkStore(KVStoreBase):
             if isinstance(t, CpuTier) and t.shared_fd is not None:
                 return t.shared_fd, t.pool.numel(), t.page_bytes
         return None
-
-    def borrow_chunks(self, ns: Namespace, keys: Sequence[ChunkKey]) -> BorrowedChunks:
-        """Reader-pinned zero-copy views of the stored chunks (see ``DirectIO.borrow_chunks``);
-        the caller must ``release`` them.
-
-        Raises:
-            ValueError: a key of another namespace. RuntimeError: store closed.
-        """
-        return self._direct.borrow_chunks(ns, keys)
-
-    def try_borrow_chunks(self, ns: Namespace, keys: Sequence[ChunkKey]) -> BorrowedChunks | None:
-        """``borrow_chunks`` if it can finish at once (store lock free, nothing to read from a
-        lower or remote tier), else None with nothing pinned (``DirectIO.try_borrow_chunks``).
-
-        Raises:
-            ValueError: a key of another namespace. RuntimeError: store closed.
-        """
-        return self._direct.try_borrow_chunks(ns, keys)
 
     def close(self) -> None:
         with self._st.lock:

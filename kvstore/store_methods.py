@@ -1,0 +1,116 @@
+"""The public methods ``kvstore.store.ChunkStore`` takes from its parts, as mixins that
+forward to them: removal, pins, durability and stats to ``kvstore.store_admin.StoreAdmin``
+(``self._admin``); reservations and borrowed reads to ``kvstore.direct.DirectIO``
+(``self._direct``). The docstrings are the public ones; the parts document the details.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from kvstore.direct import BorrowedChunks
+from kvstore.keys import ChunkKey, Namespace
+
+
+class AdminMethods:
+    """``ChunkStore``'s removal, pin, durability and introspection methods."""
+
+    def remove(self, ns: Namespace, keys: Sequence[ChunkKey]) -> int:
+        return self._admin.remove(ns, keys)
+
+    def clear(self, ns: Namespace | None = None) -> int:
+        return self._admin.clear(ns)
+
+    def pin(self, ns: Namespace, keys: Sequence[ChunkKey], lease_s: float | None = None) -> int:
+        return self._admin.pin(ns, keys, lease_s)
+
+    def unpin(self, ns: Namespace, keys: Sequence[ChunkKey]) -> int:
+        """Drop one explicit pin per key (a plain pin first, else the oldest leased one)."""
+        return self._admin.unpin(ns, keys)
+
+    def pin_count(self, key: ChunkKey) -> int:
+        """Current pins of ``key`` (readers + explicit + leased)."""
+        return self._admin.pin_count(key)
+
+    @property
+    def has_lower_tiers(self) -> bool:
+        """Whether a chunk the top tier cannot take may still go to a tier below it."""
+        return self._admin.has_lower_tiers
+
+    @property
+    def has_disk_tier(self) -> bool:
+        """Whether the store has a disk tier (so ``persist`` can make chunks durable)."""
+        return self._admin.has_disk_tier
+
+    def persist(self, ns: Namespace, keys: Sequence[ChunkKey], kvs: Sequence[torch.Tensor],
+                timeout: float | None = None,
+                parents: Sequence[ChunkKey | None] | None = None) -> int:
+        """Write chunks through to the disk tier and wait for the commit; returns how many
+        are committed (see ``StoreAdmin.persist``).
+
+        Raises:
+            RuntimeError: no disk tier, or closed. ValueError: bad keys, counts or tensors.
+        """
+        return self._admin.persist(ns, keys, kvs, timeout, parents)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until queued disk writes are committed. False on timeout."""
+        return self._admin.flush(timeout)
+
+    def unreachable_bytes(self) -> int:
+        """Bytes of chunks a prefix lookup can never reach (see ``StoreAdmin``)."""
+        return self._admin.unreachable_bytes()
+
+    def stats(self) -> dict:
+        return self._admin.stats()
+
+
+
+class DirectMethods:
+    """``ChunkStore``'s direct I/O methods (``kvstore.direct``)."""
+
+    def reserve_chunks(self, ns: Namespace, keys: Sequence[ChunkKey],
+                       parents: Sequence[ChunkKey | None] | None = None) -> list:
+        """Per key a ``Reservation`` in the host-memory top tier, ``ALREADY_STORED`` or None
+        (see ``DirectIO.reserve_chunks``).
+
+        Raises:
+            ValueError: bad namespace, keys or parents. RuntimeError: store closed.
+        """
+        return self._direct.reserve_chunks(ns, keys, parents)
+
+    def commit_chunks(self, ns: Namespace, keys: Sequence[ChunkKey], items: Sequence,
+                      parents: Sequence[ChunkKey | None] | None = None) -> int:
+        """Store filled reservations in place, tensors by copy; returns how many were newly
+        stored (see ``DirectIO.commit_chunks``).
+
+        Raises:
+            ValueError: bad keys, counts, tensors or reservation sizes (all released).
+        """
+        return self._direct.commit_chunks(ns, keys, items, parents)
+
+    def release_reservations(self, items: Sequence) -> None:
+        """Give back the reservations among ``items``. Idempotent."""
+        self._direct.release_reservations(items)
+
+    def borrow_chunks(self, ns: Namespace, keys: Sequence[ChunkKey]) -> BorrowedChunks:
+        """Reader-pinned zero-copy views of the stored chunks (see ``DirectIO.borrow_chunks``);
+        the caller must ``release`` them.
+
+        Raises:
+            ValueError: a key of another namespace. RuntimeError: store closed.
+        """
+        return self._direct.borrow_chunks(ns, keys)
+
+    def try_borrow_chunks(self, ns: Namespace, keys: Sequence[ChunkKey]) -> BorrowedChunks | None:
+        """``borrow_chunks`` if it can finish at once (store lock free, nothing to read from a
+        lower or remote tier), else None with nothing pinned (``DirectIO.try_borrow_chunks``).
+
+        Raises:
+            ValueError: a key of another namespace. RuntimeError: store closed.
+        """
+        return self._direct.try_borrow_chunks(ns, keys)
+
+
+__all__ = ["AdminMethods", "DirectMethods"]
