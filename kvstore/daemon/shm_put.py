@@ -34,25 +34,33 @@ def put_on(conn, deadline: float, ns: Namespace, keys: Sequence[ChunkKey],
            kvs: Sequence[torch.Tensor], parents: Sequence[ChunkKey | None] | None,
            durable: bool, staging_bytes: int = STAGING_BYTES) -> int:
     """Store chunks on ``conn`` (a ``kvstore.daemon.shm_conn.Conn``): staged when the daemon
-    offers it and a chunk fits half the staging area, else over the socket. Returns how many
-    chunks were newly stored.
+    offers it (a staging area of ``staging_bytes``, at least two chunks; 0: never), else over
+    the socket. Returns how many chunks were newly stored.
 
     Raises:
         RemoteError: an error reply (after every reply of the requests sent was read).
         TimeoutError, ConnectionError, ProtocolError: as ``Conn.request``.
     """
     views = [P.tensor_bytes(kv) for kv in kvs]
-    staging = _staging(conn, deadline, staging_bytes) if staging_bytes else None
-    if staging is None or views[0].nbytes > staging.nbytes // 2:
+    staging = _staging(conn, deadline, max(staging_bytes, 2 * views[0].nbytes)) \
+        if staging_bytes else None
+    if staging is None:
         return _put_socket(conn, deadline, ns, keys, kvs, views, parents, durable)
     return _put_staged(conn, deadline, ns, keys, kvs, views, parents, durable, staging)
 
 
 def _staging(conn, deadline: float, nbytes: int) -> ClientStaging | None:
-    """The connection's staging area, made and passed on its first put; None when the daemon
-    refuses it (an older daemon, a smaller ``max_body_bytes``) or the system has no memfd."""
-    if conn.staging is not None or conn.staging_refused:
-        return conn.staging
+    """The connection's staging area of at least ``nbytes``: made and passed on its first put,
+    replaced by a larger one when a put's chunks need it (two chunks at least); None when the
+    daemon refuses it (an older daemon, a smaller ``max_body_bytes``) or the system has no
+    memfd."""
+    if conn.staging_refused:
+        return None
+    if conn.staging is not None:
+        if conn.staging.nbytes >= nbytes:
+            return conn.staging
+        conn.staging.close()  # the daemon drops its mapping when the next stage replaces it
+        conn.staging = None
     try:
         staging = ClientStaging(nbytes)
     except OSError:

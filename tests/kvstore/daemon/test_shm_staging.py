@@ -224,3 +224,25 @@ def test_staging_arrays_are_copied_not_aliased():
         staging.write_hashed(CB + 1, P.tensor_bytes(kv))
     assert np.count_nonzero(staging.array[:CB]) == 0
     staging.close()
+
+
+def test_a_larger_chunk_gets_a_larger_staging_area(tmp_path):
+    """A staging area holds at least two chunks: a namespace of larger chunks replaces it
+    (the daemon maps the new one) instead of falling back to the socket."""
+    from kvstore.keys import Namespace
+    from kvstore.layout import KVLayout
+    big = Namespace("tiny-model", KVLayout(num_layers=2, num_kv_heads=1, head_dim=8,
+                                           dtype="float16", chunk_size=16))  # 1 KiB chunks
+    with shm_daemon(tmp_path) as d, \
+            ShmKVStoreClient(d.sock_path, timeout_s=5, staging_bytes=2 * CB) as c:
+        assert c.put_chunks(NS, KEYS[:2], [chunk(0), chunk(1)]) == 2
+        assert c._idle[0].staging.nbytes == 2 * CB
+        g = torch.Generator().manual_seed(3)
+        kvs = [torch.randn(big.layout.shape(), generator=g).half() for _ in range(3)]
+        keys = big.chunk_keys(list(range(48)))
+        assert c.put_chunks(big, keys, kvs) == 3
+        conn = c._idle[0]
+        assert conn.staging.nbytes == 2 * big.layout.chunk_bytes and not conn.staging_refused
+        assert all(torch.equal(a, b) for a, b in zip(c.get_chunks(big, keys), kvs))
+        assert c.put_chunks(NS, KEYS[2:4], [chunk(2), chunk(3)], parents=[KEYS[1], KEYS[2]]) == 2
+        assert torch.equal(c.get_chunks(NS, [KEYS[3]])[0], chunk(3))
