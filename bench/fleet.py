@@ -145,13 +145,16 @@ def run_document(fleet: FleetGroup, asker: Asker, wl: FleetWorkload, i: int,
             "recompute_text": ref.text, "remote_hit_text": remote.text}
 
 
-def _namespace(fleet: FleetGroup) -> Namespace:
-    """The engines' namespace, as daemon1 reports it."""
-    named = [n["namespace"] for n in fleet.daemon_stats("daemon1")["namespaces"]
-             if n["namespace"]]
+def _namespace(fleet: FleetGroup, chunk_size: int) -> Namespace:
+    """The engines' namespace of ``chunk_size``-token chunks, as daemon1 reports it (their
+    tail pieces live in a namespace of their own, of the block size)."""
+    named = [Namespace.from_dict(n["namespace"])
+             for n in fleet.daemon_stats("daemon1")["namespaces"] if n["namespace"]]
+    named = [ns for ns in named if ns.layout.chunk_size == chunk_size]
     if len(named) != 1:
-        raise RuntimeError(f"daemon1 holds {len(named)} named namespaces, expected 1")
-    return Namespace.from_dict(named[0])
+        raise RuntimeError(f"daemon1 holds {len(named)} named namespaces of {chunk_size}-token "
+                           f"chunks, expected 1")
+    return named[0]
 
 
 def summarize(docs: list[dict], num_chunks: int) -> dict:
@@ -194,7 +197,7 @@ def run(wl: FleetWorkload, fo: FleetOptions, get_reps: int = 5) -> dict:
             docs = [run_document(fleet, asker, wl, i, num_chunks) for i in range(wl.num_docs)]
         finally:
             asker.close()
-        ns = _namespace(fleet)
+        ns = _namespace(fleet, fo.chunk_size)
         get = measure_get_throughput(fleet.cluster.url, ns, [wl.doc(i) for i in range(wl.num_docs)],
                                      reps=get_reps)
         commands = fleet.commands()

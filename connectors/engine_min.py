@@ -18,16 +18,23 @@ Per request (``C`` = chunk size; keys are ``Namespace.chunk_keys`` of the reques
                 for the background writer                                        (save)
     at the end  full chunks of prompt + generated tokens not saved yet           (request_finished)
 
-Tail pieces (``tail_chunk_size=F``, default 0 = off, as issue 5's "partial trailing chunks are not
-stored by default"): the tokens past the last full chunk are also stored as whole pieces of ``F``
-tokens (a multiple of the block size dividing ``C``) in a namespace of their own, the same layout
-with chunk size ``F`` (the scheme ``connectors.vllm`` uses, so both engines share pieces). A
+Tail pieces (``tail_chunk_size=F``; default: the engine's block size when it divides ``C``
+and is smaller, set at ``register_kv_caches``; 0 = off): the tokens past the last full chunk are
+also stored as whole pieces of ``F`` tokens (a multiple of the block size dividing ``C``) in a
+namespace of their own, the same layout with chunk size ``F`` (the scheme ``connectors.vllm``
+uses, so both engines share pieces), so a whole prompt is reused, not only its full chunks. A
 piece's key is the chained prefix hash of *every* token before its end in ``F``-token units,
 so it only matches the identical prefix. Pieces are saved when a prompt's prefill completes
 (``[floor_C(P), floor_F(P))`` for a prompt of ``P`` tokens) and at request end (the same over
-prompt + generated tokens). A lookup asks for pieces from where the leading stored full chunks
-end, up to the end of that chunk (no piece lies past a prompt's first missing chunk), so a hit
-recomputes fewer than ``F`` tokens of a stored prefix instead of up to ``C - 1``::
+prompt + generated tokens), each piece once per request: fewer than ``2 * C / F`` pieces in all
+(under one chunk of the prompt and one of the whole request), and none inside a chunk saved
+before it. Pieces take tier bytes like chunks (they are chunks of the tail namespace: evicted,
+spilled and counted alike). Pieces a request saved after its prompt stay when its answer later
+fills their chunk: any prompt sharing the prefix up to a piece but not the whole chunk (the next
+question about the same document) still loads them. A lookup asks for pieces from where the
+leading stored full chunks end, up to the end of that chunk (no piece lies past a prompt's
+first missing chunk), so a hit recomputes fewer than ``F`` tokens of a stored prefix instead
+of up to ``C - 1``::
 
     tokens  |      chunk 0 (C)      |      chunk 1 (C)      | F | F | F |..       (P tokens)
     keys    ns (chunk C)            ns                     tail ns (chunk F), chained from 0
@@ -84,6 +91,13 @@ log = logging.getLogger("connectors.engine_min")
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
+def default_tail_size(block_size: int, chunk_size: int) -> int:
+    """Tail piece size (tokens) used when none is given: ``block_size`` when it divides
+    ``chunk_size`` and is smaller, else 0 (off)."""
+    ok = 0 < block_size < chunk_size and chunk_size % block_size == 0
+    return block_size if ok else 0
+
+
 @dataclass
 class _Request:
     """Connector-side state of one request (kept across preemptions, dropped when it ends)."""
@@ -114,9 +128,11 @@ class EngineMinConnector(KVConnectorBase):
         save_generated: at request end also save the full chunks of generated tokens (so the
             next chat round reuses this round's answer).
         owns_store: ``close()`` closes the store too.
-        tail_chunk_size: tokens per tail piece (module docstring); 0 (default) stores only full
-            chunks. Must divide ``chunk_size``, be smaller, and be a multiple of the engine's
-            block size (checked at ``register_kv_caches``).
+        tail_chunk_size: tokens per tail piece (module docstring); None (default) = the
+            engine's block size when it divides ``chunk_size`` and is smaller, else 0 (resolved
+            at ``register_kv_caches``, which sets this attribute to the int used); 0 stores
+            only full chunks. Must divide ``chunk_size``, be smaller, and be a multiple of the
+            engine's block size (checked at ``register_kv_caches``).
 
     Raises:
         ValueError: a non-positive chunk size or deadline, or a tail chunk size that is
@@ -129,12 +145,13 @@ class EngineMinConnector(KVConnectorBase):
                  hash_algo: str = "sha256", deadline_s: float = 0.5,
                  deadline_s_per_chunk: float = 0.05, save_queue_bytes: int = 512 << 20,
                  save_generated: bool = True, owns_store: bool = True,
-                 tail_chunk_size: int = 0):
+                 tail_chunk_size: int | None = None):
         if not isinstance(chunk_size, int) or chunk_size <= 0:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-        if not isinstance(tail_chunk_size, int) or isinstance(tail_chunk_size, bool) or \
+        if tail_chunk_size is not None and (
+                not isinstance(tail_chunk_size, int) or isinstance(tail_chunk_size, bool) or
                 tail_chunk_size < 0 or (tail_chunk_size and (
-                    tail_chunk_size >= chunk_size or chunk_size % tail_chunk_size)):
+                    tail_chunk_size >= chunk_size or chunk_size % tail_chunk_size))):
             raise ValueError(f"tail_chunk_size must be 0 (off) or divide chunk_size="
                              f"{chunk_size} and be smaller, got {tail_chunk_size!r}")
         if not deadline_s > 0 or deadline_s_per_chunk < 0:
@@ -148,13 +165,18 @@ class EngineMinConnector(KVConnectorBase):
         self.save_queue_bytes = save_queue_bytes
         self.save_generated = save_generated
         self.owns_store = owns_store
-        self.tail_chunk_size = tail_chunk_size
+        self.tail_chunk_size = tail_chunk_size   # resolved when bound
+        self._tail_arg = tail_chunk_size
         self.tail_ns: Namespace | None = None
         self.model_identity: dict[str, str] = {}
         # a store whose every tier is behind a daemon (the daemon's client) reports the
         # daemon's tier names: shown as "remote:<tier>" (a layered store names them so itself)
         caps = store.capabilities
         self._remote = caps.remote and caps.tiers == ("remote",)
+        # an in-process store answers a lookup inline when its lock is free (no I/O); not a
+        # subclass that redefines lookup_keys (try_lookup_keys would go around it)
+        self._inline_lookup = caps.nonblocking_lookup and not caps.remote and \
+            getattr(type(store).lookup_keys, "__qualname__", "") == "ChunkStore.lookup_keys"
         self.ns: Namespace | None = None
         self.geometry: ChunkGeometry | None = None
         self.kv_cache: torch.Tensor | None = None
@@ -198,6 +220,8 @@ class EngineMinConnector(KVConnectorBase):
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2 or kv_cache.shape[3] != block_size:
             raise ValueError(f"kv_cache must be [num_layers, 2, num_blocks, block_size="
                              f"{block_size}, num_kv_heads, head_dim], got {list(kv_cache.shape)}")
+        self.tail_chunk_size = self._tail_arg if self._tail_arg is not None else \
+            default_tail_size(block_size, self.chunk_size)     # default: pieces of one block
         self.geometry = ChunkGeometry(block_size, self.chunk_size, self.tail_chunk_size)
         layout = KVLayout(num_layers=int(kv_cache.shape[0]), num_kv_heads=int(kv_cache.shape[4]),
                           head_dim=int(kv_cache.shape[5]), dtype=kv_cache.dtype,
@@ -236,12 +260,14 @@ class EngineMinConnector(KVConnectorBase):
         return chunks.record(hit), False
 
     def _run_lookup(self, query: LookupQuery) -> LookupHit:
-        """``query`` on a worker thread, waited for at most ``deadline_s``; a miss on timeout
-        or error (a counted fallback)."""
+        """``query`` inline when the store answers without waiting (an in-process store whose
+        lock is free: no thread hop on the engine's critical path), else on a worker thread,
+        waited for at most ``deadline_s``; a miss on timeout or error (a counted fallback)."""
         t0 = time.perf_counter()
-        fut = self._pool.submit(self._lookup, query)
         try:
-            hit = fut.result(timeout=self.deadline_s)
+            hit = self._lookup(query, inline=True) if self._inline_lookup else None
+            if hit is None:
+                hit = self._pool.submit(self._lookup, query).result(timeout=self.deadline_s)
         except FutureTimeout:
             self.stats.fallback("lookup", "lookup timed out after %.3f s; recomputing",
                                 self.deadline_s)
@@ -255,13 +281,18 @@ class EngineMinConnector(KVConnectorBase):
             hit = dataclasses.replace(hit, tiers={k: f"remote:{t}" for k, t in hit.tiers.items()})
         return hit
 
-    def _lookup(self, q: LookupQuery) -> LookupHit:
-        """Worker thread: the leading stored full chunks of ``q.keys``, then the stored tail
-        pieces of ``q.tail_range`` after them."""
-        full = self.store.lookup_keys(self.ns, list(q.keys)) if q.keys else _NO_HIT
+    def _lookup(self, q: LookupQuery, inline: bool = False) -> LookupHit | None:
+        """The leading stored full chunks of ``q.keys``, then the stored tail pieces of
+        ``q.tail_range`` after them. ``inline``: only what the store answers at once
+        (``try_lookup_keys``); None when it would wait (ask again on a worker thread)."""
+        look = self.store.try_lookup_keys if inline else self.store.lookup_keys
+        full = look(self.ns, list(q.keys)) if q.keys else _NO_HIT
+        if full is None:
+            return None
         rng = q.tail_range(full.num_hit_chunks)
-        tail = self.store.lookup_keys(self.tail_ns, list(q.tail_keys[rng.start:rng.stop])) \
-            if rng else _NO_HIT
+        tail = look(self.tail_ns, list(q.tail_keys[rng.start:rng.stop])) if rng else _NO_HIT
+        if tail is None:
+            return None
         return q.hit(full.num_hit_chunks, full.tiers, tail.num_hit_chunks, tail.tiers)
 
     def update_state_after_alloc(self, seq: Any, block_ids: list[int],

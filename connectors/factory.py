@@ -27,7 +27,7 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
                      chunk_size: int = DEFAULT_CHUNK_SIZE, deadline_s: float = 0.5, *,
                      model_id: str | None = None, revision: str | None = None,
                      auth_token: str | None = None, save_generated: bool = True,
-                     tail_chunk_size: int = 0, remote: dict | None = None,
+                     tail_chunk_size: int | None = None, remote: dict | None = None,
                      **connector_kwargs: Any) -> EngineMinConnector:
     """A connector over the store these options describe (see module docstring).
 
@@ -49,8 +49,9 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
             (a ``cache_salt`` in ``connector_kwargs`` becomes a sub-salt ``tenant/salt``).
         save_generated: save generated tokens' full chunks at request end.
         tail_chunk_size: also store the tokens past the last full chunk as pieces of this
-            many tokens (a multiple of the block size dividing ``chunk_size``); 0 (default) =
-            full chunks only. See ``connectors.engine_min``.
+            many tokens (a multiple of the block size dividing ``chunk_size``); None (default)
+            = the engine's block size when it divides ``chunk_size``; 0 = full chunks only.
+            See ``connectors.engine_min``.
         remote: the in-process store's remote tier (Redis) as ``StoreSpec`` fields
             (``remote_url``, ``remote_key_prefix``, ``remote_ttl_s``, ``remote_timeout_s``);
             None = none.

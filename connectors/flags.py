@@ -74,10 +74,11 @@ def add_store_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    "(default $KVSTORE_AUTH_TOKEN)")
     s.add_argument("--kvstore-chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
                    help="tokens per store chunk (a multiple of the block size; default %(default)s)")
-    s.add_argument("--kvstore-tail-chunk-size", type=int, default=0, metavar="N",
+    s.add_argument("--kvstore-tail-chunk-size", type=int, default=None, metavar="N",
                    help="also store a prompt's tokens past its last full chunk as pieces of N "
                    "tokens (a multiple of the block size dividing the chunk size), so a hit "
-                   "recomputes < N tokens instead of up to a chunk; 0 (default) = off")
+                   "recomputes < N tokens instead of up to a chunk (default: the engine's "
+                   "block size, when it divides the chunk size); 0 = off (full chunks only)")
     s.add_argument("--kvstore-remote-url", default=None, metavar="URL",
                    help="in-process store: a remote tier in Redis below its tiers, shared by "
                    "every engine pointing at it: redis://HOST:PORT (standalone or a cluster "
@@ -98,8 +99,9 @@ def add_store_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 def connector_from_args(args: argparse.Namespace) -> EngineMinConnector | None:
     """The connector of the store flags (``kvstore_cpu_bytes``, ``kvstore_disk_path``,
     ``kvstore_disk_bytes``, ``kvstore_url``, ``kvstore_remote_*``, ``kvstore_chunk_size``,
-    optional ``kvstore_deadline_s``, ``kvstore_auth_token`` and ``kvstore_tail_chunk_size``),
-    or None when no store flag is set.
+    optional ``kvstore_deadline_s``, ``kvstore_auth_token`` and ``kvstore_tail_chunk_size``:
+    None or absent = pieces of the engine's block size, 0 = off), or None when no store flag
+    is set.
 
     The store is in-process tiers (cpu bytes, disk path and bytes, a remote tier in Redis), a
     remote daemon (url), or both (local tiers in front of the daemon).
@@ -117,7 +119,7 @@ def connector_from_args(args: argparse.Namespace) -> EngineMinConnector | None:
             for k in ("cpu_bytes", "disk_path", "disk_bytes", "url")}
     remote = remote_options(args)
     if all(v is None for v in opts.values()) and not remote:
-        if getattr(args, "kvstore_tail_chunk_size", 0):  # would be ignored silently
+        if getattr(args, "kvstore_tail_chunk_size", None):  # would be ignored silently
             raise StoreFlagError("--kvstore-tail-chunk-size needs a store: --kvstore-cpu-bytes, "
                                  "--kvstore-disk-path, --kvstore-url or --kvstore-remote-url")
         return None

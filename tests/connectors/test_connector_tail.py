@@ -3,9 +3,9 @@ engine for the module): greedy outputs equal the engine's without a connector, a
 what the chunk + piece arithmetic says.
 
 Engine: block size 4, its own prefix cache off unless a test turns it on. Store chunks C = 16
-tokens, tail pieces F = 4 (8 where the arithmetic asks). With pieces a hit of a stored prefix
-of ``L`` tokens reaches ``floor_F(L)`` instead of ``floor_C(L)``; without them (the default)
-nothing changes.
+tokens, tail pieces F = 4 (the default: the block size; 8 where the arithmetic asks). With
+pieces a hit of a stored prefix of ``L`` tokens reaches ``floor_F(L)`` instead of
+``floor_C(L)``; with ``tail_chunk_size=0`` (off) nothing changes.
 """
 from __future__ import annotations
 
@@ -77,7 +77,8 @@ def prompts(engine):
             "r2_out": run(engine, r2, 5)[0]}
 
 
-def connector(tail: int, chunk: int = C) -> EngineMinConnector:
+def connector(tail: int | None, chunk: int = C) -> EngineMinConnector:
+    """A connector over a 128 MiB CPU tier; ``tail`` None = the default tail size."""
     return create_connector(cpu_bytes="128MiB", chunk_size=chunk, deadline_s=DEADLINE,
                             tail_chunk_size=tail)
 
@@ -119,10 +120,19 @@ def test_doc_qa_tail_pieces_hit_the_whole_document_and_outputs_match(engine, pro
     conn.close()
 
 
-def test_default_stores_no_tail_pieces(engine, prompts):
-    conn = connector(0)
-    assert conn.tail_ns is None
+def test_default_stores_tail_pieces_of_one_block(engine, prompts):
+    conn = connector(None)
     cached, st = doc_qa(engine, prompts, conn)
+    assert conn.tail_chunk_size == BS and conn.tail_ns.layout.chunk_size == BS
+    assert cached == [0, DOC, DOC, DOC]          # the whole document, as with F = 4 given
+    assert st["kvstore_loaded_tail_chunks"] == 3 * 2 and st["kvstore_saved_tail_chunks"] == 6
+    conn.close()
+
+
+def test_tail_chunk_size_zero_stores_no_tail_pieces(engine, prompts):
+    conn = connector(0)
+    cached, st = doc_qa(engine, prompts, conn)
+    assert conn.tail_ns is None
     assert cached == [0, 144, 144, 144]          # floor_C(152): the 8 tokens past it recompute
     assert st["kvstore_loaded_tail_chunks"] == 0 and st["kvstore_saved_tail_chunks"] == 0
     conn.close()
@@ -196,7 +206,38 @@ def test_engine_cache_past_the_full_chunks_loads_only_the_rest_of_a_piece(engine
         conn.close()
 
 
-def test_tail_chunk_size_is_validated():
+def test_default_tail_size_is_the_block_size_when_it_divides_the_chunk():
+    from connectors.engine_min import default_tail_size
+    assert [default_tail_size(b, 256) for b in (16, 64, 128, 256, 48, 512)] == \
+        [16, 64, 128, 0, 0, 0]
+
+
+PIECE_BYTES = 30 * 2 * F * 3 * 64 * 4            # SmolLM2-135M, float32: 184,320 bytes
+CHUNK_BYTES = PIECE_BYTES * C // F                # 737,280 bytes
+
+
+def test_pieces_of_one_request_are_bounded_and_take_tier_bytes_like_chunks(engine, prompts):
+    """Round 1 of the chat (70 prompt + 20 generated, 89 with KV) writes 5 chunks [0, 80) and
+    3 pieces: [64, 68) after the prefill and [80, 88) at the end (each piece's tokens past
+    the last full chunk of what it covers; never a piece inside a chunk it saved before).
+    The CPU tier's bytes are exactly those 8 units. Then a tier 80 pieces (20 chunks) big
+    takes a 2nd and 3rd round of new prompts: the pieces fill it like chunks and are evicted
+    like them."""
+    conn = connector(None)
+    engine.set_connector(conn)
+    try:
+        run(engine, prompts["r1"], 20, ignore_eos=True)
+        assert conn.wait_for_save(DEADLINE)
+        cpu = conn.store.stats()["tiers"]["cpu"]
+        assert cpu["num_chunks"] == 5 + 3
+        assert cpu["used_bytes"] == 5 * CHUNK_BYTES + 3 * PIECE_BYTES
+        tail_keys = conn.tail_ns.chunk_keys(prompts["r1"] + prompts["r1_out"])
+        assert conn.store.exists(conn.tail_ns, tail_keys[15:22]) == \
+            [False, True, False, False, False, True, True]          # pieces 16, 20, 21
+    finally:
+        engine.set_connector(None)
+        conn.close()
+
     store = ChunkStore(StoreConfig(cpu_bytes="4MiB"))
     for bad in (-4, 5, 16, 32, 1.5, True):
         with pytest.raises(ValueError, match="tail_chunk_size"):
@@ -212,7 +253,14 @@ def test_server_flag_and_factory_pass_the_tail_chunk_size(tmp_path):
     from engine_min.serve.cli import add_serve_args, build_connector
     parse = add_serve_args(argparse.ArgumentParser()).parse_args
     c = build_connector(parse(["--kvstore-cpu-bytes", "8MiB", "--kvstore-chunk-size", "32"]))
-    assert c.tail_chunk_size == 0
+    assert c.tail_chunk_size is None          # the default: the engine's block size, at binding
+    c.register_kv_caches(torch.zeros(2, 2, 8, 8, 1, 8), 8)
+    assert c.tail_chunk_size == 8
+    c.close()
+    c = build_connector(parse(["--kvstore-cpu-bytes", "8MiB", "--kvstore-chunk-size", "32",
+                               "--kvstore-tail-chunk-size", "0"]))
+    c.register_kv_caches(torch.zeros(2, 2, 8, 8, 1, 8), 8)
+    assert (c.tail_chunk_size, c.tail_ns) == (0, None)
     c.close()
     c = build_connector(parse(["--kvstore-cpu-bytes", "8MiB", "--kvstore-chunk-size", "32",
                                "--kvstore-tail-chunk-size", "8"]))

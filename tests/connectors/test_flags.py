@@ -2,6 +2,7 @@
 import argparse
 
 import pytest
+import torch
 
 from connectors.engine_min import EngineMinConnector
 from connectors.flags import STORE_FLAGS, StoreFlagError, add_store_args, connector_from_args
@@ -17,7 +18,27 @@ def test_no_store_flag_is_no_connector_and_defaults_are_the_documented_ones():
     args = parse()
     assert connector_from_args(args) is None
     assert all(getattr(args, f) is None for f in STORE_FLAGS)
-    assert (args.kvstore_chunk_size, args.kvstore_tail_chunk_size) == (256, 0)
+    # tail size None: pieces of the engine's block size (resolved when the engine binds)
+    assert (args.kvstore_chunk_size, args.kvstore_tail_chunk_size) == (256, None)
+
+
+def test_tail_pieces_are_on_by_default_and_zero_turns_them_off():
+    c = connector_from_args(parse("--kvstore-cpu-bytes", "8MiB", "--kvstore-chunk-size", "32"))
+    try:
+        assert c.tail_chunk_size is None                     # not bound yet
+        c.register_kv_caches(torch.zeros(2, 2, 8, 4, 1, 8), 4)   # block size 4
+        assert c.tail_chunk_size == 4 and c.tail_ns.layout.chunk_size == 4
+    finally:
+        c.close()
+    c = connector_from_args(parse("--kvstore-cpu-bytes", "8MiB", "--kvstore-chunk-size", "32",
+                                  "--kvstore-tail-chunk-size", "0"))
+    try:
+        c.register_kv_caches(torch.zeros(2, 2, 8, 4, 1, 8), 4)
+        assert c.tail_chunk_size == 0 and c.tail_ns is None
+    finally:
+        c.close()
+    # 0 without a store is not an error (it asks for nothing)
+    assert connector_from_args(parse("--kvstore-tail-chunk-size", "0")) is None
 
 
 def test_sizes_parse_as_bytes_and_build_an_in_process_store():
