@@ -26,10 +26,13 @@ document, several questions, measured in one run (seconds, TTFT = first token - 
     with zero load cost, i.e. what any engine must compute. ``hit / bound_in_context`` is the
     connector's whole overhead (lookup, load, scatter, bookkeeping) over that.
 
-``--save-partial`` adds a second row (JSON key ``save_partial``, same fields): the connector
-with tail pieces (``tail_chunk_size``, default the block size), so the document's tokens past
-its last full chunk are stored too and a hit prefills only the question (the first row keeps
-the default, full chunks only, as issue 5 specifies). The recompute figures are shared.
+The first row is the connector with its default flags: tail pieces of one block
+(``tail_chunk_size`` = the block size), so the document's tokens past its last full chunk are
+stored too and a hit prefills only the question (``--tail-chunk-size N`` sets the size, 0 = full
+chunks only). ``--full-chunks-only`` adds a second row (JSON key ``full_chunks_only``, same
+fields) with ``tail_chunk_size=0``: what reuse of full chunks alone gives (a hit prefills the
+document's last partial chunk too). The recompute figures are shared. (``--save-partial`` is
+accepted for old command lines: tail pieces are the default now.)
 
 ``load_average`` (1-minute, at start and end) is recorded: figures on a busy 2-core host are
 not comparable. The server-level benchmark of the same workload is ``python -m
@@ -107,8 +110,9 @@ def suffix_in_context(engine, conn, prompts: list[list[int]], num_cached: int):
     return times, outs
 
 
-def measure_row(engine, doc, questions, want, args, store_bytes, tail: int):
-    """One connector configuration (``tail`` = tail piece size, 0 = full chunks only): cold
+def measure_row(engine, doc, questions, want, args, store_bytes, tail: int | None):
+    """One connector configuration (``tail`` = tail piece size, 0 = full chunks only, None =
+    the connector's default: the block size): cold
     pairs, hits, both bounds. ``want``: recompute outputs of ``questions[1:]``.
 
     Returns:
@@ -166,7 +170,7 @@ def measure_row(engine, doc, questions, want, args, store_bytes, tail: int):
     bound, bound_ctx = statistics.median(alone) + copy_s, statistics.median(in_ctx) + copy_s
     h = statistics.median(hit)
     res = {
-        "tail_chunk_size": tail,
+        "tail_chunk_size": conn.tail_chunk_size,
         "ttft_cold_connector_s": statistics.median(cold), "ttft_cold_runs_s": cold,
         "ttft_hit_s": h, "ttft_hit_runs_s": hit, "suffix_tokens": tail_n,
         "ttft_suffix_alone_s": statistics.median(alone),
@@ -194,11 +198,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
     ap.add_argument("--cold-reps", type=int, default=3,
                     help="cold runs (each paired with a recompute; default 3)")
+    ap.add_argument("--full-chunks-only", action="store_true",
+                    help="add the row without tail pieces (tail_chunk_size=0)")
     ap.add_argument("--save-partial", action="store_true",
-                    help="add the row with tail pieces (the document's partial last chunk "
-                    "stored too)")
+                    help="no effect: tail pieces are on by default (kept for old command lines)")
     ap.add_argument("--tail-chunk-size", type=int, default=None,
-                    help="tail piece size of the --save-partial row (default: the block size)")
+                    help="tail piece size of the first row (default: the connector's, the "
+                    "block size; 0 = off)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args(argv)
@@ -230,10 +236,9 @@ def main(argv: list[str] | None = None) -> dict:
         want.append(out.output_token_ids)
 
     store_bytes = f"{(n * mc_bytes_per_token * 2) >> 20}MiB"
-    rows = [measure_row(engine, doc, questions, want, args, store_bytes, 0)]
-    if args.save_partial:
-        tail = args.tail_chunk_size or cfg.block_size
-        rows.append(measure_row(engine, doc, questions, want, args, store_bytes, tail))
+    rows = [measure_row(engine, doc, questions, want, args, store_bytes, args.tail_chunk_size)]
+    if args.full_chunks_only:
+        rows.append(measure_row(engine, doc, questions, want, args, store_bytes, 0))
     recompute += [t for _, rec in rows for t in rec]   # same prompt length: same work
     r = statistics.median(recompute)
     for row, _ in rows:
@@ -241,8 +246,8 @@ def main(argv: list[str] | None = None) -> dict:
     res = {"doc_tokens": args.doc_tokens, "question_tokens": args.question_tokens,
            "chunk_size": args.chunk_size, "threads": torch.get_num_threads(),
            "ttft_recompute_s": r, "ttft_recompute_runs_s": recompute, **rows[0][0]}
-    if args.save_partial:
-        res["save_partial"] = rows[1][0]
+    if args.full_chunks_only:
+        res["full_chunks_only"] = rows[1][0]
     res["load_average"] = [load_start, os.getloadavg()[0]]
     print(json.dumps(res, indent=2))
     if args.json:

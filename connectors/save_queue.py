@@ -5,9 +5,16 @@ pool, ``try_reserve``s their bytes and ``submit``s them; one writer thread calls
 ``put_chunks`` in arrival order. The queue holds at most ``capacity_bytes`` of gathered chunks
 (an item larger than that is still taken when the queue is empty, so a big save never starves);
 when it is full the caller drops the save (a lost future hit, never a wait).
+
+The writer thread runs at a lower CPU priority (``WRITER_NICE`` above the process's, Linux:
+per thread): on a host whose cores the engine's compute threads fill, a put (a copy into the
+store, or a send to the daemon) takes the cycles they leave instead of stalling the forward
+pass that produces the next first token. While the engine thread waits on the store lock
+the writer holds, the compute threads are idle, so the writer still runs.
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -20,6 +27,20 @@ from kvstore.keys import ChunkKey, Namespace
 #: ``done(ns, stored, seconds, error)``: called on the writer thread after each put; ``stored``
 #: is the number of chunks newly stored (None when ``error`` is set).
 DoneCallback = Callable[[Namespace, "int | None", float, "Exception | None"], None]
+
+#: How much nicer (lower CPU priority) than its process the writer thread runs.
+WRITER_NICE = 10
+
+
+def lower_thread_priority(nice: int) -> bool:
+    """Make the calling thread ``nice`` steps nicer (Linux: ``setpriority`` on its thread
+    id). False where the platform does not allow it (nothing changed)."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+        return True
+    except (AttributeError, OSError):
+        return False
 
 
 class SaveQueue:
@@ -84,6 +105,7 @@ class SaveQueue:
         self._writer.join(10)
 
     def _loop(self) -> None:
+        lower_thread_priority(WRITER_NICE)
         while True:
             item = self._q.get()
             if item is None:
