@@ -324,14 +324,15 @@ def test_engine_connector_with_a_tenant_token_hits_its_own_chunks_only(daemon):
         assert conn.wait_for_save(10)
         return conn, eng, seq
 
-    toks = prompt(36)  # 4 full chunks of 8 tokens + 4
+    toks = prompt(36)  # 4 full chunks of 8 tokens + 4 (tail pieces of one block, the default)
     conn, _, seq = run(TOKENS["alice"], toks)
     assert conn.ns.cache_salt == "alice" and seq.num_cached_tokens == 0
     assert conn.get_stats()["kvstore_saved_chunks"] == 4
     conn.close()
     conn, eng, seq = run(TOKENS["alice"], toks)  # a second engine of alice: hits
-    assert seq.num_cached_tokens == 32 and eng.computed_tokens == 36 - 32
-    assert torch.equal(eng.seq_kv(seq, 0, 32), kv_value(toks, 0, 32))
+    hit = 36 - 1  # the whole prompt but its last token (always computed)
+    assert seq.num_cached_tokens == hit and eng.computed_tokens == 36 - hit
+    assert torch.equal(eng.seq_kv(seq, 0, hit), kv_value(toks, 0, hit))
     conn.close()
     conn, eng, seq = run(TOKENS["bob"], toks)    # bob: same tokens, own salt, no hit, no error
     st = conn.get_stats()
@@ -339,10 +340,11 @@ def test_engine_connector_with_a_tenant_token_hits_its_own_chunks_only(daemon):
     assert (st["kvstore_lookup_fallbacks"], st["kvstore_saved_chunks"]) == (0, 4)
     conn.close()
     conn, _, seq = run(TOKENS["dash"], toks)     # alice's reader: reads alice's chunks
-    assert conn.ns.cache_salt == "alice" and seq.num_cached_tokens == 32
+    assert conn.ns.cache_salt == "alice" and seq.num_cached_tokens == hit
     assert conn.get_stats()["kvstore_saved_chunks"] == 0  # its saves are refused (403)
     conn.close()
-    assert daemon.store.stats()["tiers"]["cpu"]["num_chunks"] == 8  # 4 of alice + 4 of bob
+    # 4 chunks + 1 tail piece (4 tokens, one block) of alice, and as many of bob
+    assert daemon.store.stats()["tiers"]["cpu"]["num_chunks"] == 10
     conn, _, seq = run("not-a-tenant-token-0123", toks)  # unknown: recomputes, never fails
     assert seq.is_finished and seq.num_cached_tokens == 0
     conn.close()
