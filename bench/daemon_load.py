@@ -1,6 +1,6 @@
 """Load test of ``kvstore serve`` on loopback, against Redis and memcpy, plus a soak.
 
-    python -m bench.daemon_load [--quick] [--soak-s 60] [--json PATH]
+    python -m bench.daemon_load [--quick] [--soak-s 60] [--json PATH] [--shm-only]
 
 Chunks are real-model-sized: SmolLM2-135M, 30 layers x 2 x 256 tokens x 3 KV heads x 64 dims
 fp16 = 5,898,240 bytes. Phases:
@@ -25,6 +25,7 @@ fp16 = 5,898,240 bytes. Phases:
    arena mapped read-only (``shm_get_gbps``, ``shm_put_gbps``, ``_8c`` for 8 clients) against
    memcpy of the same chunks in the same run, and a 32-chunk lookup (``unix_lookup32_ms``).
    The HTTP figures above stay HTTP (the daemon's socket is not used by them).
+   ``--shm-only`` runs this phase alone (memcpy alternating with it).
 """
 from __future__ import annotations
 
@@ -133,13 +134,21 @@ async def _throughput(args, out: dict, daemon: Daemon, redis, tensors) -> None:
 async def _main_async(args, out: dict, workdir: str) -> None:
     tensors = chunk_pool(8)
     redis = None
-    if shutil.which("redis-server") is None:
+    if args.shm_only:
+        pass
+    elif shutil.which("redis-server") is None:
         print("redis-server not installed (apt-get install -y redis-server): "
               "Redis figures skipped")
         out["redis_skipped"] = "redis-server not installed"
     else:
         redis = Redis(workdir)
     daemon = Daemon("2GiB", Path(workdir) / "daemon.log", str(Path(workdir) / "kvstore.sock"))
+    if args.shm_only:
+        try:
+            shm_phase(daemon.unix_socket, args, tensors, out)
+        finally:
+            out["daemon_exit_code"] = daemon.stop()
+        return
     try:
         await _throughput(args, out, daemon, redis, tensors)
         out.update(bench_lookup32(daemon.url, tensors, 300 if not args.quick else 100))
@@ -175,6 +184,8 @@ def main(argv=None) -> int:
     ap.add_argument("--soak-s", type=float, default=None, help="soak seconds (default 60; "
                                                                "10 with --quick)")
     ap.add_argument("--batch", type=int, default=4, help="chunks per get/put round trip")
+    ap.add_argument("--shm-only", action="store_true", help="only the same-host phase (6) "
+                    "and its memcpy baseline")
     args = ap.parse_args(argv)
     args.rounds = 6 if args.quick else 24
     args.reps = 2 if args.quick else 3
@@ -187,6 +198,12 @@ def main(argv=None) -> int:
         asyncio.run(_main_async(args, out, workdir))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    if args.shm_only:
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(out, indent=2, sort_keys=True))
+            print(f"wrote {args.json}")
+        return 0
     out["get_gbps"], out["put_gbps"] = out["get_gbps_1c"], out["put_gbps_1c"]
     out["redis_get_gbps"] = out.get("redis_get_gbps_1c")
     out["redis_put_gbps"] = out.get("redis_put_gbps_1c")
