@@ -14,6 +14,11 @@ Value layout (little-endian)::
 * codecs: ``raw`` (0), ``lz4`` (1), ``shuffle-lz4`` (2: byte-shuffle, then lz4 block). Byte
   shuffle groups byte j of every element together (as blosc does): fp16/bf16 exponent bytes
   repeat a lot, mantissa bytes do not, so lz4 finds the repeats only after shuffling.
+  Lossy: ``int8`` (3), ``fp8`` (4), see ``kvstore.kv_codec`` (payload = scales + 1-byte
+  values). For them ``raw_nbytes`` and ``xxh3_64`` describe the *decoded* tensor's bytes
+  (computed at encode time by decoding once), so every codec's decoded bytes are checked the
+  same way; a payload whose size is not the codec's for the header's shape (a header naming
+  the wrong codec) does not decode.
 """
 from __future__ import annotations
 
@@ -22,11 +27,15 @@ from dataclasses import dataclass
 
 import lz4.block
 import numpy as np
+import torch
 import xxhash
+
+from kvstore import kv_codec
 
 MAGIC = b"KVC1"
 VERSION = 1
-CODECS = ("raw", "lz4", "shuffle-lz4")
+#: Codec codes (append only: the code is stored on disk).
+CODECS = ("raw", "lz4", "shuffle-lz4") + kv_codec.LOSSY_CODECS
 #: Fixed dtype codes (append only: the code is stored on disk).
 DTYPE_CODES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -69,9 +78,10 @@ def unshuffle(shuffled: np.ndarray, itemsize: int) -> np.ndarray:
 
 
 def encode_payload(raw: np.ndarray, itemsize: int, codec: str = "auto") -> tuple[str, bytes | np.ndarray]:
-    """Compress raw bytes (uint8 1-D). Returns ``(codec used, payload)``.
+    """Compress raw bytes (uint8 1-D) losslessly. Returns ``(codec used, payload)``.
 
     ``auto`` tries shuffle-lz4 and falls back to raw when it saves less than ``MIN_SAVING``.
+    (Lossy codecs need the tensor's dtype and shape: ``pack_value``.)
 
     Raises:
         ValueError: unknown codec.
@@ -87,7 +97,7 @@ def encode_payload(raw: np.ndarray, itemsize: int, codec: str = "auto") -> tuple
         if codec == "auto" and len(packed) > (1.0 - MIN_SAVING) * raw.nbytes:
             return "raw", raw
         return "shuffle-lz4", packed
-    raise ValueError(f"unknown codec {codec!r}; choose one of {CODECS} or 'auto'")
+    raise ValueError(f"unknown lossless codec {codec!r}; choose one of {CODECS[:3]} or 'auto'")
 
 
 def _sample_compresses(raw: np.ndarray, itemsize: int) -> bool:
@@ -135,14 +145,46 @@ class ChunkHeader:
 
 
 def pack_value(key: bytes, parent: bytes | None, raw: np.ndarray, dtype: str,
-               shape: tuple[int, ...], codec: str = "auto") -> bytes:
-    """Header + encoded payload for a chunk. ``raw`` is the tensor's bytes (uint8 1-D)."""
+               shape: tuple[int, ...], codec: str = "auto",
+               fallback: str = "raw") -> bytes:
+    """Header + encoded payload for a chunk. ``raw`` is the tensor's bytes (uint8 1-D).
+
+    A lossy ``codec`` (``int8``, ``fp8``) encodes the tensor (``shape``, ``dtype``) and records
+    the checksum of its decoded bytes; a chunk it cannot encode (a non-finite value, a dtype
+    it does not take) is written with the lossless ``fallback`` instead.
+
+    Raises:
+        ValueError: unknown codec.
+    """
     parent = parent or b""
-    used, payload = encode_payload(raw, ITEMSIZE[dtype], codec)
+    used, payload, csum = None, None, None
+    if codec in kv_codec.LOSSY_CODECS:
+        try:
+            used, payload, csum = codec, *_encode_lossy(raw, dtype, shape, codec)
+        except ValueError:
+            codec = fallback
+    if used is None:
+        used, payload = encode_payload(raw, ITEMSIZE[dtype], codec)
+        csum = checksum(raw)
     fixed = _FIXED.pack(MAGIC, VERSION, CODECS.index(used), DTYPE_CODES.index(dtype), raw.nbytes,
-                        checksum(raw), *shape)
+                        csum, *shape)
     body = b"".join((fixed, bytes((len(key),)), key, bytes((len(parent),)), parent, payload))
     return body + _TRAILER.pack(checksum(body))
+
+
+def _tensor(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.from_numpy(raw).view(getattr(torch, dtype)).view(shape)
+
+
+def _encode_lossy(raw: np.ndarray, dtype: str, shape: tuple[int, ...],
+                  codec: str) -> tuple[bytes, int]:
+    """(payload, checksum of the decoded bytes) of a lossy codec. Raises ValueError when the
+    codec cannot encode the chunk."""
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"{codec} does not encode {dtype}")
+    payload = kv_codec.encode(_tensor(raw, dtype, shape), codec)  # uint8 array
+    decoded = kv_codec.decode(payload, codec, getattr(torch, dtype), shape)
+    return payload, checksum(decoded.view(-1).view(torch.uint8).numpy())
 
 
 def unpack_header(buf) -> ChunkHeader:
@@ -192,9 +234,20 @@ def unpack_value(buf, expect_key: bytes, copy: bool = True) -> tuple[ChunkHeader
                                 f"{expect_key.hex()[:16]}..")
     if int(np.prod(h.shape)) * ITEMSIZE[h.dtype] != h.raw_nbytes:
         raise CorruptChunkError(f"shape {h.shape} x {h.dtype} does not match {h.raw_nbytes} bytes")
-    raw = decode_payload(h.codec, mv[h.payload_offset:len(mv) - _TRAILER.size], h.raw_nbytes,
-                         ITEMSIZE[h.dtype], copy)
+    payload = mv[h.payload_offset:len(mv) - _TRAILER.size]
+    if h.codec in kv_codec.LOSSY_CODECS:
+        raw = _decode_lossy(h, payload)
+    else:
+        raw = decode_payload(h.codec, payload, h.raw_nbytes, ITEMSIZE[h.dtype], copy)
     # a raw payload is covered by the trailer already; check what a decoder produced
     if h.codec != "raw" and checksum(raw) != h.checksum:
         raise CorruptChunkError("payload checksum mismatch")
     return h, raw
+
+
+def _decode_lossy(h: ChunkHeader, payload) -> np.ndarray:
+    try:
+        kv = kv_codec.decode(payload, h.codec, getattr(torch, h.dtype), h.shape)
+    except ValueError as e:
+        raise CorruptChunkError(f"{h.codec} payload does not decode: {e}") from e
+    return kv.view(-1).view(torch.uint8).numpy()

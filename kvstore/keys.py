@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 import numpy as np
 import xxhash
 
+from kvstore.kv_codec import LOSSY_CODECS
 from kvstore.layout import KVLayout
 
 HASH_ALGOS = ("sha256", "blake2b", "xxh3_128")
@@ -82,7 +83,7 @@ def chain_hashes(seed: bytes, tokens: Sequence[int] | np.ndarray, unit: int,
 #: left out of ``to_dict`` (so of the digest) while empty: a namespace without them keeps the
 #: keys it had before these fields existed.
 IDENTITY_FIELDS = ("weights_fingerprint", "compute_dtype", "rope", "quantization",
-                   "kv_quantization", "adapter")
+                   "kv_quantization", "adapter", "lossy_codec")
 
 
 def canonical_json(value) -> str:
@@ -135,12 +136,16 @@ class Namespace:
             ``""`` = none (engine_min dequantizes at load; the fingerprint covers the values).
         kv_quantization: KV cache quantization (scales / method); ``""`` = none.
         adapter: LoRA (or other adapter) identity applied to the KV; ``""`` = none.
+        lossy_codec: the lossy codec (``"int8"``, ``"fp8"``) this namespace's consumer accepts
+            its chunks to be stored with in a tier configured for it (``kvstore.kv_codec``:
+            reads may then return decoded, not bit-exact, KV); ``""`` (default) = bit-exact
+            only. Part of the digest when set, so such chunks never share a key with exact ones.
 
     ``IDENTITY_FIELDS`` left empty are not part of ``to_dict`` nor the digest (namespaces
     without them keep their keys).
 
     Raises:
-        ValueError: an unknown ``hash_algo``.
+        ValueError: an unknown ``hash_algo`` or ``lossy_codec``.
         TypeError: a field value that is not a string (``rope`` may be a dict).
     """
 
@@ -155,6 +160,7 @@ class Namespace:
     quantization: str = ""
     kv_quantization: str = ""
     adapter: str = ""
+    lossy_codec: str = ""
 
     def __post_init__(self) -> None:
         _hasher(self.hash_algo)  # validates
@@ -163,6 +169,9 @@ class Namespace:
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"Namespace.{name} must be a str, got "
                                 f"{type(getattr(self, name)).__name__}")
+        if self.lossy_codec and self.lossy_codec not in LOSSY_CODECS:
+            raise ValueError(f"unknown lossy_codec {self.lossy_codec!r}; choose one of "
+                             f"{LOSSY_CODECS} or '' (bit-exact only)")
 
     def to_dict(self) -> dict:
         """The wire form, JSON-able (``from_dict`` inverts it): every field, except

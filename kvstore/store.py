@@ -114,8 +114,10 @@ class ChunkStore(AdminMethods, DirectMethods, KVStoreBase):
                            and st.mover.strands_nothing(k, i))
             self.metrics.bind_tier(t.name, lambda t=t: t.used_bytes, lambda t=t: t.capacity_bytes,
                                    lambda t=t: t.num_chunks)
-            if isinstance(t, DiskTier) and t.num_bad_at_open:
-                self.metrics.inc("corruptions", t.num_bad_at_open, tier=t.name)
+            if isinstance(t, DiskTier):
+                t.lossy_codec_of = st.lossy_codec_of  # (kvstore.kv_codec's rule)
+                if t.num_bad_at_open:
+                    self.metrics.inc("corruptions", t.num_bad_at_open, tier=t.name)
         try:
             if config.remote_url:
                 from kvstore.tiers.remote import RemoteTier
@@ -125,6 +127,7 @@ class ChunkStore(AdminMethods, DirectMethods, KVStoreBase):
                     config.remote_codec, registry=self.metrics.registry,
                     breaker_threshold=config.remote_breaker_failures,
                     breaker_reset_s=config.remote_breaker_reset_s)
+                st.remote.lossy_codec_of = st.lossy_codec_of
             for ns in namespaces:
                 self.register(ns)
         except BaseException:

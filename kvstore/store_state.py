@@ -61,10 +61,10 @@ class StoreState:
         self.mover = TierMover(tiers, metrics, self.pins.evictable, self.doomed, self.reserved)
         #: the remote tier (Redis) below ``tiers``, or None (``kvstore.tiers.remote``)
         self.remote: "RemoteTier | None" = None
-        #: layouts of the namespaces checked by ``register``, least recently used first
-        #: (at most ``config.max_namespaces``)
-        self._layouts: OrderedDict[bytes, KVLayout] = OrderedDict()
-        self._layouts_lock = threading.Lock()
+        #: the namespaces checked by ``register`` by id, least recently used first (at most
+        #: ``config.max_namespaces``)
+        self._namespaces: OrderedDict[bytes, Namespace] = OrderedDict()
+        self._namespaces_lock = threading.Lock()
 
     # ---- namespaces and argument checks -------------------------------------------------------
     def register(self, ns: Namespace) -> None:
@@ -73,25 +73,32 @@ class StoreState:
         Raises:
             ValueError: a tier smaller than one chunk.
         """
-        layouts, ns_id = self._layouts, ns.ns_id
+        known, ns_id = self._namespaces, ns.ns_id
         try:
-            layouts.move_to_end(ns_id)  # known: now the most recently used
+            known.move_to_end(ns_id)  # known: now the most recently used
             return
         except KeyError:
             pass
         self.config.check_layout(ns.layout)
         evicted = 0
-        with self._layouts_lock:
-            layouts[ns_id] = ns.layout
-            while len(layouts) > self.config.max_namespaces:
-                layouts.popitem(last=False)
+        with self._namespaces_lock:
+            known[ns_id] = ns
+            while len(known) > self.config.max_namespaces:
+                known.popitem(last=False)
                 evicted += 1
         self.metrics.inc("namespace_evictions", evicted)
 
     @property
     def num_namespaces(self) -> int:
         """Namespaces remembered by ``register`` now (at most ``config.max_namespaces``)."""
-        return len(self._layouts)
+        return len(self._namespaces)
+
+    def lossy_codec_of(self, ns_id: bytes) -> str:
+        """The lossy codec the registered namespace ``ns_id`` accepts (``Namespace.lossy_codec``;
+        ``""`` for none, and for a namespace not remembered: its chunks are written exactly).
+        Called by the disk and remote tiers on a put, from any thread."""
+        ns = self._namespaces.get(ns_id)
+        return ns.lossy_codec if ns is not None else ""
 
     def check_keys(self, ns: Namespace, keys: Sequence[ChunkKey]) -> None:
         """Register ``ns`` and check each key is a ``ChunkKey`` of it.

@@ -1,6 +1,8 @@
 """Disk tier: an lmdb environment of chunk values written by a background thread.
 
-Each value is ``kvstore.codec``'s header + payload (codec chosen per chunk). ``put`` queues the
+Each value is ``kvstore.codec``'s header + payload (codec chosen per chunk). A lossy tier codec
+(``int8``, ``fp8``) is used only for chunks whose namespace accepts it (``lossy_codec_of``, set
+by the store; ``kvstore.kv_codec``'s rule); other chunks are written with ``auto``. ``put`` queues the
 chunk and returns; the writer thread encodes and commits queued operations in order, a batch
 per transaction. Until committed, a chunk is served from the queue, so it is visible at once.
 
@@ -21,12 +23,14 @@ import os
 import threading
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import lmdb
 import torch
 
 from kvstore.codec import HEADER_BYTES_MAX, CorruptChunkError, pack_value, unpack_header, unpack_value
 from kvstore.keys import ChunkKey
+from kvstore.kv_codec import chunk_codec
 from kvstore.layout import DTYPES, dtype_name
 from kvstore.tiers.base import Tier, TierFullError
 from kvstore.tiers.pathlock import PathLock
@@ -46,10 +50,12 @@ class _DiskEntry:
 
 
 class _PutOp:
-    __slots__ = ("key", "kv", "parent")
+    __slots__ = ("key", "kv", "parent", "codec")
 
-    def __init__(self, key: ChunkKey, kv: torch.Tensor, parent: ChunkKey | None) -> None:
+    def __init__(self, key: ChunkKey, kv: torch.Tensor, parent: ChunkKey | None,
+                 codec: str) -> None:
         self.key, self.kv, self.parent = key, kv, parent  # kv: CPU, contiguous, owned
+        self.codec = codec
 
 
 def default_map_bytes(capacity_bytes: int) -> int:
@@ -59,6 +65,9 @@ def default_map_bytes(capacity_bytes: int) -> int:
 
 class DiskTier(Tier):
     """lmdb-backed tier at ``path`` (a directory, created if missing).
+
+    ``codec``: see ``StoreConfig.disk_codec``. ``lossy_codec_of(ns_id)`` (set by the store;
+    default: none accepted) names the lossy codec a namespace accepts (``""``: none).
 
     The tier holds an exclusive lock on ``path`` (``kvstore.tiers.pathlock``) from open to
     ``close``: one open disk tier per path, in any process.
@@ -77,6 +86,7 @@ class DiskTier(Tier):
         os.makedirs(path, exist_ok=True)
         self.path = path
         self.codec = codec
+        self.lossy_codec_of: Callable[[bytes], str] = lambda ns_id: ""
         self._path_lock = PathLock(path)
         self.env = None
         self._index: dict[ChunkKey, _DiskEntry] = {}
@@ -180,7 +190,8 @@ class DiskTier(Tier):
                 raise TierFullError(f"disk tier: need {nbytes} bytes, {self.free_bytes} free")
             while self._queued_bytes > QUEUE_BYTES:
                 self._cond.wait()
-            op = _PutOp(key, cpu, parent)
+            op = _PutOp(key, cpu, parent,
+                        chunk_codec(self.codec, self.lossy_codec_of(key.ns_id), "auto"))
             self._index[key] = _DiskEntry(nbytes, parent)
             self._used += nbytes
             self._pending[key] = op
@@ -257,7 +268,7 @@ class DiskTier(Tier):
         raw = op.kv.reshape(-1).view(torch.uint8).numpy()  # [nbytes]
         parent = bytes(op.parent) if op.parent is not None else None
         return pack_value(bytes(op.key), parent, raw, dtype_name(op.kv.dtype), tuple(op.kv.shape),
-                          self.codec)
+                          op.codec, fallback="auto")
 
     def _write_batch(self, batch: list) -> None:
         values = {}

@@ -36,7 +36,7 @@ import math
 import threading
 import time
 from collections import deque
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -44,6 +44,7 @@ from redis.exceptions import AskError, MovedError, OutOfMemoryError, RedisError,
 
 from kvstore.codec import CODECS, pack_value
 from kvstore.keys import ChunkKey
+from kvstore.kv_codec import chunk_codec
 from kvstore.layout import KVLayout, dtype_name
 from kvstore.tiers.redis_nodes import RedisNodes
 from kvstore.tiers.redis_url import parse_redis_url
@@ -76,7 +77,8 @@ class RemoteTier:
         queue_bytes: most bytes of chunks waiting to be written; beyond, writes are dropped.
         password: used when the URL has none (else ``$KVSTORE_REMOTE_PASSWORD``).
         codec: value codec (``raw`` default: fp16 KV rarely compresses; ``auto``, ``lz4``,
-            ``shuffle-lz4`` as the disk tier).
+            ``shuffle-lz4`` as the disk tier; lossy ``int8``/``fp8`` only for the chunks of
+            namespaces that accept it, ``lossy_codec_of`` set by the store, others ``raw``).
         registry: Prometheus registry for ``kvstore_remote_*`` (the store's).
         breaker_threshold, breaker_reset_s: per-node circuit breaker (consecutive failures that
             open it; seconds before a trial request).
@@ -104,6 +106,8 @@ class RemoteTier:
         self.endpoint = parse_redis_url(url, password)
         self.key_prefix, self.ttl_s, self.timeout_s = key_prefix, float(ttl_s), float(timeout_s)
         self.queue_capacity, self.codec = int(queue_bytes), codec
+        #: ``ns_id -> lossy codec the namespace accepts`` (``""``: none; set by the store)
+        self.lossy_codec_of: Callable[[bytes], str] = lambda ns_id: ""
         self.metrics = RemoteMetrics(registry)
         self.nodes = RedisNodes(self.endpoint, self.timeout_s, breaker_threshold,
                                 breaker_reset_s, on_breaker=self._on_breaker)
@@ -241,7 +245,8 @@ class RemoteTier:
                 self.metrics.inc("dropped_writes", label="queue_full" if not self._closed
                                  else "closed")
                 return False
-        return self._enqueue(("put", key, kv, parent), nbytes)
+        codec = chunk_codec(self.codec, self.lossy_codec_of(key.ns_id), "raw")
+        return self._enqueue(("put", key, kv, parent, codec), nbytes)
 
     def _enqueue(self, op: tuple, nbytes: int) -> bool:
         with self._cond:
@@ -278,10 +283,11 @@ class RemoteTier:
                     self.metrics.queue_bytes.set(self._queued_bytes)
                     self._cond.notify_all()
 
-    def _encode(self, key: ChunkKey, kv: torch.Tensor, parent: ChunkKey | None) -> bytes:
+    def _encode(self, key: ChunkKey, kv: torch.Tensor, parent: ChunkKey | None,
+                codec: str) -> bytes:
         raw = kv.reshape(-1).view(torch.uint8).numpy()  # [nbytes]
         return pack_value(bytes(key), bytes(parent) if parent is not None else None, raw,
-                          dtype_name(kv.dtype), tuple(kv.shape), self.codec)
+                          dtype_name(kv.dtype), tuple(kv.shape), codec)
 
     def _write_batch(self, batch: list) -> None:
         t0 = time.perf_counter()

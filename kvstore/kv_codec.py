@@ -1,0 +1,238 @@
+"""Lossy KV codecs for the disk and remote tiers: ``int8`` and ``fp8`` (about half the bytes of
+fp16 KV, a quarter of fp32), vectorized torch on the CPU.
+
+A chunk is ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` (index 0 of dim 1 = K,
+1 = V) in fp32, fp16 or bf16. Encoded payload (little-endian)::
+
+    K scales | V scales | values (1 byte each) | scale dtype code u8 (0 = fp16, 1 = fp32)
+
+(``fp8`` has one block of scales; the code comes last so the scales start at offset 0.)
+
+* ``int8`` (symmetric, round to nearest, ``q = round(x / s)`` in ``[-127, 127]``):
+  K with one scale per channel, ``[num_layers, num_kv_heads, head_dim]`` over the chunk's
+  tokens (keys have outlier channels: a per-token scale would be set by the outliers and
+  crush every other channel); V with one scale per token, ``[num_layers, chunk_size,
+  num_kv_heads]`` over head_dim. ``s = amax / 127``.
+  Error bound: ``|x - x̂| <= s / 2`` per element, ``s`` being the stored scale of its group
+  (amax / 127 rounded up to fp16; values are quantized with the stored scale, so its
+  rounding does not loosen the bound), plus the rounding of ``x̂`` to the chunk's dtype (half
+  an ulp of ``x̂``).
+* ``fp8`` (float8_e4m3fn values, one scale per ``(layer, kv, token, head)`` over head_dim,
+  ``s = amax / 448``): error bound ``|x - x̂| <= 2**-4 * |x| + 2**-10 * s`` (3 mantissa bits,
+  round to nearest; the second term covers e4m3's subnormals), so at most ``amax / 16`` of
+  the group, plus the rounding of ``x̂`` to the chunk's dtype.
+
+Scales are fp16 unless a scale does not fit fp16 (a group amax above ~8e6), when the whole
+chunk's scales are fp32. A chunk with a non-finite value cannot be encoded (``ValueError``):
+the caller stores it with a lossless codec instead.
+
+Bytes per value vs fp16 (scales counted), for ``chunk_size`` T and ``head_dim`` D:
+``int8 = 0.5 + (1/T + 1/D) / 2`` (T=256, D=64: 0.510), ``fp8 = 0.5 + 1/D`` (0.516).
+
+**The rule: no silent lossy chunk.** A tier writes a chunk lossily only when the chunk's
+namespace accepts that codec: ``Namespace.lossy_codec`` names it (``""``, the default, accepts
+none: bit-exact only). ``lossy_codec`` is part of the namespace digest, so it is part of every
+chunk key: a bit-exact consumer's keys never name a chunk written by a namespace that accepts
+loss, and a tier configured lossy (``StoreConfig.disk_codec`` / ``remote_codec`` = ``int8`` or
+``fp8``) writes every other namespace's chunks losslessly (``auto`` on disk, ``raw`` in Redis).
+The CPU and GPU tiers always hold exact bytes. A value's header names its codec, so a tier
+reopened with another codec reads the values it holds as they were written.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+#: Lossy codec names (their codes in ``kvstore.codec.CODECS`` come after the lossless ones).
+LOSSY_CODECS = ("int8", "fp8")
+#: Largest magnitude of each codec's values: int8 uses [-127, 127]; e4m3fn's max finite is 448.
+QMAX = {"int8": 127.0, "fp8": 448.0}
+_SCALE_DTYPES = (np.float16, np.float32)
+_FP16_MAX = 65504.0
+#: float32 value of each e4m3fn byte (decoding is a table lookup)
+_E4M3_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+# The passes over the values run in numpy (single-threaded): torch splits each op over its
+# OpenMP threads, and on a busy host every such op waits a scheduler slice (~15 ms per op,
+# measured: int8 encode 120 ms in torch vs 15 ms in numpy on a loaded 2-core host). Torch
+# only casts to e4m3 (numpy has no float8) and bf16 (numpy has no bfloat16).
+
+
+def _check(kv: torch.Tensor) -> None:
+    if kv.dim() != 5 or kv.shape[1] != 2:
+        raise ValueError(f"kv must be [num_layers, 2, chunk_size, num_kv_heads, head_dim], "
+                         f"got {list(kv.shape)}")
+    if kv.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"lossy codecs encode fp32/fp16/bf16 KV, got {kv.dtype}")
+
+
+def _amax(x: np.ndarray, axis: int) -> np.ndarray:
+    """max |x| over ``axis`` (fp32), no |x| temporary.
+
+    Raises:
+        ValueError: a non-finite value (an inf or a NaN shows in its group's min or max).
+    """
+    amax = np.maximum(-x.min(axis=axis), x.max(axis=axis)).astype(np.float32)
+    if not np.isfinite(amax).all():
+        raise ValueError("KV has non-finite values; a lossy codec cannot encode it")
+    return amax
+
+
+def _scales(amaxes: list[np.ndarray], qmax: float) -> list[np.ndarray]:
+    """Stored scales of group amaxes: ``amax / qmax`` rounded *up* to fp16 (fp32 for every
+    group when one does not fit fp16), so ``|x| / scale <= qmax`` for every value (no clamp;
+    an fp16 subnormal scale, for a group amax below ~8e-3, is coarse but still an upper
+    bound). 0 only for an all-zero group."""
+    biggest = max((float(a.max()) for a in amaxes if a.size), default=0.0)
+    dtype = np.float16 if biggest / qmax <= _FP16_MAX * (1 - 2 ** -10) else np.float32
+    out = []
+    for a in amaxes:
+        exact = a / np.float32(qmax)                         # fp32
+        sc = exact.astype(dtype)
+        low = sc.astype(np.float32) < exact
+        sc[low] = np.nextafter(sc[low], dtype(np.inf))
+        out.append(sc)
+    return out
+
+
+def _reciprocal(sc: np.ndarray) -> np.ndarray:
+    """``1 / sc`` (fp32) with 0 where ``sc`` is 0 (an all-zero group quantizes to 0)."""
+    s32 = sc.astype(np.float32)
+    inv = np.zeros_like(s32)
+    np.divide(1.0, s32, out=inv, where=s32 != 0)
+    return inv
+
+
+def _scaled(x: np.ndarray, inv: np.ndarray) -> np.ndarray:
+    """``x * inv`` in fp32 (a new array). No clamp is needed after it: the stored scale is at
+    least amax / qmax, so ``|x * inv| <= qmax`` (up to fp32 rounding of the reciprocal,
+    which still rounds to qmax: 127, or e4m3's 448)."""
+    return np.multiply(x, inv, dtype=np.float32)
+
+
+def _host_array(kv: torch.Tensor) -> np.ndarray:
+    """``kv`` as a CPU fp32 numpy array (a view of an fp32 CPU tensor; fp16 and bf16 widened:
+    numpy's fp16 arithmetic is emulated, several times slower than widening once)."""
+    x = kv.detach().to("cpu")
+    if x.dtype == torch.float16:
+        return x.numpy().astype(np.float32)
+    return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
+
+
+def encode(kv: torch.Tensor, codec: str) -> np.ndarray:
+    """Payload of ``kv`` (``[num_layers, 2, chunk_size, num_kv_heads, head_dim]``, fp32/fp16/
+    bf16, any device) under ``codec`` (``int8`` or ``fp8``), as a new uint8 array (bytes-like).
+    See the module docstring.
+
+    Raises:
+        ValueError: an unknown codec, a tensor of another rank or dtype, or a non-finite value.
+    """
+    _check(kv)
+    if codec not in LOSSY_CODECS:
+        raise ValueError(f"unknown lossy codec {codec!r}; choose one of {LOSSY_CODECS}")
+    x = _host_array(kv)                                      # [L, 2, T, H, D]
+    if codec == "int8":
+        amaxes = [_amax(x[:, 0], 1), _amax(x[:, 1], -1)]     # [L, H, D], [L, T, H]
+    else:
+        amaxes = [_amax(x, -1)]                              # [L, 2, T, H]
+    scales = _scales(amaxes, QMAX[codec])
+    scale_bytes = b"".join(sc.tobytes() for sc in scales)
+    buf = np.empty(len(scale_bytes) + x.size + 1, dtype=np.uint8)
+    buf[:len(scale_bytes)] = np.frombuffer(scale_bytes, dtype=np.uint8)
+    buf[-1] = _SCALE_DTYPES.index(scales[0].dtype.type)
+    vals = buf[len(scale_bytes):-1]
+    if codec == "int8":
+        q = vals.view(np.int8).reshape(x.shape)
+        for i, inv in ((0, _reciprocal(scales[0])[:, None]), (1, _reciprocal(scales[1])[..., None])):
+            t = _scaled(x[:, i], inv)
+            q[:, i] = np.rint(t, out=t)                      # exact integers in [-127, 127]
+    else:
+        t = _scaled(x, _reciprocal(scales[0])[..., None])
+        torch.from_numpy(vals).view(torch.float8_e4m3fn).copy_(torch.from_numpy(t).view(-1))
+    return buf
+
+
+def payload_nbytes(codec: str, shape: tuple[int, ...], scale_itemsize: int = 2) -> int:
+    """Bytes of a payload of ``codec`` for a chunk of ``shape`` with scales of
+    ``scale_itemsize`` bytes (2 = fp16, 4 = fp32).
+
+    Raises:
+        ValueError: an unknown codec or a shape that is not 5-D with 2 at dim 1.
+    """
+    if len(shape) != 5 or shape[1] != 2:
+        raise ValueError(f"shape must be [num_layers, 2, chunk_size, num_kv_heads, head_dim], "
+                         f"got {list(shape)}")
+    L, _, T, H, D = shape
+    if codec == "int8":
+        n_scales = L * H * D + L * T * H
+    elif codec == "fp8":
+        n_scales = L * 2 * T * H
+    else:
+        raise ValueError(f"unknown lossy codec {codec!r}; choose one of {LOSSY_CODECS}")
+    return 1 + n_scales * scale_itemsize + L * 2 * T * H * D
+
+
+def decode(payload, codec: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """The chunk (a new CPU tensor of ``shape`` and ``dtype``) from a payload of ``encode``
+    (any bytes-like; only read).
+
+    Raises:
+        ValueError: an unknown codec or scale dtype code, or a payload whose size is not the
+            one ``codec`` gives for ``shape`` (e.g. a header that names the wrong codec).
+    """
+    mv = memoryview(payload).cast("B")
+    if len(mv) < 1 or mv[-1] >= len(_SCALE_DTYPES):
+        raise ValueError(f"{codec} payload has no valid scale dtype code")
+    sdt = np.dtype(_SCALE_DTYPES[mv[-1]])
+    want = payload_nbytes(codec, shape, sdt.itemsize)
+    if len(mv) != want:
+        raise ValueError(f"{codec} payload of {len(mv)} bytes, shape {list(shape)} needs {want}")
+    L, _, T, H, D = shape
+    n_vals = L * 2 * T * H * D
+    scales = np.frombuffer(mv[:want - 1 - n_vals], dtype=sdt).astype(np.float32)
+    vals = np.frombuffer(mv[want - 1 - n_vals:want - 1], dtype=np.uint8)
+    wide = torch.float32 if dtype == torch.bfloat16 else dtype
+    out = torch.empty(shape, dtype=wide)                     # [L, 2, T, H, D]
+    o = out.numpy()
+    if codec == "int8":
+        q = vals.view(np.int8).reshape(L, 2, T, H, D)
+        np.multiply(q[:, 0], scales[:L * H * D].reshape(L, 1, H, D), out=o[:, 0],
+                    dtype=np.float32, casting="same_kind")
+        np.multiply(q[:, 1], scales[L * H * D:].reshape(L, T, H, 1), out=o[:, 1],
+                    dtype=np.float32, casting="same_kind")
+    else:
+        q = np.take(_E4M3_TABLE, vals).reshape(L, 2, T, H, D)  # fp32
+        np.multiply(q, scales.reshape(L, 2, T, H, 1), out=o, casting="same_kind")
+    return out.to(dtype) if wide != dtype else out
+
+
+def error_bound(kv: torch.Tensor, codec: str) -> torch.Tensor:
+    """Per-element bound of ``|kv - decode(encode(kv))|`` in fp32, the shape of ``kv`` (the
+    module docstring's, before the rounding to the chunk's dtype, which a caller adds: half
+    an ulp of x̂).
+
+    Raises:
+        ValueError: as ``encode``.
+    """
+    _check(kv)
+    x32 = kv.detach().to("cpu", torch.float32)
+    x = x32.numpy()
+    if codec == "int8":
+        ks, vs = (torch.from_numpy(sc.astype(np.float32))
+                  for sc in _scales([_amax(x[:, 0], 1), _amax(x[:, 1], -1)], 127.0))
+        out = torch.empty_like(x32)
+        out[:, 0] = ks[:, None] / 2
+        out[:, 1] = vs[..., None] / 2
+        return out
+    if codec == "fp8":
+        sc = torch.from_numpy(_scales([_amax(x, -1)], 448.0)[0].astype(np.float32))
+        return x32.abs() * 2.0 ** -4 + sc[..., None] * 2.0 ** -10
+    raise ValueError(f"unknown lossy codec {codec!r}; choose one of {LOSSY_CODECS}")
+
+
+def chunk_codec(tier_codec: str, accepted: str, lossless: str) -> str:
+    """The codec a tier configured with ``tier_codec`` writes a chunk with, whose namespace
+    accepts the lossy codec ``accepted`` (``""``: none): ``tier_codec`` when it is lossless
+    or is the one accepted, else ``lossless`` (the module docstring's rule)."""
+    if tier_codec not in LOSSY_CODECS or tier_codec == accepted:
+        return tier_codec
+    return lossless

@@ -1,0 +1,187 @@
+"""Lossy KV codecs (``kvstore.kv_codec``) and their stored values (``kvstore.codec``): round
+trips within each codec's stated bound on random and on structured KV (outlier key channels),
+exact sizes, fallbacks, headers that lie, and the namespace field that accepts loss."""
+import numpy as np
+import pytest
+import torch
+
+from kvstore import kv_codec
+from kvstore.codec import CODECS, CorruptChunkError, _FIXED, _TRAILER, checksum, pack_value, \
+    unpack_header, unpack_value
+from kvstore.keys import Namespace
+from kvstore.layout import KVLayout
+
+KEY = bytes(range(48))
+SHAPE = (2, 2, 16, 2, 8)  # [num_layers, k/v, chunk_size, num_kv_heads, head_dim]
+ULP = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+
+
+def random_kv(dtype=torch.float32, seed=0, shape=SHAPE):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def outlier_kv(dtype=torch.float32):
+    """Keys with two outlier channels (head_dim index 3 of head 0 and 5 of head 1, 50x the
+    others), values without."""
+    kv = random_kv(torch.float32, 1)
+    kv[:, 0, :, 0, 3] *= 50
+    kv[:, 0, :, 1, 5] *= 50
+    return kv.to(dtype)
+
+
+def assert_within_bound(kv, codec):
+    out = kv_codec.decode(kv_codec.encode(kv, codec), codec, kv.dtype, tuple(kv.shape))
+    assert out.dtype == kv.dtype and tuple(out.shape) == tuple(kv.shape)
+    err = (kv.float() - out.float()).abs()
+    # the stated bound, plus the rounding of x̂ to the chunk's dtype (half an ulp of x̂)
+    bound = kv_codec.error_bound(kv, codec) + out.float().abs() * ULP[kv.dtype] + 1e-12
+    assert bool((err <= bound).all()), float((err - bound).max())
+    return out, err
+
+
+@pytest.mark.parametrize("codec", kv_codec.LOSSY_CODECS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_round_trip_within_the_stated_bound(codec, dtype):
+    for kv in (random_kv(dtype), outlier_kv(dtype), random_kv(dtype, 2) * 1e-3):
+        out, err = assert_within_bound(kv, codec)
+        assert 0 < float(err.max())             # lossy: not the identity
+
+
+def test_int8_bound_is_half_a_scale_and_fp8_is_relative_to_the_group_amax():
+    kv = random_kv()
+    _, err = assert_within_bound(kv, "int8")
+    v_scale = kv[:, 1].abs().amax(-1, keepdim=True).half().float() / 127  # roughly the stored one
+    assert bool((err[:, 1] <= v_scale * 0.5 * (1 + 2 ** -10)).all())
+    _, err = assert_within_bound(kv, "fp8")
+    amax = kv.abs().amax(-1, keepdim=True)                              # per (layer, kv, token, head)
+    assert bool((err <= amax / 16 + 1e-6).all())
+
+
+def test_int8_keys_per_channel_scales_keep_normal_channels_precise_beside_outliers():
+    kv = outlier_kv()
+    out, err = assert_within_bound(kv, "int8")
+    normal = torch.ones(SHAPE[2:], dtype=torch.bool)                    # [T, H, D]
+    normal[:, 0, 3] = normal[:, 1, 5] = False
+    k_err = err[:, 0]                                                   # [L, T, H, D]
+    # per-channel: a normal channel's step is its own amax/127 (~0.03), not the outliers'
+    # (~1.3); a per-token key scale would have errors up to ~0.65 on every channel
+    assert float(k_err[:, normal].max()) < 0.02
+    assert float(k_err[:, ~normal].max()) > 0.1
+
+
+def test_exact_values_of_a_small_int8_chunk():
+    kv = torch.zeros(1, 2, 2, 1, 2)                      # [L, k/v, T, H, D]
+    kv[0, 0, :, 0, 0] = torch.tensor([1.0, -0.5])        # K channel 0: amax 1
+    kv[0, 1, 0, 0, :] = torch.tensor([2.54, -1.27])      # V token 0: amax 2.54; K channel 1,
+    payload = kv_codec.encode(kv, "int8")                # V token 1: all zero
+    assert len(payload) == kv_codec.payload_nbytes("int8", (1, 2, 2, 1, 2)) == 4 + 4 + 8 + 1
+    # scales: amax / 127 rounded up to fp16 (1/127 = 0.0078740 -> 0.0078812; 2.54/127 = 0.02
+    # -> 0.0200043); K per channel [L, H, D], then V per token [L, T, H]; 0 for zero groups
+    assert np.frombuffer(payload[:8], np.float16).tolist() == [
+        0.00788116455078125, 0.0, 0.0200042724609375, 0.0]
+    # values [k/v, T, D]: 1/0.0078812 = 126.9 -> 127, -0.5/0.0078812 = -63.4 -> -63,
+    # -1.27/0.0200043 = -63.49 -> -63
+    assert payload[8:16].view(np.int8).tolist() == [127, 0, -63, 0, 127, -63, 0, 0]
+    assert payload[-1] == 0                              # fp16 scales
+    out = kv_codec.decode(payload, "int8", torch.float32, (1, 2, 2, 1, 2))
+    assert out.flatten().tolist() == [127 * 0.00788116455078125, 0.0, -63 * 0.00788116455078125,
+                                      0.0, 127 * 0.0200042724609375, -63 * 0.0200042724609375,
+                                      0.0, 0.0]
+
+
+def test_payload_sizes_and_ratio_to_fp16():
+    shape = (30, 2, 256, 3, 64)   # SmolLM2-135M, chunk_size 256
+    n = 30 * 2 * 256 * 3 * 64
+    assert kv_codec.payload_nbytes("int8", shape) == n + 2 * (30 * 3 * 64 + 30 * 256 * 3) + 1
+    assert kv_codec.payload_nbytes("fp8", shape) == n + 2 * (30 * 2 * 256 * 3) + 1
+    assert kv_codec.payload_nbytes("int8", shape) / (2 * n) == pytest.approx(
+        0.5 + (1 / 256 + 1 / 64) / 2, abs=1e-6)
+    kv = random_kv(shape=(2, 2, 256, 3, 64))
+    assert len(kv_codec.encode(kv, "int8")) == kv_codec.payload_nbytes("int8", tuple(kv.shape))
+
+
+def test_scales_switch_to_fp32_when_fp16_cannot_hold_them():
+    kv = random_kv() * 1e7                               # amax/127 > 65504
+    payload = kv_codec.encode(kv, "int8")
+    assert payload[-1] == 1 and len(payload) == kv_codec.payload_nbytes("int8", SHAPE, 4)
+    assert_within_bound(kv, "int8")
+    assert kv_codec.encode(random_kv(), "int8")[-1] == 0
+
+
+def test_bad_input_is_refused():
+    bad = random_kv()
+    bad[0, 1, 3, 0, 0] = float("inf")
+    for codec in kv_codec.LOSSY_CODECS:
+        with pytest.raises(ValueError, match="non-finite"):
+            kv_codec.encode(bad, codec)
+    with pytest.raises(ValueError, match="unknown lossy codec"):
+        kv_codec.encode(random_kv(), "int4")
+    with pytest.raises(ValueError, match=r"num_layers, 2"):
+        kv_codec.encode(torch.zeros(2, 3, 4, 1, 2), "int8")
+    with pytest.raises(ValueError, match="needs"):
+        kv_codec.decode(kv_codec.encode(random_kv(), "int8")[1:], "int8", torch.float32, SHAPE)
+
+
+def _raw(kv):
+    return kv.reshape(-1).view(torch.uint8).numpy()
+
+
+@pytest.mark.parametrize("codec", kv_codec.LOSSY_CODECS)
+def test_stored_value_records_the_codec_and_the_checksum_of_the_decoded_bytes(codec):
+    kv = outlier_kv(torch.float16)
+    value = pack_value(KEY, None, _raw(kv), "float16", SHAPE, codec)
+    h, raw = unpack_value(value, KEY)
+    want = kv_codec.decode(kv_codec.encode(kv, codec), codec, torch.float16, SHAPE)
+    assert h.codec == codec and CODECS.index(codec) == {"int8": 3, "fp8": 4}[codec]
+    assert h.raw_nbytes == kv.numel() * 2 and h.checksum == checksum(_raw(want))
+    assert np.array_equal(raw, _raw(want))
+    assert len(value) == h.payload_offset + kv_codec.payload_nbytes(codec, SHAPE) + _TRAILER.size
+
+
+def test_a_chunk_a_lossy_codec_cannot_encode_is_stored_exactly():
+    kv = random_kv(torch.float16)
+    kv[0, 0, 0, 0, 0] = float("nan")
+    value = pack_value(KEY, None, _raw(kv), "float16", SHAPE, "int8", fallback="auto")
+    h, raw = unpack_value(value, KEY)
+    assert h.codec in ("raw", "shuffle-lz4") and np.array_equal(raw, _raw(kv))
+    f8 = torch.zeros(SHAPE, dtype=torch.float8_e4m3fn)
+    h, _ = unpack_value(pack_value(KEY, None, _raw(f8), "float8_e4m3fn", SHAPE, "fp8"), KEY)
+    assert h.codec == "raw"
+
+
+def _with_codec(value: bytes, codec: str) -> bytes:
+    """``value`` with its header's codec replaced and a valid trailer (a consistent liar)."""
+    body = bytearray(value[:-_TRAILER.size])
+    body[_FIXED.size - 5 * 4 - 8 - 8 - 2] = CODECS.index(codec)  # the codec byte
+    return bytes(body) + _TRAILER.pack(checksum(bytes(body)))
+
+
+def test_a_header_that_lies_about_its_codec_is_a_miss():
+    kv = random_kv(torch.float16)
+    for stored, claimed in (("raw", "int8"), ("raw", "fp8"), ("int8", "fp8"), ("fp8", "int8"),
+                            ("int8", "raw")):
+        value = _with_codec(pack_value(KEY, None, _raw(kv), "float16", SHAPE, stored), claimed)
+        assert unpack_header(value).codec == claimed
+        with pytest.raises(CorruptChunkError):
+            unpack_value(value, KEY)
+    good = pack_value(KEY, None, _raw(kv), "float16", SHAPE, "int8")
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 1
+    with pytest.raises(CorruptChunkError, match="checksum"):
+        unpack_value(bytes(flipped), KEY)
+
+
+def test_namespace_lossy_codec_is_in_the_digest_only_when_set():
+    lay = KVLayout(2, 2, 8, "float16", 16)
+    exact, lossy = Namespace("m", lay), Namespace("m", lay, lossy_codec="int8")
+    assert "lossy_codec" not in exact.to_dict() and lossy.to_dict()["lossy_codec"] == "int8"
+    # the bit-exact namespace's digest is the one it had before the field existed
+    assert exact.digest == Namespace.from_dict({k: v for k, v in exact.to_dict().items()}).digest
+    assert exact.ns_id != lossy.ns_id != Namespace("m", lay, lossy_codec="fp8").ns_id
+    toks = list(range(32))
+    assert not set(exact.chunk_keys(toks)) & set(lossy.chunk_keys(toks))
+    assert Namespace.from_dict(lossy.to_dict()) == lossy
+    assert "lossy_codec=int8" in lossy.describe()
+    with pytest.raises(ValueError, match="unknown lossy_codec"):
+        Namespace("m", lay, lossy_codec="int4")
