@@ -83,6 +83,7 @@ from connectors.save_queue import SaveQueue
 from kernels import ops
 from kvstore.api import KVStoreBase, LookupResult
 from kvstore.keys import IDENTITY_FIELDS, Namespace
+from kvstore.kv_codec import LOSSY_CODECS
 from kvstore.layered import remote_breaker
 from kvstore.layout import DEFAULT_CHUNK_SIZE, KVLayout
 
@@ -133,10 +134,14 @@ class EngineMinConnector(KVConnectorBase):
             at ``register_kv_caches``, which sets this attribute to the int used); 0 stores
             only full chunks. Must divide ``chunk_size``, be smaller, and be a multiple of the
             engine's block size (checked at ``register_kv_caches``).
+        lossy_codec: the lossy codec (``"int8"``, ``"fp8"``) this engine accepts its chunks to
+            be stored with by a disk or remote tier configured for it (``kvstore.kv_codec``):
+            goes into the namespace (``Namespace.lossy_codec``); ``""`` (default) = bit-exact.
 
     Raises:
         ValueError: a non-positive chunk size or deadline, or a tail chunk size that is
-            negative, not smaller than ``chunk_size`` or does not divide it.
+            negative, not smaller than ``chunk_size`` or does not divide it, or an unknown
+            lossy codec.
     """
 
     def __init__(self, store: KVStoreBase, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -145,7 +150,10 @@ class EngineMinConnector(KVConnectorBase):
                  hash_algo: str = "sha256", deadline_s: float = 0.5,
                  deadline_s_per_chunk: float = 0.05, save_queue_bytes: int = 512 << 20,
                  save_generated: bool = True, owns_store: bool = True,
-                 tail_chunk_size: int | None = None):
+                 tail_chunk_size: int | None = None, lossy_codec: str = ""):
+        if lossy_codec and lossy_codec not in LOSSY_CODECS:
+            raise ValueError(f"unknown lossy_codec {lossy_codec!r}; choose one of {LOSSY_CODECS}")
+        self.lossy_codec = lossy_codec
         if not isinstance(chunk_size, int) or chunk_size <= 0:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
         if tail_chunk_size is not None and (
@@ -213,8 +221,9 @@ class EngineMinConnector(KVConnectorBase):
         ident = self.model_identity
         model_id = self.model_id or ident.get("model_id") or DEFAULT_MODEL_ID
         revision = self.revision if self.revision is not None else ident.get("revision", "")
-        return Namespace(model_id, layout, revision, self.cache_salt, self.hash_algo,
-                         **{f: str(ident.get(f) or "") for f in IDENTITY_FIELDS})
+        fields = {f: str(ident.get(f) or "") for f in IDENTITY_FIELDS}
+        fields["lossy_codec"] = self.lossy_codec
+        return Namespace(model_id, layout, revision, self.cache_salt, self.hash_algo, **fields)
 
     def register_kv_caches(self, kv_cache: torch.Tensor, block_size: int) -> None:
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2 or kv_cache.shape[3] != block_size:

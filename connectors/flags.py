@@ -79,6 +79,11 @@ def add_store_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    "tokens (a multiple of the block size dividing the chunk size), so a hit "
                    "recomputes < N tokens instead of up to a chunk (default: the engine's "
                    "block size, when it divides the chunk size); 0 = off (full chunks only)")
+    s.add_argument("--kvstore-lossy-codec", default=None, choices=("int8", "fp8"),
+                   help="accept this engine's chunks stored lossily with this codec (about "
+                   "half of fp16's bytes) by a tier configured for it, e.g. a daemon started "
+                   "with --disk-codec int8: its chunks get keys of their own (never shared "
+                   "with bit-exact engines). Default: bit-exact only")
     s.add_argument("--kvstore-remote-url", default=None, metavar="URL",
                    help="in-process store: a remote tier in Redis below its tiers, shared by "
                    "every engine pointing at it: redis://HOST:PORT (standalone or a cluster "
@@ -119,9 +124,11 @@ def connector_from_args(args: argparse.Namespace) -> EngineMinConnector | None:
             for k in ("cpu_bytes", "disk_path", "disk_bytes", "url")}
     remote = remote_options(args)
     if all(v is None for v in opts.values()) and not remote:
-        if getattr(args, "kvstore_tail_chunk_size", None):  # would be ignored silently
-            raise StoreFlagError("--kvstore-tail-chunk-size needs a store: --kvstore-cpu-bytes, "
-                                 "--kvstore-disk-path, --kvstore-url or --kvstore-remote-url")
+        for flag in ("tail_chunk_size", "lossy_codec"):  # would be ignored silently
+            if getattr(args, f"kvstore_{flag}", None):
+                raise StoreFlagError(f"--kvstore-{flag.replace('_', '-')} needs a store: "
+                                     "--kvstore-cpu-bytes, --kvstore-disk-path, --kvstore-url "
+                                     "or --kvstore-remote-url")
         return None
     if opts["disk_bytes"] and not opts["disk_path"]:
         raise StoreFlagError("--kvstore-disk-bytes needs --kvstore-disk-path")
@@ -132,7 +139,7 @@ def connector_from_args(args: argparse.Namespace) -> EngineMinConnector | None:
     if remote:
         opts["remote"] = remote
     extra = {}
-    for k in ("chunk_size", "deadline_s", "auth_token", "tail_chunk_size"):
+    for k in ("chunk_size", "deadline_s", "auth_token", "tail_chunk_size", "lossy_codec"):
         v = getattr(args, f"kvstore_{k}", None)
         if v is not None:
             extra[k] = v

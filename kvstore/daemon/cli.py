@@ -13,6 +13,7 @@ import os
 import sys
 from typing import Any, Sequence
 
+from kvstore.config import DISK_CODECS
 from kvstore.disk_inspect import inspect_disk  # noqa: F401 (the inspect command; re-exported)
 from kvstore.units import format_size
 
@@ -31,6 +32,10 @@ def _serve_parser(sub) -> None:
     p.add_argument("--device", help="device of the GPU tier (default cuda)")
     p.add_argument("--disk-path", help="lmdb directory of the disk tier")
     p.add_argument("--disk-bytes", help="disk tier capacity (default 0: no disk tier)")
+    p.add_argument("--disk-codec", choices=DISK_CODECS,
+                   help="value codec of the disk tier (default auto: shuffle-lz4 where it saves "
+                        "10%%); int8/fp8 store about half of fp16's bytes, lossily, only for "
+                        "namespaces whose lossy_codec names it (others: auto)")
     p.add_argument("--policy", help="eviction policy of every tier: lru, lfu, fifo, s3fifo")
     p.add_argument("--auth-token", help="bearer token clients must send on every route but "
                                         "/healthz and /readyz, /metrics included (also "
@@ -93,6 +98,9 @@ def _remote_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--remote-timeout-s", type=float,
                    help="deadline of a remote lookup in seconds; a late node's keys miss "
                         "(default 0.25)")
+    g.add_argument("--remote-codec", choices=DISK_CODECS,
+                   help="value codec in Redis (default raw); int8/fp8 lossily, only for "
+                        "namespaces whose lossy_codec names it (others: raw)")
     g.add_argument("--remote-queue-bytes",
                    help="most chunk bytes waiting to be written behind; beyond, writes are "
                         "dropped and counted (default 256MiB)")

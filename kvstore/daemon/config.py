@@ -81,6 +81,9 @@ class ServeConfig:
             ``PATH``; made absolute): they map the CPU arena read-only and read chunks from it
             (``kvstore.daemon.shm_server``); the CPU tier is then a shared arena. None = HTTP
             only.
+        disk_codec, remote_codec: value codecs of the disk and remote tiers
+            (``kvstore.config.StoreConfig``; lossy ``int8``/``fp8`` only for the chunks of
+            namespaces whose ``lossy_codec`` names it).
 
     Raises:
         ValueError: a bad size (``page_bytes`` not a positive multiple of 64), port, log level
@@ -120,8 +123,15 @@ class ServeConfig:
     remote_queue_bytes: int | str = "256MiB"
     remote_password: str | None = field(default=None, repr=False)
     unix_socket: str | None = None
+    disk_codec: str = "auto"
+    remote_codec: str = "raw"
 
     def __post_init__(self) -> None:
+        from kvstore.config import DISK_CODECS
+        for name in ("disk_codec", "remote_codec"):
+            if getattr(self, name) not in DISK_CODECS:
+                raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of "
+                                 f"{DISK_CODECS}")
         for name in ("cpu_bytes", "gpu_bytes", "disk_bytes", "max_body_bytes", "page_bytes"):
             object.__setattr__(self, name, parse_size(getattr(self, name)))
         if self.max_inflight_bytes is None or str(self.max_inflight_bytes).lower() == "auto":
@@ -214,12 +224,13 @@ class ServeConfig:
                "device": self.device if self.gpu_bytes else "cpu",
                "gpu_policy": self.policy, "cpu_policy": self.policy,
                "disk_policy": self.policy, "max_namespaces": self.max_namespaces,
+               "disk_codec": self.disk_codec,
                "cpu_shared": self.unix_socket is not None and self.cpu_bytes > 0}
         if self.remote_url is not None:
             out.update(remote_url=self.remote_url, remote_key_prefix=self.remote_key_prefix,
                        remote_ttl_s=self.remote_ttl_s, remote_timeout_s=self.remote_timeout_s,
                        remote_queue_bytes=self.remote_queue_bytes,
-                       remote_password=self.remote_password)
+                       remote_codec=self.remote_codec, remote_password=self.remote_password)
         return out
 
 
