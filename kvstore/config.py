@@ -34,7 +34,7 @@ class StoreConfig:
             code on the CPU, as on a CPU-only machine).
         return_device: device of the tensors ``get_chunks`` returns.
         gpu_policy, cpu_policy, disk_policy: eviction policy names (``lru``, ``lfu``, ``fifo``,
-            ``s3fifo``).
+            ``s3fifo``, ``arc``).
         promote_on_hit: copy a chunk read from a lower tier into the top tier.
         page_bytes: allocation unit of the GPU and CPU pools; a chunk takes
             ``ceil(chunk_bytes / page_bytes)`` pages, so chunks of any size share one arena

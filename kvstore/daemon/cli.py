@@ -36,7 +36,7 @@ def _serve_parser(sub) -> None:
                    help="value codec of the disk tier (default auto: shuffle-lz4 where it saves "
                         "10%%); int8/fp8 store about half of fp16's bytes, lossily, only for "
                         "namespaces whose lossy_codec names it (others: auto)")
-    p.add_argument("--policy", help="eviction policy of every tier: lru, lfu, fifo, s3fifo")
+    p.add_argument("--policy", help="eviction policy of every tier: lru, lfu, fifo, s3fifo, arc")
     p.add_argument("--auth-token", help="bearer token clients must send on every route but "
                                         "/healthz and /readyz, /metrics included (also "
                                         "$KVSTORE_AUTH_TOKEN)")

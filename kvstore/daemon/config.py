@@ -29,7 +29,7 @@ class ServeConfig:
         cpu_bytes, gpu_bytes, disk_bytes: tier capacities (0 = tier absent).
         disk_path: lmdb directory of the disk tier.
         device: device of the GPU tier (``cuda``, ``cuda:1``).
-        policy: eviction policy of every tier (``lru``, ``lfu``, ``fifo``, ``s3fifo``).
+        policy: eviction policy of every tier (``lru``, ``lfu``, ``fifo``, ``s3fifo``, ``arc``).
         auth_token: bearer token required by the server (an admin: see ``kvstore.daemon.tenants``).
         tenants_file: YAML/TOML/JSON file of tenants with their own tokens, roles and salts
             (``kvstore.daemon.tenants``); read at start.

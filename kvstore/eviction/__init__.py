@@ -4,6 +4,7 @@ Policies only listen to key events and name victims; tiers own the data (see ``b
 """
 from __future__ import annotations
 
+from kvstore.eviction.arc import ARCPolicy
 from kvstore.eviction.base import EvictionPolicy
 from kvstore.eviction.fifo import FIFOPolicy
 from kvstore.eviction.lfu import LFUPolicy
@@ -15,6 +16,7 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     "lfu": LFUPolicy,
     "fifo": FIFOPolicy,
     "s3fifo": S3FIFOPolicy,
+    "arc": ARCPolicy,
 }
 
 
@@ -31,4 +33,4 @@ def create_policy(name: str) -> EvictionPolicy:
 
 
 __all__ = ["EvictionPolicy", "POLICIES", "create_policy", "LRUPolicy", "LFUPolicy", "FIFOPolicy",
-           "S3FIFOPolicy"]
+           "S3FIFOPolicy", "ARCPolicy"]

@@ -10,13 +10,17 @@ A long scan of keys read once therefore only churns S, and keys read twice stay 
 """
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 
 from kvstore.eviction.base import EvictionPolicy
 
 
 class S3FIFOPolicy(EvictionPolicy):
-    """S3-FIFO with a byte-sized small queue (``small_ratio`` of tracked bytes)."""
+    """S3-FIFO with a byte-sized small queue (``small_ratio`` of tracked bytes).
+
+    Cost: O(1) per event; choosing a victim is amortized O(1) plus the keys with a stored
+    child passed over (the tracked total is kept as a running sum, the order is lazy)."""
 
     name = "s3fifo"
 
@@ -28,9 +32,11 @@ class S3FIFOPolicy(EvictionPolicy):
         self._ghost: OrderedDict = OrderedDict()
         self._freq: dict = {}
         self._small_bytes = 0
+        self._total_bytes = 0  # sum of self._nbytes, kept as events arrive
 
     def _insert(self, key) -> None:
         self._freq[key] = 0
+        self._total_bytes += self._nbytes[key]
         if key in self._ghost:
             del self._ghost[key]
             self._main[key] = None
@@ -42,6 +48,7 @@ class S3FIFOPolicy(EvictionPolicy):
         self._freq[key] = min(self._freq[key] + 1, 3)
 
     def _remove(self, key) -> None:
+        self._total_bytes -= self._nbytes[key]
         if key in self._small:
             del self._small[key]
             self._small_bytes -= self._nbytes[key]
@@ -55,7 +62,7 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def _settle(self) -> None:
         """Move read keys from the head of S to M, and age M's head (CLOCK), before choosing."""
-        total = sum(self._nbytes.values()) or 1
+        total = self._total_bytes or 1
         while self._small and (self._small_bytes > self.small_ratio * total or not self._main):
             head = next(iter(self._small))
             if self._freq[head] == 0:
@@ -73,15 +80,17 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def _order(self):
         self._settle()
-        total = sum(self._nbytes.values()) or 1
+        total = self._total_bytes or 1
         if self._small_bytes > self.small_ratio * total or not self._main:
             first, second = self._small, self._main
         else:
             first, second = self._main, self._small
-        return iter(list(first) + list(second))
+        # lazy: valid until the next event (the caller stops at its victim, then removes it)
+        return itertools.chain(first, second)
 
     def check_integrity(self) -> None:
         super().check_integrity()
         assert not (set(self._small) & set(self._main)), "s3fifo: key in both S and M"
         assert self._small_bytes == sum(self._nbytes[k] for k in self._small), \
             "s3fifo: small-queue bytes drifted"
+        assert self._total_bytes == sum(self._nbytes.values()), "s3fifo: tracked bytes drifted"

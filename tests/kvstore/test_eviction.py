@@ -26,7 +26,7 @@ def _fill(name, keys, accesses=()):
 
 
 def test_registry():
-    assert sorted(POLICIES) == ["fifo", "lfu", "lru", "s3fifo"]
+    assert sorted(POLICIES) == ["arc", "fifo", "lfu", "lru", "s3fifo"]
     with pytest.raises(ValueError, match="unknown eviction policy 'mru'; choose one of"):
         create_policy("mru")
     p = create_policy("lru")

@@ -1,0 +1,99 @@
+"""ARC (Megiddo and Modha, FAST'03): adaptive replacement between recency and frequency.
+
+* ``T1`` holds keys used once since they entered (LRU order), ``T2`` keys used again (LRU
+  order); a read moves a key to the MRU end of ``T2``.
+* ``B1`` and ``B2`` are ghosts: names of keys evicted from ``T1`` and ``T2``. Inserting a key
+  remembered by ``B1`` means T1 was too small: the target ``p`` (bytes T1 should hold) grows;
+  one remembered by ``B2`` shrinks it. Either way the key enters ``T2``.
+* Victims come from T1's LRU end while T1 holds more than ``p`` bytes, else from T2's.
+
+Sizes are bytes (the paper's unit sizes scaled by each key's ``nbytes``): ``p`` moves by
+``max(|B2| / |B1|, 1) * nbytes`` and stays within [0, tracked bytes]. The tier, not the policy,
+decides when to evict, so the paper's capacity ``c`` is the keys the tier holds now: ghosts are
+trimmed to ``|T1| + |B1| <= c`` and ``|B1| + |B2| <= c`` (counts). The paper's tie rule (evict
+from T1 when ``|T1| == p`` and the incoming key is in B2) needs the incoming key, which a
+listener does not see at victim time; here the tie goes to T2.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+
+from kvstore.eviction.base import EvictionPolicy
+
+
+class ARCPolicy(EvictionPolicy):
+    """ARC over the tier's keys; O(1) per event, victim choice amortized O(1) plus the keys
+    with a stored child passed over (the order is lazy)."""
+
+    name = "arc"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._t1: OrderedDict = OrderedDict()
+        self._t2: OrderedDict = OrderedDict()
+        self._b1: OrderedDict = OrderedDict()
+        self._b2: OrderedDict = OrderedDict()
+        self._t1_bytes = 0
+        self._total_bytes = 0
+        self.p = 0.0  # target bytes of T1
+
+    def _insert(self, key) -> None:
+        nbytes = self._nbytes[key]
+        self._total_bytes += nbytes
+        if key in self._b1:
+            self.p = min(float(self._total_bytes),
+                         self.p + max(len(self._b2) / len(self._b1), 1.0) * nbytes)
+            del self._b1[key]
+            self._t2[key] = None
+        elif key in self._b2:
+            self.p = max(0.0, self.p - max(len(self._b1) / len(self._b2), 1.0) * nbytes)
+            del self._b2[key]
+            self._t2[key] = None
+        else:
+            self._t1[key] = None
+            self._t1_bytes += nbytes
+
+    def _access(self, key) -> None:
+        if key in self._t1:
+            del self._t1[key]
+            self._t1_bytes -= self._nbytes[key]
+            self._t2[key] = None
+        else:
+            self._t2.move_to_end(key)
+
+    def _remove(self, key) -> None:
+        nbytes = self._nbytes[key]
+        self._total_bytes -= nbytes
+        if key in self._t1:
+            del self._t1[key]
+            self._t1_bytes -= nbytes
+            self._b1[key] = None
+        else:
+            del self._t2[key]
+            self._b2[key] = None
+        self._trim_ghosts()
+
+    def _trim_ghosts(self) -> None:
+        c = max(len(self._nbytes) - 1, 1)  # (the removed key is still counted here)
+        while self._b1 and len(self._t1) + len(self._b1) > c:
+            self._b1.popitem(last=False)
+        while len(self._b1) + len(self._b2) > c:
+            (self._b2 or self._b1).popitem(last=False)
+
+    def _order(self):
+        if self._t1 and (self._t1_bytes > self.p or not self._t2):
+            first, second = self._t1, self._t2
+        else:
+            first, second = self._t2, self._t1
+        # lazy: valid until the next event (the caller stops at its victim, then removes it)
+        return itertools.chain(first, second)
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        assert not (set(self._t1) & set(self._t2)), "arc: key in both T1 and T2"
+        assert not (set(self._b1) & set(self._b2)), "arc: ghost in both B1 and B2"
+        assert not ((set(self._b1) | set(self._b2)) & set(self._nbytes)), "arc: tracked ghost"
+        assert self._t1_bytes == sum(self._nbytes[k] for k in self._t1), "arc: T1 bytes drifted"
+        assert self._total_bytes == sum(self._nbytes.values()), "arc: tracked bytes drifted"
+        assert self.p >= 0.0, "arc: negative target"
