@@ -1,5 +1,6 @@
 """Lossy KV codecs for the disk and remote tiers: ``int8`` and ``fp8`` (about half the bytes of
-fp16 KV, a quarter of fp32), vectorized torch on the CPU.
+fp16 KV, a quarter of fp32), vectorized on the CPU (numpy passes; torch only for the e4m3
+and bf16 casts).
 
 A chunk is ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` (index 0 of dim 1 = K,
 1 = V) in fp32, fp16 or bf16. Encoded payload (little-endian)::
@@ -12,13 +13,13 @@ A chunk is ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` (index 0 of d
   K with one scale per channel, ``[num_layers, num_kv_heads, head_dim]`` over the chunk's
   tokens (keys have outlier channels: a per-token scale would be set by the outliers and
   crush every other channel); V with one scale per token, ``[num_layers, chunk_size,
-  num_kv_heads]`` over head_dim. ``s = amax / 127``.
+  num_kv_heads]`` over head_dim. ``s = amax / 127`` (rounded up to fp16).
   Error bound: ``|x - x̂| <= s / 2`` per element, ``s`` being the stored scale of its group
   (amax / 127 rounded up to fp16; values are quantized with the stored scale, so its
   rounding does not loosen the bound), plus the rounding of ``x̂`` to the chunk's dtype (half
   an ulp of ``x̂``).
 * ``fp8`` (float8_e4m3fn values, one scale per ``(layer, kv, token, head)`` over head_dim,
-  ``s = amax / 448``): error bound ``|x - x̂| <= 2**-4 * |x| + 2**-10 * s`` (3 mantissa bits,
+  ``s = amax / 448`` rounded up to fp16): error bound ``|x - x̂| <= 2**-4 * |x| + 2**-10 * s`` (3 mantissa bits,
   round to nearest; the second term covers e4m3's subnormals), so at most ``amax / 16`` of
   the group, plus the rounding of ``x̂`` to the chunk's dtype.
 
@@ -35,7 +36,9 @@ none: bit-exact only). ``lossy_codec`` is part of the namespace digest, so it is
 chunk key: a bit-exact consumer's keys never name a chunk written by a namespace that accepts
 loss, and a tier configured lossy (``StoreConfig.disk_codec`` / ``remote_codec`` = ``int8`` or
 ``fp8``) writes every other namespace's chunks losslessly (``auto`` on disk, ``raw`` in Redis).
-The CPU and GPU tiers always hold exact bytes. A value's header names its codec, so a tier
+The CPU and GPU tiers always hold exact bytes. (A namespace the store no longer remembers,
+beyond ``StoreConfig.max_namespaces``, counts as accepting none until it is used again.)
+A value's header names its codec, so a tier
 reopened with another codec reads the values it holds as they were written.
 """
 from __future__ import annotations
