@@ -102,7 +102,7 @@ def test_unknown_policy_names_the_flag_and_the_valid_names(capsys):
     assert cli.main(["serve", "--port", "0", "--policy", "foo"]) == 2
     err = capsys.readouterr().err
     assert "unknown --policy 'foo'" in err and "gpu_policy" not in err
-    assert "choose one of fifo, lfu, lru, s3fifo" in err
+    assert "choose one of arc, fifo, lfu, lru, s3fifo" in err
     assert serve_config.resolve({"policy": "s3fifo"}, {}).policy == "s3fifo"
 
 
