@@ -28,6 +28,7 @@ used by tests/connectors/test_vllm_connector.py): it prints one line ``RESULT <j
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -318,7 +319,7 @@ def _chat_row(chats: list[list[dict]], base: list[list[dict]]) -> dict:
 def summarize(workload: list[dict], runs: dict[str, dict]) -> dict:
     """Per configuration: TTFT p50 per kind, output equality with ``none``, connector stats,
     and the chat figures (``_chat_row``)."""
-    base = runs["none"]["results"]
+    base = runs["none"].get("results", [])
     table = {}
     for name, run in runs.items():
         if "results" not in run:
@@ -357,6 +358,18 @@ def summarize(workload: list[dict], runs: dict[str, dict]) -> dict:
     return table
 
 
+def _run_config(name: str, spec: dict, timeout_s: float) -> dict:
+    """``run_child(spec)``; a configuration that fails or times out is ``{"skipped": why}``."""
+    print(f"[vllm_compare] {name} ...", file=sys.stderr, flush=True)
+    try:
+        return run_child(spec, timeout_s=timeout_s)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        why = f"timed out after {timeout_s:.0f} s" if isinstance(e, subprocess.TimeoutExpired) \
+            else str(e)[-300:]
+        print(f"[vllm_compare] {name} skipped: {why}", file=sys.stderr, flush=True)
+        return {"skipped": why}
+
+
 def checks(table: dict) -> dict:
     """The claims the run tests: ours (in-process CPU tier) at most ExampleConnector's TTFT on
     repeat and shared-prefix questions; chat round 2: ours against vLLM's own prefix caching
@@ -393,6 +406,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="2-round chats (their own documents of --doc-tokens) after the Q&A")
     p.add_argument("--chat-answer-tokens", type=int, default=64,
                    help="round 1's answer length (tokens, EOS ignored); round 2's: --max-tokens")
+    p.add_argument("--no-daemon", action="store_true",
+                   help="leave out the kvstore serve rows (two more engine processes)")
+    p.add_argument("--child-timeout-s", type=float, default=900,
+                   help="per configuration; one that fails or runs longer is reported as "
+                        "skipped and the others still count")
     p.add_argument("--json", help="write the full results here")
     a = p.parse_args(argv)
     if a.child:
@@ -423,13 +441,12 @@ def main(argv: list[str] | None = None) -> int:
             plan.append((f"ours-cpu-chunk{a.fine_chunk_size}",
                          {"connector": "ours-cpu", "chunk_size": a.fine_chunk_size}))
         for name, extra in plan:
-            print(f"[vllm_compare] {name} ...", file=sys.stderr, flush=True)
-            runs[name] = run_child({**common, **extra})
-        with Daemon("1GiB") as d:
-            for name in ("ours-daemon", "ours-daemon-2nd-process"):
-                print(f"[vllm_compare] {name} ...", file=sys.stderr, flush=True)
-                runs[name] = run_child({**common, "connector": "ours-daemon", "url": d.url})
-            if a.engine_min and a.chunk_size == DEFAULT_CHUNK_SIZE:
+            runs[name] = _run_config(name, {**common, **extra}, a.child_timeout_s)
+        with contextlib.nullcontext(None) if a.no_daemon else Daemon("1GiB") as d:
+            for name in () if d is None else ("ours-daemon", "ours-daemon-2nd-process"):
+                runs[name] = _run_config(name, {**common, "connector": "ours-daemon",
+                                                "url": d.url}, a.child_timeout_s)
+            if d is not None and a.engine_min and a.chunk_size == DEFAULT_CHUNK_SIZE:
                 _engine_min_run(runs, "engine_min + daemon vLLM filled", workload, a.max_tokens,
                                 url=d.url)
     if a.engine_min:

@@ -35,7 +35,7 @@ sizes, deadlines and queue size before a store opens, naming the key of a bad va
   (``GET /v1/whoami``); a request's ``cache_salt`` then becomes the sub-salt
   ``<tenant salt>/<cache_salt>`` (``kvstore.daemon.tenants.bind_salt``).
 * ``tail_chunk_size`` (default: vLLM's block size when it divides ``chunk_size``, else 0 =
-  off): the prompt tokens past the last full chunk are also stored as pieces of this many
+  off): the tokens past the last full chunk are also stored as pieces of this many
   tokens, in a namespace of their own (the same layout with this chunk size), so a hit
   recomputes at most ``tail_chunk_size`` tokens instead of up to ``chunk_size``, as vLLM's
   block-granular ExampleConnector does. The full chunks keep engine_min's keys.

@@ -343,6 +343,37 @@ def test_chat_round_2_hits_round_1_prompt_and_answer(engine, chat, baseline):
     assert dw["load_errors"] == 0 and 1408 - len(u1) > 128   # answer tokens came from the store
 
 
+def test_a_save_left_at_request_end_keeps_the_blocks_until_copied_out(engine, model_dir):
+    """request_finished's delayed free: with the per-step saves held back (as when a unit's
+    last token id is not known at its step, under async scheduling), every unit of a request
+    is left when it finishes; vLLM keeps its blocks until the next step has copied them out
+    and get_finished reported the request, then frees them."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    u = tok.encode(make_document(3, 16) + "\nQuestion: how many arches has Fir2?\nAnswer:")
+    end = len(u) + MAX_TOKENS - 1            # KV computed: all but the last sampled token
+    assert 2 * CHUNK <= end and end % CHUNK >= BLOCK, end   # 2 chunks + 1 piece
+    s, w = engine["s"], engine["w"]
+    sched = engine["llm"].llm_engine.engine_core.engine_core.scheduler
+    real = s.scheduler._saves
+    s.scheduler._saves = lambda req_id, state, done, blocks: (
+        real(req_id, state, done, blocks) if state.request.is_finished() else [])
+    try:
+        w0 = dict(w.counters)
+        _gen(engine, u, ignore_eos=True)
+        assert len(sched.requests) == 1                      # finished, blocks kept
+        assert w.counters["saved_chunks"] == w0["saved_chunks"]
+        assert engine["llm"].reset_prefix_cache() is False   # blocks still held
+        _gen(engine, list(range(2000, 2010)))               # one more step: copied, freed
+        assert len(sched.requests) == 0
+    finally:
+        s.scheduler._saves = real
+    assert w.flush(30)
+    assert w.counters["saved_chunks"] - w0["saved_chunks"] == 2
+    assert w.counters["saved_tail_chunks"] - w0["saved_tail_chunks"] == 1
+    assert engine["llm"].reset_prefix_cache()
+
+
 def test_two_engine_processes_share_prefix_through_daemon(model_dir, prompts, baseline):
     with Daemon("512MiB") as d:
         common = {"model_dir": model_dir, "connector": "ours-daemon", "url": d.url,
