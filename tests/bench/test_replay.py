@@ -233,7 +233,8 @@ def test_tiny_end_to_end_replay(tmp_path):
     """Two configurations on the real model, same 4 requests (2 documents of 300 tokens, 2
     questions each, interleaved). The 16 MiB pool (22 blocks of 16 tokens) cannot keep one
     document while the other runs, so the second question of each document is served by the
-    store: 4 chunks of 64 tokens of its 308-token prompt. Outputs are identical."""
+    store: 4 chunks of 64 tokens of its 308-token prompt and the 2 tail pieces of 16 tokens
+    after them that hold only document tokens ([256, 288)). Outputs are identical."""
     from bench import long_doc_qa
     rep = long_doc_qa.main(["--configs", "recompute,kvstore-cpu", "--num-docs", "2",
                             "--doc-tokens", "300", "--questions-per-doc", "2",
@@ -246,6 +247,6 @@ def test_tiny_end_to_end_replay(tmp_path):
     assert rec["output_tokens"] == kv["output_tokens"] == 12
     assert rec["prompt_tokens"] == kv["prompt_tokens"] == 4 * 308
     assert rec["cached_tokens"] == 0
-    assert [r["num_cached_tokens"] for r in rep["requests"]["kvstore-cpu"]] == [0, 0, 256, 256]
+    assert [r["num_cached_tokens"] for r in rep["requests"]["kvstore-cpu"]] == [0, 0, 288, 288]
     assert kv["outputs_equal_recompute"] == "4/4"
     assert (tmp_path / "long_doc_qa_ttft_cdf.png").exists()

@@ -3,7 +3,9 @@ with the connector equal the engine's without it, and hit counts follow the chun
 
 Engine: block size 4, its own prefix cache off (so every reuse goes through the store) except
 where a test turns it on. Store chunks: 16 tokens (4 and 8 where the arithmetic asks).
-Connectors are swapped on the one engine with ``attach``.
+Connectors are swapped on the one engine with ``attach``. Tail pieces are off here
+(``tail_chunk_size=0``): these are the full-chunk counts; the default (pieces of one block) is
+tested in ``test_connector_tail``.
 """
 from __future__ import annotations
 
@@ -163,7 +165,8 @@ def check_chat_and_doc(engine, baseline, conn, tier: str, questions=3):
 
 # ---- tests ---------------------------------------------------------------------------------
 def test_cpu_tier_chat_and_doc_qa_match_no_connector(engine, baseline):
-    conn = create_connector(cpu_bytes="512MiB", chunk_size=C, deadline_s=DEADLINE)
+    conn = create_connector(cpu_bytes="512MiB", chunk_size=C, deadline_s=DEADLINE,
+                            tail_chunk_size=0)
     check_chat_and_doc(engine, baseline, conn, "cpu")
     # a chunk removed from the middle of a stored prefix: the hit stops before it
     attach(engine, conn)
@@ -181,7 +184,7 @@ def test_cpu_tier_chat_and_doc_qa_match_no_connector(engine, baseline):
 
 def test_disk_tier_only_chat_and_doc_qa_match_no_connector(engine, baseline, tmp_path):
     conn = create_connector(disk_path=str(tmp_path / "disk"), disk_bytes="512MiB",
-                            chunk_size=C, deadline_s=DEADLINE)
+                            chunk_size=C, deadline_s=DEADLINE, tail_chunk_size=0)
     assert conn.store.config.tiers == ("disk",)
     check_chat_and_doc(engine, baseline, conn, "disk", questions=2)
     conn.close()
@@ -190,7 +193,8 @@ def test_disk_tier_only_chat_and_doc_qa_match_no_connector(engine, baseline, tmp
 def test_prompt_prefilled_in_6_token_slices_stores_4_chunks_and_replays(engine, baseline):
     prompt = baseline["chat"][0][0][:16]
     want, _ = run(engine, prompt, 4)
-    conn = create_connector(cpu_bytes="64MiB", chunk_size=4, deadline_s=DEADLINE)
+    conn = create_connector(cpu_bytes="64MiB", chunk_size=4, deadline_s=DEADLINE,
+                            tail_chunk_size=0)
     attach(engine, conn)
     engine.scheduler.max_num_batched_tokens = 6
     try:
@@ -210,7 +214,8 @@ def test_prompt_prefilled_in_6_token_slices_stores_4_chunks_and_replays(engine, 
 def test_engine_cache_hit_is_never_overwritten(engine, baseline, local, stored, loaded, at):
     prompt = baseline["chat"][1][0][at:at + 40]   # a prompt the engine's cache has not seen
     want, _ = run(engine, prompt, 2)
-    conn = create_connector(cpu_bytes="64MiB", chunk_size=8, deadline_s=DEADLINE)
+    conn = create_connector(cpu_bytes="64MiB", chunk_size=8, deadline_s=DEADLINE,
+                            tail_chunk_size=0)
     attach(engine, conn)
     try:
         run(engine, prompt[:stored] + [prompt[stored]], 1)        # stores `stored` tokens
@@ -260,7 +265,7 @@ SECOND_ENGINE = textwrap.dedent("""
     from engine_min.engine import LLMEngine
     from engine_min.sampler import SamplingParams
     url, prompt, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-    conn = create_connector(url=url, chunk_size={C}, deadline_s={DEADLINE})
+    conn = create_connector(url=url, chunk_size={C}, deadline_s={DEADLINE}, tail_chunk_size=0)
     eng = LLMEngine(EngineConfig(block_size={BS}, kv_cache_bytes=100 * 2**20,
                                  enable_prefix_caching=False), connector=conn)
     out = eng.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0))[0]
@@ -274,7 +279,7 @@ SECOND_ENGINE = textwrap.dedent("""
 def test_remote_daemon_chat_doc_qa_and_a_second_engine_process(engine, baseline, tmp_path):
     d = Daemon(tmp_path / "daemon.log")
     try:
-        conn = create_connector(url=d.url, chunk_size=C, deadline_s=DEADLINE)
+        conn = create_connector(url=d.url, chunk_size=C, deadline_s=DEADLINE, tail_chunk_size=0)
         check_chat_and_doc(engine, baseline, conn, "remote:cpu")
         conn.close()
         # another engine process asks a new question about the document: whole-document hit
@@ -293,7 +298,7 @@ def test_remote_daemon_chat_doc_qa_and_a_second_engine_process(engine, baseline,
 
 def test_daemon_killed_during_a_run_requests_complete_by_recompute(engine, baseline, tmp_path):
     d = Daemon(tmp_path / "daemon.log")
-    conn = create_connector(url=d.url, chunk_size=C, deadline_s=2.0)
+    conn = create_connector(url=d.url, chunk_size=C, deadline_s=2.0, tail_chunk_size=0)
     attach(engine, conn)
     try:
         (p1, w1), (p2, w2), (p3, w3) = baseline["chat"]
