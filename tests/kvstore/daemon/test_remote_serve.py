@@ -42,7 +42,7 @@ def test_remote_flags_parse_into_the_store_config():
     assert {k: v for k, v in kw.items() if k.startswith("remote_")} == {
         "remote_url": "redis://10.0.0.1:7000,10.0.0.2:7000", "remote_key_prefix": "prod-a",
         "remote_ttl_s": 3600.0, "remote_timeout_s": 0.5, "remote_queue_bytes": 64 << 20,
-        "remote_password": None}
+        "remote_codec": "raw", "remote_password": None}
     sc = StoreConfig(**kw)  # the store accepts them as they are
     assert (sc.remote_url, sc.remote_key_prefix, sc.remote_queue_bytes) == (
         "redis://10.0.0.1:7000,10.0.0.2:7000", "prod-a", 64 << 20)

@@ -1,0 +1,204 @@
+"""Lossy KV codecs on the real model: ``python -m bench.codec [--quick] [--json FILE]``.
+
+Prompts: the long-document and multi-round workloads (``bench.workloads``; 20 prompts, or 3
+with ``--quick``), on engine_min with the embedded SmolLM2-135M-Instruct, its prefix cache off
+(reuse comes from the store only). Per prompt, greedy, ``--max-tokens`` (32) generated tokens:
+
+* ``recompute``: no connector (full prefill);
+* per codec (``raw``, ``int8``, ``fp8``): a store with a disk tier only, configured with that
+  codec, and a connector whose namespace accepts it (``lossy_codec``; none for ``raw``), full
+  chunks only (no tail pieces: the prompt's last partial chunk is prefilled). The raw run
+  saves each prompt's chunks with a first request; a lossy codec's store gets the same
+  chunks (read back from the raw store, bit-exact) put under its own namespace's keys, which
+  its disk tier encodes (one prefill less per prompt and codec). Once they are on disk
+  (``flush``), a request loads the prefix from the disk tier (decoded) and generates
+  (prompt + generated chunks are not saved). ``disk_hit_ttft_s`` is its
+  TTFT (median; the value's pages are in the OS page cache: the decode, not the device, is
+  measured); ``token_agreement`` is the fraction of the generated tokens equal to
+  recompute's at the same position (mean over prompts), ``prompt_exact_rate`` the fraction
+  of prompts whose generated tokens all equal recompute's.
+
+Codec figures over the chunks the raw run stored (the model's real KV, fp32 in engine_min):
+``bytes_ratio_vs_fp16`` (stored value bytes, header and scales counted, / 2 bytes per
+element), ``bytes_ratio_vs_stored_dtype`` (/ the KV dtype's bytes), ``max_abs_error`` and
+``mean_abs_error`` of the decoded KV, ``encode_gbps`` / ``decode_gbps`` (fp16-equivalent
+bytes per second of ``kvstore.codec.pack_value`` / ``unpack_value``: a tier's whole
+per-chunk cost, checksums included; for a lossy codec packing also decodes once, for the
+checksum). ``load_average`` is recorded: figures on a busy host are not comparable.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+if __name__ == "__main__":  # run as a script: before torch loads OpenMP
+    from engine_min.omp import set_omp_wait_policy
+    set_omp_wait_policy()
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from bench.workloads import LongDocQA, MultiRoundQA  # noqa: E402
+from kvstore.codec import pack_value, unpack_value  # noqa: E402
+from kvstore.layout import dtype_name  # noqa: E402
+
+CODECS = ("raw", "int8", "fp8")
+
+
+def workload_prompts(quick: bool) -> list[list[int]]:
+    """Token prompts: long-document questions, then multi-round chat prompts."""
+    if quick:
+        docs = LongDocQA(num_docs=1, doc_tokens=192, questions_per_doc=2, question_tokens=16)
+        chat = MultiRoundQA(num_users=1, num_rounds=1, system_tokens=32, context_tokens=128,
+                            question_tokens=16, answer_tokens=8)
+    else:
+        docs = LongDocQA(num_docs=2, doc_tokens=1024, questions_per_doc=5, question_tokens=24)
+        chat = MultiRoundQA(num_users=5, num_rounds=2, system_tokens=64, context_tokens=512,
+                            question_tokens=24, answer_tokens=32)
+    return [list(r.prompt) for r in docs.requests() + chat.requests()]
+
+
+def _generate(engine, prompt: list[int], max_tokens: int):
+    from engine_min.sampler import SamplingParams
+    out = engine.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0]
+    return out.first_token_time - out.arrival_time, list(out.output_token_ids)
+
+
+def run_codec(engine, codec: str, prompts, want, args, workdir: str, source=None) -> tuple:
+    """Hits from a disk tier of ``codec``; ``source`` = the raw run's (store, namespace), whose
+    chunks are put into this codec's store (None: this is the raw run, a first request saves
+    them). Returns (figures, (store, namespace) of this run, opened: close it)."""
+    from connectors.engine_min import EngineMinConnector
+    from kvstore.config import StoreConfig
+    from kvstore.store import ChunkStore
+
+    cfg = StoreConfig(cpu_bytes=0, disk_bytes="4GiB", disk_path=os.path.join(workdir, codec),
+                      disk_codec=codec)
+    store = ChunkStore(cfg)
+    conn = EngineMinConnector(store, chunk_size=args.chunk_size, deadline_s=30.0,
+                              deadline_s_per_chunk=1.0, save_generated=False, owns_store=False,
+                              tail_chunk_size=0, lossy_codec="" if codec == "raw" else codec)
+    agree, exact, ttft, loaded = [], [], [], 0
+    try:
+        for p, w in zip(prompts, want):
+            engine.set_connector(conn)
+            if source is None:
+                _generate(engine, p, 1)                          # saves the prompt's chunks
+                conn.wait_for_save(120)
+            else:
+                src_store, src_ns = source
+                kvs = src_store.get_chunks(src_ns, src_ns.chunk_keys(p))
+                store.put_chunks(conn.ns, conn.ns.chunk_keys(p), kvs)
+            store.flush(120)
+            before = engine.stats()["kvstore_loaded_tokens"]
+            t, got = _generate(engine, p, args.max_tokens)        # loads them from disk
+            loaded += engine.stats()["kvstore_loaded_tokens"] - before
+            engine.set_connector(None)
+            same = [a == b for a, b in zip(got, w)]
+            agree.append(sum(same) / len(w))
+            exact.append(got == w)
+            ttft.append(t)
+        ns = conn.ns
+    finally:
+        engine.set_connector(None)
+        conn.close()
+    res = {"token_agreement": statistics.mean(agree), "prompt_exact_rate": statistics.mean(exact),
+           "disk_hit_ttft_s": statistics.median(ttft), "disk_hit_ttft_runs_s": ttft,
+           "loaded_tokens": loaded}
+    return res, (store, ns)
+
+
+def _stored_chunks(store, chunk_size: int, limit: int = 48) -> list[torch.Tensor]:
+    """Up to ``limit`` full chunks (``chunk_size`` tokens, not tail pieces) of the disk tier
+    (exact KV: the raw run's)."""
+    disk = store.tiers[-1]
+    kvs = (disk.read(k) for k in disk.keys())
+    return [kv for kv in kvs if kv is not None and kv.shape[2] == chunk_size][:limit]
+
+
+def codec_figures(kvs: list[torch.Tensor], codec: str) -> dict:
+    """Bytes, error and speed of ``codec`` over real chunks ``kvs``."""
+    key = bytes(48)
+    elems = sum(kv.numel() for kv in kvs)
+    stored, enc_s, dec_s, max_err, sum_err = 0, 0.0, 0.0, 0.0, 0.0
+    for kv in kvs:
+        raw = kv.reshape(-1).view(torch.uint8).numpy()
+        t0 = time.perf_counter()
+        value = pack_value(key, None, raw, dtype_name(kv.dtype), tuple(kv.shape), codec)
+        t1 = time.perf_counter()
+        h, out = unpack_value(value, key)
+        t2 = time.perf_counter()
+        enc_s, dec_s, stored = enc_s + t1 - t0, dec_s + t2 - t1, stored + len(value)
+        assert h.codec == codec, (h.codec, codec)
+        err = (torch.from_numpy(out).view(kv.dtype).view(kv.shape).float() - kv.float()).abs()
+        max_err, sum_err = max(max_err, float(err.max())), sum_err + float(err.sum(dtype=torch.float64))
+    return {"bytes_ratio_vs_fp16": stored / (2 * elems),
+            "bytes_ratio_vs_stored_dtype": stored / (kvs[0].element_size() * elems),
+            "max_abs_error": max_err, "mean_abs_error": sum_err / elems,
+            "kv_abs_max": max(float(kv.abs().max()) for kv in kvs),
+            "encode_gbps": 2 * elems / enc_s / 1e9, "decode_gbps": 2 * elems / dec_s / 1e9,
+            "chunks_measured": len(kvs)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m bench.codec", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="3 short prompts (a smoke run)")
+    ap.add_argument("--max-tokens", type=int, default=32, help="generated tokens per prompt")
+    ap.add_argument("--chunk-size", type=int, default=64,
+                    help="store chunk size (default %(default)s: a hit prefills < 64 tokens)")
+    ap.add_argument("--codecs", default=",".join(CODECS), help="comma-separated, raw first")
+    ap.add_argument("--json", default=None, help="write the figures here")
+    args = ap.parse_args(argv)
+    codecs = args.codecs.split(",")
+    if codecs[0] != "raw" or not set(codecs) <= set(CODECS):
+        ap.error(f"--codecs must start with raw and name only {CODECS}")
+    load_start = os.getloadavg()[0]
+
+    from engine_min.config import EngineConfig
+    from engine_min.engine import LLMEngine
+
+    prompts = workload_prompts(args.quick)
+    n = max(len(p) for p in prompts) + args.max_tokens + 16
+    cfg = EngineConfig(kv_cache_bytes=(n + 64) * 30 * 2 * 3 * 64 * 4 * 2,
+                       enable_prefix_caching=False, max_num_batched_tokens=max(512, n))
+    engine = LLMEngine(cfg)
+    _generate(engine, prompts[0][:64], 2)                        # warm-up
+    rec_ttft, want = [], []
+    for p in prompts:
+        t, out = _generate(engine, p, args.max_tokens)
+        rec_ttft.append(t)
+        want.append(out)
+    res: dict = {"num_prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
+                 "max_tokens": args.max_tokens, "chunk_size": args.chunk_size,
+                 "recompute_ttft_s": statistics.median(rec_ttft), "codecs": {}}
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-codec-") as workdir:
+        source = None
+        try:
+            for codec in codecs:
+                row, opened = run_codec(engine, codec, prompts, want, args, workdir, source)
+                res["codecs"][codec] = row
+                if source is None:
+                    source = opened
+                else:
+                    opened[0].close()
+            kvs = _stored_chunks(source[0], args.chunk_size)
+        finally:
+            if source is not None:
+                source[0].close()
+    res["kv_dtype"] = str(kvs[0].dtype).removeprefix("torch.")
+    for codec in codecs:
+        res["codecs"][codec].update(codec_figures(kvs, codec))
+    res["load_average"] = [load_start, os.getloadavg()[0]]
+    print(json.dumps(res, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""``python -m bench.codec --quick`` on the real model: the JSON has every codec's figures, the
+raw disk tier reproduces recompute exactly, and the lossy codecs store about a quarter of the
+fp32 KV's bytes with errors within their stated bounds."""
+from __future__ import annotations
+
+import json
+
+from bench.codec import main
+
+
+def test_quick_codec_bench_reports_every_codec(tmp_path):
+    out = tmp_path / "codec.json"
+    res = main(["--quick", "--max-tokens", "4", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(res))
+    assert res["num_prompts"] == 3 and res["kv_dtype"] == "float32"
+    fields = {"bytes_ratio_vs_fp16", "bytes_ratio_vs_stored_dtype", "token_agreement",
+              "prompt_exact_rate", "max_abs_error", "mean_abs_error", "encode_gbps",
+              "decode_gbps", "disk_hit_ttft_s"}
+    assert set(res["codecs"]) == {"raw", "int8", "fp8"}
+    for row in res["codecs"].values():
+        assert fields <= set(row)
+        assert row["loaded_tokens"] == (3 + 3 + 2) * 64  # full chunks of 208, 208, 176 tokens
+        assert row["encode_gbps"] > 0 and row["decode_gbps"] > 0
+    raw, int8, fp8 = (res["codecs"][c] for c in ("raw", "int8", "fp8"))
+    # raw: bit-exact, fp32 stored whole (2x fp16), so generation equals recompute's
+    assert raw["max_abs_error"] == 0 and raw["token_agreement"] == 1.0
+    assert raw["prompt_exact_rate"] == 1.0
+    assert 2.0 <= raw["bytes_ratio_vs_fp16"] < 2.01
+    # int8 / fp8 at chunk_size 64, head_dim 64: 1 byte per value + 1/32 fp16 scales per value
+    for row in (int8, fp8):
+        assert 0.515 < row["bytes_ratio_vs_fp16"] < 0.52
+        assert 0 < row["mean_abs_error"] < row["max_abs_error"]
+    # int8's step is amax/127 of a channel or token (amax <= kv_abs_max): error <= half of it
+    assert int8["max_abs_error"] <= int8["kv_abs_max"] / 127 / 2 * 1.001
+    assert fp8["max_abs_error"] <= fp8["kv_abs_max"] / 16
