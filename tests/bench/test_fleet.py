@@ -59,7 +59,8 @@ def test_second_host_answers_from_redis_what_the_first_read(redis_cluster):  # n
     cpu1, remote1, redis1 = _hits(after2)
     assert (cpu1 - cpu0, remote1 - remote0, redis1 - redis0) == (0, NUM_CHUNKS, NUM_CHUNKS)
     assert after2["remote"]["validation_failures"] == 0
-    assert after2["tiers"]["cpu"]["num_chunks"] == NUM_CHUNKS  # promoted on the hit
+    # the document's chunks promoted on the hit, and the piece of host 2's own question
+    assert after2["tiers"]["cpu"]["num_chunks"] == NUM_CHUNKS + 1
     assert got.num_cached_tokens == DOC_TOKENS
     assert got.num_output_tokens == want.num_output_tokens == wl.answer_tokens
     assert got.text == want.text
