@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from bench.policy_trace import ChunkTrace
 from kvstore.eviction import EvictionPolicy, create_policy
+from kvstore.movement import descendants_of
 
 
 @dataclass(frozen=True)
@@ -166,17 +167,7 @@ class PolicyReplay:
         return False
 
     def _descendants(self, key: int) -> list[int]:
-        seen, order, frontier = {key}, [], [key]
-        while frontier:
-            nxt = []
-            for k in frontier:
-                for c in self._live_children(k):
-                    if c not in seen:
-                        seen.add(c)
-                        order.append(c)
-                        nxt.append(c)
-            frontier = nxt
-        return order
+        return descendants_of(key, self._live_children)
 
     def _insert(self, i: int, key: int, nbytes: int, parent: int | None,
                 outer: frozenset) -> bool:

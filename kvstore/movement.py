@@ -7,7 +7,7 @@ store's call (``evictable``: no pin). Not thread-safe: the store calls it under 
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence
+from typing import Callable, Hashable, Iterable, Sequence
 
 import torch
 
@@ -16,6 +16,22 @@ from kvstore.metrics import StoreMetrics
 from kvstore.tiers.base import Tier
 
 log = logging.getLogger("kvstore.store")
+
+
+def descendants_of(key: Hashable, children: Callable[[Hashable], Iterable]) -> list:
+    """Everything below ``key`` in the tree ``children`` describes (each key's children),
+    breadth first, ``key`` itself excluded; each key once."""
+    seen, order, frontier = {key}, [], [key]
+    while frontier:
+        nxt = []
+        for k in frontier:
+            for c in children(k):
+                if c not in seen:
+                    seen.add(c)
+                    order.append(c)
+                    nxt.append(c)
+        frontier = nxt
+    return order
 
 
 class TierMover:
@@ -122,17 +138,7 @@ class TierMover:
 
     def descendants(self, key: ChunkKey) -> list[ChunkKey]:
         """Stored descendants of ``key``, breadth first (so reversed: deepest first)."""
-        seen, order, frontier = {key}, [], [key]
-        while frontier:
-            nxt = []
-            for k in frontier:
-                for c in self.live_children(k):
-                    if c not in seen:
-                        seen.add(c)
-                        order.append(c)
-                        nxt.append(c)
-            frontier = nxt
-        return order
+        return descendants_of(key, self.live_children)
 
     def elsewhere(self, key: ChunkKey, i: int) -> bool:
         """Whether a tier other than i holds ``key`` too."""
