@@ -1,0 +1,62 @@
+"""Prometheus metrics of the router, on its own ``CollectorRegistry``.
+
+Series (``GET /metrics``; ``engine`` is the engine's base URL as given to ``--engines``):
+    router_requests_total{engine,reason}         counter; reason: hit | load | round_robin | retry
+                                                 (retry: sent there after another engine failed)
+    router_predicted_hit_tokens_total{engine}    counter, prompt tokens the index said the
+                                                 engine held when it was picked
+    router_reported_cached_tokens_total{engine}  counter, ``usage.prompt_tokens_details.
+                                                 cached_tokens`` the engine then reported
+                                                 (non-stream answers; streams with
+                                                 ``stream_options.include_usage``)
+    router_overhead_seconds                      histogram, request received -> upstream request
+                                                 sent (read, parse, tokenize, hash, score)
+    router_engine_healthy{engine}                gauge, 1 healthy, 0 taken out
+    router_index_blocks{engine}                  gauge, block hashes in the engine's index
+    router_failed_requests_total                 counter, requests the router could not
+                                                 complete (no engine left, or an engine failed
+                                                 after bytes went to the client)
+
+predicted / reported over the same requests is the index's accuracy.
+"""
+from __future__ import annotations
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
+                               Histogram, generate_latest)
+
+OVERHEAD_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
+                      0.25, 0.5, 1.0)
+
+
+class RouterMetrics:
+    """The router's series (see the module docstring) on a private registry."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("router_requests", "Requests sent to an engine, by reason",
+                                ["engine", "reason"], registry=r)
+        self.predicted_hit_tokens = Counter(
+            "router_predicted_hit_tokens", "Prompt tokens the index predicted the picked "
+            "engine held", ["engine"], registry=r)
+        self.reported_cached_tokens = Counter(
+            "router_reported_cached_tokens", "Cached prompt tokens the engine reported in usage",
+            ["engine"], registry=r)
+        self.overhead = Histogram("router_overhead_seconds", "Request received -> upstream "
+                                  "request sent", buckets=OVERHEAD_BUCKETS_S, registry=r)
+        self.engine_healthy = Gauge("router_engine_healthy", "1 if the engine is in service",
+                                    ["engine"], registry=r)
+        self.index_blocks = Gauge("router_index_blocks", "Block hashes in the engine's index",
+                                  ["engine"], registry=r)
+        self.failed_requests = Counter("router_failed_requests", "Requests the router could "
+                                       "not complete", registry=r)
+
+    def add_engine(self, engine: str) -> None:
+        """Create the engine's series at 0, so they show before its first request."""
+        self.engine_healthy.labels(engine).set(0)
+        self.index_blocks.labels(engine).set(0)
+        self.predicted_hit_tokens.labels(engine)
+        self.reported_cached_tokens.labels(engine)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

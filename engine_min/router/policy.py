@@ -1,0 +1,141 @@
+"""Which engine serves a request: round-robin, or cache-aware (prefix hits within a load gap).
+
+Each healthy engine is a ``Candidate``: the prompt tokens its prefix cache holds
+(``hit_tokens`` = the longest cached prefix of the prompt's blocks x ``block_size``, from its
+``EngineIndex``) and its ``load`` (requests in flight: the router's own count, or the engine's
+reported running + waiting when larger, see ``engine_min.router.subscriber``).
+
+Cache-aware, for candidates ``c`` with ``min_load = min(c.load)``::
+
+    eligible = {c : c.load <= min_load + max_load_gap}
+    best     = max(c.hit_tokens for c in eligible)
+    if best > min(c.hit_tokens for c in all candidates):      # someone holds more than all do
+        pick among eligible with hit_tokens == best the least loaded    reason "hit"
+    else:                                                       # nothing to gain from a cache
+        pick the least loaded of all                             reason "load"
+
+Ties left after that go round-robin (the candidate after the last one picked, in the router's
+engine order), so equal engines share the work and no session is sticky by fiat: a chat's next
+round goes back to the engine holding its history only while that engine scores best.
+Round-robin ignores hits and load (reason ``round_robin``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+HIT, LOAD, ROUND_ROBIN, RETRY = "hit", "load", "round_robin", "retry"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One healthy engine as the policy sees it.
+
+    Attributes:
+        position: the engine's place in the router's engine list (round-robin order).
+        hit_tokens: prompt tokens held by its prefix cache (0 when unknown).
+        load: requests in flight on it (>= 0).
+    """
+
+    position: int
+    hit_tokens: int
+    load: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The engine picked (its ``position``), why (``hit`` | ``load`` | ``round_robin``) and
+    the prompt tokens its cache is predicted to hold."""
+
+    position: int
+    reason: str
+    hit_tokens: int
+
+
+class _Rotation:
+    """Round-robin among tied candidates: the first at or after the position following the
+    last pick, cyclically in engine order."""
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def pick(self, tied: list[Candidate]) -> Candidate:
+        after = [c for c in tied if c.position >= self._next]
+        chosen = min(after or tied, key=lambda c: c.position)
+        self._next = chosen.position + 1
+        return chosen
+
+
+class RoundRobinPolicy:
+    """Engines in turn, whatever they hold."""
+
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._rotation = _Rotation()
+
+    def choose(self, candidates: list[Candidate]) -> Decision:
+        """Raises ValueError on an empty list."""
+        if not candidates:
+            raise ValueError("no candidate engine")
+        c = self._rotation.pick(candidates)
+        return Decision(c.position, ROUND_ROBIN, c.hit_tokens)
+
+    def least_loaded(self, candidates: list[Candidate]) -> Decision:
+        """For requests the router cannot score (a body it cannot parse)."""
+        return self.choose(candidates)
+
+
+class CacheAwarePolicy:
+    """Most prompt tokens cached among engines within ``max_load_gap`` requests of the least
+    loaded (the module's formula).
+
+    Args:
+        max_load_gap: in-flight requests an engine may have beyond the least loaded one and
+            still win on hits (>= 0).
+
+    Raises:
+        ValueError: max_load_gap < 0.
+    """
+
+    name = "cache-aware"
+
+    def __init__(self, max_load_gap: int = 8) -> None:
+        if max_load_gap < 0:
+            raise ValueError(f"max_load_gap must be >= 0, got {max_load_gap}")
+        self.max_load_gap = max_load_gap
+        self._rotation = _Rotation()
+
+    def choose(self, candidates: list[Candidate]) -> Decision:
+        """Raises ValueError on an empty list."""
+        if not candidates:
+            raise ValueError("no candidate engine")
+        min_load = min(c.load for c in candidates)
+        eligible = [c for c in candidates if c.load <= min_load + self.max_load_gap]
+        best = max(c.hit_tokens for c in eligible)
+        if best > min(c.hit_tokens for c in candidates):
+            top = [c for c in eligible if c.hit_tokens == best]
+            low = min(c.load for c in top)
+            c = self._rotation.pick([c for c in top if c.load == low])
+            return Decision(c.position, HIT, c.hit_tokens)
+        return self.least_loaded(candidates)
+
+    def least_loaded(self, candidates: list[Candidate]) -> Decision:
+        """The least loaded candidate (round-robin among equals), reason ``load``."""
+        if not candidates:
+            raise ValueError("no candidate engine")
+        low = min(c.load for c in candidates)
+        c = self._rotation.pick([c for c in candidates if c.load == low])
+        return Decision(c.position, LOAD, c.hit_tokens)
+
+
+def make_policy(name: str, max_load_gap: int = 8) -> RoundRobinPolicy | CacheAwarePolicy:
+    """The policy called ``name`` (``cache-aware`` | ``round-robin``).
+
+    Raises:
+        ValueError: another name, or max_load_gap < 0.
+    """
+    if name == "cache-aware":
+        return CacheAwarePolicy(max_load_gap)
+    if name == "round-robin":
+        return RoundRobinPolicy()
+    raise ValueError(f"unknown routing policy {name!r} (cache-aware | round-robin)")
