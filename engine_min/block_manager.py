@@ -12,12 +12,18 @@ hashed block keeps its hash and can be revived by a later prefix hit until it is
 (popped from the front of ``free`` for new data). Unhashed freed blocks go to the front.
 
 Queries (``lookup``, ``can_allocate``) change nothing; ``allocate`` commits.
+
+With ``enable_kv_events`` the manager records what enters and leaves ``hash_to_block`` as KV
+events (``engine_min.kv_events``), drained by ``take_events``: replaying them rebuilds the set
+of cached hashes exactly.
 """
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 
 from engine_min.block_hash import block_hashes
+from engine_min.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from engine_min.sequence import Sequence
 
 
@@ -29,6 +35,8 @@ class BlockManager:
         block_size: tokens per block.
         enable_prefix_caching: hash full blocks and reuse them across sequences.
         hash_seed: seed of the hash chain (identifies model + dtype; bytes).
+        enable_kv_events: record BlockStored / BlockRemoved / AllBlocksCleared events for
+            ``take_events`` (off: nothing is recorded).
 
     Attributes:
         num_query_tokens: tokens looked up at first admissions (prefix-cache queries; each
@@ -40,7 +48,7 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_seed: bytes = b"engine_min"):
+                 hash_seed: bytes = b"engine_min", enable_kv_events: bool = False):
         if num_blocks < 2:
             raise ValueError(f"the KV pool needs at least 2 blocks (null + 1), got {num_blocks}")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -53,6 +61,8 @@ class BlockManager:
         self.num_hit_tokens = 0
         self.num_preempted_query_tokens = 0
         self.num_preempted_hit_tokens = 0
+        self.enable_kv_events = enable_kv_events
+        self._events: list[KVEvent] = []
 
     # ------------------------------------------------------------------ queries
     @property
@@ -155,11 +165,30 @@ class BlockManager:
             return
         n = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         hashes = self._hashes(seq)
+        run: list[int] = []  # indices of newly cached blocks, one event per consecutive run
         for i in range(n):
             b = seq.block_table[i]
             if self.block_hash[b] is None and hashes[i] not in self.hash_to_block:
                 self.block_hash[b] = hashes[i]
                 self.hash_to_block[hashes[i]] = b
+                if self.enable_kv_events:
+                    if run and run[-1] != i - 1:
+                        self._stored(seq, hashes, run)
+                        run = []
+                    run.append(i)
+        if run:
+            self._stored(seq, hashes, run)
+
+    def _stored(self, seq: Sequence, hashes: list[bytes], run: list[int]) -> None:
+        bs, first, last = self.block_size, run[0], run[-1]
+        self._events.append(BlockStored(
+            tuple(hashes[first:last + 1]), hashes[first - 1] if first else None,
+            array("I", seq.token_ids[first * bs:(last + 1) * bs]), bs))
+
+    def take_events(self) -> list[KVEvent]:
+        """The events recorded since the last call, in order (empty with events off)."""
+        events, self._events = self._events, []
+        return events
 
     def free_seq(self, seq: Sequence) -> None:
         """Drop seq's references (tail first, so a prefix outlives its suffix) and clear its table."""
@@ -180,6 +209,8 @@ class BlockManager:
         for b in self.hash_to_block.values():
             self.block_hash[b] = None
         self.hash_to_block.clear()
+        if self.enable_kv_events:
+            self._events.append(AllBlocksCleared())
         return True
 
     def _take(self, b: int) -> None:
@@ -202,6 +233,12 @@ class BlockManager:
         if h is not None:  # evict its cached content
             del self.hash_to_block[h]
             self.block_hash[b] = None
+            if self.enable_kv_events:
+                last = self._events[-1] if self._events else None
+                if isinstance(last, BlockRemoved):  # evictions of one allocation: one event
+                    self._events[-1] = BlockRemoved(last.block_hashes + (h,))
+                else:
+                    self._events.append(BlockRemoved((h,)))
         self.ref_count[b] = 1
         return b
 

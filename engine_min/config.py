@@ -35,6 +35,9 @@ class EngineConfig:
         max_num_seqs: most requests running at once.
         max_model_len: longest prompt + output in tokens; None = the model's context length.
         enable_prefix_caching: reuse full KV blocks across requests by chained block hash.
+        enable_kv_events: publish the prefix cache's block stored / removed events
+            (``engine_min.kv_events``) into ``LLMEngine.kv_event_log`` after each step.
+        kv_event_batches: event batches the log retains for late readers (>= 1).
         seed: seed of the sampler's generator for requests without their own seed.
         model_id: the model's name in the KV identity (a KV store's namespace); None = read
             from the model's metadata (``engine_min.identity.model_name``).
@@ -57,6 +60,8 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    enable_kv_events: bool = True
+    kv_event_batches: int = 1024
     seed: int = 0
     model_id: str | None = None
     model_revision: str | None = None
@@ -68,7 +73,8 @@ class EngineConfig:
                                               self.model_id.strip()):
             raise ValueError(f"EngineConfig.model_id must be a non-empty string, got "
                              f"{self.model_id!r}")
-        for name in ("block_size", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("block_size", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs",
+                     "kv_event_batches"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine_min.block_manager import BlockManager
+from engine_min.kv_events import KVEventLog
 from engine_min.config import EngineConfig
 from engine_min.identity import load_identity
 from engine_min.model import LlamaModel
@@ -74,7 +75,12 @@ class LLMEngine:
                                  (num_blocks - 1) * config.block_size)
         seed = hashlib.sha256(f"engine_min-v1|{self.model_path}|{config.dtype}".encode()).digest()
         self.block_manager = BlockManager(num_blocks, config.block_size,
-                                          config.enable_prefix_caching, seed)
+                                          config.enable_prefix_caching, seed,
+                                          enable_kv_events=config.enable_kv_events)
+        #: the prefix cache's KV events, one batch per step (``engine_min.kv_events``); None
+        #: with ``enable_kv_events`` off
+        self.kv_event_log = (KVEventLog(config.kv_event_batches) if config.enable_kv_events
+                             else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens,
                                    config.max_num_seqs)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
@@ -115,7 +121,14 @@ class LLMEngine:
         unfinished."""
         if self.scheduler.has_unfinished():
             return False
-        return self.block_manager.reset_prefix_cache()
+        done = self.block_manager.reset_prefix_cache()
+        self._publish_kv_events()
+        return done
+
+    def _publish_kv_events(self) -> None:
+        """Move the block manager's events into ``kv_event_log`` as one batch."""
+        if self.kv_event_log is not None:
+            self.kv_event_log.publish(self.block_manager.take_events())
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None,
@@ -180,7 +193,16 @@ class LLMEngine:
         detokenizing one sequence finishes that request alone with finish reason ``"error"``
         (``RequestOutput.error`` says where and why; its blocks are freed); the rest of the
         batch goes on as if it had not been there.
+
+        The step's prefix-cache events (blocks cached, evicted) go to ``kv_event_log`` as one
+        batch, also when the step raises.
         """
+        try:
+            return self._step()
+        finally:
+            self._publish_kv_events()
+
+    def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         outputs, self._pending = self._pending, []
         outputs += [self._fail(f) for f in sched.failed]

@@ -53,6 +53,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="prompt + completion limit (default: the model's context)")
     e.add_argument("--no-prefix-caching", action="store_true",
                    help="disable the engine's own prefix cache")
+    e.add_argument("--no-kv-events", action="store_true",
+                   help="do not publish the prefix cache's KV events (GET /v1/kv_events, "
+                   "/v1/kv_events/snapshot answer 404; a cache-aware router then routes this "
+                   "engine by load only)")
+    e.add_argument("--kv-event-batches", type=int, default=None,
+                   help="event batches retained for late subscribers (default 1024)")
     add_store_args(parser)
     parser.add_argument("--log-level", default="info", help="logging level (default info)")
     return parser
@@ -91,6 +97,10 @@ def build_engine(args: argparse.Namespace, connector: Any | None = None) -> Any:
     kw = {k: v for k, v in kw.items() if v is not None}
     if args.no_prefix_caching:
         kw["enable_prefix_caching"] = False
+    if getattr(args, "no_kv_events", False):
+        kw["enable_kv_events"] = False
+    if getattr(args, "kv_event_batches", None) is not None:
+        kw["kv_event_batches"] = args.kv_event_batches
     if getattr(args, "no_weights_fingerprint", False):
         kw["weights_fingerprint"] = False
     return LLMEngine(EngineConfig(**kw), connector=connector)

@@ -19,7 +19,9 @@ its KV blocks.
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``; a
 chat stream's role chunk goes out with the first token, as vLLM's), ``POST /tokenize`` and
 ``POST /detokenize`` (vLLM's shapes; ``engine_min.serve.tokenize_routes``), ``GET /v1/models``,
-``GET /health``, ``GET /metrics`` (Prometheus), ``GET /debug/stats`` (the engine's ``stats()``
+``GET /health``, ``GET /metrics`` (Prometheus), ``GET /v1/kv_events`` and
+``GET /v1/kv_events/snapshot`` (the prefix cache's KV events for routers;
+``engine_min.serve.kv_event_routes``), ``GET /debug/stats`` (the engine's ``stats()``
 snapshot as JSON). Unknown model names get 404 (``model_not_found``); a request without
 ``model`` uses the served model. Every error, unknown routes (404) and methods (405) included,
 is an OpenAI error object (``engine_min.serve.errors``).
@@ -43,6 +45,7 @@ from engine_min.serve import responses as wire
 from engine_min.serve.engine_loop import EngineLoop
 from engine_min.serve.errors import error_response, openai_error_middleware
 from engine_min.serve.metrics import ServerMetrics
+from engine_min.serve.kv_event_routes import add_kv_event_routes
 from engine_min.serve.tokenize_routes import add_tokenize_routes
 
 logger = logging.getLogger(__name__)
@@ -334,6 +337,7 @@ def create_app(engine: Any, model_name: str | Sequence[str],
     app.router.add_get("/metrics", serving.metrics)
     app.router.add_get("/debug/stats", serving.debug_stats)
     add_tokenize_routes(app, serving)
+    add_kv_event_routes(app, engine)
 
     async def _start(_app: web.Application) -> None:
         engine_loop.start()
