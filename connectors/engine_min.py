@@ -181,10 +181,9 @@ class EngineMinConnector(KVConnectorBase):
         # daemon's tier names: shown as "remote:<tier>" (a layered store names them so itself)
         caps = store.capabilities
         self._remote = caps.remote and caps.tiers == ("remote",)
-        # an in-process store answers a lookup inline when its lock is free (no I/O); not a
-        # subclass that redefines lookup_keys (try_lookup_keys would go around it)
-        self._inline_lookup = caps.nonblocking_lookup and not caps.remote and \
-            getattr(type(store).lookup_keys, "__qualname__", "") == "ChunkStore.lookup_keys"
+        # an in-process store answers a lookup inline when its lock is free (no I/O); a
+        # store whose lookup_keys is its own says nonblocking_lookup=False
+        self._inline_lookup = caps.nonblocking_lookup and not caps.remote
         self.ns: Namespace | None = None
         self.geometry: ChunkGeometry | None = None
         self.kv_cache: torch.Tensor | None = None

@@ -139,12 +139,15 @@ class ChunkStore(AdminMethods, DirectMethods, KVStoreBase):
         """Pins, non-blocking lookups, ``get_chunks(out=)``, copying puts; direct I/O
         (``kvstore.direct``): reservations (None per chunk where the top tier is not host
         memory), and borrowed reads unless a subclass redefines ``get_chunks`` (its reads must
-        go through it); durable puts with a disk tier. Tiers as configured, top first."""
+        go through it); durable puts with a disk tier; non-blocking lookups unless a subclass
+        redefines ``lookup_keys`` (``try_lookup_keys`` would go around it). Tiers as
+        configured, top first."""
         own_reads = type(self).get_chunks is ChunkStore.get_chunks
+        own_lookup = type(self).lookup_keys is ChunkStore.lookup_keys
         remote = (REMOTE,) if self._st.remote is not None else ()
         return StoreCapabilities(
             borrowed_reads=own_reads, reservations=True, pins=True,
-            durable_puts=self.has_disk_tier, nonblocking_lookup=True, get_into_buffers=True,
+            durable_puts=self.has_disk_tier, nonblocking_lookup=own_lookup, get_into_buffers=True,
             copies_on_put=True, tiers=tuple(t.name for t in self.tiers) + remote)
 
     @property

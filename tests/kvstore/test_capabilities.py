@@ -198,3 +198,22 @@ def test_stored_keys_and_metrics_registry_come_from_the_store_not_from_probes(tm
         assert client.put_chunks(NS, KEYS, [chunk(i) for i in range(3)]) == 3
         assert client.stored_keys() == set() and client.metrics_registry() is None
         assert daemon.store.stored_keys() == set(KEYS)
+
+
+def test_a_store_that_redefines_lookup_keys_declares_no_nonblocking_lookup():
+    class CountingStore(ChunkStore):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.lookups = 0
+
+        def lookup_keys(self, ns, keys):
+            self.lookups += 1
+            return super().lookup_keys(ns, keys)
+
+    with cpu_store() as plain:
+        assert plain.capabilities.nonblocking_lookup
+    with CountingStore(StoreConfig(cpu_bytes=1 << 20)) as s:
+        # try_lookup_keys would go around the subclass's lookup_keys: not offered
+        assert s.capabilities.nonblocking_lookup is False
+        s.lookup_keys(NS, KEYS)
+        assert s.lookups == 1
