@@ -1,5 +1,5 @@
 """``GET /v1/kv_events`` and ``GET /v1/kv_events/snapshot``: the prefix cache's KV events for
-routers (``engine_min.kv_events``; wire format in docs/router.md).
+routers (``engine_min.kv_events``; wire format in docs/kv-events.md).
 
 ``/v1/kv_events?after=SEQ&timeout=SECONDS[&epoch=EPOCH]`` is a long poll: it answers at once
 with every retained batch numbered above ``SEQ``, or waits up to ``timeout`` seconds (at most
