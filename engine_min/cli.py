@@ -1,5 +1,7 @@
 """Command line: ``python -m engine_min generate --prompt TEXT [--chat] [--max-tokens N] [--model PATH]``,
-``python -m engine_min serve [flags]`` (see engine_min.serve.cli) and
+``python -m engine_min serve [flags]`` (see engine_min.serve.cli),
+``python -m engine_min route --engines URL,URL,... [flags]`` (the cache-aware router, see
+engine_min.router.cli) and
 ``python -m engine_min export-tokenizer DIR [--model PATH]`` (a Hugging Face tokenizer folder
 of the model, for clients that load a tokenizer by path)."""
 from __future__ import annotations
@@ -27,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     from engine_min.serve.cli import add_serve_args
     add_serve_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
+    from engine_min.router.cli import add_route_args
+    add_route_args(sub.add_parser("route", help="cache-aware router in front of several "
+                                  "engines (OpenAI-compatible)"))
     x = sub.add_parser("export-tokenizer", help="write the model's tokenizer as a Hugging Face "
                        "tokenizer folder (for clients that load one: vllm bench serve "
                        "--tokenizer DIR, transformers.AutoTokenizer)")
@@ -68,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from engine_min.serve.cli import serve_main
         return serve_main(args) or 0
+    if args.command == "route":
+        from engine_min.router.cli import route_main
+        return route_main(args)
     if args.command == "export-tokenizer":
         return export_tokenizer_main(args)
     from engine_min.config import EngineConfig

@@ -5,14 +5,21 @@ Each healthy engine is a ``Candidate``: the prompt tokens its prefix cache holds
 ``EngineIndex``) and its ``load`` (requests in flight: the router's own count, or the engine's
 reported running + waiting when larger, see ``engine_min.router.subscriber``).
 
-Cache-aware, for candidates ``c`` with ``min_load = min(c.load)``::
+Cache-aware, for candidates ``c`` with ``min_load = min(c.load)`` and a prompt of
+``num_prompt_tokens`` tokens::
 
     eligible = {c : c.load <= min_load + max_load_gap}
     best     = max(c.hit_tokens for c in eligible)
-    if best > min(c.hit_tokens for c in all candidates):      # someone holds more than all do
+    if best > min(c.hit_tokens for c in all candidates)        # someone holds more than all do
+            and best >= min_hit_fraction * num_prompt_tokens:  # and enough of this prompt
         pick among eligible with hit_tokens == best the least loaded    reason "hit"
     else:                                                       # nothing to gain from a cache
         pick the least loaded of all                             reason "load"
+
+``min_hit_fraction`` (SGLang's router calls it ``cache_threshold``) keeps a prefix shared by
+every conversation (a chat template's system prompt, one block of a short first message) from
+drawing all new conversations to the engine that happened to serve the first: a chat's later
+rounds, whose history is most of the prompt, pass it; a new user's first message does not.
 
 Ties left after that go round-robin (the candidate after the last one picked, in the router's
 engine order), so equal engines share the work and no session is sticky by fiat: a chat's next
@@ -73,7 +80,7 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._rotation = _Rotation()
 
-    def choose(self, candidates: list[Candidate]) -> Decision:
+    def choose(self, candidates: list[Candidate], num_prompt_tokens: int = 0) -> Decision:
         """Raises ValueError on an empty list."""
         if not candidates:
             raise ValueError("no candidate engine")
@@ -92,27 +99,33 @@ class CacheAwarePolicy:
     Args:
         max_load_gap: in-flight requests an engine may have beyond the least loaded one and
             still win on hits (>= 0).
+        min_hit_fraction: least fraction of the prompt the best engine must hold to win on
+            hits, in [0, 1].
 
     Raises:
-        ValueError: max_load_gap < 0.
+        ValueError: max_load_gap < 0, or min_hit_fraction outside [0, 1].
     """
 
     name = "cache-aware"
 
-    def __init__(self, max_load_gap: int = 8) -> None:
+    def __init__(self, max_load_gap: int = 8, min_hit_fraction: float = 0.5) -> None:
         if max_load_gap < 0:
             raise ValueError(f"max_load_gap must be >= 0, got {max_load_gap}")
-        self.max_load_gap = max_load_gap
+        if not 0.0 <= min_hit_fraction <= 1.0:
+            raise ValueError(f"min_hit_fraction must be in [0, 1], got {min_hit_fraction}")
+        self.max_load_gap, self.min_hit_fraction = max_load_gap, min_hit_fraction
         self._rotation = _Rotation()
 
-    def choose(self, candidates: list[Candidate]) -> Decision:
-        """Raises ValueError on an empty list."""
+    def choose(self, candidates: list[Candidate], num_prompt_tokens: int = 0) -> Decision:
+        """The engine for a prompt of ``num_prompt_tokens`` tokens. Raises ValueError on an
+        empty list."""
         if not candidates:
             raise ValueError("no candidate engine")
         min_load = min(c.load for c in candidates)
         eligible = [c for c in candidates if c.load <= min_load + self.max_load_gap]
         best = max(c.hit_tokens for c in eligible)
-        if best > min(c.hit_tokens for c in candidates):
+        if (best > min(c.hit_tokens for c in candidates)
+                and best >= self.min_hit_fraction * num_prompt_tokens):
             top = [c for c in eligible if c.hit_tokens == best]
             low = min(c.load for c in top)
             c = self._rotation.pick([c for c in top if c.load == low])
@@ -128,14 +141,15 @@ class CacheAwarePolicy:
         return Decision(c.position, LOAD, c.hit_tokens)
 
 
-def make_policy(name: str, max_load_gap: int = 8) -> RoundRobinPolicy | CacheAwarePolicy:
+def make_policy(name: str, max_load_gap: int = 8, min_hit_fraction: float = 0.5
+                ) -> RoundRobinPolicy | CacheAwarePolicy:
     """The policy called ``name`` (``cache-aware`` | ``round-robin``).
 
     Raises:
-        ValueError: another name, or max_load_gap < 0.
+        ValueError: another name, max_load_gap < 0 or min_hit_fraction outside [0, 1].
     """
     if name == "cache-aware":
-        return CacheAwarePolicy(max_load_gap)
+        return CacheAwarePolicy(max_load_gap, min_hit_fraction)
     if name == "round-robin":
         return RoundRobinPolicy()
     raise ValueError(f"unknown routing policy {name!r} (cache-aware | round-robin)")

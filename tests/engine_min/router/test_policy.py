@@ -28,6 +28,21 @@ def test_cache_aware_prefers_hits_within_the_load_gap():
     assert (d.position, d.reason) == (1, "hit")
 
 
+def test_cache_aware_needs_min_hit_fraction_of_the_prompt():
+    p = CacheAwarePolicy(max_load_gap=8, min_hit_fraction=0.5)
+    # a new conversation: engine 0 holds only the 16-token system prompt of a 48-token prompt
+    d = p.choose(_c((16, 0), (0, 0)), num_prompt_tokens=48)
+    assert (d.position, d.reason) == (0, "load")
+    d = p.choose(_c((16, 0), (0, 0)), num_prompt_tokens=48)
+    assert (d.position, d.reason) == (1, "load")
+    # its second round: 32 of 60 tokens held (>= 30)
+    d = p.choose(_c((32, 0), (16, 0)), num_prompt_tokens=60)
+    assert (d.position, d.reason, d.hit_tokens) == (0, "hit", 32)
+    d = p.choose(_c((32, 0), (16, 0)), num_prompt_tokens=65)
+    assert d.reason == "load"
+    assert CacheAwarePolicy(min_hit_fraction=0.0).choose(_c((0, 0), (16, 0)), 1000).reason == "hit"
+
+
 def test_cache_aware_ties_go_round_robin():
     p = CacheAwarePolicy(max_load_gap=8)
     # everyone holds the same 16 tokens (a shared system prompt): by load, in turn
@@ -51,6 +66,8 @@ def test_round_robin_ignores_hits_and_load():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="max_load_gap"):
         CacheAwarePolicy(-1)
+    with pytest.raises(ValueError, match="min_hit_fraction"):
+        CacheAwarePolicy(2, 1.5)
     with pytest.raises(ValueError, match="unknown routing policy 'random'"):
         make_policy("random")
     with pytest.raises(ValueError, match="no candidate"):

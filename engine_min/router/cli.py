@@ -1,0 +1,130 @@
+"""``python -m engine_min route --engines URL,URL,... [flags]``: the cache-aware router's command
+line (the app is ``engine_min.router.proxy``).
+
+Start-up order: the engine URLs are checked (``http://host:port``), each engine must answer
+``GET /health`` within ``--startup-timeout-s`` (an engine still loading its model is waited
+for), then the tokenizer of ``--model`` is loaded and the router listens. Any failure is one
+line on stderr and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+import urllib.error
+import urllib.request
+from urllib.parse import urlsplit
+
+logger = logging.getLogger("engine_min.router")
+
+
+def add_route_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``route`` flags to ``parser``."""
+    parser.add_argument("--engines", required=True, metavar="URL,URL,...",
+                        help="engine base URLs, comma-separated (http://host:port)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8100, help="TCP port (default 8100)")
+    parser.add_argument("--policy", default="cache-aware", choices=("cache-aware", "round-robin"),
+                        help="routing policy (default cache-aware)")
+    parser.add_argument("--model", default=None, help="GGUF file or HF folder whose tokenizer "
+                        "and chat template the engines use (default: embedded SmolLM2-135M)")
+    parser.add_argument("--max-load-gap", type=int, default=8, metavar="N",
+                        help="in-flight requests an engine may have beyond the least loaded "
+                        "and still win on cached prefix (default 8)")
+    parser.add_argument("--min-hit-fraction", type=float, default=0.5, metavar="F",
+                        help="least fraction of a prompt an engine must hold to win on cached "
+                        "prefix (default 0.5)")
+    parser.add_argument("--health-interval-s", type=float, default=1.0,
+                        help="seconds between health checks of each engine (default 1)")
+    parser.add_argument("--startup-timeout-s", type=float, default=60.0,
+                        help="seconds to wait for every engine to answer /health at start "
+                        "(default 60)")
+    parser.add_argument("--log-level", default="info", help="logging level (default info)")
+    return parser
+
+
+def parse_engine_urls(text: str) -> list[str]:
+    """``URL,URL,...`` as base URLs without a trailing slash.
+
+    Raises:
+        ValueError: an empty list, a duplicate, or a URL that is not ``http(s)://host[:port]``
+            (a path other than ``/`` included).
+    """
+    urls = [u.strip().rstrip("/") for u in text.split(",") if u.strip()]
+    if not urls:
+        raise ValueError("--engines: no engine URL given")
+    for u in urls:
+        parts = urlsplit(u)
+        try:
+            parts.port
+        except ValueError as exc:
+            raise ValueError(f"--engines: bad URL {u!r}: {exc}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path \
+                or parts.query:
+            raise ValueError(f"--engines: bad URL {u!r} (expected http://host:port)")
+    if len(set(urls)) != len(urls):
+        raise ValueError(f"--engines: an engine is listed twice in {urls}")
+    return urls
+
+
+def wait_for_engines(urls: list[str], timeout_s: float) -> None:
+    """Return once every engine answers ``GET /health`` with 200.
+
+    Raises:
+        RuntimeError: some did not within ``timeout_s``; names them and the last error.
+    """
+    deadline = time.monotonic() + timeout_s
+    pending = {u: "no answer yet" for u in urls}
+    while True:
+        for u in list(pending):
+            try:
+                with urllib.request.urlopen(u + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        del pending[u]
+            except (urllib.error.URLError, OSError, ValueError) as exc:
+                pending[u] = str(getattr(exc, "reason", exc))
+        if not pending:
+            return
+        if time.monotonic() >= deadline:
+            raise RuntimeError("engine(s) not answering /health after "
+                               f"{timeout_s:g} s: " + "; ".join(f"{u} ({why})"
+                                                               for u, why in pending.items()))
+        time.sleep(0.5)
+
+
+def route_main(args: argparse.Namespace) -> int:
+    """Check the engines, load the tokenizer, serve until interrupted. Returns 2 (reason on
+    stderr) on bad flags, engines not answering or a model that cannot be read."""
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from engine_min.router.policy import make_policy
+    try:
+        urls = parse_engine_urls(args.engines)
+        policy = make_policy(args.policy, args.max_load_gap, args.min_hit_fraction)
+        wait_for_engines(urls, args.startup_timeout_s)
+    except (ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from engine_min.tokenizer import load_tokenizer
+    from engine_min.weights import ModelLoadError
+    try:
+        tokenizer = load_tokenizer(args.model)
+    except (ModelLoadError, OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from aiohttp import web
+
+    from engine_min.router.proxy import create_router_app
+    app = create_router_app(urls, tokenizer, policy, args.health_interval_s)
+
+    def started(text: str) -> None:
+        where = text.splitlines()[0].strip("= ").removeprefix("Running on ")
+        logger.info("routing (%s) to %s on %s", args.policy, ", ".join(urls), where)
+    try:
+        web.run_app(app, host=args.host, port=args.port, handler_cancellation=True,
+                    access_log=None, print=started)
+    except OSError as exc:
+        print(f"error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 2
+    return 0

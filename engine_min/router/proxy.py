@@ -1,0 +1,305 @@
+"""The router's HTTP app: OpenAI routes proxied to the engine the policy picks.
+
+Per ``POST /v1/completions`` / ``POST /v1/chat/completions``::
+
+    read body -> worker thread: token ids + block hashes (engine_min.router.prompt)
+              -> score healthy engines (index hits x block_size, load) -> policy decision
+              -> POST to the engine (router_overhead_seconds ends here)
+              -> relay: a stream chunk by chunk as it arrives, else the whole answer;
+                 status, content type and error bodies unchanged
+
+A body the router cannot parse goes to the least-loaded engine, which answers its own error.
+An engine that fails before the client got any byte of its answer (connection refused or
+reset, the stream cut before its first chunk) is taken out and the request is sent to the next
+best engine (reason ``retry``); a stream's headers go out with its first chunk, so an engine
+dying during prefill costs no failed request. An engine failing after bytes went to the client
+ends that client's connection (``router_failed_requests_total``). No healthy engine: 503 with
+an OpenAI error object.
+
+``GET /v1/models`` is the first healthy engine's; ``GET /health`` is 200 while at least one
+engine is healthy (503 otherwise); ``GET /metrics`` is ``engine_min.router.metrics``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import aiohttp
+from aiohttp import web
+
+from engine_min.router.metrics import RouterMetrics
+from engine_min.router.policy import RETRY, Candidate, Decision
+from engine_min.router.prompt import PreparedPrompt, prepare_prompt
+from engine_min.router.subscriber import Engine, EngineSubscriber
+from engine_min.serve import protocol as proto
+from engine_min.serve.errors import error_response, openai_error_middleware
+
+logger = logging.getLogger("engine_min.router")
+
+ROUTER_KEY: web.AppKey["Router"] = web.AppKey("router")
+#: response headers not copied from the engine (hop-by-hop, or set by the router's server)
+_DROP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive",
+                           "date", "server", "content-encoding"})
+_USAGE_MARK = b'"cached_tokens"'
+
+
+class UpstreamFailed(Exception):
+    """The engine failed before the client received any byte: the request may be retried."""
+
+
+class StreamCut(Exception):
+    """The engine failed after bytes went to the client: the client's connection is ended."""
+
+
+def _headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
+    return {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_HEADERS}
+
+
+def cached_tokens(obj) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of a response or chunk object, or None."""
+    try:
+        return int(obj["usage"]["prompt_tokens_details"]["cached_tokens"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+class UsageScanner:
+    """Finds ``cached_tokens`` in an SSE stream fed chunk by chunk (after the chunk was sent
+    on): only complete ``data:`` lines that mention ``"cached_tokens"`` are decoded."""
+
+    def __init__(self) -> None:
+        self._tail = b""
+        self.cached_tokens: int | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        data = self._tail + chunk
+        lines = data.split(b"\n")
+        self._tail = lines.pop()
+        if _USAGE_MARK not in data:
+            return
+        for line in lines:
+            if line.startswith(b"data:") and _USAGE_MARK in line:
+                try:
+                    n = cached_tokens(json.loads(line[5:]))
+                except ValueError:
+                    continue
+                if n is not None:
+                    self.cached_tokens = n
+
+
+class Router:
+    """Handlers and state of one router app.
+
+    Args:
+        urls: the engines' base URLs (``http://host:port``), in round-robin order.
+        tokenizer: the served model's ``engine_min.tokenizer.Tokenizer``.
+        policy: a ``CacheAwarePolicy`` or ``RoundRobinPolicy``.
+        health_interval_s: seconds between an engine's health checks.
+        poll_timeout_s: long-poll wait on an engine's ``/v1/kv_events``.
+        max_connections: concurrent upstream connections (streams, polls) of the one session.
+    """
+
+    def __init__(self, urls: list[str], tokenizer, policy, health_interval_s: float = 1.0,
+                 poll_timeout_s: float = 10.0, max_connections: int = 4096):
+        self.metrics = RouterMetrics()
+        self.engines = [Engine(u.rstrip("/"), i, self.metrics) for i, u in enumerate(urls)]
+        self.tokenizer, self.policy = tokenizer, policy
+        self.health_interval_s, self.poll_timeout_s = health_interval_s, poll_timeout_s
+        self.max_connections = max_connections
+        self.session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def start(self, _app: web.Application | None = None) -> None:
+        """Open the session; start each engine's subscriber (a first health check runs at
+        once)."""
+        conn = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0,
+                                    keepalive_timeout=30)
+        self.session = aiohttp.ClientSession(
+            connector=conn, auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        for e in self.engines:
+            sub = EngineSubscriber(e, self.session, self.health_interval_s, self.poll_timeout_s)
+            self._tasks.append(asyncio.create_task(sub.run(), name=f"subscriber {e.url}"))
+
+    async def stop(self, _app: web.Application | None = None) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.session is not None:
+            await self.session.close()
+
+    # ---- routing -------------------------------------------------------------------------
+    def _candidates(self, prompt: PreparedPrompt, exclude: set[int]) -> list[Candidate]:
+        out = []
+        for e in self.engines:
+            if not e.healthy or e.position in exclude:
+                continue
+            key, hits = e.index.hash_key, 0
+            if key is not None and prompt.hashes.get(key):
+                hits = e.index.hit_blocks(prompt.hashes[key]) * e.index.block_size
+            out.append(Candidate(e.position, hits, e.load))
+        return out
+
+    def _decide(self, prompt: PreparedPrompt, exclude: set[int]) -> Decision | None:
+        cands = self._candidates(prompt, exclude)
+        if not cands:
+            return None
+        if prompt.token_ids is None:
+            return self.policy.least_loaded(cands)
+        return self.policy.choose(cands, len(prompt.token_ids))
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/completions`` and ``POST /v1/chat/completions``."""
+        t0 = time.perf_counter()
+        raw = await request.read()
+        kind = "chat" if request.path.endswith("/chat/completions") else "completion"
+        keys = [e.index.hash_key for e in self.engines if e.healthy and e.index.ready]
+        prompt = await asyncio.get_running_loop().run_in_executor(
+            None, prepare_prompt, self.tokenizer, raw, kind, keys)
+        tried: set[int] = set()
+        while True:
+            decision = self._decide(prompt, tried)
+            if decision is None:
+                self.metrics.failed_requests.inc()
+                return _no_engine(bool(tried))
+            e = self.engines[decision.position]
+            reason = RETRY if tried else decision.reason
+            self.metrics.requests.labels(e.url, reason).inc()
+            self.metrics.predicted_hit_tokens.labels(e.url).inc(decision.hit_tokens)
+            if not tried:
+                self.metrics.overhead.observe(time.perf_counter() - t0)
+            try:
+                return await self._forward(request, e, raw)
+            except UpstreamFailed as exc:
+                e.mark_down(f"{request.path}: {exc}")
+                tried.add(e.position)
+
+    async def _forward(self, request: web.Request, e: Engine, raw: bytes
+                       ) -> web.StreamResponse:
+        """Send ``raw`` to ``e`` and relay its answer. Raises UpstreamFailed (retry) or
+        StreamCut (after bytes went out)."""
+        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+        e.inflight += 1
+        try:
+            async with self.session.post(e.url + request.path, data=raw,
+                                         headers=headers) as up:
+                if up.headers.get("Content-Type", "").startswith("text/event-stream"):
+                    return await self._relay_stream(request, up, e)
+                try:
+                    body = await up.read()
+                except aiohttp.ClientError as exc:
+                    raise UpstreamFailed(repr(exc)) from exc
+                resp = web.Response(body=body, status=up.status, headers=_headers(up))
+                await resp.prepare(request)
+                await resp.write_eof()
+                if up.status == 200:
+                    self._count_cached(e, _json_or_none(body))
+                return resp
+        except (aiohttp.ClientConnectionError, ConnectionRefusedError) as exc:
+            raise UpstreamFailed(repr(exc)) from exc
+        finally:
+            e.inflight -= 1
+
+    async def _relay_stream(self, request: web.Request, up: aiohttp.ClientResponse,
+                            e: Engine) -> web.StreamResponse:
+        resp: web.StreamResponse | None = None
+        scanner = UsageScanner()
+        try:
+            async for chunk in up.content.iter_any():
+                if resp is None:
+                    resp = web.StreamResponse(status=up.status, headers=_headers(up))
+                    await resp.prepare(request)
+                await resp.write(chunk)
+                scanner.feed(chunk)
+        except aiohttp.ClientError as exc:
+            if resp is None:
+                raise UpstreamFailed(repr(exc)) from exc
+            self.metrics.failed_requests.inc()
+            e.mark_down(f"stream cut: {exc!r}")
+            raise StreamCut(f"{e.url} failed mid-stream: {exc!r}") from exc
+        if resp is None:
+            resp = web.StreamResponse(status=up.status, headers=_headers(up))
+            await resp.prepare(request)
+        await resp.write_eof()
+        if scanner.cached_tokens is not None:
+            self.metrics.reported_cached_tokens.labels(e.url).inc(scanner.cached_tokens)
+        return resp
+
+    def _count_cached(self, e: Engine, obj) -> None:
+        n = cached_tokens(obj)
+        if n is not None:
+            self.metrics.reported_cached_tokens.labels(e.url).inc(n)
+
+    # ---- the other routes ----------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        """``GET /v1/models`` of the first healthy engine."""
+        for e in self.engines:
+            if not e.healthy:
+                continue
+            try:
+                async with self.session.get(e.url + "/v1/models") as up:
+                    body = await up.read()
+                    return web.Response(body=body, status=up.status, headers=_headers(up))
+            except aiohttp.ClientError as exc:
+                e.mark_down(f"/v1/models: {exc!r}")
+        return _no_engine(False)
+
+    async def health(self, request: web.Request) -> web.Response:
+        up = [e.url for e in self.engines if e.healthy]
+        if not up:
+            return _no_engine(False)
+        return web.json_response({"status": "ok", "healthy_engines": up})
+
+    async def metrics_route(self, request: web.Request) -> web.Response:
+        body, content_type = self.metrics.render()
+        resp = web.Response(body=body)
+        resp.headers["Content-Type"] = content_type
+        return resp
+
+
+def _json_or_none(body: bytes):
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
+
+
+def _no_engine(after_failures: bool) -> web.Response:
+    msg = ("Every engine failed this request." if after_failures
+           else "No healthy engine is available.")
+    return error_response(proto.ApiError(msg, code="no_healthy_engine", status=503,
+                                         type="server_error"))
+
+
+def create_router_app(urls: list[str], tokenizer, policy, health_interval_s: float = 1.0,
+                      poll_timeout_s: float = 10.0) -> web.Application:
+    """The router's aiohttp app (its ``Router`` is ``app[ROUTER_KEY]``); subscribers start and
+    stop with the app.
+
+    Args:
+        urls: engine base URLs (``http://host:port``); at least one.
+        tokenizer: the served model's tokenizer (``engine_min.tokenizer.load_tokenizer``).
+        policy: ``engine_min.router.policy.make_policy(...)``.
+        health_interval_s: seconds between health checks of each engine.
+        poll_timeout_s: long-poll wait on each engine's events.
+
+    Raises:
+        ValueError: no URL.
+    """
+    if not urls:
+        raise ValueError("at least one engine URL is needed")
+    router = Router(urls, tokenizer, policy, health_interval_s, poll_timeout_s)
+    app = web.Application(client_max_size=64 * 1024 * 1024,
+                          middlewares=[openai_error_middleware])
+    app[ROUTER_KEY] = router
+    app.router.add_post("/v1/completions", router.generate)
+    app.router.add_post("/v1/chat/completions", router.generate)
+    app.router.add_get("/v1/models", router.models)
+    app.router.add_get("/health", router.health)
+    app.router.add_get("/metrics", router.metrics_route)
+    app.on_startup.append(router.start)
+    app.on_cleanup.append(router.stop)
+    return app
