@@ -9,6 +9,13 @@ Configurations (all engines get the same small KV pool, so only the reuse path d
     kvstore-remote  daemon + engine --kvstore-url               (daemon started here)
     shared          daemon + 2 engines --kvstore-url            (requests spread round-robin)
 
+``ServerGroup(..., num_engines=N)`` starts N engines of any configuration (the ``kvstore-*``
+ones all connect to the same store: one daemon for ``kvstore-remote``), and
+``router_policy="cache-aware"`` (or ``"round-robin"``) puts one router in front of them
+(``python -m engine_min route --engines URL,... --policy P``), started together with the
+engines (it waits for their ``/health`` itself); ``g.router_url`` is then the single URL to send
+requests to.
+
 The daemon also listens on a Unix socket (``--unix-socket``, unless ``daemon_unix_socket`` is
 off), so its engines, on the same host, find it through ``/v1/stats`` and load through shared
 memory, as a same-host deployment does; off, they use HTTP.
@@ -94,6 +101,13 @@ def _daemon_cmd(port: int, opts: ServerOptions, unix_socket: str | None = None) 
             *(["--unix-socket", unix_socket] if unix_socket else []), *opts.daemon_args]
 
 
+def _router_cmd(port: int, engine_urls: list[str], policy: str, startup_timeout_s: float,
+                extra: tuple[str, ...] = ()) -> list[str]:
+    return [sys.executable, "-m", "engine_min", "route", "--engines", ",".join(engine_urls),
+            "--policy", policy, "--host", "127.0.0.1", "--port", str(port),
+            "--startup-timeout-s", f"{startup_timeout_s:g}", *extra]
+
+
 def engine_help() -> str:
     """``python -m engine_min.serve.server --help`` output ("" if the module cannot run)."""
     try:
@@ -118,10 +132,19 @@ class Proc:
 @dataclass
 class ServerGroup:
     """The processes of one configuration. Use as ``with ServerGroup(name, opts) as g:``; then
-    ``g.engine_urls`` are the engines' base URLs (one, or two for ``shared``).
+    ``g.engine_urls`` are the engines' base URLs (one, or two for ``shared``; ``num_engines``
+    when given) and ``g.router_url`` the router's (``None`` without ``router_policy``).
+
+    Attributes:
+        num_engines: engines to start (``None``: 2 for ``shared``, else 1). Every engine of a
+            ``kvstore-remote`` group connects to the group's one daemon.
+        router_policy: start ``python -m engine_min route`` in front of the engines with this
+            ``--policy`` (``None``: no router).
+        router_args: extra router flags appended verbatim.
+        tag: names the log files (``TAG-ROLE.log``; default: the configuration name).
 
     Raises (on enter):
-        ValueError: unknown configuration name.
+        ValueError: unknown configuration name, ``num_engines`` < 1.
         RuntimeError: a process exited or did not become healthy in time (message has the
             tail of its log); everything already started is stopped first.
     """
@@ -129,6 +152,10 @@ class ServerGroup:
     name: str
     opts: ServerOptions = field(default_factory=ServerOptions)
     no_prefix_caching_flag: bool = True
+    num_engines: int | None = None
+    router_policy: str | None = None
+    router_args: tuple[str, ...] = ()
+    tag: str | None = None
     procs: list[Proc] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     _tmp: list[str] = field(default_factory=list)
@@ -138,6 +165,11 @@ class ServerGroup:
         return [p.url for p in self.procs if p.role.startswith("engine")]
 
     @property
+    def router_url(self) -> str | None:
+        """The router's base URL, ``None`` when the group has no router."""
+        return next((p.url for p in self.procs if p.role == "router"), None)
+
+    @property
     def metric_urls(self) -> dict[str, str]:
         """Role -> base URL of every started process (each serves ``/metrics``)."""
         return {p.role: p.url for p in self.procs}
@@ -145,6 +177,8 @@ class ServerGroup:
     def __enter__(self) -> "ServerGroup":
         if self.name not in CONFIG_NAMES:
             raise ValueError(f"unknown configuration {self.name!r}; known: {CONFIG_NAMES}")
+        if self.num_engines is not None and self.num_engines < 1:
+            raise ValueError(f"num_engines must be >= 1, got {self.num_engines}")
         try:
             self._start()
         except BaseException:
@@ -156,7 +190,7 @@ class ServerGroup:
         self.stop()
 
     def _start(self) -> None:
-        n_engines = 2 if self.name == "shared" else 1
+        n_engines = self.num_engines or (2 if self.name == "shared" else 1)
         threads = self.opts.threads or max(1, (os.cpu_count() or 1) // n_engines)
         extra: list[str] = []
         if self.name == "recompute":
@@ -186,6 +220,11 @@ class ServerGroup:
             port = free_port()
             self._spawn(f"engine{i}", _engine_cmd(port, self.opts, extra), port, "/health",
                         threads)
+        if self.router_policy:  # it waits for the engines' /health itself, meanwhile it loads
+            port = free_port()  # its tokenizer
+            self._spawn("router", _router_cmd(port, self.engine_urls, self.router_policy,
+                                              self.opts.startup_timeout_s, self.router_args),
+                        port, "/health", 1)
         for p in self.procs:
             self._wait_healthy(p)
 
@@ -201,7 +240,7 @@ class ServerGroup:
     def _spawn(self, role: str, cmd: list[str], port: int, health: str, threads: int) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads),
                    MKL_NUM_THREADS=str(threads))
-        log_path = self._log_dir() / f"{self.name}-{role}.log"
+        log_path = self._log_dir() / f"{self.tag or self.name}-{role}.log"
         with open(log_path, "wb") as log:
             log.write((" ".join(cmd) + "\n").encode())
             log.flush()
@@ -228,10 +267,14 @@ class ServerGroup:
                            f"{self.opts.startup_timeout_s:.0f}s:\n{_tail(p.log_path)}")
 
     def stop(self) -> None:
-        """Terminate every process (engines first, then the daemon) and remove temp dirs.
-        Idempotent."""
-        for p in sorted(self.procs, key=lambda p: p.role == "daemon"):
-            kill_process(p.popen)
+        """Terminate every process and remove temp dirs: the router first (it holds long
+        polls open on the engines, which would hold up their exit), then the engines together,
+        then the daemon. Idempotent."""
+        stages = [[p for p in self.procs if p.role == "router"],
+                  [p for p in self.procs if p.role not in ("router", "daemon")],
+                  [p for p in self.procs if p.role == "daemon"]]
+        for stage in stages:
+            kill_processes([p.popen for p in stage])
         self.procs.clear()
         for d in self._tmp:
             shutil.rmtree(d, ignore_errors=True)
@@ -269,6 +312,28 @@ def kill_process(popen: subprocess.Popen, grace_s: float = 10.0) -> None:
                 pass
             popen.wait(timeout=grace_s)
     _LIVE.discard(popen)
+
+
+def kill_processes(popens: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """``kill_process`` on several processes at once: SIGTERM to every process group first,
+    then wait for each (at most ``grace_s`` in all before SIGKILL). Safe to repeat."""
+    for popen in popens:
+        if popen.poll() is None:
+            try:
+                os.killpg(popen.pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+    deadline = time.monotonic() + grace_s
+    for popen in popens:
+        try:
+            popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(popen.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            popen.wait(timeout=grace_s)
+        _LIVE.discard(popen)
 
 
 def _kill_all() -> None:

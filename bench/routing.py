@@ -1,0 +1,368 @@
+"""Routing comparison: the multi-round workload through one router in front of N engines.
+
+``python -m bench.multi_round_qa --engines 2 --router round-robin,cache-aware --json PATH``
+runs, for each router policy and each store setting, a fresh group of processes
+(``bench.servers.ServerGroup``): N engines (``engine-cache``; or ``kvstore-remote``, every
+engine connected to one shared ``kvstore serve`` daemon: the ``+store`` setting), one router
+(``python -m engine_min route --policy P``) in front of them, and replays the same requests
+through the router's URL. Per run it reports (seconds, tokens):
+
+    ttft_p50_s, ttft_p95_s   client-side TTFT percentiles over the completed requests
+    engine_hit_rate          sum over engines of engine_prefix_cache_hits_total /
+                             engine_prefix_cache_queries_total (increases over the replay):
+                             the engines' own caches only, store hits not counted
+    requests_per_engine      requests each engine served (engine_request_success_total
+                             increase, in --engines order; the router's
+                             router_requests_total{engine} where an engine lacks it)
+    router_overhead_ms       router_overhead_seconds sum / count over the replay, in ms
+
+and, beyond the four the report is keyed on: ``store`` (bool), ``store_hit_rate`` (store hit
+tokens / engine queries), ``router_overhead_p50_ms`` (linear interpolation in the histogram's
+buckets), ``routed_by_reason`` (router_requests_total summed per ``reason``),
+``predicted_hit_tokens`` / ``reported_cached_tokens`` (the router's index vs what engines
+reported), ``num_requests``, ``num_failed``, ``errors``, ``wall_s``, ``preemptions``,
+``commands``.
+
+Workload timing (``session_requests``): users run their rounds back to back (round r+1 is sent
+when round r has finished) and at most ``active_users`` users are in a chat at once: user u
+starts when user u - active_users has finished its last round. The number of requests in
+flight is then ``active_users`` whatever the host's speed, so the comparison does not depend
+on how fast the engines happen to be. With an odd ``active_users`` a router that alternates
+engines per request sends each user's consecutive rounds to different engines; each engine
+then cycles through every active user's history, which a pool holding fewer users than that
+loses between visits, while a router that keeps a user on the engine holding its history
+needs only about ``active_users / N`` histories per engine.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+import urllib.request
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+import aiohttp
+import numpy as np
+from tqdm import tqdm
+
+from bench import metrics_scrape
+from bench.client import RequestResult
+from bench.replay import drive, server_options, warmup_requests
+from bench.servers import ServerGroup
+from bench.workloads import Request, random_tokens
+
+POLICIES = ("round-robin", "cache-aware")
+
+
+def session_requests(requests: Sequence[Request], active_users: int) -> list[Request]:
+    """``requests`` of a multi-round workload (``MultiRoundQA.requests()``) re-timed so that at
+    most ``active_users`` sessions are active at once (see the module docstring).
+
+    Returns the requests in session-major order (every round of the first session, then the
+    next...), each round r > 0 ``after`` round r - 1 of its session (as given), and round 0 of
+    the k-th session (k >= active_users) ``after`` the last round of session k - active_users.
+    Arrival times are kept as given for round 0 and set to round 0's for later rounds (those
+    wait for their ``after``).
+
+    Raises:
+        ValueError: ``active_users`` < 1.
+    """
+    if active_users < 1:
+        raise ValueError(f"active_users must be >= 1, got {active_users}")
+    sessions: dict[str, list[Request]] = {}
+    for r in requests:
+        sessions.setdefault(r.session, []).append(r)
+    ordered = [sorted(rounds, key=lambda r: r.index) for rounds in sessions.values()]
+    out: list[Request] = []
+    for k, rounds in enumerate(ordered):
+        start = rounds[0].arrival_s
+        first_after = ordered[k - active_users][-1].request_id if k >= active_users else None
+        for i, r in enumerate(rounds):
+            out.append(replace(r, arrival_s=start,
+                               after=first_after if i == 0 else rounds[i - 1].request_id))
+    return out
+
+
+def histogram_quantile(samples: dict[str, float], name: str, q: float) -> float | None:
+    """Quantile ``q`` (0..1) of a Prometheus histogram ``name`` from its ``name_bucket``
+    samples (cumulative counts keyed by ``sample_key``, e.g. the increases over a run), with
+    linear interpolation inside the bucket (as PromQL's ``histogram_quantile``; the first
+    bucket starts at 0). ``None`` when the histogram counted nothing; the highest finite
+    bound when the quantile falls in the ``+Inf`` bucket.
+
+    Raises:
+        ValueError: ``q`` outside [0, 1].
+    """
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"quantile must be in [0, 1], got {q}")
+    buckets = []
+    for k, v in samples.items():
+        if _name(k) == f"{name}_bucket":
+            le = _label(k, "le")
+            if le is not None:
+                buckets.append((float(le), v))
+    buckets.sort()
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    prev_bound, prev_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank and count > prev_count:
+            if bound == float("inf"):
+                return prev_bound
+            return prev_bound + (bound - prev_bound) * (rank - prev_count) / (count - prev_count)
+        if bound != float("inf"):
+            prev_bound = bound
+        prev_count = count
+    return prev_bound
+
+
+def _name(key: str) -> str:
+    return key.split("{", 1)[0]
+
+
+def _label(key: str, label: str) -> str | None:
+    marker = f'{label}="'
+    if marker not in key:
+        return None
+    return key.split(marker, 1)[1].split('"', 1)[0]
+
+
+def _sum(samples: dict[str, float], name: str) -> float:
+    return sum(v for k, v in samples.items() if _name(k) == name)
+
+
+def _labelled(samples: dict[str, float], name: str, label: str) -> dict[str, float]:
+    """``name``'s samples summed per value of ``label`` (``""`` where a sample lacks it)."""
+    out: dict[str, float] = {}
+    for k, v in samples.items():
+        if _name(k) == name:
+            key = _label(k, label) or ""
+            out[key] = out.get(key, 0.0) + v
+    return out
+
+
+def _same_url(a: str, b: str) -> bool:
+    return a.rstrip("/") == b.rstrip("/")
+
+
+def routed_figures(results: Sequence[RequestResult], deltas: dict[str, dict[str, float]],
+                   engine_urls: Sequence[str], store: bool, wall_s: float) -> dict:
+    """The figures of one routed run (see the module docstring).
+
+    Args:
+        results: the client's results, one per request.
+        deltas: counter increases over the replay per role: ``engine0``..``engineN-1`` (in
+            ``engine_urls`` order), ``router``, and ``daemon`` with a store.
+        engine_urls: the engines' base URLs, as given to the router.
+        store: whether the engines had the shared store behind them.
+        wall_s: first send to last completion, seconds.
+    """
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft_s for r in ok]
+    engines = [deltas.get(f"engine{i}", {}) for i in range(len(engine_urls))]
+    router = deltas.get("router", {})
+    q = sum(_sum(d, "engine_prefix_cache_queries_total") for d in engines)
+    h = sum(_sum(d, "engine_prefix_cache_hits_total") for d in engines)
+    sh = sum(_sum(d, "engine_external_prefix_cache_hits_total") for d in engines)
+    by_router = _labelled(router, "router_requests_total", "engine")
+    per_engine = []
+    for url, d in zip(engine_urls, engines):
+        served = _sum(d, "engine_request_success_total")
+        if not served and not any(_name(k) == "engine_request_success_total"
+                                  for k in d):
+            served = sum(v for lab, v in by_router.items() if _same_url(lab, url))
+        per_engine.append(int(round(served)))
+    count = router.get("router_overhead_seconds_count", 0.0)
+    total = router.get("router_overhead_seconds_sum", 0.0)
+    p50 = histogram_quantile(router, "router_overhead_seconds", 0.5)
+    summary = metrics_scrape.summarize({**{f"engine{i}": d for i, d in enumerate(engines)},
+                                        **({"daemon": deltas["daemon"]}
+                                           if "daemon" in deltas else {})})
+    return {
+        "store": store,
+        "ttft_p50_s": float(np.percentile(ttft, 50)) if ttft else None,
+        "ttft_p95_s": float(np.percentile(ttft, 95)) if ttft else None,
+        "engine_hit_rate": h / q if q else None,
+        "requests_per_engine": per_engine,
+        "store_hit_rate": sh / q if q else None,
+        "router_overhead_ms": 1000.0 * total / count if count else None,
+        "router_overhead_p50_ms": 1000.0 * p50 if p50 is not None else None,
+        "router_overhead_sum_s": total, "router_overhead_count": int(count),
+        "routed_by_reason": {k: int(v) for k, v in sorted(
+            _labelled(router, "router_requests_total", "reason").items())},
+        "predicted_hit_tokens": int(_sum(
+            router, "router_predicted_hit_tokens_total")),
+        "reported_cached_tokens": int(_sum(
+            router, "router_reported_cached_tokens_total")),
+        "engine_query_tokens": int(q), "engine_hit_tokens": int(h), "store_hit_tokens": int(sh),
+        "preemptions": summary.get("preemptions"),
+        "num_requests": len(results), "num_failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "wall_s": wall_s,
+    }
+
+
+def wait_router_ready(router_url: str, engine_urls: Sequence[str], timeout_s: float = 60.0
+                      ) -> bool:
+    """Wait until the router's ``router_engine_healthy`` gauge is 1 for every engine (its
+    subscriptions are up). Returns False at the timeout or when the router does not export
+    that gauge (its ``/health`` already passed)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        samples = metrics_scrape.scrape(router_url)
+        healthy = _labelled(samples, "router_engine_healthy", "engine")
+        if not healthy:
+            return False
+        if len(healthy) >= len(engine_urls) and all(v >= 1 for v in healthy.values()):
+            return True
+        time.sleep(0.25)
+    return False
+
+
+@dataclass
+class RoutedRun:
+    """One routed configuration's raw outcome."""
+
+    key: str
+    figures: dict
+    results: list[RequestResult] = field(default_factory=list)
+    raw_metrics: dict = field(default_factory=dict)
+
+
+def run_routed(key: str, policy: str, store: bool, requests: Sequence[Request],
+               args: argparse.Namespace) -> RoutedRun:
+    """Start engines + router (+ daemon with ``store``), warm up, replay, collect figures.
+
+    The warm-up sends one short distinct request straight to each engine and one through the
+    router before the counters are read, so model loading and first calls are not measured.
+
+    Raises:
+        RuntimeError: a process failed to start (message with its log's tail).
+    """
+    opts = server_options(args)
+    config = "kvstore-remote" if store else "engine-cache"
+    with ServerGroup(config, opts, num_engines=args.engines, router_policy=policy,
+                     router_args=tuple(args.router_arg), tag=key) as group:
+        engine_urls, router_url = group.engine_urls, group.router_url
+        asyncio.run(drive(warmup_requests(len(engine_urls)), engine_urls, model=args.model,
+                          timeout_s=args.timeout_s))
+        ready = wait_router_ready(router_url, engine_urls)
+        warm = [Request("router-warmup", 0.0, random_tokens(np.random.default_rng([7778]), 32),
+                        2, "router-warmup", 0)]
+        asyncio.run(drive(warm, [router_url], model=args.model, timeout_s=args.timeout_s))
+        roles = group.metric_urls
+        before = {role: metrics_scrape.scrape(u) for role, u in roles.items()}
+        with tqdm(total=len(requests), desc=key, unit="req", disable=args.no_progress) as bar:
+            results = asyncio.run(drive(requests, [router_url], model=args.model,
+                                        endpoint=args.endpoint, timeout_s=args.timeout_s,
+                                        progress=bar))
+        after = {role: metrics_scrape.scrape(u) for role, u in roles.items()}
+        deltas = {role: metrics_scrape.delta(before[role], after[role]) for role in after}
+        ends = [r.send_s + r.e2e_s for r in results if r.e2e_s is not None]
+        wall = (max(ends) - min(r.send_s for r in results)) if ends else 0.0
+        fig = routed_figures(results, deltas, engine_urls, store, wall)
+        fig["router_ready"] = ready
+        fig["commands"] = group.commands()
+    return RoutedRun(key, fig, results, deltas)
+
+
+def parse_policies(text: str) -> list[str]:
+    """``"round-robin,cache-aware"`` -> the list.
+
+    Raises:
+        ValueError: an unknown or repeated policy, or none (the message lists the known ones).
+    """
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in POLICIES]
+    if bad or not names or len(set(names)) != len(names):
+        raise ValueError(f"--router takes a comma list of distinct policies of "
+                         f"{', '.join(POLICIES)}; got {text!r}")
+    return names
+
+
+def run_routing(requests: Sequence[Request], args: argparse.Namespace, params: dict) -> dict:
+    """Every policy of ``args.router`` without and with the store (keys ``NAME`` and
+    ``NAME+store``), one after the other on the same requests; returns the report
+    ``{"routers": {key: figures}, "router_overhead_ms": float | None, **params}`` and writes
+    it to ``args.json``. A configuration whose processes fail to start is recorded with
+    ``"error"`` and the others still run."""
+    t0 = time.perf_counter()
+    routers: dict[str, dict] = {}
+    settings = [(p, s) for p in parse_policies(args.router) for s in (False, True)]
+    total_s, total_n = 0.0, 0
+    for policy, store in settings:
+        key = policy + ("+store" if store else "")
+        try:
+            run = run_routed(key, policy, store, requests, args)
+            routers[key] = run.figures
+            total_s += run.figures["router_overhead_sum_s"]
+            total_n += run.figures["router_overhead_count"]
+        except RuntimeError as e:
+            print(f"[{key}] failed: {e}")
+            routers[key] = {"store": store, "error": str(e)[:2000]}
+    rep = {"routers": routers,
+           "router_overhead_ms": 1000.0 * total_s / total_n if total_n else None,
+           **params, "targets": targets(routers, 1000.0 * total_s / total_n if total_n else None),
+           "bench_wall_s": time.perf_counter() - t0}
+    print(format_table(rep))
+    path = args.json
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(rep, f, indent=2, default=str)
+    print(f"json: {path}")
+    return rep
+
+
+def targets(routers: dict[str, dict], overhead_ms: float | None) -> dict:
+    """The issue's speed targets checked on one report's entries; a figure whose entries are
+    missing (not run, failed) is ``None`` with ``met`` ``None``:
+
+        ttft_p50_speedup           round-robin / cache-aware TTFT p50, target >= 2
+        ttft_p50_speedup_store     round-robin+store / cache-aware+store, target > 1
+        max_engine_imbalance       largest max/min of requests_per_engine over the entries,
+                                   target <= 1.5 (an engine with 0 requests: inf)
+        router_overhead_ms         mean over every run, target < 2
+    """
+    def ratio(a: str, b: str) -> float | None:
+        x, y = (routers.get(a) or {}).get("ttft_p50_s"), (routers.get(b) or {}).get("ttft_p50_s")
+        return x / y if x and y else None
+
+    imbalance = [max(c) / min(c) if min(c) > 0 else float("inf")
+                 for f in routers.values() if (c := f.get("requests_per_engine"))]
+    figures = {
+        "ttft_p50_speedup": (ratio("round-robin", "cache-aware"), lambda v: v >= 2.0),
+        "ttft_p50_speedup_store": (ratio("round-robin+store", "cache-aware+store"),
+                                   lambda v: v > 1.0),
+        "max_engine_imbalance": (max(imbalance) if imbalance else None, lambda v: v <= 1.5),
+        "router_overhead_ms": (overhead_ms, lambda v: v < 2.0),
+    }
+    return {k: {"value": v, "met": None if v is None else bool(ok(v))}
+            for k, (v, ok) in figures.items()}
+
+
+def _fmt(v, scale: float = 1.0, digits: int = 3) -> str:
+    return "-" if v is None else f"{v * scale:.{digits}f}"
+
+
+def format_table(rep: dict) -> str:
+    """One line per routed configuration: TTFT p50/p95 (s), engine and store hit rates,
+    requests per engine, router overhead (ms), failures."""
+    lines = [f"{'router':<20} {'ttft_p50':>9} {'ttft_p95':>9} {'eng_hit':>8} {'store_hit':>9} "
+             f"{'per_engine':>12} {'ovh_ms':>7} {'failed':>6}"]
+    for key, f in rep["routers"].items():
+        if "error" in f:
+            lines.append(f"{key:<20} failed: {f['error'][:60]}")
+            continue
+        lines.append(f"{key:<20} {_fmt(f['ttft_p50_s']):>9} {_fmt(f['ttft_p95_s']):>9} "
+                     f"{_fmt(f['engine_hit_rate']):>8} {_fmt(f['store_hit_rate']):>9} "
+                     f"{str(f['requests_per_engine']):>12} "
+                     f"{_fmt(f['router_overhead_ms'], digits=2):>7} {f['num_failed']:>6}")
+    lines.append(f"router overhead (all runs): {_fmt(rep['router_overhead_ms'], digits=3)} ms"
+                 f"/request")
+    for k, t in rep.get("targets", {}).items():
+        lines.append(f"target {k}: {_fmt(t['value'], digits=2)} (met: {t['met']})")
+    return "\n".join(lines)

@@ -1,0 +1,186 @@
+"""bench.routing and ``bench.multi_round_qa --engines``: the session schedule, the figures from
+hand-made counter increases (exact), the flags, and the quick run whole (two real engines behind
+``python -m engine_min route``, each policy without and with a shared ``kvstore serve``)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.client import RequestResult
+from bench.multi_round_qa import build_parser, resolve_defaults, workload_from_args
+from bench.routing import (histogram_quantile, parse_policies, routed_figures,
+                           session_requests, targets)
+from bench.servers import ServerGroup
+from bench.workloads import MultiRoundQA
+
+ROOT = Path(__file__).resolve().parents[2]
+E0, E1 = "http://127.0.0.1:9001", "http://127.0.0.1:9002"
+
+
+def test_sessions_run_back_to_back_with_a_bounded_number_active():
+    reqs = MultiRoundQA(num_users=4, num_rounds=3, system_tokens=8, context_tokens=16,
+                        question_tokens=4, answer_tokens=2, qps=2.0).requests()
+    out = session_requests(reqs, active_users=2)
+    assert [r.request_id for r in out] == [f"u{u}-r{r}" for u in range(4) for r in range(3)]
+    assert [r.after for r in out] == [None, "u0-r0", "u0-r1", None, "u1-r0", "u1-r1",
+                                      "u0-r2", "u2-r0", "u2-r1", "u1-r2", "u3-r0", "u3-r1"]
+    # round 0 of user u arrived at u / qps in the round-major order; later rounds keep it
+    assert [r.arrival_s for r in out] == [0.0] * 3 + [0.5] * 3 + [1.0] * 3 + [1.5] * 3
+    by_id = {r.request_id: r for r in reqs}
+    assert all(r.prompt == by_id[r.request_id].prompt for r in out)
+    with pytest.raises(ValueError, match="active_users"):
+        session_requests(reqs, 0)
+
+
+def test_histogram_quantile_interpolates_in_the_bucket():
+    h = {'lat_bucket{le="0.001"}': 2.0, 'lat_bucket{le="0.002"}': 6.0,
+         'lat_bucket{le="0.005"}': 8.0, 'lat_bucket{le="+Inf"}': 8.0, "lat_count": 8.0}
+    assert histogram_quantile(h, "lat", 0.5) == pytest.approx(0.0015)   # rank 4 of (2, 6]
+    assert histogram_quantile(h, "lat", 0.95) == pytest.approx(0.0044)  # rank 7.6 of (6, 8]
+    assert histogram_quantile(h, "lat", 0.1) == pytest.approx(0.0004)   # rank 0.8 of (0, 2]
+    inf = {'lat_bucket{le="0.001"}': 1.0, 'lat_bucket{le="+Inf"}': 4.0}
+    assert histogram_quantile(inf, "lat", 0.5) == 0.001
+    assert histogram_quantile({'lat_bucket{le="+Inf"}': 0.0}, "lat", 0.5) is None
+    assert histogram_quantile({}, "lat", 0.5) is None
+    with pytest.raises(ValueError):
+        histogram_quantile(h, "lat", 1.5)
+
+
+def _result(i: int, ttft: float | None) -> RequestResult:
+    return RequestResult(f"r{i}", "u", 0, "router", ok=ttft is not None, ttft_s=ttft,
+                         e2e_s=None if ttft is None else ttft + 1.0,
+                         error=None if ttft is not None else "HTTP 503: no engine")
+
+
+def test_figures_from_counter_increases():
+    results = [_result(i, t) for i, t in enumerate([0.1, 0.2, 0.3, 0.4, None])]
+    deltas = {
+        "engine0": {"engine_prefix_cache_queries_total": 1000.0,
+                    "engine_prefix_cache_hits_total": 600.0,
+                    "engine_external_prefix_cache_hits_total": 100.0,
+                    'engine_request_success_total{finished_reason="length"}': 3.0},
+        "engine1": {"engine_prefix_cache_queries_total": 500.0,
+                    "engine_prefix_cache_hits_total": 150.0},
+        "router": {f'router_requests_total{{engine="{E0}",reason="hit"}}': 2.0,
+                   f'router_requests_total{{engine="{E0}",reason="load"}}': 1.0,
+                   f'router_requests_total{{engine="{E1}",reason="load"}}': 1.0,
+                   f'router_predicted_hit_tokens_total{{engine="{E0}"}}': 580.0,
+                   f'router_reported_cached_tokens_total{{engine="{E0}"}}': 600.0,
+                   "router_overhead_seconds_sum": 0.006, "router_overhead_seconds_count": 4.0,
+                   'router_overhead_seconds_bucket{le="0.001"}': 1.0,
+                   'router_overhead_seconds_bucket{le="0.002"}': 3.0,
+                   'router_overhead_seconds_bucket{le="+Inf"}': 4.0},
+        "daemon": {"kvstore_server_sent_bytes_total": 10.0},
+    }
+    f = routed_figures(results, deltas, [E0, E1], store=True, wall_s=12.5)
+    assert f["store"] is True
+    assert f["ttft_p50_s"] == pytest.approx(0.25) and f["ttft_p95_s"] == pytest.approx(0.385)
+    assert f["engine_hit_rate"] == pytest.approx(750 / 1500)
+    assert f["store_hit_rate"] == pytest.approx(100 / 1500)
+    # engine0 counts its own successes; engine1 has no such counter: the router's count
+    assert f["requests_per_engine"] == [3, 1]
+    assert f["router_overhead_ms"] == pytest.approx(1.5)
+    assert f["router_overhead_p50_ms"] == pytest.approx(1.5)   # rank 2 of (1, 3] in (1, 2] ms
+    assert f["routed_by_reason"] == {"hit": 2, "load": 2}
+    assert (f["predicted_hit_tokens"], f["reported_cached_tokens"]) == (580, 600)
+    assert (f["num_requests"], f["num_failed"], f["errors"]) == (5, 1, ["HTTP 503: no engine"])
+    assert f["wall_s"] == 12.5
+    empty = routed_figures([], {}, [E0, E1], store=False, wall_s=0.0)
+    assert empty["ttft_p50_s"] is None and empty["engine_hit_rate"] is None
+    assert empty["requests_per_engine"] == [0, 0] and empty["router_overhead_ms"] is None
+
+
+def test_flags_and_mode_defaults():
+    args = resolve_defaults(build_parser().parse_args(["--engines", "2"]))
+    assert (args.num_users, args.num_rounds, args.active_users, args.kv_cache_bytes) == (
+        10, 4, 3, "64MiB")
+    assert args.json == "results/multi_round_qa_routing.json"
+    wl = workload_from_args(args)
+    assert max(len(r.prompt) for r in wl.requests()) == 64 + 448 + 3 * (32 + 8) + 32
+    quick = resolve_defaults(build_parser().parse_args(["--engines", "2", "--quick",
+                                                        "--num-users", "5"]))
+    assert (quick.num_users, quick.context_tokens, quick.kv_cache_bytes) == (5, 128, "20MiB")
+    classic = resolve_defaults(build_parser().parse_args([]))
+    assert (classic.num_users, classic.context_tokens, classic.kv_cache_bytes,
+            classic.json) == (5, 1024, "64MiB", "results/multi_round_qa.json")
+    assert parse_policies("cache-aware, round-robin") == ["cache-aware", "round-robin"]
+    for bad in ("", "random", "cache-aware,cache-aware"):
+        with pytest.raises(ValueError, match="round-robin, cache-aware"):
+            parse_policies(bad)
+    with pytest.raises(ValueError, match="--engines"):
+        resolve_defaults(build_parser().parse_args(["--engines", "0"]))
+    with pytest.raises(ValueError, match="--base-url"):
+        resolve_defaults(build_parser().parse_args(["--engines", "2", "--base-url", E0]))
+    with pytest.raises(ValueError, match="num_engines"):
+        ServerGroup("engine-cache", num_engines=0).__enter__()
+
+
+def test_unknown_router_policy_is_a_usage_error():
+    proc = subprocess.run([sys.executable, "-m", "bench.multi_round_qa", "--engines", "2",
+                           "--router", "fastest"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "fastest" in proc.stderr
+
+
+def test_quick_run_compares_the_routers(tmp_path):
+    out = tmp_path / "routing.json"
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "bench.multi_round_qa", "--engines", "2",
+                           "--router", "round-robin,cache-aware", "--quick", "--no-progress",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=420)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    routers = rep["routers"]
+    assert list(routers) == ["round-robin", "round-robin+store", "cache-aware",
+                             "cache-aware+store"]
+    n = rep["num_requests"]
+    assert n == 4 * 3
+    for key, f in routers.items():
+        assert "error" not in f, (key, f.get("error"))
+        assert f["store"] is key.endswith("+store")
+        assert f["num_failed"] == 0, (key, f["errors"])
+        assert sum(f["requests_per_engine"]) == n, key
+        assert 0 < f["ttft_p50_s"] <= f["ttft_p95_s"], key
+        assert 0.0 <= f["engine_hit_rate"] <= 1.0, key
+        # every prompt token is looked up once in the engine that served it
+        assert f["engine_query_tokens"] == 4 * (176 + 196 + 216), key
+        assert f["router_overhead_count"] == n and f["router_overhead_ms"] > 0, key
+    for key in ("round-robin", "round-robin+store"):
+        a, b = routers[key]["requests_per_engine"]
+        assert abs(a - b) <= 1, (key, a, b)          # alternates engines per request
+        assert routers[key]["routed_by_reason"] == {"round_robin": n}, key
+    for key in ("cache-aware", "cache-aware+store"):
+        assert set(routers[key]["routed_by_reason"]) <= {"hit", "load"}, key
+        assert routers[key]["routed_by_reason"].get("hit", 0) > 0, key
+    # the store only serves what the engine's own cache lacks, and it does with round-robin
+    assert routers["round-robin+store"]["store_hit_tokens"] > 0
+    assert routers["round-robin"]["store_hit_tokens"] == 0
+    # keeping a user on the engine that holds its history finds more there
+    assert routers["cache-aware"]["engine_hit_rate"] > routers["round-robin"]["engine_hit_rate"]
+    assert rep["router_overhead_ms"] > 0 and rep["engines"] == 2 and rep["quick"] is True
+    assert set(rep["targets"]) == {"ttft_p50_speedup", "ttft_p50_speedup_store",
+                                   "max_engine_imbalance", "router_overhead_ms"}
+    assert time.monotonic() - t0 < 400
+
+
+def test_targets_of_the_issue():
+    routers = {"round-robin": {"ttft_p50_s": 3.0, "requests_per_engine": [10, 10]},
+               "round-robin+store": {"ttft_p50_s": 1.2, "requests_per_engine": [11, 9]},
+               "cache-aware": {"ttft_p50_s": 1.0, "requests_per_engine": [12, 8]},
+               "cache-aware+store": {"ttft_p50_s": 1.5, "requests_per_engine": [13, 7]}}
+    t = targets(routers, 0.8)
+    assert t["ttft_p50_speedup"] == {"value": 3.0, "met": True}
+    assert t["ttft_p50_speedup_store"] == {"value": pytest.approx(0.8), "met": False}
+    assert t["max_engine_imbalance"] == {"value": pytest.approx(13 / 7), "met": False}
+    assert t["router_overhead_ms"] == {"value": 0.8, "met": True}
+    t = targets({"cache-aware": {"error": "x", "store": False}}, None)
+    assert all(v == {"value": None, "met": None} for v in t.values())
+    t = targets({"round-robin": {"ttft_p50_s": 1.0, "requests_per_engine": [20, 0]}}, 2.5)
+    assert t["max_engine_imbalance"] == {"value": float("inf"), "met": False}
+    assert t["router_overhead_ms"]["met"] is False
