@@ -23,10 +23,12 @@ from kvstore.eviction.base import EvictionPolicy
 
 
 class ARCPolicy(EvictionPolicy):
-    """ARC over the tier's keys; O(1) per event, victim choice amortized O(1) plus the keys
-    with a stored child passed over (the order is lazy)."""
+    """ARC over the tier's keys; O(1) per event, victim choice O(log n) (a leaf heap per
+    list). Queues: 0 = T1, 1 = T2; a key's rank is the event clock when it entered (or was
+    last moved to) its list's MRU end."""
 
     name = "arc"
+    num_queues = 2
 
     def __init__(self) -> None:
         super().__init__()
@@ -37,6 +39,7 @@ class ARCPolicy(EvictionPolicy):
         self._t1_bytes = 0
         self._total_bytes = 0
         self.p = 0.0  # target bytes of T1
+        self._clock = itertools.count()
 
     def _insert(self, key) -> None:
         nbytes = self._nbytes[key]
@@ -46,13 +49,16 @@ class ARCPolicy(EvictionPolicy):
                          self.p + max(len(self._b2) / len(self._b1), 1.0) * nbytes)
             del self._b1[key]
             self._t2[key] = None
+            self._rank(key, next(self._clock), 1)
         elif key in self._b2:
             self.p = max(0.0, self.p - max(len(self._b1) / len(self._b2), 1.0) * nbytes)
             del self._b2[key]
             self._t2[key] = None
+            self._rank(key, next(self._clock), 1)
         else:
             self._t1[key] = None
             self._t1_bytes += nbytes
+            self._rank(key, next(self._clock), 0)
 
     def _access(self, key) -> None:
         if key in self._t1:
@@ -61,6 +67,7 @@ class ARCPolicy(EvictionPolicy):
             self._t2[key] = None
         else:
             self._t2.move_to_end(key)
+        self._rank(key, next(self._clock), 1)
 
     def _remove(self, key) -> None:
         nbytes = self._nbytes[key]
@@ -81,11 +88,14 @@ class ARCPolicy(EvictionPolicy):
         while len(self._b1) + len(self._b2) > c:
             (self._b2 or self._b1).popitem(last=False)
 
-    def _order(self):
+    def _queues(self) -> list[int]:
         if self._t1 and (self._t1_bytes > self.p or not self._t2):
-            first, second = self._t1, self._t2
-        else:
-            first, second = self._t2, self._t1
+            return [0, 1]
+        return [1, 0]
+
+    def _order(self):
+        first, second = ((self._t1, self._t2) if self._queues()[0] == 0
+                         else (self._t2, self._t1))
         # lazy: valid until the next event (the caller stops at its victim, then removes it)
         return itertools.chain(first, second)
 

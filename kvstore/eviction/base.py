@@ -11,16 +11,21 @@ Policies are not thread-safe; the tier that owns one serialises calls.
 from __future__ import annotations
 
 import heapq
-import itertools
 from abc import ABC, abstractmethod
 from typing import Callable, Hashable, Iterator
 
 Key = Hashable
 _ABSENT = object()
+_heappush, _heappop = heapq.heappush, heapq.heappop
+
+
+def _always(key: Key) -> bool:
+    return True
 
 
 class EvictionPolicy(ABC):
-    """Base class. Subclasses implement ``_insert``, ``_access``, ``_remove`` and ``_order``.
+    """Base class. Subclasses implement ``_insert``, ``_access``, ``_remove`` and ``_order``,
+    and rank every key they track (``_rank``).
 
     Methods (all mutate only the policy's own bookkeeping, never block, raise nothing on valid
     use):
@@ -34,24 +39,31 @@ class EvictionPolicy(ABC):
       ``on_remove``. First choice: the first evictable key in policy order with no stored child;
       otherwise the first evictable key in policy order (``leaves_only=True``: no otherwise).
 
-    Ranked policies (``ranked = True``: LRU, FIFO, LFU) keep in ``_ranks`` a sortable rank per
-    key that orders keys as ``_order`` does (smallest first), set by their event hooks. Their
-    first choice comes from a heap of the keys with no stored child (stale entries dropped
-    when met, the heap rebuilt when it grows past twice the tracked keys), so it costs
-    O(log n) per victim plus the keys ``can_evict`` refuses, not a scan over every key that
-    has a child (a long prompt stored in one tier is all keys with a child but its last).
+    Ranks and queues: a policy's order is one or more queues (LRU, FIFO, LFU: one; S3-FIFO:
+    small and main; ARC: T1 and T2), read one after the other in the order ``_queues()``
+    gives at victim time; within a queue, keys are ordered by their rank (an int, smallest
+    first, unique within the queue), set by the subclass's hooks through ``_rank(key, rank,
+    queue)``. The first choice comes from one heap per queue of the keys with no stored child
+    (stale entries dropped when met, all heaps rebuilt when they grow past twice the tracked
+    keys), so it costs O(log n) per victim plus the keys ``can_evict`` refuses, not a scan over
+    every key that has a child (a long prompt stored in one tier is all keys with a child but
+    its last).
     """
 
     name = "base"
-    ranked = False
+    #: every policy keeps ranks and leaf heaps (the attribute stays for callers that ask)
+    ranked = True
+    #: number of queues (heaps) the policy's order is made of
+    num_queues = 1
 
     def __init__(self) -> None:
         self._nbytes: dict[Key, int] = {}
         self._parent: dict[Key, Key | None] = {}
         self._children: dict[Key, set[Key]] = {}  # parent -> stored children (parent may be absent)
-        self._ranks: dict[Key, object] = {}  # ranked policies: key -> rank (order: smallest first)
-        self._leaf_heap: list[tuple[object, int, Key]] = []  # (rank, tie, key), may be stale
-        self._tie = itertools.count()
+        self._ranks: dict[Key, int] = {}  # key -> rank within its queue (smallest first)
+        self._queue: dict[Key, int] = {}  # key -> queue id (absent: queue 0)
+        self._heaps: list[list[tuple[int, Key]]] = [[] for _ in range(self.num_queues)]
+        self._heap_entries = 0  # entries over all heaps, live or stale
 
     # ---- events -------------------------------------------------------------------------
     def on_insert(self, key: Key, nbytes: int, parent: Key | None = None) -> None:
@@ -60,20 +72,24 @@ class EvictionPolicy(ABC):
         self._nbytes[key] = nbytes
         self._parent[key] = parent
         if parent is not None:
-            self._children.setdefault(parent, set()).add(key)
+            kids = self._children.get(parent)
+            if kids is None:
+                self._children[parent] = {key}
+            else:
+                kids.add(key)
         self._insert(key)
-        self._push_leaf(key)
 
     def on_access(self, key: Key) -> None:
         if key in self._nbytes:
             self._access(key)
-            self._push_leaf(key)
 
     def on_remove(self, key: Key) -> None:
         if key not in self._nbytes:
             return
         self._remove(key)  # hook sees the key's size and parent before they are dropped
         del self._nbytes[key]
+        del self._ranks[key]
+        self._queue.pop(key, None)
         parent = self._parent.pop(key)
         if parent is not None:
             kids = self._children.get(parent)
@@ -84,21 +100,59 @@ class EvictionPolicy(ABC):
                     if parent in self._nbytes:
                         self._push_leaf(parent)
 
+    # ---- ranks (called by the subclasses' hooks) -----------------------------------------------
+    def _rank(self, key: Key, rank: int, queue: int = 0) -> None:
+        """Place tracked ``key`` in ``queue`` at ``rank`` (its position there: smallest first)."""
+        self._ranks[key] = rank
+        if queue:
+            self._queue[key] = queue
+        elif self.num_queues > 1:
+            self._queue.pop(key, None)
+        if key not in self._children:
+            self._heap_entries += 1
+            if self._heap_entries > 2 * len(self._nbytes) + 64:
+                self._rebuild_heaps()
+            else:
+                _heappush(self._heaps[queue], (rank, key))
+
+    def _push_leaf(self, key: Key) -> None:
+        """Record tracked ``key`` in its queue's leaf heap at its current rank (it has no
+        stored child)."""
+        self._heap_entries += 1
+        if self._heap_entries > 2 * len(self._nbytes) + 64:
+            self._rebuild_heaps()
+        else:
+            _heappush(self._heaps[self._queue.get(key, 0)], (self._ranks[key], key))
+
+    def _rebuild_heaps(self) -> None:
+        """Drop every stale heap entry: one entry per key with no stored child. O(n), done
+        when the heaps hold more than twice the tracked keys (so O(1) amortized)."""
+        heaps: list[list[tuple[int, Key]]] = [[] for _ in range(self.num_queues)]
+        queue, children = self._queue, self._children
+        for k, r in self._ranks.items():
+            if k not in children:
+                heaps[queue.get(k, 0)].append((r, k))
+        for h in heaps:
+            heapq.heapify(h)
+        self._heaps = heaps
+        self._heap_entries = sum(len(h) for h in heaps)
+
     # ---- queries ------------------------------------------------------------------------
-    def next_victim(self, can_evict: Callable[[Key], bool] = lambda k: True,
+    def next_victim(self, can_evict: Callable[[Key], bool] = _always,
                     leaves_only: bool = False) -> Key | None:
         """See the class docstring; ``leaves_only``: no second choice (None when no key
         without a stored child passes ``can_evict``)."""
         # keys with a stored child are skipped before ``can_evict`` is asked (it may cost
         # more than a dict lookup); they are the second choice, in the same order
-        if self.ranked:
-            victim = self._first_leaf(can_evict)
+        if self.num_queues == 1:
+            victim = self._first_leaf(0, can_evict)
             if victim is not None:
                 return victim
         else:
-            for key in self._order():
-                if not self._children.get(key) and can_evict(key):
-                    return key
+            for q in self._queues():
+                victim = self._first_leaf(q, can_evict)
+                if victim is not None:
+                    return victim
         if leaves_only:
             return None
         for key in self._order():
@@ -106,41 +160,40 @@ class EvictionPolicy(ABC):
                 return key
         return None
 
-    # ---- leaves of a ranked policy ------------------------------------------------------------
-    def _push_leaf(self, key: Key) -> None:
-        """Record ``key`` (tracked) in the leaf heap at its current rank if it has no child."""
-        if not self.ranked or self._children.get(key):
-            return
-        heap = self._leaf_heap
-        if len(heap) > 2 * len(self._nbytes) + 64:  # mostly stale: rebuild, O(1) amortized
-            heap[:] = [(r, next(self._tie), k) for k, r in self._ranks.items()
-                       if not self._children.get(k)]
-            heapq.heapify(heap)
-            return  # the rebuild took ``key`` at its current rank
-        heapq.heappush(heap, (self._ranks[key], next(self._tie), key))
-
-    def _first_leaf(self, can_evict: Callable[[Key], bool]) -> Key | None:
-        """The smallest-ranked key with no stored child that ``can_evict`` accepts."""
-        heap, ranks, children = self._leaf_heap, self._ranks, self._children
-        held, seen, found = [], set(), None
+    def _first_leaf(self, q: int, can_evict: Callable[[Key], bool]) -> Key | None:
+        """The smallest-ranked key of queue ``q`` with no stored child that ``can_evict``
+        accepts."""
+        heap, ranks, children, queue = self._heaps[q], self._ranks, self._children, self._queue
+        held: list | None = None
+        seen: set | None = None
+        found = None
         while heap:
-            rank, _, key = heap[0]
-            if key in seen or ranks.get(key, _ABSENT) != rank or children.get(key):
-                heapq.heappop(heap)  # stale: removed, re-ranked, got a child, or a duplicate
+            rank, key = heap[0]
+            if ranks.get(key, _ABSENT) != rank or key in children or queue.get(key, 0) != q \
+                    or (seen is not None and key in seen):
+                _heappop(heap)  # stale: removed, re-ranked, got a child, moved, or a duplicate
+                self._heap_entries -= 1
                 continue
-            seen.add(key)
             if can_evict(key):
                 found = key
                 break
-            held.append(heapq.heappop(heap))
-        for entry in held:
-            heapq.heappush(heap, entry)
+            if held is None:
+                held, seen = [], set()
+            seen.add(key)
+            held.append(_heappop(heap))
+        if held:
+            for entry in held:
+                _heappush(heap, entry)
         return found
 
     def children(self, key: Key) -> set[Key]:
         """Tracked keys whose recorded parent is ``key`` (a new set; ``key`` need not be
         tracked)."""
         return set(self._children.get(key, ()))
+
+    def has_children(self, key: Key) -> bool:
+        """Whether some tracked key records ``key`` as its parent (O(1), no copy)."""
+        return key in self._children
 
     def keys(self) -> set[Key]:
         return set(self._nbytes)
@@ -162,17 +215,26 @@ class EvictionPolicy(ABC):
             f"{self.name}: order has {len(ordered)} keys, tracking {len(self._nbytes)}"
         assert set(ordered) == set(self._nbytes), f"{self.name}: order and index disagree"
         for parent, kids in self._children.items():
+            assert kids, f"{self.name}: empty child set kept for {parent!r}"
             for kid in kids:
                 assert self._parent.get(kid) == parent, f"{self.name}: child index stale for {kid!r}"
-        if self.ranked:
-            assert set(self._ranks) == set(self._nbytes), f"{self.name}: ranks and index disagree"
-            assert sorted(self._nbytes, key=self._ranks.__getitem__) == ordered, \
-                f"{self.name}: ranks do not order the keys as the policy does"
-            live = {k for r, _, k in self._leaf_heap if self._ranks.get(k, _ABSENT) == r}
-            leaves = {k for k in self._nbytes if not self._children.get(k)}
-            assert leaves <= live, f"{self.name}: {len(leaves - live)} leaves missing from the heap"
+        assert set(self._ranks) == set(self._nbytes), f"{self.name}: ranks and index disagree"
+        pos = {q: i for i, q in enumerate(self._queues())}
+        assert sorted(pos) == list(range(self.num_queues)), f"{self.name}: queues {list(pos)}"
+        by_rank = sorted(self._nbytes, key=lambda k: (pos[self._queue.get(k, 0)], self._ranks[k]))
+        assert by_rank == ordered, f"{self.name}: ranks do not order the keys as the policy does"
+        live = {k for q, h in enumerate(self._heaps) for r, k in h
+                if self._ranks.get(k, _ABSENT) == r and self._queue.get(k, 0) == q}
+        leaves = {k for k in self._nbytes if not self._children.get(k)}
+        assert leaves <= live, f"{self.name}: {len(leaves - live)} leaves missing from the heaps"
+        assert self._heap_entries == sum(len(h) for h in self._heaps), \
+            f"{self.name}: heap entry count drifted"
 
     # ---- subclass hooks -------------------------------------------------------------------
+    def _queues(self) -> list[int]:
+        """Queue ids in victim order now (each once). One queue: ``[0]``."""
+        return [0]
+
     @abstractmethod
     def _insert(self, key: Key) -> None: ...
 
@@ -180,8 +242,10 @@ class EvictionPolicy(ABC):
     def _access(self, key: Key) -> None: ...
 
     @abstractmethod
-    def _remove(self, key: Key) -> None: ...
+    def _remove(self, key: Key) -> None:
+        """Before the base drops ``key``'s size, parent, rank and queue."""
 
     @abstractmethod
     def _order(self) -> Iterator[Key]:
-        """Tracked keys, most evictable first (each exactly once)."""
+        """Tracked keys, most evictable first (each exactly once): the queues of
+        ``_queues()`` one after the other, each by rank."""

@@ -11,11 +11,10 @@ class LFUPolicy(EvictionPolicy):
     """Frequency buckets (``freq -> OrderedDict`` in recency order). An insert counts as one use.
 
     O(1) per event; ``_order`` sorts only the distinct frequencies. Rank: (frequency, event
-    clock when the key entered its bucket).
+    clock when the key entered its bucket) as one int, ``frequency << 40 | clock``.
     """
 
     name = "lfu"
-    ranked = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -25,19 +24,24 @@ class LFUPolicy(EvictionPolicy):
 
     def _insert(self, key) -> None:
         self._freq[key] = 1
-        self._buckets.setdefault(1, OrderedDict())[key] = None
-        self._ranks[key] = (1, next(self._clock))
+        self._bucket(1)[key] = None
+        self._rank(key, 1 << 40 | next(self._clock))
 
     def _access(self, key) -> None:
         f = self._freq[key]
         self._drop_from_bucket(key, f)
         self._freq[key] = f + 1
-        self._buckets.setdefault(f + 1, OrderedDict())[key] = None
-        self._ranks[key] = (f + 1, next(self._clock))
+        self._bucket(f + 1)[key] = None
+        self._rank(key, (f + 1) << 40 | next(self._clock))
 
     def _remove(self, key) -> None:
         self._drop_from_bucket(key, self._freq.pop(key))
-        del self._ranks[key]
+
+    def _bucket(self, f: int) -> OrderedDict:
+        b = self._buckets.get(f)
+        if b is None:
+            b = self._buckets[f] = OrderedDict()
+        return b
 
     def _drop_from_bucket(self, key, f: int) -> None:
         bucket = self._buckets[f]

@@ -12,7 +12,6 @@ class LRUPolicy(EvictionPolicy):
     clock at the last insert or access."""
 
     name = "lru"
-    ranked = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -21,15 +20,14 @@ class LRUPolicy(EvictionPolicy):
 
     def _insert(self, key) -> None:
         self._od[key] = None
-        self._ranks[key] = next(self._clock)
+        self._rank(key, next(self._clock))
 
     def _access(self, key) -> None:
         self._od.move_to_end(key)
-        self._ranks[key] = next(self._clock)
+        self._rank(key, next(self._clock))
 
     def _remove(self, key) -> None:
         del self._od[key]
-        del self._ranks[key]
 
     def _order(self):
         return iter(self._od)

@@ -19,10 +19,12 @@ from kvstore.eviction.base import EvictionPolicy
 class S3FIFOPolicy(EvictionPolicy):
     """S3-FIFO with a byte-sized small queue (``small_ratio`` of tracked bytes).
 
-    Cost: O(1) per event; choosing a victim is amortized O(1) plus the keys with a stored
-    child passed over (the tracked total is kept as a running sum, the order is lazy)."""
+    Queues: 0 = S, 1 = M; a key's rank is the event clock when it entered its queue's tail.
+    Cost: O(1) per event; choosing a victim is amortized O(1) (settling S's and M's heads)
+    plus O(log n) for the leaf heap (the tracked total is kept as a running sum)."""
 
     name = "s3fifo"
+    num_queues = 2
 
     def __init__(self, small_ratio: float = 0.1) -> None:
         super().__init__()
@@ -33,6 +35,7 @@ class S3FIFOPolicy(EvictionPolicy):
         self._freq: dict = {}
         self._small_bytes = 0
         self._total_bytes = 0  # sum of self._nbytes, kept as events arrive
+        self._clock = itertools.count()
 
     def _insert(self, key) -> None:
         self._freq[key] = 0
@@ -40,12 +43,16 @@ class S3FIFOPolicy(EvictionPolicy):
         if key in self._ghost:
             del self._ghost[key]
             self._main[key] = None
+            self._rank(key, next(self._clock), 1)
         else:
             self._small[key] = None
             self._small_bytes += self._nbytes[key]
+            self._rank(key, next(self._clock), 0)
 
     def _access(self, key) -> None:
-        self._freq[key] = min(self._freq[key] + 1, 3)
+        f = self._freq[key]
+        if f < 3:
+            self._freq[key] = f + 1
 
     def _remove(self, key) -> None:
         self._total_bytes -= self._nbytes[key]
@@ -63,34 +70,41 @@ class S3FIFOPolicy(EvictionPolicy):
     def _settle(self) -> None:
         """Move read keys from the head of S to M, and age M's head (CLOCK), before choosing."""
         total = self._total_bytes or 1
-        while self._small and (self._small_bytes > self.small_ratio * total or not self._main):
-            head = next(iter(self._small))
-            if self._freq[head] == 0:
+        small, main, freq = self._small, self._main, self._freq
+        while small and (self._small_bytes > self.small_ratio * total or not main):
+            head = next(iter(small))
+            if freq[head] == 0:
                 break
-            del self._small[head]
+            del small[head]
             self._small_bytes -= self._nbytes[head]
-            self._freq[head] = 0
-            self._main[head] = None
-        for _ in range(len(self._main)):
-            head = next(iter(self._main))
-            if self._freq[head] == 0:
+            freq[head] = 0
+            main[head] = None
+            self._rank(head, next(self._clock), 1)
+        for _ in range(len(main)):
+            head = next(iter(main))
+            if freq[head] == 0:
                 break
-            self._freq[head] -= 1
-            self._main.move_to_end(head)
+            freq[head] -= 1
+            main.move_to_end(head)
+            self._rank(head, next(self._clock), 1)
+
+    def _queues(self) -> list[int]:
+        self._settle()
+        if self._small_bytes > self.small_ratio * (self._total_bytes or 1) or not self._main:
+            return [0, 1]
+        return [1, 0]
 
     def _order(self):
-        self._settle()
-        total = self._total_bytes or 1
-        if self._small_bytes > self.small_ratio * total or not self._main:
-            first, second = self._small, self._main
-        else:
-            first, second = self._main, self._small
+        first, second = ((self._small, self._main) if self._queues()[0] == 0
+                         else (self._main, self._small))
         # lazy: valid until the next event (the caller stops at its victim, then removes it)
         return itertools.chain(first, second)
 
     def check_integrity(self) -> None:
         super().check_integrity()
         assert not (set(self._small) & set(self._main)), "s3fifo: key in both S and M"
+        assert all(self._queue.get(k, 0) == 0 for k in self._small), "s3fifo: S key ranked in M"
+        assert all(self._queue.get(k, 0) == 1 for k in self._main), "s3fifo: M key ranked in S"
         assert self._small_bytes == sum(self._nbytes[k] for k in self._small), \
             "s3fifo: small-queue bytes drifted"
         assert self._total_bytes == sum(self._nbytes.values()), "s3fifo: tracked bytes drifted"

@@ -1,12 +1,12 @@
-"""Ranked policies (LRU, FIFO, LFU) pick a victim with no stored child from a heap of leaves,
-not a scan: the victims must be exactly those of the scan (first evictable key in policy order
+"""Every policy (LRU, FIFO, LFU, and S3-FIFO and ARC with a heap per queue) picks a victim
+with no stored child from heaps of leaves, not a scan: the victims must be exactly those of the scan (first evictable key in policy order
 with no stored child, else the first evictable key), whatever the mix of inserts, accesses,
 removals, refusals and children arriving before their parent."""
 import random
 
 import pytest
 
-from kvstore.eviction import create_policy
+from kvstore.eviction import POLICIES, create_policy
 
 
 def scan_victim(policy, can_evict):
@@ -18,7 +18,7 @@ def scan_victim(policy, can_evict):
     return next((k for k in order if can_evict(k)), None)
 
 
-@pytest.mark.parametrize("name", ["lru", "fifo", "lfu"])
+@pytest.mark.parametrize("name", sorted(POLICIES))
 def test_heap_victims_equal_the_scan_over_4000_random_events(name):
     rng = random.Random(7)
     p = create_policy(name)
@@ -52,8 +52,9 @@ def test_heap_victims_equal_the_scan_over_4000_random_events(name):
     assert checked > 700 and by_heap > 600  # most victims came from the heap
 
 
-def test_a_chain_in_one_tier_gives_its_tail_and_the_heap_stays_bounded():
-    p = create_policy("lru")
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_chain_in_one_tier_gives_its_tail_and_the_heap_stays_bounded(name):
+    p = create_policy(name)
     for i in range(2000):
         p.on_insert(i, 10, i - 1 if i else None)
     assert p.next_victim() == 1999  # the only key with no stored child
@@ -65,5 +66,5 @@ def test_a_chain_in_one_tier_gives_its_tail_and_the_heap_stays_bounded():
     assert len(p) == 1000
     for _ in range(5000):  # accesses push new heap entries; stale ones are dropped
         p.on_access(999)
-    assert len(p._leaf_heap) <= 2 * len(p) + 65
+    assert sum(len(h) for h in p._heaps) <= 2 * len(p) + 65
     p.check_integrity()
