@@ -31,7 +31,7 @@ from aiohttp import web
 
 from engine_min.router.metrics import RouterMetrics
 from engine_min.router.policy import RETRY, Candidate, Decision
-from engine_min.router.prompt import PreparedPrompt, prepare_prompt
+from engine_min.router.prompt import PreparedPrompt, PromptEncoder, prepare_prompt
 from engine_min.router.subscriber import Engine, EngineSubscriber
 from engine_min.serve import protocol as proto
 from engine_min.serve.errors import error_response, openai_error_middleware
@@ -106,6 +106,7 @@ class Router:
         self.metrics = RouterMetrics()
         self.engines = [Engine(u.rstrip("/"), i, self.metrics) for i, u in enumerate(urls)]
         self.tokenizer, self.policy = tokenizer, policy
+        self.encoder = PromptEncoder(tokenizer)
         self.health_interval_s, self.poll_timeout_s = health_interval_s, poll_timeout_s
         self.max_connections = max_connections
         self.session: aiohttp.ClientSession | None = None
@@ -158,7 +159,7 @@ class Router:
         kind = "chat" if request.path.endswith("/chat/completions") else "completion"
         keys = [e.index.hash_key for e in self.engines if e.healthy and e.index.ready]
         prompt = await asyncio.get_running_loop().run_in_executor(
-            None, prepare_prompt, self.tokenizer, raw, kind, keys)
+            None, prepare_prompt, self.tokenizer, raw, kind, keys, self.encoder)
         tried: set[int] = set()
         while True:
             decision = self._decide(prompt, tried)

@@ -33,8 +33,9 @@ from engine_min.cli import main as cli_main
 from engine_min.config import EngineConfig
 from engine_min.engine import LLMEngine
 from engine_min.router.policy import make_policy
-from engine_min.router.prompt import prompt_token_ids
+from engine_min.router.prompt import PromptEncoder, prompt_token_ids
 from engine_min.router.proxy import ROUTER_KEY, create_router_app
+from engine_min.serve.protocol import parse_messages
 from engine_min.serve.server import ServerThread, create_app
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -184,6 +185,15 @@ def test_token_ids_equal_an_engine_tokenize(engines, spare):
     expected = _post_json(url, "/tokenize", {"messages": messages})["tokens"]
     assert ids == expected and len(ids) > 30
     assert prompt_token_ids(tok, b'{"prompt": [[5, 6, 7]]}', "completion") == [5, 6, 7]
+    # the router's encoder (cached pieces between special tokens) gives the tokenizer's ids
+    enc = PromptEncoder(tok, max_cached_chars=40)
+    rendered = tok.apply_chat_template(parse_messages({"messages": messages}))
+    for text in (rendered, rendered, prompt, "a<|im_start|>b<|im_end|>", " <|im_end|> 1 2 ",
+                 "<|im_start", "", "x" * 50 + "<|endoftext|>\n\n"):
+        assert enc.encode(text) == tok.encode(text), text
+    assert enc._chars <= 40 and enc._split is not None
+    assert prompt_token_ids(tok, json.dumps({"messages": messages}).encode(), "chat",
+                            enc) == expected
     # bodies the engine refuses: the router does not tokenize them
     for raw, kind in ((b"{nope", "chat"), (b'{"messages": []}', "chat"),
                       (b'{"prompt": "x", "n": 2}', "completion"), (b"[1]", "completion")):
@@ -404,7 +414,7 @@ def test_engine_out_and_back_rebuilds_its_index(engines):
     the same port: taken out with its index dropped, put back with the index rebuilt from the
     snapshot."""
     eng = engines[0]
-    _post_json(eng.url, "/v1/completions", {"model": MODEL, "prompt": "Blocks to hold: " * 8,
+    _post_json(eng.url, "/v1/completions", {"model": MODEL, "prompt": "Blocks to hold: " * 16,
                                             "max_tokens": 2})
     relay = _Relay(eng.port)
     relay.engine = eng.engine
