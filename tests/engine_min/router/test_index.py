@@ -59,7 +59,8 @@ def test_snapshot_then_batches_give_longest_prefix():
     assert idx.hit_blocks(H[:1]) == 1 and idx.hit_blocks([]) == 0
     idx.check_integrity()
     # batches already applied are skipped; AllBlocksCleared empties the set
-    assert idx.apply(_answer([_batch(5, _removed(H)), _batch(6, {"type": "AllBlocksCleared"})])) == 1
+    cleared = {"type": "AllBlocksCleared"}
+    assert idx.apply(_answer([_batch(5, _removed(H)), _batch(6, cleared)])) == 1
     assert idx.num_blocks == 0 and idx.seq == 6
     # an event type outside the contract is skipped
     assert idx.apply(_answer([_batch(7, {"type": "SomethingNew"}, _stored(H[:3]))])) == 1

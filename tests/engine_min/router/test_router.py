@@ -343,7 +343,7 @@ def test_stream_is_byte_identical_to_the_engines(engines):
     try:
         _wait_health(srv.url)
         prompt = "The three primary colours are"
-        req = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0,
+        req = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0,
                "stream": True, "stream_options": {"include_usage": True}}
         status, headers, got = _request(srv.url, "/v1/completions", json.dumps(req).encode())
         assert status == 200 and headers["Content-Type"] == "text/event-stream"
@@ -352,9 +352,9 @@ def test_stream_is_byte_identical_to_the_engines(engines):
                   if line.startswith("data: {")]
         text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
         direct = _post_json(eng.url, "/v1/completions",
-                            {"model": MODEL, "prompt": prompt, "max_tokens": 24,
+                            {"model": MODEL, "prompt": prompt, "max_tokens": 16,
                              "temperature": 0})
-        assert text == direct["choices"][0]["text"] and len(text) > 20
+        assert text == direct["choices"][0]["text"] and len(text) > 10
         assert got.endswith(b"data: [DONE]\n\n")
         # the stream's usage chunk was counted (the prompt was new: 0 cached tokens; the
         # direct request then hit the stream's blocks, outside the router)
@@ -461,11 +461,11 @@ def test_sigkilled_engine_costs_no_request(engines, spare):
             time.sleep(0.05)
         assert _m(_metrics(srv.url), "router_index_blocks", engine=url) == len(held) >= 3
         prompts = [f"Request number {i}: write a sentence about the colour of {c}."
-                   for i, c in enumerate(["red", "green", "blue", "cyan", "gold", "grey"])]
+                   for i, c in enumerate(["red", "green", "blue", "gold"])]
 
         def run(p):
             return _request(srv.url, "/v1/completions", json.dumps(
-                {"model": MODEL, "prompt": p, "max_tokens": 12, "temperature": 0}).encode())
+                {"model": MODEL, "prompt": p, "max_tokens": 8, "temperature": 0}).encode())
 
         with ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(run, p) for p in prompts]
@@ -478,7 +478,7 @@ def test_sigkilled_engine_costs_no_request(engines, spare):
         for p, (status, _, body) in zip(prompts, results):
             assert status == 200, body
             direct = _post_json(live.url, "/v1/completions", {"model": MODEL, "prompt": p,
-                                                              "max_tokens": 12, "temperature": 0})
+                                                              "max_tokens": 8, "temperature": 0})
             assert json.loads(body)["choices"][0]["text"] == direct["choices"][0]["text"]
         m = _metrics(srv.url)
         assert m["router_failed_requests_total"] == 0
