@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 
-from kvstore.eviction import POLICIES
+from kvstore.eviction import ADMISSIONS, POLICIES
 from kvstore.layout import KVLayout
 from kvstore.units import format_size, parse_size
 
@@ -35,6 +35,11 @@ class StoreConfig:
         return_device: device of the tensors ``get_chunks`` returns.
         gpu_policy, cpu_policy, disk_policy: eviction policy names (``lru``, ``lfu``, ``fifo``,
             ``s3fifo``, ``arc``).
+        admission: admission filter of the store's tiers (``kvstore.eviction.admission``):
+            ``none`` (default: a chunk that fits by evicting goes in) or ``tinylfu`` (a chunk
+            enters a full tier, by a put, a promotion or a spill, only if it was requested
+            more often lately than the victim it would evict; one frequency sketch for the
+            whole store, fed by every chunk read and put).
         promote_on_hit: copy a chunk read from a lower tier into the top tier.
         page_bytes: allocation unit of the GPU and CPU pools; a chunk takes
             ``ceil(chunk_bytes / page_bytes)`` pages, so chunks of any size share one arena
@@ -70,9 +75,9 @@ class StoreConfig:
 
     Raises:
         ValueError: negative or unparsable sizes, no tier at all, a disk tier without a path,
-            an unknown policy or codec, ``cpu_shared`` without a CPU tier, a page size that is
-            not a positive multiple of 64, a memory tier smaller than one page, or a
-            non-positive ``max_namespaces``.
+            an unknown policy, admission filter or codec, ``cpu_shared`` without a CPU tier, a
+            page size that is not a positive multiple of 64, a memory tier smaller than one
+            page, or a non-positive ``max_namespaces``.
     """
 
     gpu_bytes: int | str = 0
@@ -85,6 +90,7 @@ class StoreConfig:
     gpu_policy: str = "lru"
     cpu_policy: str = "lru"
     disk_policy: str = "lru"
+    admission: str = "none"
     promote_on_hit: bool = True
     page_bytes: int | str = "4KiB"
     disk_codec: str = "auto"
@@ -115,6 +121,8 @@ class StoreConfig:
             policy = getattr(self, f"{tier}_policy")
             if policy not in POLICIES:
                 raise ValueError(f"unknown {tier}_policy {policy!r}; choose one of {sorted(POLICIES)}")
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"unknown admission {self.admission!r}; choose one of {list(ADMISSIONS)}")
         if self.disk_codec not in DISK_CODECS:
             raise ValueError(f"unknown disk_codec {self.disk_codec!r}; choose one of {DISK_CODECS}")
         if self.page_bytes <= 0 or self.page_bytes % 64:

@@ -189,8 +189,11 @@ class DirectIO:
             for i, (k, p) in enumerate(zip(keys, parents)):
                 if st.locate(k) is not None:
                     out[i] = ALREADY_STORED
-                elif direct and room and (p is None or mover.present(p) or p in st.reserved) \
-                        and mover.make_room(0, nbytes, lambda k=k, p=p: mover.protect(k, p)):
+                    continue
+                st.record(k)
+                if direct and room and (p is None or mover.present(p) or p in st.reserved) \
+                        and mover.make_room(0, nbytes, lambda k=k, p=p: mover.protect(k, p),
+                                            candidate=k):
                     pages, runs = top.reserve(nbytes)
                     out[i] = Reservation(top, pages, top.run_views(runs), nbytes, k)
                     st.reserved[k] = p
@@ -287,6 +290,7 @@ class DirectIO:
                 if t is not None:
                     st.pins.add_reader(k)
                     t.touch(k)
+                    st.record(k)
                 plan.append((k, t) if t is not None else None)
                 if held:
                     where = t.entry_runs(k)

@@ -27,6 +27,8 @@ _COUNTERS = {
     "evictions": ("Chunks evicted from a tier", True),
     "spills": ("Evicted chunks copied to the next slower tier, by the tier they left", True),
     "promotions": ("Chunks copied to the top tier on a hit, by the tier they came from", True),
+    "admission_refusals": ("Chunks the admission filter kept out of a full tier (a put, a "
+                           "promotion or a spill), by that tier", True),
     "corruptions": ("Stored chunks that failed a check on read or open (served as misses)", True),
     "dropped_writes": ("Disk writes dropped because lmdb's map was full", True),
     "errors": ("Internal errors survived (eviction policy failures, writer failures)", True),

@@ -11,6 +11,7 @@ from typing import Callable, Hashable, Iterable, Sequence
 
 import torch
 
+from kvstore.eviction.admission import TinyLFU
 from kvstore.keys import ChunkKey
 from kvstore.metrics import StoreMetrics
 from kvstore.tiers.base import Tier
@@ -65,8 +66,12 @@ class TierMover:
 
     def __init__(self, tiers: list[Tier], metrics: StoreMetrics,
                  evictable: Callable[[ChunkKey], bool], doomed: set[ChunkKey] | None = None,
-                 reserved: dict[ChunkKey, ChunkKey | None] | None = None) -> None:
+                 reserved: dict[ChunkKey, ChunkKey | None] | None = None,
+                 admission: "TinyLFU | None" = None) -> None:
         self.tiers = tiers
+        #: admission filter (None: admit): a chunk placed into a full tier must beat the
+        #: first victim (``make_room``); the store records requests into it
+        self.admission = admission
         self.metrics = metrics
         self.evictable = evictable
         self.doomed = doomed if doomed is not None else set()
@@ -151,22 +156,26 @@ class TierMover:
 
     # ---- placement ----------------------------------------------------------------------------
     def insert(self, i: int, key: ChunkKey, kv: torch.Tensor, parent: ChunkKey | None,
-               owned: bool = False, keep: "Protected | None" = None) -> bool:
+               owned: bool = False, keep: "Protected | None" = None, admit: bool = True) -> bool:
         """Put ``kv`` into tier i, evicting (and spilling) as needed. False if it cannot fit
         without evicting what ``keep`` protects or ``key``'s own stored ancestors out of the
-        store."""
+        store, or the admission filter refuses it (``admit=False``: not asked)."""
         nbytes = kv.numel() * kv.element_size()
-        if not self.make_room(i, nbytes, lambda: self.protect(key, parent, keep)):
+        if not self.make_room(i, nbytes, lambda: self.protect(key, parent, keep),
+                              candidate=key if admit else None):
             return False
         self.tiers[i].put(key, kv, parent, owned=owned)
         return True
 
     def make_room(self, i: int, nbytes: int,
-                  keep: Callable[[], "Protected"] | None = None) -> bool:
+                  keep: Callable[[], "Protected"] | None = None,
+                  candidate: ChunkKey | None = None) -> bool:
         """Evict unpinned victims of tier i until a chunk of ``nbytes`` fits. False if it
         cannot (larger than the tier, or no victim may go: pinned, protected by ``keep()``
         (called once, when the first victim is needed; None: nothing protected) or holding up
-        a descendant that may not go)."""
+        a descendant that may not go), or if the admission filter refuses ``candidate`` (the
+        chunk being placed) over the first victim (nothing is evicted then; counted in
+        ``admission_refusals``)."""
         tier = self.tiers[i]
         if tier.footprint(nbytes) > tier.capacity_bytes:
             return False
@@ -174,12 +183,19 @@ class TierMover:
             keep = lambda: Protected(self, None, None)  # noqa: E731
         protected: Protected | None = None
         skip: set[ChunkKey] = set()
+        adm = self.admission if candidate is not None else None
         while not tier.can_fit(nbytes):
             if protected is None:
                 protected = keep()
             victim = self._pick(i, protected, skip)
             if victim is None:
                 return False
+            if adm is not None:
+                adm.fit(len(tier.policy))
+                if not adm.admit(candidate, victim):
+                    self.metrics.inc("admission_refusals", tier=tier.name)
+                    return False
+                adm = None  # one comparison per placement: with the first victim
             if not self.evict(i, victim, protected):
                 skip.add(victim)
         return True
@@ -217,15 +233,16 @@ class TierMover:
     def write_through(self, i: int, keys: Sequence[ChunkKey], kvs: Sequence[torch.Tensor],
                       which: Sequence[int], parents: Sequence[ChunkKey | None]) -> int:
         """Copy chunks ``keys[j]`` (``j`` in ``which``, in order; ``parents[j]`` its parent)
-        into tier i unless already there, evicting as needed. Returns how many were not
-        copied: no room, or a parent stored nowhere."""
+        into tier i unless already there, evicting as needed (an explicit write: the
+        admission filter is not asked). Returns how many were not copied: no room, or a
+        parent stored nowhere."""
         tier, rejected = self.tiers[i], 0
         for j in which:
             key, kv, parent = keys[j], kvs[j], parents[j]
             if tier.contains(key):
                 continue
             if (parent is not None and not self.present(parent)) \
-                    or not self.insert(i, key, kv, parent):
+                    or not self.insert(i, key, kv, parent, admit=False):
                 rejected += 1
         return rejected
 

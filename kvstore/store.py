@@ -263,6 +263,7 @@ class ChunkStore(AdminMethods, DirectMethods, KVStoreBase):
                 if t is not None:
                     st.pins.add_reader(k)
                     t.touch(k)
+                    st.record(k)
                 plan.append((k, t) if t is not None else None)
         out: list[torch.Tensor | None] = []
         try:
@@ -324,6 +325,8 @@ class ChunkStore(AdminMethods, DirectMethods, KVStoreBase):
                     if res is not None:
                         st.end_reservation(res)
                     continue
+                if res is None and item is not None:
+                    st.record(key)  # (reserve_chunks counted the reserved and the dropped)
                 if item is None:  # dropped by the caller (no room was reserved)
                     ok = False
                 elif parent is not None and not st.mover.present(parent):

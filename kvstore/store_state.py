@@ -21,6 +21,7 @@ from kvstore.config import StoreConfig
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.layout import KVLayout
 from kvstore.metrics import StoreMetrics
+from kvstore.eviction.admission import create_admission
 from kvstore.movement import TierMover
 from kvstore.pins import PinTable
 from kvstore.tiers.base import Tier
@@ -58,7 +59,10 @@ class StoreState:
         self.pins = PinTable()
         self.doomed: set[ChunkKey] = set()
         self.reserved: dict[ChunkKey, ChunkKey | None] = {}
-        self.mover = TierMover(tiers, metrics, self.pins.evictable, self.doomed, self.reserved)
+        #: the admission filter shared by every tier (None: admit), fed by ``record``
+        self.admission = create_admission(config.admission)
+        self.mover = TierMover(tiers, metrics, self.pins.evictable, self.doomed, self.reserved,
+                               self.admission)
         #: the remote tier (Redis) below ``tiers``, or None (``kvstore.tiers.remote``)
         self.remote: "RemoteTier | None" = None
         #: the namespaces checked by ``register`` by id, least recently used first (at most
@@ -157,6 +161,13 @@ class StoreState:
         return parents
 
     # ---- index, pins and removal (caller holds ``lock``) --------------------------------------
+    def record(self, key: ChunkKey) -> None:
+        """Count one request of ``key`` for the admission filter (a read served by a tier,
+        or a put or reservation of a chunk not stored); no-op without a filter. Under the
+        lock."""
+        if self.admission is not None:
+            self.admission.record(key)
+
     def locate(self, key: ChunkKey) -> Tier | None:
         """Fastest tier holding ``key`` (None when absent or removed)."""
         if key in self.doomed:

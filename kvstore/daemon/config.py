@@ -30,6 +30,8 @@ class ServeConfig:
         disk_path: lmdb directory of the disk tier.
         device: device of the GPU tier (``cuda``, ``cuda:1``).
         policy: eviction policy of every tier (``lru``, ``lfu``, ``fifo``, ``s3fifo``, ``arc``).
+        admission: admission filter of the tiers (``none``, ``tinylfu``; see
+            ``kvstore.config.StoreConfig.admission``).
         auth_token: bearer token required by the server (an admin: see ``kvstore.daemon.tenants``).
         tenants_file: YAML/TOML/JSON file of tenants with their own tokens, roles and salts
             (``kvstore.daemon.tenants``); read at start.
@@ -101,6 +103,7 @@ class ServeConfig:
     disk_path: str | None = None
     device: str = "cuda"
     policy: str = "lru"
+    admission: str = "none"
     auth_token: str | None = None
     tenants_file: str | None = None
     page_bytes: int | str = "4KiB"
@@ -159,6 +162,11 @@ class ServeConfig:
             raise ValueError(f"unknown --policy {self.policy!r} (also $KVSTORE_POLICY or "
                              f"'policy' in the config file); choose one of "
                              f"{', '.join(sorted(POLICIES))}")
+        from kvstore.eviction import ADMISSIONS
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"unknown --admission {self.admission!r} (also $KVSTORE_ADMISSION "
+                             f"or 'admission' in the config file); choose one of "
+                             f"{', '.join(ADMISSIONS)}")
         if self.max_batch_keys <= 0 or self.max_body_bytes <= 0:
             raise ValueError("max_batch_keys and max_body_bytes must be positive")
         for name in ("request_timeout_s", "max_lease_s", "idle_timeout_s"):
@@ -223,7 +231,8 @@ class ServeConfig:
                "page_bytes": self.page_bytes,
                "device": self.device if self.gpu_bytes else "cpu",
                "gpu_policy": self.policy, "cpu_policy": self.policy,
-               "disk_policy": self.policy, "max_namespaces": self.max_namespaces,
+               "disk_policy": self.policy, "admission": self.admission,
+               "max_namespaces": self.max_namespaces,
                "disk_codec": self.disk_codec,
                "cpu_shared": self.unix_socket is not None and self.cpu_bytes > 0}
         if self.remote_url is not None:

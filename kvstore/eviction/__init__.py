@@ -1,9 +1,11 @@
-"""Eviction policies by name: ``create_policy("lru")``.
+"""Eviction policies by name: ``create_policy("lru")``; admission filters by name:
+``create_admission("tinylfu")`` (``admission``).
 
 Policies only listen to key events and name victims; tiers own the data (see ``base``).
 """
 from __future__ import annotations
 
+from kvstore.eviction.admission import ADMISSIONS, TinyLFU, create_admission
 from kvstore.eviction.arc import ARCPolicy
 from kvstore.eviction.base import EvictionPolicy
 from kvstore.eviction.fifo import FIFOPolicy
@@ -33,4 +35,4 @@ def create_policy(name: str) -> EvictionPolicy:
 
 
 __all__ = ["EvictionPolicy", "POLICIES", "create_policy", "LRUPolicy", "LFUPolicy", "FIFOPolicy",
-           "S3FIFOPolicy", "ARCPolicy"]
+           "S3FIFOPolicy", "ARCPolicy", "ADMISSIONS", "TinyLFU", "create_admission"]
