@@ -8,13 +8,24 @@ reservations, one request at a time):
 * a row's lookup walks its chunks head first and stops at the first one stored in no tier;
   the hit chunks are read (``on_access`` in the tier that serves each), those served by a
   lower tier are then promoted (copied) into the top tier;
-* the row's missing chunks are then stored in the top tier, in order, each only if its
-  parent is still stored (a chunk stored nowhere stops the row);
+* the row's missing chunks are then stored, in order, each only if its parent is still
+  stored, in the top tier or, when that refuses it, the first tier below that takes it (as
+  ``ChunkStore.put_chunks``); a chunk stored nowhere stops the row;
 * room is made by evicting the policy's victims: a victim of a tier with one below spills
   (is copied) there unless already there (``spilled_bytes`` counts these writes); a victim of
   the last tier must have no stored child and not be the placed chunk's first stored
   ancestor, else (rarely) it leaves with its stored descendants; when nothing may go the
-  chunk is not stored.
+  chunk is not stored;
+* with an admission filter (``kvstore.eviction.admission``, ``admission="tinylfu"``), every
+  chunk of a row is recorded as one request before the row is served, and an insert into a
+  full tier (a put, a promotion or a spill) goes ahead only if the filter admits the chunk
+  over the first victim the tier's policy names (else nothing is evicted and that tier does
+  not take it; a refused spill leaves the store).
+
+Speed: which tiers hold a key (a count of copies) and how many stored keys name it as parent
+are kept in two dicts as chunks come and go, so presence and "has a stored child" are one
+dict lookup each, whatever the number of tiers; the policies choose victims from heaps of
+keys with no stored child (``kvstore.eviction.base``).
 """
 from __future__ import annotations
 
@@ -23,6 +34,7 @@ from dataclasses import dataclass
 
 from bench.policy_trace import ChunkTrace
 from kvstore.eviction import EvictionPolicy, create_policy
+from kvstore.eviction.admission import create_admission
 from kvstore.movement import descendants_of
 
 
@@ -37,7 +49,10 @@ class ReplayResult:
         spilled_bytes: bytes written into tiers below the top (spills; the disk's writes).
         num_accesses: chunk accesses replayed (one per chunk of every row).
         elapsed_s: wall time of the replay, seconds.
+        cpu_s: CPU time of the replaying process over the replay, seconds (the replay's cost
+            on a machine shared with other work, where wall time also counts waiting).
         row_hit_tokens: prompt tokens served, per row.
+        refused: inserts the admission filter refused (0 without one).
     """
 
     hit_tokens: int
@@ -47,6 +62,8 @@ class ReplayResult:
     num_accesses: int
     elapsed_s: float
     row_hit_tokens: tuple[int, ...] = ()
+    refused: int = 0
+    cpu_s: float = 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -54,7 +71,16 @@ class ReplayResult:
 
     @property
     def accesses_per_s(self) -> float:
+        """Chunk accesses per CPU second (per wall second when no CPU time was measured)."""
+        s = self.cpu_s or self.elapsed_s
+        return self.num_accesses / s if s > 0 else float("inf")
+
+    @property
+    def accesses_per_wall_s(self) -> float:
         return self.num_accesses / self.elapsed_s if self.elapsed_s > 0 else float("inf")
+
+
+_NONE: frozenset = frozenset()
 
 
 class _Tier:
@@ -66,51 +92,57 @@ class _Tier:
         self.policy, self.capacity, self.used = policy, capacity, 0
         self.nbytes: dict[int, int] = {}
 
-    def drop(self, key: int) -> None:
-        n = self.nbytes.pop(key, None)
-        if n is not None:
-            self.used -= n
-            self.policy.on_remove(key)
-
 
 class PolicyReplay:
     """One replay of ``trace`` with ``policy`` in every tier of ``capacities`` (bytes, fastest
-    first) and chunk bytes = tokens times ``token_bytes``.
+    first) and chunk bytes = tokens times ``token_bytes``; ``admission``: an admission filter
+    name (``kvstore.eviction.admission.ADMISSIONS``; ``"none"``: every insert that fits goes
+    ahead), one filter for the whole store.
 
     Raises:
-        ValueError: no tier, a negative capacity, a non-positive ``token_bytes`` or an unknown
-            policy name.
+        ValueError: no tier, a negative capacity, a non-positive ``token_bytes``, an unknown
+            policy or admission filter name.
     """
 
     def __init__(self, trace: ChunkTrace, policy: str, capacities: list[int],
-                 token_bytes: int) -> None:
+                 token_bytes: int, admission: str = "none") -> None:
         if not capacities or min(capacities) < 0 or token_bytes <= 0:
             raise ValueError(f"capacities {capacities} must be >= 0 (at least one tier) and "
                              f"token_bytes {token_bytes} > 0")
         self.trace, self.token_bytes = trace, token_bytes
         self.tiers = [_Tier(create_policy(policy), c) for c in capacities]
+        self.admission = create_admission(admission)
         self.parent = trace.parent
         self.spilled_bytes = 0
+        self.refused = 0
+        self._copies: dict[int, int] = {}  # stored key -> tiers holding it
+        self._kids: dict[int, int] = {}  # key -> stored keys whose parent it is
 
     def run(self) -> ReplayResult:
         """Replay every row once; returns the totals."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         top_hit = 0
         rows: list[int] = []
         start = self.trace.start
+        row = self._row
         for r in range(len(start) - 1):
-            h, th = self._row(start[r], start[r + 1])
+            h, th = row(start[r], start[r + 1])
             rows.append(h)
             top_hit += th
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         return ReplayResult(sum(rows), top_hit, self.trace.total_tokens, self.spilled_bytes,
-                            len(self.trace.keys), elapsed, tuple(rows))
+                            len(self.trace.keys), elapsed, tuple(rows), self.refused, cpu)
 
     # ---- one row --------------------------------------------------------------------------
     def _row(self, a: int, b: int) -> tuple[int, int]:
         keys, tokens, tiers = self.trace.keys, self.trace.tokens, self.tiers
+        if self.admission is not None:
+            record = self.admission.record
+            for j in range(a, b):
+                record(keys[j])
         top, lower = tiers[0], tiers[1:]
         top_nbytes, top_access = top.nbytes, top.policy.on_access
+        copies = self._copies
         hit = top_hit = 0
         promote: list[int] = []
         j = a
@@ -119,40 +151,43 @@ class PolicyReplay:
             if k in top_nbytes:
                 top_access(k)
                 top_hit += tokens[j]
-            else:
+            elif k in copies:
                 for t in lower:
                     if k in t.nbytes:
                         t.policy.on_access(k)
                         promote.append(j)
                         break
-                else:
-                    break
+            else:
+                break
             hit += tokens[j]
             j += 1
+        tb, parent, insert = self.token_bytes, self.parent, self._insert
         for p in promote:
             k = keys[p]
-            if k not in top_nbytes and self._present(k):
-                self._insert(0, k, tokens[p] * self.token_bytes, self.parent.get(k), frozenset())
+            if k not in top_nbytes and k in copies:
+                insert(0, k, tokens[p] * tb, parent.get(k), _NONE)
+        n = len(tiers)
         for p in range(j, b):
             k = keys[p]
-            if self._present(k):
+            if k in copies:
                 continue
             par = keys[p - 1] if p > a else None
-            if par is not None and not self._present(par):
+            if par is not None and par not in copies:
                 break
-            if not self._insert(0, k, tokens[p] * self.token_bytes, par, frozenset()):
-                break
+            nbytes = tokens[p] * tb
+            if not insert(0, k, nbytes, par, _NONE):
+                if n == 1 or not any(insert(i, k, nbytes, par, _NONE)
+                                     for i in range(1, n)):
+                    break
         return hit, top_hit
 
-    # ---- placement (kvstore.movement.TierMover without pins) ------------------------------
+    # ---- the prefix graph over all tiers --------------------------------------------------
     def _present(self, key: int) -> bool:
-        for t in self.tiers:
-            if key in t.nbytes:
-                return True
-        return False
+        return key in self._copies
 
     def _elsewhere(self, key: int, i: int) -> bool:
-        return any(key in t.nbytes for j, t in enumerate(self.tiers) if j != i)
+        """Whether a tier other than i holds ``key`` (tier i holds it)."""
+        return self._copies.get(key, 0) > 1
 
     def _live_children(self, key: int) -> set[int]:
         out: set[int] = set()
@@ -160,15 +195,41 @@ class PolicyReplay:
             out |= t.policy.children(key)
         return out
 
-    def _has_live_child(self, key: int) -> bool:
-        for t in self.tiers:
-            if t.policy.children(key):
-                return True
-        return False
-
     def _descendants(self, key: int) -> list[int]:
         return descendants_of(key, self._live_children)
 
+    def _add(self, tier: _Tier, key: int, nbytes: int, parent: int | None) -> None:
+        tier.nbytes[key] = nbytes
+        tier.used += nbytes
+        tier.policy.on_insert(key, nbytes, parent)
+        c = self._copies.get(key)
+        if c is None:
+            self._copies[key] = 1
+            if parent is not None:
+                self._kids[parent] = self._kids.get(parent, 0) + 1
+        else:
+            self._copies[key] = c + 1
+
+    def _drop(self, tier: _Tier, key: int) -> None:
+        n = tier.nbytes.pop(key, None)
+        if n is None:
+            return
+        tier.used -= n
+        tier.policy.on_remove(key)
+        c = self._copies[key]
+        if c > 1:
+            self._copies[key] = c - 1
+            return
+        del self._copies[key]
+        p = self.parent.get(key)
+        if p is not None:
+            left = self._kids[p] - 1
+            if left:
+                self._kids[p] = left
+            else:
+                del self._kids[p]
+
+    # ---- placement (kvstore.movement.TierMover without pins) ------------------------------
     def _insert(self, i: int, key: int, nbytes: int, parent: int | None,
                 outer: frozenset) -> bool:
         tier = self.tiers[i]
@@ -176,39 +237,47 @@ class PolicyReplay:
             return False
         if tier.used + nbytes > tier.capacity:
             near = {key}
-            if parent is not None and self._present(parent):
+            if parent is not None and parent in self._copies:
                 near.add(parent)
-            if not self._make_room(i, nbytes, outer | near):
+            if not self._make_room(i, nbytes, outer | near, key):
                 return False
-        tier.nbytes[key] = nbytes
-        tier.used += nbytes
-        tier.policy.on_insert(key, nbytes, parent)
+        self._add(tier, key, nbytes, parent)
         return True
 
-    def _make_room(self, i: int, nbytes: int, near: frozenset) -> bool:
+    def _make_room(self, i: int, nbytes: int, near: frozenset, candidate: int) -> bool:
         tier = self.tiers[i]
         skip: set[int] = set()
+        adm = self.admission
+        if i + 1 == len(self.tiers):  # the last tier: a victim must strand nothing by itself
+            copies, kids = self._copies, self._kids
+
+            def simple(k: int) -> bool:
+                if k in skip:
+                    return False
+                if copies[k] > 1:
+                    return True
+                return k not in near and k not in kids
+        else:
+            simple = None
         while tier.used + nbytes > tier.capacity:
-            victim = self._pick(i, near, skip)
+            victim = self._pick(i, near, skip, simple)
             if victim is None:
                 return False
+            if adm is not None:
+                adm.fit(len(tier.nbytes))
+                if not adm.admit(candidate, victim):
+                    self.refused += 1
+                    return False
+                adm = None  # one comparison per placement: with the first victim
             if not self._evict(i, victim, near):
                 skip.add(victim)
         return True
 
-    def _pick(self, i: int, near: frozenset, skip: set[int]) -> int | None:
+    def _pick(self, i: int, near: frozenset, skip: set[int], simple) -> int | None:
         policy = self.tiers[i].policy
-        if i + 1 < len(self.tiers):  # a victim spills below: any key may go
+        if simple is None:  # a victim spills below: any key may go
             return policy.next_victim(lambda k: k not in skip) if skip else policy.next_victim()
-
-        def simple(k: int) -> bool:
-            if k in skip:
-                return False
-            if self._elsewhere(k, i):
-                return True
-            return k not in near and not self._has_live_child(k)
-
-        victim = policy.next_victim(simple, leaves_only=True)
+        victim = policy.next_victim(simple, True)
         if victim is not None:
             return victim
         full = self._lineage(near)
@@ -219,7 +288,7 @@ class PolicyReplay:
         out = set(near)
         for k in near:
             p = self.parent.get(k)
-            while p is not None and p not in out and self._present(p):
+            while p is not None and p not in out and p in self._copies:
                 out.add(p)
                 p = self.parent.get(p)
         return out
@@ -229,7 +298,7 @@ class PolicyReplay:
 
     def _evict(self, i: int, key: int, near: frozenset) -> bool:
         tier = self.tiers[i]
-        stays = self._elsewhere(key, i)
+        stays = self._copies[key] > 1
         if not stays and i + 1 < len(self.tiers):
             nbytes = tier.nbytes[key]
             if self._insert(i + 1, key, nbytes, self.parent.get(key), near):
@@ -238,23 +307,31 @@ class PolicyReplay:
         if not stays:
             if key in near:
                 return False
-            desc = self._descendants(key) if self._has_live_child(key) else []
+            desc = self._descendants(key) if key in self._kids else []
             if any(d in near for d in desc):
                 return False
             for d in reversed(desc):
                 for t in self.tiers:
-                    t.drop(d)
-        tier.drop(key)
+                    self._drop(t, d)
+        self._drop(tier, key)
         return True
 
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` if a tier's bytes or its policy's keys disagree with what it
-        holds, or a stored chunk's parent is stored nowhere (unreachable)."""
+        holds, the copy and child counts drifted, or a stored chunk's parent is stored nowhere
+        (unreachable)."""
+        copies: dict[int, int] = {}
         for t in self.tiers:
             assert t.used == sum(t.nbytes.values()) <= t.capacity, "tier bytes drifted"
             assert t.policy.keys() == set(t.nbytes), "policy and tier disagree"
             t.policy.check_integrity()
-        for t in self.tiers:
             for k in t.nbytes:
-                p = self.parent.get(k)
-                assert p is None or self._present(p), f"chunk {k} stored without parent {p}"
+                copies[k] = copies.get(k, 0) + 1
+        assert copies == self._copies, "copy counts drifted"
+        kids: dict[int, int] = {}
+        for k in copies:
+            p = self.parent.get(k)
+            assert p is None or p in copies, f"chunk {k} stored without parent {p}"
+            if p is not None:
+                kids[p] = kids.get(p, 0) + 1
+        assert kids == self._kids, "child counts drifted"

@@ -3,7 +3,9 @@
     python -m bench.policy_sim --trace mooncake-conv --json out.json --png out.png
 
 Replays the trace's prefix-chunk accesses (``bench.policy_trace``) through the store's real
-policy objects (``bench.policy_replay``) at capacities given as fractions of the trace's
+policy objects (``bench.policy_replay``), each without and with an admission filter
+(``--admission``, default ``none`` and ``tinylfu``; a curve with one is named
+``POLICY+FILTER``, e.g. ``lru+tinylfu``), at capacities given as fractions of the trace's
 unique bytes, in one tier and in two (CPU over disk, ``--cpu-share`` of the capacity in CPU),
 and the bound (``bench.policy_belady``) at the same capacities. Chunk bytes are tokens times
 the layout's KV bytes per token; every size scales by the same factor, so hit rates do not
@@ -12,10 +14,13 @@ served by the store over prompt tokens of every row.
 
 JSON (``--json``): ``{"trace", "default_policy", "infinite_hit_rate", "curves": {POLICY:
 {FRACTION: hit_rate}}, "belady": {FRACTION: hit_rate}, "accesses_per_s"}`` (one tier; the
-fractions as strings, e.g. "0.1"), plus ``two_tier`` ({POLICY: {FRACTION: {"hit_rate",
-"cpu_hit_rate", "disk_bytes_written"}}}), ``accesses_per_s_by_policy``, ``layout``,
+fractions as strings, e.g. "0.1"), plus ``default_admission`` (the store's), ``two_tier`` ({POLICY: {FRACTION: {"hit_rate",
+"cpu_hit_rate", "disk_bytes_written"}}}), ``accesses_per_s_by_policy`` (per curve name),
+``refused`` ({CURVE: {FRACTION: inserts the filter refused}}, one tier), ``layout``,
 ``token_bytes``, ``unique_bytes``, ``num_accesses``, ``cpu_share`` and ``calibration_ops_per_s``
-(a plain dict-insert loop on this machine, to read the rate against).
+(a plain dict-insert loop on this machine, to read the rate against). ``accesses_per_s`` is the
+slowest curve's rate: chunk accesses replayed per CPU second of the replaying process (CPU
+time, not wall time, so that other work on the machine does not count against the policy).
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ from bench.policy_belady import belady_hit_tokens, next_uses
 from bench.policy_replay import PolicyReplay
 from bench.policy_trace import TRACES, ChunkTrace, load_chunk_trace, prefix_reuse_tokens
 from kvstore.config import StoreConfig
-from kvstore.eviction import POLICIES
+from kvstore.eviction import ADMISSIONS, POLICIES
 from kvstore.layout import KVLayout
 
 #: KV layouts to size chunks by: SmolLM2-135M (30 layers, 3 KV heads of 64) and an 8B-class
@@ -59,24 +64,32 @@ def tier_capacities(unique_bytes: int, fraction: float, tiers: int,
 
 
 def calibration_ops_per_s(n: int = 200_000) -> float:
-    """Dict inserts per second of a plain Python loop here (the machine's speed right now)."""
+    """Dict inserts per CPU second of a plain Python loop here (the machine's speed right
+    now, measured as the replays are)."""
     d: dict[int, int] = {}
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     for i in range(n):
         d[i] = i
-    return n / (time.perf_counter() - t0)
+    return n / max(time.process_time() - t0, 1e-9)
+
+
+def curve_name(policy: str, admission: str) -> str:
+    """``lru`` without a filter, ``lru+tinylfu`` with one."""
+    return policy if admission == "none" else f"{policy}+{admission}"
 
 
 def simulate(trace: ChunkTrace, policies: list[str], fractions: list[float],
              token_bytes: int, two_tier: bool = True, cpu_share: float = 0.25,
-             log=None) -> dict:
-    """Replay ``trace`` for each policy and fraction (one tier, and two when ``two_tier``)
-    and compute the bound; returns the JSON document described in the module docstring
-    (without the layout fields). ``log``: a callable given one progress line per replay."""
+             log=None, admissions: tuple[str, ...] = ("none",)) -> dict:
+    """Replay ``trace`` for each policy, admission filter and fraction (one tier, and two
+    when ``two_tier``) and compute the bound; returns the JSON document described in the
+    module docstring (without the layout fields). ``log``: a callable given one progress line
+    per replay."""
     unique_bytes = trace.unique_tokens() * token_bytes
     total = trace.total_tokens
     nxt = next_uses(trace)
     out: dict = {"trace": trace.name, "default_policy": StoreConfig().cpu_policy,
+                 "default_admission": StoreConfig().admission, "refused": {},
                  "infinite_hit_rate": prefix_reuse_tokens(trace) / total,
                  "curves": {}, "belady": {}, "two_tier": {}, "accesses_per_s_by_policy": {},
                  "unique_bytes": unique_bytes, "num_accesses": len(trace.keys),
@@ -84,24 +97,27 @@ def simulate(trace: ChunkTrace, policies: list[str], fractions: list[float],
     for f in fractions:
         cap = tier_capacities(unique_bytes, f, 1, cpu_share)[0]
         out["belady"][_frac_key(f)] = belady_hit_tokens(trace, cap, token_bytes, nxt) / total
-    for name in policies:
-        curve, two, accesses, seconds = {}, {}, 0, 0.0
+    for policy, adm in [(p, a) for a in admissions for p in policies]:
+        name = curve_name(policy, adm)
+        curve, two, refused, accesses, seconds = {}, {}, {}, 0, 0.0
         for f in fractions:
             for tiers in ((1, 2) if two_tier else (1,)):
                 caps = tier_capacities(unique_bytes, f, tiers, cpu_share)
-                res = PolicyReplay(trace, name, caps, token_bytes).run()
+                res = PolicyReplay(trace, policy, caps, token_bytes, adm).run()
                 accesses += res.num_accesses
-                seconds += res.elapsed_s
+                seconds += res.cpu_s or res.elapsed_s
                 if tiers == 1:
                     curve[_frac_key(f)] = res.hit_rate
+                    refused[_frac_key(f)] = res.refused
                 else:
                     two[_frac_key(f)] = {"hit_rate": res.hit_rate,
                                          "cpu_hit_rate": res.top_hit_tokens / total,
                                          "disk_bytes_written": res.spilled_bytes}
                 if log:
-                    log(f"{trace.name} {name:7s} {f:5.2f} tiers={tiers} hit={res.hit_rate:.4f} "
+                    log(f"{trace.name} {name:15s} {f:5.2f} tiers={tiers} hit={res.hit_rate:.4f} "
                         f"{res.accesses_per_s:,.0f} accesses/s")
         out["curves"][name] = curve
+        out["refused"][name] = refused
         if two:
             out["two_tier"][name] = two
         out["accesses_per_s_by_policy"][name] = accesses / seconds if seconds else 0.0
@@ -164,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--traces-dir", default=str(DEFAULT_TRACES_DIR))
     ap.add_argument("--policy", action="append", choices=sorted(POLICIES),
                     help="a policy to replay (repeat; default all)")
+    ap.add_argument("--admission", action="append", choices=list(ADMISSIONS),
+                    help="an admission filter to replay each policy with (repeat; default "
+                         "none and tinylfu)")
     ap.add_argument("--fractions", default=",".join(str(f) for f in FRACTIONS),
                     help="capacities as fractions of the unique bytes, comma-separated")
     ap.add_argument("--limit", type=int, help="replay the first N rows only (default all)")
@@ -188,12 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     trace = load_chunk_trace(args.trace, args.traces_dir, args.limit)
     doc = simulate(trace, args.policy or sorted(POLICIES), fractions, layout.token_bytes,
                    two_tier=not args.one_tier_only, cpu_share=args.cpu_share,
-                   log=lambda line: print(line, file=sys.stderr, flush=True))
+                   log=lambda line: print(line, file=sys.stderr, flush=True),
+                   admissions=tuple(dict.fromkeys(args.admission or ADMISSIONS)))
     doc.update(layout=args.layout, token_bytes=layout.token_bytes,
                calibration_ops_per_s=calibration_ops_per_s())
     print(table(doc))
     print(f"infinite cache: {doc['infinite_hit_rate']:.4f}; slowest policy "
-          f"{doc['accesses_per_s']:,.0f} accesses/s (a dict-insert loop here: "
+          f"{doc['accesses_per_s']:,.0f} accesses per CPU second (a dict-insert loop here: "
           f"{doc['calibration_ops_per_s']:,.0f}/s)")
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")

@@ -74,6 +74,44 @@ def test_policy_decisions_match_the_hand_worked_table(name):
     assert res.spilled_bytes == 0
 
 
+# The same string with the TinyLFU admission filter (requests recorded at each row's start):
+# a is requested twice by row 1, b once by row 3; c (row 3) and d (row 5) are requested once
+# and lose against any victim (a: 2; b: 1 at row 3, a tie, 2 at row 5), so the tier keeps a
+# and b and rows 4, 6, 7 hit, whatever the policy's victim.
+HAND_TINYLFU = [0, 1, 0, 0, 1, 0, 1, 1]
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_admission_decisions_match_the_hand_worked_table(name):
+    sim = PolicyReplay(_single_chunk_rows("aabcbdba"), name, [20], token_bytes=10,
+                       admission="tinylfu")
+    res = sim.run()
+    sim.check_integrity()
+    assert list(res.row_hit_tokens) == HAND_TINYLFU
+    assert res.refused == 2  # c and d
+    assert set(sim.tiers[0].nbytes) == {ord("a"), ord("b")}
+
+
+def test_admission_keeps_a_chunk_asked_once_off_the_disk():
+    # CPU 1 chunk over disk 1 chunk, LRU, "aabbccc". Without a filter every eviction spills
+    # (a at row 2, b at row 4: 20 bytes). With TinyLFU: b (1 request) loses to a (2) in CPU
+    # and goes to the empty disk; b's promotion ties a (2 vs 2): refused; c's first two
+    # requests lose (or tie) in both tiers; the third beats a (3 > 2), and a's spill ties b on
+    # the full disk: refused, a leaves. 7 refusals, nothing spilled.
+    rows = _single_chunk_rows("aabbccc")
+    plain = PolicyReplay(rows, "lru", [10, 10], token_bytes=10).run()
+    assert list(plain.row_hit_tokens) == [0, 1, 0, 1, 0, 1, 1]
+    assert plain.spilled_bytes == 20
+    sim = PolicyReplay(rows, "lru", [10, 10], token_bytes=10, admission="tinylfu")
+    res = sim.run()
+    sim.check_integrity()
+    assert list(res.row_hit_tokens) == [0, 1, 0, 1, 0, 0, 0]
+    assert (res.refused, res.spilled_bytes) == (7, 0)
+    assert [set(t.nbytes) for t in sim.tiers] == [{ord("c")}, {ord("b")}]
+    with pytest.raises(ValueError, match="unknown admission filter"):
+        PolicyReplay(rows, "lru", [10], token_bytes=10, admission="lfu")
+
+
 def test_two_tiers_spill_and_promote():
     # CPU holds 1 chunk, disk 2: b's insert spills a to disk; reading a hits the disk and
     # promotes it, which spills b (held by the CPU only) to disk too
@@ -168,13 +206,19 @@ def test_from_rows_refuses_unchained_ids():
 def test_cli_writes_the_json_the_issue_names_and_a_png(tmp_path, capsys):
     out, png = tmp_path / "o.json", tmp_path / "o.png"
     assert main(["--trace", "mooncake-synth", "--policy", "lru", "--policy", "arc",
-                 "--fractions", "0.3,1.0", "--limit", "400", "--json", str(out), "--png", str(png)]) == 0
+                 "--fractions", "0.3,1.0", "--limit", "400", "--json", str(out), "--png", str(png),
+                 "--admission", "none", "--admission", "tinylfu"]) == 0
     doc = json.loads(out.read_text())
     assert {"trace", "default_policy", "infinite_hit_rate", "curves", "belady",
             "accesses_per_s"} <= set(doc)
     assert doc["trace"] == "mooncake-synth" and doc["default_policy"] == "lru"
-    assert set(doc["curves"]) == {"lru", "arc"} and set(doc["belady"]) == {"0.3", "1.0"}
+    assert doc["default_admission"] == "none"
+    assert set(doc["curves"]) == {"lru", "arc", "lru+tinylfu", "arc+tinylfu"}
+    assert set(doc["belady"]) == {"0.3", "1.0"}
     for name in ("lru", "arc"):
+        assert doc["refused"][name] == {"0.3": 0, "1.0": 0}
+        assert doc["refused"][name + "+tinylfu"]["1.0"] == 0  # everything fits: no victim
+    for name in doc["curves"]:
         assert doc["curves"][name]["1.0"] == pytest.approx(doc["infinite_hit_rate"])
         assert doc["curves"][name]["0.3"] <= doc["belady"]["0.3"]
         assert doc["two_tier"][name]["0.3"]["disk_bytes_written"] > 0
