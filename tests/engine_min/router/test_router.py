@@ -368,6 +368,28 @@ def test_stream_is_byte_identical_to_the_engines(engines):
         relay.close()
 
 
+def test_client_leaving_a_stream_aborts_the_engines_request(router, engines):
+    _settle(router, engines)
+    before = [_metrics(e.url) for e in engines]
+    body = json.dumps({"model": MODEL, "prompt": "Tell me a long story about a dragon.",
+                       "max_tokens": 300, "ignore_eos": True, "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", router.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    received = b""
+    while received.count(b"data: ") < 3:
+        received += sock.recv(65536)
+    assert received.startswith(b"HTTP/1.1 200")
+    sock.close()
+    _settle(router, engines)   # the router's in-flight count and the engines' load back to 0
+    key = 'engine_request_success_total{finished_reason="abort"}'
+    aborted = [_metrics(e.url).get(key, 0.0) - b.get(key, 0.0) for e, b in zip(engines, before)]
+    assert sorted(aborted) == [0.0, 1.0]
+    generated = sum(_metrics(e.url)["engine_generation_tokens_total"]
+                    - b["engine_generation_tokens_total"] for e, b in zip(engines, before))
+    assert generated < 300
+
+
 def test_bad_input_reaches_the_engines_error(router, engines):
     for path, raw in (("/v1/completions", b"{not json"),
                       ("/v1/chat/completions", b'{"messages": "hi"}'),
