@@ -49,10 +49,13 @@ sizes, deadlines and queue size before a store opens, naming the key of a bad va
   that does not fit is dropped (counted) instead of stalling the engine.
 * ``pin_lease_s`` (default 30): chunks found by a lookup are pinned for this long so no eviction
   removes them before the load (0 disables pinning).
-* ``layerwise_load`` (default true): a step's loads run on a background thread, store read
-  then layer after layer, while the forward pass runs; vLLM's ``wait_for_layer_load`` in
-  layer ``i``'s attention waits only until layer ``i`` is written. ``false``: whole loads,
-  every layer written before the forward pass starts.
+* ``layerwise_load`` (default ``auto``): ``true``: a step's loads run on a background thread,
+  store read then layer after layer, while the forward pass runs; vLLM's
+  ``wait_for_layer_load`` in layer ``i``'s attention waits only until layer ``i`` is written.
+  ``false``: whole loads, every layer written before the forward pass starts. ``auto``:
+  layer-wise when the KV caches are on a GPU (the copies overlap compute), whole on CPU
+  (copies and the forward pass share the cores: whole loads measured faster there,
+  ``bench.vllm_compare``).
 
 What moves: whole chunks of ``chunk_size`` tokens, as tensors
 ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` (K = index 0, V = index 1), then the

@@ -174,8 +174,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         return meta if isinstance(meta, KVStoreConnectorMetadata) else None
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        """Start this step's loads: layer-wise (``layerwise_load``, the default) on the loader
-        thread while the forward pass runs, else whole before returning. A missing chunk, a
+        """Start this step's loads: layer-wise (``layerwise_load``; by default on GPU) on the
+        loader thread while the forward pass runs, else whole before returning. A missing chunk, a
         store error or a deadline marks the blocks of the remaining tokens as failed, for
         vLLM to recompute."""
         meta = self._metadata()

@@ -31,7 +31,10 @@ class ConnectorOptions:
         save_queue_bytes: bytes of gathered chunks the background writer may hold.
         store: the store to open (shared by the connectors of one process).
         layerwise_load: loads run layer by layer beside the forward pass (layer ``i``'s
-            attention waits only for layer ``i``); False: whole loads before it.
+            attention waits only for layer ``i``); False: whole loads before it; None
+            (``"auto"``, the default): layer by layer when the KV caches are on a GPU, whole
+            on CPU (where the load's copies and the forward pass share the same cores, and
+            whole loads measured faster: ``bench.vllm_compare``).
     """
 
     chunk_size: int
@@ -40,7 +43,7 @@ class ConnectorOptions:
     pin_lease_s: float
     save_queue_bytes: int
     store: StoreSpec
-    layerwise_load: bool = True
+    layerwise_load: bool | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any], block_size: int) -> "ConnectorOptions":
@@ -54,7 +57,7 @@ class ConnectorOptions:
                 negative, does not divide ``chunk_size``, is not smaller or not a multiple of
                 ``block_size``; ``timeout_s`` not a positive number; ``pin_lease_s`` negative;
                 ``save_queue_bytes`` not a byte size (``512MiB`` or an int); ``layerwise_load``
-                not a boolean (``true``/``false``, 1/0); a bad remote tier setting
+                not a boolean (``true``/``false``, 1/0) or ``auto``; a bad remote tier setting
                 (``remote_fields``).
         """
         chunk_size = _int(extra, "chunk_size", DEFAULT_CHUNK_SIZE, minimum=1)
@@ -78,7 +81,15 @@ class ConnectorOptions:
         return cls(chunk_size=chunk_size, tail_chunk_size=tail, timeout_s=timeout_s,
                    pin_lease_s=_seconds(extra, "pin_lease_s", 30.0, allow_zero=True),
                    save_queue_bytes=queue_bytes, store=store_spec(extra, timeout_s),
-                   layerwise_load=_bool(extra, "layerwise_load", True))
+                   layerwise_load=_auto_bool(extra, "layerwise_load"))
+
+
+def _auto_bool(extra: Mapping[str, Any], key: str) -> bool | None:
+    """``extra[key]`` as ``_bool`` does, or None when absent, None or ``"auto"``."""
+    value = extra.get(key)
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    return _bool(extra, key, False)
 
 
 def _bool(extra: Mapping[str, Any], key: str, default: bool) -> bool:

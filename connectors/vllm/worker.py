@@ -51,12 +51,14 @@ class WorkerSide:
         forward_context: ``() -> {layer name: attention layer}`` (vLLM's static forward
             context), read once when the paged layout is derived.
         layerwise: loads run layer by layer on a background thread (``start_load``,
-            ``wait_layer``); False: whole loads before the forward pass.
+            ``wait_layer``); False: whole loads before the forward pass; None: decided at
+            ``register``, layer by layer when the caches are on a GPU, whole on CPU.
     """
 
     def __init__(self, layout: KVLayout, layer_names: list[str], block_size: int,
                  num_blocks: int, calls: StoreCalls, counters: Counters, save_queue_bytes: int,
-                 forward_context: Callable[[], dict[str, Any]], layerwise: bool = False) -> None:
+                 forward_context: Callable[[], dict[str, Any]],
+                 layerwise: bool | None = False) -> None:
         self.layout, self.layer_names = layout, layer_names
         self.block_size, self.num_blocks = block_size, num_blocks
         self.calls, self.counters = calls, counters
@@ -88,6 +90,8 @@ class WorkerSide:
                              f"group's layers {self.layer_names[:3]}...")
         self.kv_caches = {n: kv_caches[n] for n in names}
         self._caches = list(self.kv_caches.values())
+        if self.layerwise is None:  # auto: overlap only where copies do not take the cores
+            self.layerwise = bool(self._caches) and self._caches[0].device.type == "cuda"
 
     def ensure_layout(self) -> PagedLayout | None:
         """The paged layout, derived at the first call; None (logged once) when it cannot be

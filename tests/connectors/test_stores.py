@@ -112,6 +112,13 @@ def test_vllm_options_read_the_extra_config():
                                        block_size=16).save_queue_bytes == 1 << 30
     with pytest.raises(ValueError, match="tail_chunk_size 100 must divide chunk_size 256"):
         ConnectorOptions.from_extra({"tail_chunk_size": 100}, block_size=128)
+    # layer-wise loads: auto (None: decided by the caches' device) unless set
+    assert opts.layerwise_load is None
+    for value, want in (("auto", None), ("true", True), (False, False), (1, True)):
+        assert ConnectorOptions.from_extra({"layerwise_load": value},
+                                           block_size=16).layerwise_load is want
+    with pytest.raises(ValueError, match="'layerwise_load' must be true or false"):
+        ConnectorOptions.from_extra({"layerwise_load": "sometimes"}, block_size=16)
     remote = store_spec({"kvstore_url": "http://h:1", "auth_token": "t", "cpu_bytes": "1GiB"},
                         timeout_s=2.0)
     assert remote == StoreSpec(url="http://h:1", auth_token="t", timeout_s=2.0)

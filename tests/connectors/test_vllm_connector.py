@@ -280,12 +280,12 @@ def test_a_chunk_missing_at_load_time_is_recomputed_from_there(engine, prompts, 
     chunks 0-1 land, vLLM recomputes from token 512 on, and the answer is unchanged."""
     assert engine["llm"].reset_prefix_cache()
     w = engine["w"]
-    real, w.worker.layerwise = w.store, layerwise
+    real, default, w.worker.layerwise = w.store, w.worker.layerwise, layerwise
     w.store = _Missing(real, w.namespaces.base, 2)
     try:
         out, dw, ds = _gen(engine, prompts["P"])
     finally:
-        w.store, w.worker.layerwise = real, True
+        w.store, w.worker.layerwise = real, default
     assert out == baseline["P"]
     assert ds["external_tokens"] == 4 * CHUNK + BLOCK
     assert dw["loaded_tokens"] == 2 * CHUNK and dw["loaded_chunks"] == 2
@@ -293,10 +293,10 @@ def test_a_chunk_missing_at_load_time_is_recomputed_from_there(engine, prompts, 
 
 
 def test_layerwise_and_whole_loads_give_the_no_store_answer(engine, prompts, baseline):
-    """The same hit (P after a prefix-cache reset) loaded layer by layer (the default: each
-    attention layer waits for its own layer, in layer order) and whole."""
+    """The same hit (P after a prefix-cache reset) loaded layer by layer (each attention layer
+    waits for its own layer, in layer order) and whole (the default on CPU)."""
     w = engine["w"]
-    assert w.worker.layerwise is True and w.options.layerwise_load is True
+    assert w.options.layerwise_load is None and w.worker.layerwise is False  # auto, CPU caches
     waited: list[str] = []
     real_wait = w.worker.wait_layer
 
@@ -318,7 +318,7 @@ def test_layerwise_and_whole_loads_give_the_no_store_answer(engine, prompts, bas
             assert waited == (w.worker.layer_names if layerwise else []), layerwise
     finally:
         w.worker.wait_layer = real_wait
-        w.worker.layerwise = True
+        w.worker.layerwise = False
 
 
 def test_chat_round_2_hits_round_1_prompt_and_answer(engine, chat, baseline):

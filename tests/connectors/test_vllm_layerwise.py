@@ -160,3 +160,8 @@ def test_an_error_while_scattering_fails_the_whole_load():
     w.finish_load()
     assert w.failed_blocks() == {BLOCKS[j] for j in range(1, 6)}
     w.close()
+
+
+def test_auto_loads_whole_on_cpu_caches():
+    w = _worker(Store({}), layerwise=None)
+    assert w.layerwise is False          # CPU caches: copies would take the forward's cores
