@@ -46,7 +46,8 @@ class ReplayResult:
         hit_tokens: prompt tokens served from any tier.
         top_hit_tokens: prompt tokens served by the top tier.
         total_tokens: prompt tokens of every row.
-        spilled_bytes: bytes written into tiers below the top (spills; the disk's writes).
+        spilled_bytes: bytes written into tiers below the top (the disk's writes): spills,
+            and chunks the top tier refused that a lower tier took.
         num_accesses: chunk accesses replayed (one per chunk of every row).
         elapsed_s: wall time of the replay, seconds.
         cpu_s: CPU time of the replaying process over the replay, seconds (the replay's cost
@@ -176,8 +177,11 @@ class PolicyReplay:
                 break
             nbytes = tokens[p] * tb
             if not insert(0, k, nbytes, par, _NONE):
-                if n == 1 or not any(insert(i, k, nbytes, par, _NONE)
-                                     for i in range(1, n)):
+                for i in range(1, n):
+                    if insert(i, k, nbytes, par, _NONE):
+                        self.spilled_bytes += nbytes  # (written below the top: counted too)
+                        break
+                else:
                     break
         return hit, top_hit
 

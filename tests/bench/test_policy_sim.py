@@ -95,9 +95,9 @@ def test_admission_decisions_match_the_hand_worked_table(name):
 def test_admission_keeps_a_chunk_asked_once_off_the_disk():
     # CPU 1 chunk over disk 1 chunk, LRU, "aabbccc". Without a filter every eviction spills
     # (a at row 2, b at row 4: 20 bytes). With TinyLFU: b (1 request) loses to a (2) in CPU
-    # and goes to the empty disk; b's promotion ties a (2 vs 2): refused; c's first two
-    # requests lose (or tie) in both tiers; the third beats a (3 > 2), and a's spill ties b on
-    # the full disk: refused, a leaves. 7 refusals, nothing spilled.
+    # and goes to the empty disk (the one disk write, 10 bytes); b's promotion ties a (2 vs
+    # 2): refused; c's first two requests lose (or tie) in both tiers; the third beats a
+    # (3 > 2), and a's spill ties b on the full disk: refused, a leaves. 7 refusals.
     rows = _single_chunk_rows("aabbccc")
     plain = PolicyReplay(rows, "lru", [10, 10], token_bytes=10).run()
     assert list(plain.row_hit_tokens) == [0, 1, 0, 1, 0, 1, 1]
@@ -106,7 +106,7 @@ def test_admission_keeps_a_chunk_asked_once_off_the_disk():
     res = sim.run()
     sim.check_integrity()
     assert list(res.row_hit_tokens) == [0, 1, 0, 1, 0, 0, 0]
-    assert (res.refused, res.spilled_bytes) == (7, 0)
+    assert (res.refused, res.spilled_bytes) == (7, 10)
     assert [set(t.nbytes) for t in sim.tiers] == [{ord("c")}, {ord("b")}]
     with pytest.raises(ValueError, match="unknown admission filter"):
         PolicyReplay(rows, "lru", [10], token_bytes=10, admission="lfu")
