@@ -4,7 +4,8 @@ line (the app is ``engine_min.router.proxy``).
 Start-up order: the engine URLs are checked (``http://host:port``), each engine must answer
 ``GET /health`` within ``--startup-timeout-s`` (an engine still loading its model is waited
 for), then the tokenizer of ``--model`` is loaded and the router listens. Any failure is one
-line on stderr and exit status 2.
+line on stderr and exit status 2. An engine whose ``/tokenize`` disagrees with the router's
+tokenizer on a probe chat is logged as a warning (its requests would be routed by load only).
 """
 from __future__ import annotations
 
@@ -93,6 +94,38 @@ def wait_for_engines(urls: list[str], timeout_s: float) -> None:
         time.sleep(0.5)
 
 
+#: the probe ``check_tokenizer`` sends: special tokens, digits, spaces, non-ASCII, a chat turn
+PROBE_MESSAGES = [{"role": "user", "content": "Route 2 this:  naïve café 🚀 12345 <|im_end|>"}]
+
+
+def check_tokenizer(urls: list[str], tokenizer) -> list[str]:
+    """Compare the router's token ids of ``PROBE_MESSAGES`` (chat template included) with each
+    engine's ``POST /tokenize``. Returns one warning per engine that disagrees or cannot say
+    (empty: all agree); a router with another tokenizer than its engines routes by load only,
+    as its hashes match nothing."""
+    import json
+
+    from engine_min.router.prompt import prompt_token_ids
+    body = json.dumps({"messages": PROBE_MESSAGES}).encode()
+    mine = prompt_token_ids(tokenizer, body, "chat")
+    warnings = []
+    for u in urls:
+        req = urllib.request.Request(u + "/tokenize", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                theirs = json.loads(r.read()).get("tokens")
+        except (urllib.error.URLError, OSError, ValueError, AttributeError) as exc:
+            warnings.append(f"{u}: cannot compare tokenizers (/tokenize: {exc})")
+            continue
+        if theirs != mine:
+            warnings.append(f"{u} tokenizes a chat differently from --model (its /tokenize "
+                            f"gave {len(theirs or [])} ids, the router {len(mine or [])}): "
+                            f"pass the engines' model as --model, or its requests are routed "
+                            f"by load only")
+    return warnings
+
+
 def route_main(args: argparse.Namespace) -> int:
     """Check the engines, load the tokenizer, serve until interrupted. Returns 2 (reason on
     stderr) on bad flags, engines not answering or a model that cannot be read."""
@@ -113,6 +146,8 @@ def route_main(args: argparse.Namespace) -> int:
     except (ModelLoadError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    for warning in check_tokenizer(urls, tokenizer):
+        logger.warning("%s", warning)
     from aiohttp import web
 
     from engine_min.router.proxy import create_router_app

@@ -32,6 +32,7 @@ import pytest
 from engine_min.cli import main as cli_main
 from engine_min.config import EngineConfig
 from engine_min.engine import LLMEngine
+from engine_min.router.cli import check_tokenizer
 from engine_min.router.policy import make_policy
 from engine_min.router.prompt import PromptEncoder, prompt_token_ids
 from engine_min.router.proxy import ROUTER_KEY, create_router_app
@@ -194,6 +195,20 @@ def test_token_ids_equal_an_engine_tokenize(engines, spare):
     assert enc._chars <= 40 and enc._split is not None
     assert prompt_token_ids(tok, json.dumps({"messages": messages}).encode(), "chat",
                             enc) == expected
+    # the start-up probe agrees with the engine; a dead engine and another tokenizer are named
+    assert check_tokenizer([url], tok) == []
+    dead = f"http://127.0.0.1:{_free_port()}"
+    (warning,) = check_tokenizer([dead], tok)
+    assert warning.startswith(f"{dead}: cannot compare tokenizers")
+
+    class Shifted:  # a tokenizer whose ids differ from the engine's
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def encode(self, text):
+            return [t + 1 for t in tok.encode(text)]
+    (warning,) = check_tokenizer([url], Shifted())
+    assert warning.startswith(f"{url} tokenizes a chat differently from --model")
     # bodies the engine refuses: the router does not tokenize them
     for raw, kind in ((b"{nope", "chat"), (b'{"messages": []}', "chat"),
                       (b'{"prompt": "x", "n": 2}', "completion"), (b"[1]", "completion")):
