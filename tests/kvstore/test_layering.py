@@ -202,9 +202,17 @@ def test_connectors_reach_the_engine_only_for_its_weights_fingerprint():
 
 def test_the_engine_core_never_imports_its_server():
     """``engine_min.serve`` (the HTTP server) sits on the engine core, not the other way round;
-    only the command line (``engine_min.cli``, ``python -m engine_min``) starts it."""
+    only the command line (``engine_min.cli``, ``python -m engine_min``) starts it, and the
+    router (``engine_min.router``) parses requests with the server's own protocol module."""
     assert offenders("engine_min", ("engine_min.serve",),
-                     skip=("engine_min.serve", "engine_min.cli", "engine_min.__main__")) == []
+                     skip=("engine_min.serve", "engine_min.router", "engine_min.cli",
+                           "engine_min.__main__")) == []
+
+
+def test_neither_the_engine_nor_its_server_imports_the_router():
+    """The router sits in front of engines (it reaches them over HTTP only)."""
+    assert offenders("engine_min", ("engine_min.router",),
+                     skip=("engine_min.router", "engine_min.cli", "engine_min.__main__")) == []
 
 
 def test_connector_modules_import_one_another_without_a_cycle():
