@@ -43,11 +43,9 @@ import asyncio
 import json
 import os
 import time
-import urllib.request
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-import aiohttp
 import numpy as np
 from tqdm import tqdm
 
