@@ -134,6 +134,18 @@ async def put(c: "Connection", h: dict) -> dict:
     if staged is None and c.payload_left != P.payload_total(entries):
         raise P.ProtocolError(f"payload is {c.payload_left} bytes but the chunks declare "
                               f"{P.payload_total(entries)}")
+    if staged is not None and state.direct and not durable:
+        # the common case in one store-pool call (reserve, copy + hash, commit): no hops
+        done = await state.call_shielded(_put_staged_direct, store, ns, entries, staged)
+        if done is not None:
+            stored, dropped, bad = done
+            if bad is not None:
+                state.rejected.labels("checksum").inc()
+                raise P.ProtocolError(f"checksum mismatch for key {bad.key.hex()[:16]}...; "
+                                      "nothing stored")
+            state.bytes_in.inc(P.payload_total(entries))
+            return _ok(stored=int(stored), num_chunks=len(entries), durable=False,
+                       rejected={"no_room": dropped} if dropped else {})
     budget, bufs, items, handed, copying = [0], [], [None] * len(entries), False, []
     try:
         if staged is None:
@@ -252,6 +264,30 @@ async def _copy_staged(c: "Connection", ns, entries, durable: bool, budget: list
         state.rejected.labels("checksum").inc()
         raise P.ProtocolError(f"checksum mismatch for key {bad.key.hex()[:16]}...; nothing "
                               "stored")
+
+
+def _put_staged_direct(store, ns, entries, src: np.ndarray):
+    """A staged put into the top tier in one call on the store pool: reserve every chunk's
+    pages, copy and hash each from ``src``, commit the batch. Returns ``(stored, dropped,
+    None)``, ``(0, 0, entry)`` for the first entry whose bytes do not match its xxh3
+    (nothing is committed), or None when a chunk found no room in the top tier but a lower
+    tier could take it (nothing is kept; the caller takes the general path, which stages it
+    in a buffer)."""
+    keys, parents = [e.key for e in entries], P.put_parents(entries)
+    items = store.reserve_chunks(ns, keys, parents)
+    try:
+        if any(it is None for it in items) and store.capabilities.has_lower_tiers:
+            store.release_reservations(items)
+            return None
+        bad = _copy_entries(src, entries, items)
+        if bad is not None:
+            store.release_reservations(items)
+            return 0, 0, bad
+    except BaseException:
+        store.release_reservations(items)
+        raise
+    stored = store.commit_chunks(ns, keys, items, parents)
+    return stored, sum(it is None for it in items), None
 
 
 def _copy_entries(src: np.ndarray, entries, items) -> Any:

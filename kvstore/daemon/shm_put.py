@@ -27,7 +27,7 @@ from kvstore.keys import ChunkKey, Namespace
 #: Bytes of a connection's staging area (two halves; memory of the client, touched as used).
 STAGING_BYTES = 64 << 20
 #: Chunk bytes per put request from staging (whole chunks, at least one per request).
-GROUP_BYTES = 8 << 20
+GROUP_BYTES = 16 << 20
 
 
 def put_on(conn, deadline: float, ns: Namespace, keys: Sequence[ChunkKey],

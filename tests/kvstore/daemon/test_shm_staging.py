@@ -17,7 +17,7 @@ from kvstore.daemon.shm_client import ShmKVStoreClient
 from kvstore.daemon.shm_staging import ClientStaging
 from kvstore.errors import RemoteError
 from tests.kvstore.daemon.shm_helpers import (CB, KEYS, NS, RawClient, as_bytes, chunk,
-                                              shm_daemon, wait_until)
+                                              make_store, shm_daemon, wait_until)
 
 
 def stage(c: RawClient, fd: int | None, nbytes: int) -> dict:
@@ -246,3 +246,25 @@ def test_a_larger_chunk_gets_a_larger_staging_area(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(c.get_chunks(big, keys), kvs))
         assert c.put_chunks(NS, KEYS[2:4], [chunk(2), chunk(3)], parents=[KEYS[1], KEYS[2]]) == 2
         assert torch.equal(c.get_chunks(NS, [KEYS[3]])[0], chunk(3))
+
+
+def test_a_staged_put_with_no_room_in_memory_goes_to_the_disk_tier(tmp_path):
+    """The one-call path (reserve, copy, commit on the store pool) steps aside when the CPU
+    tier has no room (every page pinned) but a disk tier does: the chunk is staged through a
+    buffer and stored there, bit-exact, and nothing stays reserved."""
+    store = make_store(cpu_bytes=2 * CB, disk_path=str(tmp_path / "disk"), disk_bytes=1 << 20)
+    with shm_daemon(tmp_path, store=store) as d:
+        c = RawClient(d.sock_path)
+        c.hello()
+        staging = ClientStaging(4 * CB)
+        assert stage(c, staging.fd, 4 * CB)["ok"]
+        assert staged_put(c, staging, KEYS[:2], [chunk(0), chunk(1)])["stored"] == 2
+        assert store.pin(NS, KEYS[:2]) == 2                  # the CPU tier: all pinned
+        r = staged_put(c, staging, KEYS[2:3], [chunk(2)], offset=2 * CB)
+        assert r["ok"] and r["stored"] == 1
+        assert store.tiers[1].contains(KEYS[2]) and not store.tiers[0].contains(KEYS[2])
+        assert as_bytes(store.get_chunks(NS, KEYS[2:3])[0]) == as_bytes(chunk(2))
+        store.unpin(NS, KEYS[:2])
+        assert store.stats()["num_pinned_chunks"] == 0
+        c.close()
+        staging.close()
