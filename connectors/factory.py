@@ -55,7 +55,8 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
         remote: the in-process store's remote tier (Redis) as ``StoreSpec`` fields
             (``remote_url``, ``remote_key_prefix``, ``remote_ttl_s``, ``remote_timeout_s``);
             None = none.
-        connector_kwargs: further ``EngineMinConnector`` arguments.
+        connector_kwargs: further ``EngineMinConnector`` arguments; its ``lossy_codec``
+            also sets the in-process store's disk and remote tier codec (``StoreSpec``).
 
     Raises:
         ValueError: no store given, ``disk_bytes`` without ``disk_path``, a bad URL or size,
@@ -71,7 +72,9 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
                            get_timeout_s_base=timeout_s)
     opened = open_store(StoreSpec(cpu_bytes=cpu_bytes, disk_path=disk_path,
                                   disk_bytes=disk_bytes, url=url, auth_token=auth_token,
-                                  timeout_s=timeout_s, breaker=breaker, **(remote or {})))
+                                  timeout_s=timeout_s, breaker=breaker,
+                                  lossy_codec=connector_kwargs.get("lossy_codec", ""),
+                                  **(remote or {})))
     store = opened.store
     try:
         if url and auth_token:

@@ -80,10 +80,11 @@ def add_store_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    "recomputes < N tokens instead of up to a chunk (default: the engine's "
                    "block size, when it divides the chunk size); 0 = off (full chunks only)")
     s.add_argument("--kvstore-lossy-codec", default=None, choices=("int8", "fp8"),
-                   help="accept this engine's chunks stored lossily with this codec (about "
-                   "half of fp16's bytes) by a tier configured for it, e.g. a daemon started "
-                   "with --disk-codec int8: its chunks get keys of their own (never shared "
-                   "with bit-exact engines). Default: bit-exact only")
+                   help="store this engine's chunks lossily with this codec (about half of "
+                   "fp16's bytes) in the in-process store's disk and remote tiers, and accept "
+                   "it from a daemon started with --disk-codec/--remote-codec of the same "
+                   "codec: its chunks get keys of their own (never shared with bit-exact "
+                   "engines). Default: bit-exact only")
     s.add_argument("--kvstore-remote-url", default=None, metavar="URL",
                    help="in-process store: a remote tier in Redis below its tiers, shared by "
                    "every engine pointing at it: redis://HOST:PORT (standalone or a cluster "

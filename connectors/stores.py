@@ -111,6 +111,11 @@ class StoreSpec:
         remote_timeout_s: deadline of a remote lookup (seconds).
         remote_password: Redis password when the URL has none (else
             ``$KVSTORE_REMOTE_PASSWORD``); not in ``repr``.
+        lossy_codec: ``"int8"`` or ``"fp8"``: the in-process store's disk and remote tiers
+            write with this codec the chunks of namespaces that accept it
+            (``Namespace.lossy_codec``; every other chunk losslessly, as by default); ``""``
+            (default): the tiers' lossless defaults. A daemon's tiers are its own
+            (``kvstore serve --disk-codec``).
 
     Raises:
         ValueError: at construction, a ``remote_url`` that does not parse (the message never
@@ -130,6 +135,7 @@ class StoreSpec:
     remote_ttl_s: float = 0.0
     remote_timeout_s: float = 0.25
     remote_password: str | None = field(default=None, repr=False)
+    lossy_codec: str = ""
 
     def __post_init__(self) -> None:
         if not self.remote_url:
@@ -179,10 +185,13 @@ class StoreSpec:
             remote = dict(remote_url=self.remote_url, remote_key_prefix=self.remote_key_prefix,
                           remote_ttl_s=self.remote_ttl_s, remote_timeout_s=self.remote_timeout_s,
                           remote_password=self.remote_password)
+        if self.lossy_codec:
+            remote["remote_codec"] = self.lossy_codec
+        codec = {"disk_codec": self.lossy_codec} if self.lossy_codec else {}
         return StoreConfig(cpu_bytes=cpu,
                            disk_bytes=(self.disk_bytes or DEFAULT_DISK_BYTES)
                            if self.disk_path else 0,
-                           disk_path=self.disk_path, **remote)
+                           disk_path=self.disk_path, **codec, **remote)
 
 
 @dataclass(frozen=True)

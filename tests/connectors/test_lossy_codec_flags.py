@@ -57,3 +57,29 @@ def test_serve_codec_flags_and_environment_reach_the_store_config(monkeypatch):
     assert serve_config.ServeConfig().store_config_kwargs()["disk_codec"] == "auto"
     with pytest.raises(ValueError, match="unknown disk_codec 'int4'"):
         serve_config.ServeConfig(disk_codec="int4")
+
+
+def test_lossy_codec_flag_sets_the_in_process_disk_tier_codec(tmp_path):
+    """In process, --kvstore-lossy-codec also makes the store's disk tier write this engine's
+    chunks with the codec (a daemon's tiers are configured on the daemon); another
+    namespace's chunk in the same store stays lossless."""
+    from kvstore.disk_inspect import inspect_disk
+    disk = str(tmp_path / "kv")
+    c = connector_from_args(parse("--kvstore-cpu-bytes", "8MiB", "--kvstore-chunk-size", "32",
+                                  "--kvstore-disk-path", disk, "--kvstore-disk-bytes", "64MiB",
+                                  "--kvstore-lossy-codec", "int8"))
+    try:
+        c.register_kv_caches(torch.zeros(2, 2, 8, 4, 1, 8), 4)
+        store, ns = c.store, c.ns
+        assert store.config.disk_codec == "int8"
+        exact = dataclasses.replace(ns, lossy_codec="")
+        g = torch.Generator().manual_seed(0)
+        kv = torch.randn(ns.layout.shape(), generator=g).to(ns.layout.torch_dtype)
+        lossy_key, exact_key = ns.chunk_keys(range(32))[0], exact.chunk_keys(range(32))[0]
+        assert store.persist(ns, [lossy_key], [kv], timeout=10.0) == 1
+        assert store.persist(exact, [exact_key], [kv], timeout=10.0) == 1
+    finally:
+        c.close()
+    rep = inspect_disk(disk, limit=10)
+    codecs = {ch["key"]: ch["codec"] for ch in rep["chunks"]}
+    assert codecs[lossy_key.hex()] == "int8" and codecs[exact_key.hex()] != "int8"
