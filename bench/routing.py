@@ -16,15 +16,16 @@ through the router's URL. Per run it reports (seconds, tokens):
                              router_requests_total{engine} where an engine lacks it)
     router_overhead_ms       router_overhead_seconds sum / count over the replay, in ms
 
-and, beyond the four the report is keyed on: ``store`` (bool), ``store_hit_rate`` (store hit
-tokens / engine queries), ``router_overhead_p50_ms`` (linear interpolation in the histogram's
-buckets), ``routed_by_reason`` (router_requests_total summed per ``reason``),
+(computed by ``bench.routing_figures``) and, beyond the four the report is keyed on:
+``store`` (bool), ``store_hit_rate`` (store hit tokens / engine queries),
+``router_overhead_p50_ms`` (linear interpolation in the histogram's buckets),
+``routed_by_reason`` (router_requests_total summed per ``reason``),
 ``predicted_hit_tokens`` / ``reported_cached_tokens`` (the router's index vs what engines
 reported; the latter includes store hits), ``num_requests``, ``num_failed``, ``errors``,
 ``wall_s``, ``preemptions``, ``commands``, ``requests`` (per request: id, send time, TTFT,
 E2E, prompt and cached tokens). The top level adds ``router_overhead_ms`` over every run,
-the workload's parameters, ``targets`` (the issue's speed targets, see ``targets``) and
-``bench_wall_s``.
+the workload's parameters, ``targets`` (the issue's speed targets,
+``bench.routing_figures.targets``) and ``bench_wall_s``.
 
 Workload timing (``session_requests``): users run their rounds back to back (round r+1 is sent
 when round r has finished) and at most ``active_users`` users are in a chat at once: user u
@@ -52,6 +53,7 @@ from tqdm import tqdm
 from bench import metrics_scrape
 from bench.client import RequestResult
 from bench.replay import drive, server_options, warmup_requests
+from bench.routing_figures import labelled, routed_figures, targets
 from bench.servers import ServerGroup
 from bench.workloads import Request, random_tokens
 
@@ -87,133 +89,6 @@ def session_requests(requests: Sequence[Request], active_users: int) -> list[Req
     return out
 
 
-def histogram_quantile(samples: dict[str, float], name: str, q: float) -> float | None:
-    """Quantile ``q`` (0..1) of a Prometheus histogram ``name`` from its ``name_bucket``
-    samples (cumulative counts keyed by ``sample_key``, e.g. the increases over a run), with
-    linear interpolation inside the bucket (as PromQL's ``histogram_quantile``; the first
-    bucket starts at 0). ``None`` when the histogram counted nothing; the highest finite
-    bound when the quantile falls in the ``+Inf`` bucket.
-
-    Raises:
-        ValueError: ``q`` outside [0, 1].
-    """
-    if not 0.0 <= q <= 1.0:
-        raise ValueError(f"quantile must be in [0, 1], got {q}")
-    buckets = []
-    for k, v in samples.items():
-        if _name(k) == f"{name}_bucket":
-            le = _label(k, "le")
-            if le is not None:
-                buckets.append((float(le), v))
-    buckets.sort()
-    if not buckets or buckets[-1][1] <= 0:
-        return None
-    rank = q * buckets[-1][1]
-    prev_bound, prev_count = 0.0, 0.0
-    for bound, count in buckets:
-        if count >= rank and count > prev_count:
-            if bound == float("inf"):
-                return prev_bound
-            return prev_bound + (bound - prev_bound) * (rank - prev_count) / (count - prev_count)
-        if bound != float("inf"):
-            prev_bound = bound
-        prev_count = count
-    return prev_bound
-
-
-def _name(key: str) -> str:
-    return key.split("{", 1)[0]
-
-
-def _label(key: str, label: str) -> str | None:
-    marker = f'{label}="'
-    if marker not in key:
-        return None
-    return key.split(marker, 1)[1].split('"', 1)[0]
-
-
-def _sum(samples: dict[str, float], name: str) -> float:
-    return sum(v for k, v in samples.items() if _name(k) == name)
-
-
-def _labelled(samples: dict[str, float], name: str, label: str) -> dict[str, float]:
-    """``name``'s samples summed per value of ``label`` (``""`` where a sample lacks it)."""
-    out: dict[str, float] = {}
-    for k, v in samples.items():
-        if _name(k) == name:
-            key = _label(k, label) or ""
-            out[key] = out.get(key, 0.0) + v
-    return out
-
-
-def _same_url(a: str, b: str) -> bool:
-    return a.rstrip("/") == b.rstrip("/")
-
-
-def routed_figures(results: Sequence[RequestResult], deltas: dict[str, dict[str, float]],
-                   engine_urls: Sequence[str], store: bool, wall_s: float) -> dict:
-    """The figures of one routed run (see the module docstring).
-
-    Args:
-        results: the client's results, one per request.
-        deltas: counter increases over the replay per role: ``engine0``..``engineN-1`` (in
-            ``engine_urls`` order), ``router``, and ``daemon`` with a store.
-        engine_urls: the engines' base URLs, as given to the router.
-        store: whether the engines had the shared store behind them.
-        wall_s: first send to last completion, seconds.
-    """
-    ok = [r for r in results if r.ok]
-    ttft = [r.ttft_s for r in ok]
-    engines = [deltas.get(f"engine{i}", {}) for i in range(len(engine_urls))]
-    router = deltas.get("router", {})
-    q = sum(_sum(d, "engine_prefix_cache_queries_total") for d in engines)
-    h = sum(_sum(d, "engine_prefix_cache_hits_total") for d in engines)
-    sh = sum(_sum(d, "engine_external_prefix_cache_hits_total") for d in engines)
-    by_router = _labelled(router, "router_requests_total", "engine")
-    per_engine = []
-    for url, d in zip(engine_urls, engines):
-        served = _sum(d, "engine_request_success_total")
-        if not served and not any(_name(k) == "engine_request_success_total"
-                                  for k in d):
-            served = sum(v for lab, v in by_router.items() if _same_url(lab, url))
-        per_engine.append(int(round(served)))
-    count = router.get("router_overhead_seconds_count", 0.0)
-    total = router.get("router_overhead_seconds_sum", 0.0)
-    p50 = histogram_quantile(router, "router_overhead_seconds", 0.5)
-    summary = metrics_scrape.summarize({**{f"engine{i}": d for i, d in enumerate(engines)},
-                                        **({"daemon": deltas["daemon"]}
-                                           if "daemon" in deltas else {})})
-    return {
-        "store": store,
-        "ttft_p50_s": float(np.percentile(ttft, 50)) if ttft else None,
-        "ttft_p95_s": float(np.percentile(ttft, 95)) if ttft else None,
-        "engine_hit_rate": h / q if q else None,
-        "requests_per_engine": per_engine,
-        "store_hit_rate": sh / q if q else None,
-        "router_overhead_ms": 1000.0 * total / count if count else None,
-        "router_overhead_p50_ms": 1000.0 * p50 if p50 is not None else None,
-        "router_overhead_sum_s": total, "router_overhead_count": int(count),
-        "routed_by_reason": {k: int(v) for k, v in sorted(
-            _labelled(router, "router_requests_total", "reason").items())},
-        "predicted_hit_tokens": int(_sum(
-            router, "router_predicted_hit_tokens_total")),
-        "reported_cached_tokens": int(_sum(
-            router, "router_reported_cached_tokens_total")),
-        "engine_query_tokens": int(q), "engine_hit_tokens": int(h), "store_hit_tokens": int(sh),
-        "preemptions": summary.get("preemptions"),
-        "num_requests": len(results), "num_failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if r.error})[:5],
-        "wall_s": wall_s,
-        "requests": [{"id": r.request_id, "send_s": _round(r.send_s), "ttft_s": _round(r.ttft_s),
-                      "e2e_s": _round(r.e2e_s), "prompt_tokens": r.num_prompt_tokens,
-                      "cached_tokens": r.num_cached_tokens} for r in results],
-    }
-
-
-def _round(v: float | None) -> float | None:
-    return None if v is None else round(v, 4)
-
-
 def wait_router_ready(router_url: str, engine_urls: Sequence[str], timeout_s: float = 60.0
                       ) -> bool:
     """Wait until the router's ``router_engine_healthy`` gauge is 1 for every engine (its
@@ -222,7 +97,7 @@ def wait_router_ready(router_url: str, engine_urls: Sequence[str], timeout_s: fl
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         samples = metrics_scrape.scrape(router_url)
-        healthy = _labelled(samples, "router_engine_healthy", "engine")
+        healthy = labelled(samples, "router_engine_healthy", "engine")
         if not healthy:
             return False
         if len(healthy) >= len(engine_urls) and all(v >= 1 for v in healthy.values()):
@@ -323,33 +198,6 @@ def run_routing(requests: Sequence[Request], args: argparse.Namespace, params: d
         json.dump(rep, f, indent=2, default=str)
     print(f"json: {path}")
     return rep
-
-
-def targets(routers: dict[str, dict], overhead_ms: float | None) -> dict:
-    """The issue's speed targets checked on one report's entries; a figure whose entries are
-    missing (not run, failed) is ``None`` with ``met`` ``None``:
-
-        ttft_p50_speedup           round-robin / cache-aware TTFT p50, target >= 2
-        ttft_p50_speedup_store     round-robin+store / cache-aware+store, target > 1
-        max_engine_imbalance       largest max/min of requests_per_engine over the entries,
-                                   target <= 1.5 (an engine with 0 requests: inf)
-        router_overhead_ms         mean over every run, target < 2
-    """
-    def ratio(a: str, b: str) -> float | None:
-        x, y = (routers.get(a) or {}).get("ttft_p50_s"), (routers.get(b) or {}).get("ttft_p50_s")
-        return x / y if x and y else None
-
-    imbalance = [max(c) / min(c) if min(c) > 0 else float("inf")
-                 for f in routers.values() if (c := f.get("requests_per_engine"))]
-    figures = {
-        "ttft_p50_speedup": (ratio("round-robin", "cache-aware"), lambda v: v >= 2.0),
-        "ttft_p50_speedup_store": (ratio("round-robin+store", "cache-aware+store"),
-                                   lambda v: v > 1.0),
-        "max_engine_imbalance": (max(imbalance) if imbalance else None, lambda v: v <= 1.5),
-        "router_overhead_ms": (overhead_ms, lambda v: v < 2.0),
-    }
-    return {k: {"value": v, "met": None if v is None else bool(ok(v))}
-            for k, (v, ok) in figures.items()}
 
 
 def _fmt(v, scale: float = 1.0, digits: int = 3) -> str:
