@@ -91,19 +91,25 @@ def delta(before: Samples, after: Samples) -> Samples:
     return out
 
 
-def _name(key: str) -> str:
+def series_name(key: str) -> str:
+    """The metric name of a sample key (``name{labels}`` -> ``name``)."""
     return key.split("{", 1)[0]
 
 
-def _label(key: str, label: str) -> str | None:
+def label_value(key: str, label: str) -> str | None:
+    """The value of ``label`` in a sample key, or None when the key has no such label."""
     marker = f'{label}="'
     if marker not in key:
         return None
     return key.split(marker, 1)[1].split('"', 1)[0]
 
 
-def _sum(samples: Samples, *names: str) -> float:
-    return sum(v for k, v in samples.items() if _name(k) in names)
+def sum_series(samples: Samples, *names: str) -> float:
+    """Sum of every sample whose metric name is one of ``names`` (all label sets)."""
+    return sum(v for k, v in samples.items() if series_name(k) in names)
+
+
+_name, _label, _sum = series_name, label_value, sum_series
 
 
 def summarize(deltas: Mapping[str, Samples]) -> dict:

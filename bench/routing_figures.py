@@ -48,19 +48,8 @@ def histogram_quantile(samples: dict[str, float], name: str, q: float) -> float 
     return prev_bound
 
 
-def _name(key: str) -> str:
-    return key.split("{", 1)[0]
-
-
-def _label(key: str, label: str) -> str | None:
-    marker = f'{label}="'
-    if marker not in key:
-        return None
-    return key.split(marker, 1)[1].split('"', 1)[0]
-
-
-def _sum(samples: dict[str, float], name: str) -> float:
-    return sum(v for k, v in samples.items() if _name(k) == name)
+_name, _label, _sum = (metrics_scrape.series_name, metrics_scrape.label_value,
+                       metrics_scrape.sum_series)
 
 
 def labelled(samples: dict[str, float], name: str, label: str) -> dict[str, float]:

@@ -298,20 +298,7 @@ def _tail(path: Path, n: int = 30) -> str:
 
 def kill_process(popen: subprocess.Popen, grace_s: float = 10.0) -> None:
     """SIGTERM the process group of ``popen``, SIGKILL it after ``grace_s``. Safe to repeat."""
-    if popen.poll() is None:
-        try:
-            os.killpg(popen.pid, signal.SIGTERM)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            popen.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(popen.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            popen.wait(timeout=grace_s)
-    _LIVE.discard(popen)
+    kill_processes([popen], grace_s)
 
 
 def kill_processes(popens: list[subprocess.Popen], grace_s: float = 10.0) -> None:
