@@ -64,6 +64,7 @@ failed daemon cools down), ``kvstore_remote_breaker_trips``, ``kvstore_remote_br
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -82,7 +83,7 @@ from connectors.engine_min_stats import ConnectorStats
 from connectors.save_queue import SaveQueue
 from kernels import ops
 from kvstore.api import KVStoreBase, LookupResult
-from kvstore.keys import IDENTITY_FIELDS, Namespace
+from kvstore.keys import IDENTITY_FIELDS, Namespace, rope_identity
 from kvstore.kv_codec import LOSSY_CODECS
 from kvstore.layered import remote_breaker
 from kvstore.layout import DEFAULT_CHUNK_SIZE, KVLayout
@@ -221,6 +222,9 @@ class EngineMinConnector(KVConnectorBase):
         model_id = self.model_id or ident.get("model_id") or DEFAULT_MODEL_ID
         revision = self.revision if self.revision is not None else ident.get("revision", "")
         fields = {f: str(ident.get(f) or "") for f in IDENTITY_FIELDS}
+        if fields["rope"]:      # one form for every engine (vLLM's connector writes it too)
+            rope = json.loads(fields["rope"])
+            fields["rope"] = rope_identity(rope["theta"], rope.get("scaling"))
         fields["lossy_codec"] = self.lossy_codec
         return Namespace(model_id, layout, revision, self.cache_salt, self.hash_algo, **fields)
 

@@ -100,6 +100,41 @@ def canonical_json(value) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
+def _rope_number(v):
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+
+
+def rope_identity(theta: float, scaling: dict | None) -> dict:
+    """The ``rope`` ingredient of a namespace in one form for every engine:
+    ``{"theta": float, "scaling": dict | None}``, from RoPE's base and its scaling as a model's
+    config writes it (Hugging Face ``rope_scaling`` / ``rope_parameters``, or GGUF's
+    ``rope.scaling.*`` read into the same keys).
+
+    Normalized so that two engines that read the same model write the same value: ``type`` is
+    renamed ``rope_type``; ``rope_theta`` inside the scaling dict is dropped (it is ``theta``);
+    a ``rope_type`` of ``"default"`` (or none) with no other parameter is no scaling (None);
+    numbers are floats (``8`` and ``8.0`` are one factor), lists of numbers likewise.
+
+    Args:
+        theta: RoPE base (e.g. 100000.0 for SmolLM2).
+        scaling: the scaling parameters, or None.
+
+    Raises:
+        TypeError: ``scaling`` is neither a dict nor None.
+    """
+    if scaling is not None and not isinstance(scaling, dict):
+        raise TypeError(f"rope scaling must be a dict or None, not {type(scaling).__name__}")
+    sc = {}
+    for k, v in (scaling or {}).items():
+        if k == "rope_theta":
+            continue
+        k = "rope_type" if k == "type" else k
+        sc[k] = [_rope_number(x) for x in v] if isinstance(v, (list, tuple)) else _rope_number(v)
+    if sc.get("rope_type", "default") == "default" and set(sc) <= {"rope_type"}:
+        sc = None
+    return {"theta": float(theta), "scaling": sc}
+
+
 def _text(d: dict, name: str, default: str | None) -> str:
     """``d[name]``, which must be a string (absent: ``default``; no default: KeyError).
     Not coerced: ``null`` or ``5`` read as ``"None"`` / ``"5"`` named another namespace than the

@@ -18,7 +18,8 @@ weights_fingerprint     ``weights_fingerprint``: ``"auto"`` (default) = the cont
                         a local path gets none: pin ``revision`` then.
 compute_dtype           ``model_config.dtype`` (``"float32"``...)
 rope                    ``hf_text_config.rope_parameters`` (transformers 5), else
-                        ``rope_theta`` and ``rope_scaling``; canonical JSON
+                        ``rope_theta`` and ``rope_scaling``, in
+                        ``kvstore.keys.rope_identity``'s form (engine_min's too)
 quantization            ``model_config.quantization`` (``"awq"``, ``"fp8"``...), else ``""``
 kv_quantization         ``cache_config.cache_dtype`` unless ``"auto"``, with
                         ``calculate_kv_scales`` and ``kv_cache_dtype_skip_layers`` when set
@@ -38,7 +39,7 @@ from functools import lru_cache
 from typing import Any
 
 from kvstore.daemon.tenants import bind_salt
-from kvstore.keys import Namespace
+from kvstore.keys import Namespace, canonical_json, rope_identity
 from kvstore.layout import KVLayout
 
 log = logging.getLogger("kvstore.connectors.vllm")
@@ -68,11 +69,18 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def _rope(hf_config: Any) -> str:
+    """RoPE as ``kvstore.keys.rope_identity`` writes it (the form engine_min's connector
+    writes too, so both engines name the same model's RoPE alike)."""
     params = getattr(hf_config, "rope_parameters", None)
-    if not isinstance(params, dict) or not params:
-        params = {"rope_theta": getattr(hf_config, "rope_theta", None),
-                  "rope_scaling": getattr(hf_config, "rope_scaling", None)}
-    return json.dumps(params, sort_keys=True, separators=(",", ":"), default=str)
+    if isinstance(params, dict) and params:
+        theta, scaling = params.get("rope_theta"), params
+    else:
+        theta = getattr(hf_config, "rope_theta", None)
+        scaling = getattr(hf_config, "rope_scaling", None)
+    if theta is None or (scaling is not None and not isinstance(scaling, dict)):
+        return json.dumps({"rope_parameters": params, "rope_theta": theta}, sort_keys=True,
+                          separators=(",", ":"), default=str)   # not a form we can normalize
+    return canonical_json(rope_identity(theta, scaling))
 
 
 def _kv_quantization(cache_config: Any) -> str:

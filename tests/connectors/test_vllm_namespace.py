@@ -8,6 +8,8 @@ import dataclasses
 import json
 import types
 
+import pytest
+
 from connectors.vllm.identity import adapter_identity, request_namespace, vllm_namespace
 from engine_min.identity import weights_fingerprint
 from kvstore.layout import KVLayout
@@ -37,7 +39,7 @@ def test_vllm_namespace_takes_every_kv_ingredient_from_vllms_config(tmp_path):
     assert ns.model_id == "served/a" and ns.revision == ""
     assert ns.weights_fingerprint == weights_fingerprint(str(folder)) != ""
     assert ns.compute_dtype == "float32" and ns.quantization == "" and ns.kv_quantization == ""
-    assert ns.rope == '{"rope_theta":100000.0,"rope_type":"default"}'
+    assert ns.rope == '{"scaling":null,"theta":100000.0}'    # engine_min's connector's form
     variants = {
         "revision": vllm_namespace(_vllm_config(str(folder), revision="abc"), LAYOUT, {}),
         "dtype": vllm_namespace(_vllm_config(str(folder), dtype="torch.bfloat16"), LAYOUT, {}),
@@ -55,7 +57,7 @@ def test_vllm_namespace_takes_every_kv_ingredient_from_vllms_config(tmp_path):
         '{"cache_dtype":"fp8","calculate_kv_scales":false}'
     assert variants["fp_off"].weights_fingerprint == ""
     assert variants["rope"].rope == \
-        '{"rope_scaling":{"factor":4.0,"rope_type":"linear"},"rope_theta":10000.0}'
+        '{"scaling":{"factor":4.0,"rope_type":"linear"},"theta":10000.0}'
     assert len({ns.ns_id} | {v.ns_id for v in variants.values()}) == 1 + len(variants)
     # other weights in the same folder layout -> another namespace
     save_file({"w": torch.full((3,), 2.0)}, str(folder / "model.safetensors"))
@@ -81,3 +83,45 @@ def test_vllm_request_namespace_adds_salt_and_lora_adapter(tmp_path):
     ids = {base.ns_id, with_lora.ns_id, request_namespace(base, "t", None).ns_id,
            request_namespace(base, "", other).ns_id}
     assert len(ids) == 4
+
+
+def test_rope_is_named_alike_by_vllm_and_engine_min(tmp_path):
+    """The same model's RoPE, read by vLLM (its HF config) and by engine_min (GGUF or HF
+    folder), gives one namespace field: ``type`` is ``rope_type``, a default type is no
+    scaling, ``rope_theta`` inside the scaling dict is dropped and numbers are floats."""
+    import torch
+    from safetensors.torch import save_file
+    from connectors.engine_min import EngineMinConnector
+    from kvstore.config import StoreConfig
+    from kvstore.keys import rope_identity
+    from kvstore.store import ChunkStore
+    folder = tmp_path / "model"
+    folder.mkdir()
+    save_file({"w": torch.ones(3)}, str(folder / "model.safetensors"))
+    llama3 = {"rope_type": "llama3", "factor": 8, "low_freq_factor": 1.0,
+              "high_freq_factor": 4, "original_max_position_embeddings": 8192}
+    cases = [  # (vLLM's hf_text_config, engine_min's (theta, scaling))
+        (types.SimpleNamespace(rope_parameters={"rope_theta": 100000.0, "rope_type": "default"}),
+         (100000.0, None)),
+        (types.SimpleNamespace(rope_theta=100000, rope_scaling={"type": "default"}),
+         (100000.0, None)),
+        (types.SimpleNamespace(rope_parameters={"rope_theta": 500000.0, **llama3}),
+         (500000.0, {**llama3, "rope_theta": 500000.0})),
+        (types.SimpleNamespace(rope_theta=1e4, rope_scaling={"type": "linear", "factor": 4.0}),
+         (10000.0, {"rope_type": "linear", "factor": 4})),
+    ]
+    seen = set()
+    for hf, (theta, scaling) in cases:
+        v = vllm_namespace(_vllm_config(str(folder), hf_text_config=hf), LAYOUT, {})
+        conn = EngineMinConnector(ChunkStore(StoreConfig(cpu_bytes="8MiB")), chunk_size=32)
+        conn.register_model({"rope": json.dumps({"theta": theta, "scaling": scaling})})
+        conn.register_kv_caches(torch.zeros(30, 2, 2, 16, 3, 64), 16)
+        e = conn.ns
+        conn.close()
+        assert v.rope == e.rope == json.dumps(rope_identity(theta, scaling), sort_keys=True,
+                                               separators=(",", ":"))
+        seen.add(v.rope)
+    assert len(seen) == 3                       # default twice, llama3, linear
+    assert any('"factor":8.0' in r for r in seen)
+    with pytest.raises(TypeError, match="scaling"):
+        rope_identity(1e4, "linear")
