@@ -13,6 +13,9 @@ Series (``GET /metrics``; ``engine`` is the engine's base URL as given to ``--en
                                                  sent (read, parse, tokenize, hash, score)
     router_engine_healthy{engine}                gauge, 1 healthy, 0 taken out
     router_index_blocks{engine}                  gauge, block hashes in the engine's index
+    router_stale_connection_retries_total{engine} counter, requests sent again on a fresh
+                                                 connection after the engine closed their
+                                                 pooled one before answering
     router_failed_requests_total                 counter, requests the router could not
                                                  complete (no engine left, or an engine failed
                                                  after bytes went to the client)
@@ -47,6 +50,9 @@ class RouterMetrics:
                                     ["engine"], registry=r)
         self.index_blocks = Gauge("router_index_blocks", "Block hashes in the engine's index",
                                   ["engine"], registry=r)
+        self.stale_connection_retries = Counter(
+            "router_stale_connection_retries", "Requests sent again to the same engine on a "
+            "fresh connection after it closed the pooled one", ["engine"], registry=r)
         self.failed_requests = Counter("router_failed_requests", "Requests the router could "
                                        "not complete", registry=r)
 
@@ -56,6 +62,7 @@ class RouterMetrics:
         self.index_blocks.labels(engine).set(0)
         self.predicted_hit_tokens.labels(engine)
         self.reported_cached_tokens.labels(engine)
+        self.stale_connection_retries.labels(engine)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

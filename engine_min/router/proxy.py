@@ -9,9 +9,13 @@ Per ``POST /v1/completions`` / ``POST /v1/chat/completions``::
                  status, content type and error bodies unchanged
 
 A body the router cannot parse goes to the least-loaded engine, which answers its own error.
-An engine that fails before the client got any byte of its answer (connection refused or
-reset, the stream cut before its first chunk) is taken out and the request is sent to the next
-best engine (reason ``retry``); a stream's headers go out with its first chunk, so an engine
+A request whose pooled (keep-alive) connection the engine had closed (disconnected or reset
+before any answer came back) is first sent once more to the same engine on a fresh connection
+(``router_stale_connection_retries_total``): an engine that closed an idle connection, or
+restarted on the same port, is not taken out for it. An engine that fails before the client got
+any byte of its answer (connection refused, the fresh connection failing too, the stream cut
+before its first chunk) is taken out and the request is sent to the next best engine (reason
+``retry``); a stream's headers go out with its first chunk, so an engine
 dying during prefill costs no failed request. An engine failing after bytes went to the client
 ends that client's connection (``router_failed_requests_total``). No healthy engine: 503 with
 an OpenAI error object.
@@ -47,6 +51,11 @@ _USAGE_MARK = b'"cached_tokens"'
 
 class UpstreamFailed(Exception):
     """The engine failed before the client received any byte: the request may be retried."""
+
+
+class StaleConnection(UpstreamFailed):
+    """The engine closed or reset the connection before answering: maybe a pooled connection
+    it had closed while idle; worth one more try on a fresh connection to the same engine."""
 
 
 class StreamCut(Exception):
@@ -110,6 +119,8 @@ class Router:
         self.health_interval_s, self.poll_timeout_s = health_interval_s, poll_timeout_s
         self.max_connections = max_connections
         self.session: aiohttp.ClientSession | None = None
+        #: a session without a connection pool, for the one retry after a stale connection
+        self.fresh_session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -121,6 +132,9 @@ class Router:
         self.session = aiohttp.ClientSession(
             connector=conn, auto_decompress=False,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        self.fresh_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(force_close=True, limit=0), auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         for e in self.engines:
             sub = EngineSubscriber(e, self.session, self.health_interval_s, self.poll_timeout_s)
             self._tasks.append(asyncio.create_task(sub.run(), name=f"subscriber {e.url}"))
@@ -129,8 +143,9 @@ class Router:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.session is not None:
-            await self.session.close()
+        for session in (self.session, self.fresh_session):
+            if session is not None:
+                await session.close()
 
     # ---- routing -------------------------------------------------------------------------
     def _candidates(self, prompt: PreparedPrompt, exclude: set[int]) -> list[Candidate]:
@@ -173,20 +188,36 @@ class Router:
             if not tried:
                 self.metrics.overhead.observe(time.perf_counter() - t0)
             try:
-                return await self._forward(request, e, raw)
+                return await self._send(request, e, raw)
             except UpstreamFailed as exc:
                 e.mark_down(f"{request.path}: {exc}")
                 tried.add(e.position)
 
-    async def _forward(self, request: web.Request, e: Engine, raw: bytes
-                       ) -> web.StreamResponse:
-        """Send ``raw`` to ``e`` and relay its answer. Raises UpstreamFailed (retry) or
-        StreamCut (after bytes went out)."""
+    async def _send(self, request: web.Request, e: Engine, raw: bytes) -> web.StreamResponse:
+        """``_forward`` on a pooled connection, then once on a fresh one if the engine closed
+        the pooled connection before answering. Raises UpstreamFailed or StreamCut."""
+        try:
+            return await self._forward(request, e, raw, self.session)
+        except StaleConnection as exc:
+            logger.debug("%s: %s; retrying on a fresh connection", e.url, exc)
+            self.metrics.stale_connection_retries.labels(e.url).inc()
+            return await self._forward(request, e, raw, self.fresh_session)
+
+    async def _forward(self, request: web.Request, e: Engine, raw: bytes,
+                       session: aiohttp.ClientSession) -> web.StreamResponse:
+        """Send ``raw`` to ``e`` over ``session`` and relay its answer. Raises StaleConnection
+        (closed or reset before the answer's headers), UpstreamFailed (another failure before
+        any byte went to the client) or StreamCut (after bytes went out)."""
         headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
         e.inflight += 1
         try:
-            async with self.session.post(e.url + request.path, data=raw,
-                                         headers=headers) as up:
+            try:
+                cm = await session.post(e.url + request.path, data=raw, headers=headers)
+            except aiohttp.ClientConnectorError as exc:  # could not connect: nothing stale
+                raise UpstreamFailed(repr(exc)) from exc
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                raise StaleConnection(repr(exc)) from exc
+            async with cm as up:
                 if up.headers.get("Content-Type", "").startswith("text/event-stream"):
                     return await self._relay_stream(request, up, e)
                 try:

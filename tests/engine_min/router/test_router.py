@@ -98,9 +98,10 @@ def engines(spare):
         srv.stop()
 
 
-def _start_router(urls, tokenizer, policy="cache-aware") -> ServerThread:
-    app = create_router_app(urls, tokenizer, make_policy(policy), health_interval_s=0.2,
-                            poll_timeout_s=2.0)
+def _start_router(urls, tokenizer, policy="cache-aware", health_interval_s=0.2
+                  ) -> ServerThread:
+    app = create_router_app(urls, tokenizer, make_policy(policy),
+                            health_interval_s=health_interval_s, poll_timeout_s=2.0)
     srv = ServerThread(app).start()
     srv.router = app[ROUTER_KEY]
     return srv
@@ -279,6 +280,8 @@ class _Relay:
     def __init__(self, target_port: int):
         self.target_port = target_port
         self.recorded: list[bytearray] = []
+        self.drop_next_reused_post = False   # armed: see ``_pipe``
+        self.num_dropped = 0
         self._socks: list[socket.socket] = []
         self.port = 0
         self.resume()
@@ -308,13 +311,23 @@ class _Relay:
             rec = bytearray()
             self.recorded.append(rec)
             self._socks += [client, upstream]
-            threading.Thread(target=self._pipe, args=(client, upstream, None), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(client, upstream, None, True),
+                             daemon=True).start()
             threading.Thread(target=self._pipe, args=(upstream, client, rec), daemon=True).start()
 
-    @staticmethod
-    def _pipe(src, dst, rec) -> None:
+    def _pipe(self, src, dst, rec, from_client: bool = False) -> None:
+        """Copy ``src`` to ``dst``. Armed with ``drop_next_reused_post``, the first POST that
+        arrives on a connection that already carried a request is not forwarded: both sockets
+        are closed, as a server does with a keep-alive connection it closed while idle."""
+        reused = False
         try:
             while data := src.recv(65536):
+                if from_client and reused and self.drop_next_reused_post \
+                        and data.startswith(b"POST "):
+                    self.drop_next_reused_post = False
+                    self.num_dropped += 1
+                    return
+                reused = from_client
                 if rec is not None:
                     rec += data
                 dst.sendall(data)
@@ -526,3 +539,31 @@ def test_sigkilled_engine_costs_no_request(engines, spare):
             len(prompts) + _m(m, "router_requests_total", engine=live.url, reason="retry")
     finally:
         srv.stop()
+
+
+def test_connection_closed_by_the_engine_between_requests_costs_nothing(engines):
+    """The engine closes a keep-alive connection the router holds in its pool just as the
+    router sends the next request on it: the router sends it again on a fresh connection to
+    the same engine, which stays in service (with no other engine to fall back to, taking it
+    out would have failed the request)."""
+    eng = engines[0]
+    relay = _Relay(eng.port)
+    srv = _start_router([relay.url], eng.engine.tokenizer, health_interval_s=30.0)
+    try:
+        _wait_health(srv.url)
+        req = json.dumps({"model": MODEL, "prompt": "Keep-alive test:", "max_tokens": 3,
+                          "temperature": 0}).encode()
+        first = _request(srv.url, "/v1/completions", req)
+        relay.drop_next_reused_post = True
+        second = _request(srv.url, "/v1/completions", req)
+        assert first[0] == second[0] == 200 and relay.num_dropped == 1
+        assert json.loads(first[2])["choices"] == json.loads(second[2])["choices"]
+        m = _metrics(srv.url)
+        assert _m(m, "router_stale_connection_retries_total", engine=relay.url) == 1
+        assert _m(m, "router_engine_healthy", engine=relay.url) == 1
+        assert m["router_failed_requests_total"] == 0
+        assert _m(m, "router_requests_total", engine=relay.url, reason="retry") == 0
+        assert srv.router.engines[0].healthy
+    finally:
+        srv.stop()
+        relay.close()
