@@ -1,10 +1,12 @@
 """``python -m engine_min route --engines URL,URL,... [flags]``: the cache-aware router's command
 line (the app is ``engine_min.router.proxy``).
 
-Start-up order: the engine URLs are checked (``http://host:port``), each engine must answer
+Start-up: the engine URLs are checked (``http://host:port``); then, at the same time, the
+tokenizer of ``--model`` loads (main thread) while every engine is waited for until it answers
 ``GET /health`` within ``--startup-timeout-s`` (an engine still loading its model is waited
-for), then the tokenizer of ``--model`` is loaded and the router listens. Any failure is one
-line on stderr and exit status 2. An engine whose ``/tokenize`` disagrees with the router's
+for; a thread). The log says what is still awaited and when the router is ready; it listens
+once both are done. Any failure is one line on stderr and exit status 2 (a tokenizer that
+cannot be loaded at once, without waiting for the engines). An engine whose ``/tokenize`` disagrees with the router's
 tokenizer on a probe chat is logged as a warning (its requests would be routed by load only).
 """
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -126,24 +129,78 @@ def check_tokenizer(urls: list[str], tokenizer) -> list[str]:
     return warnings
 
 
+class EngineWaiter:
+    """``wait_for_engines`` on a daemon thread, so the tokenizer loads meanwhile.
+
+    Attributes:
+        error: the RuntimeError it raised (None: all answered, or still waiting).
+        waited_s: seconds until every engine answered (None until then).
+    """
+
+    def __init__(self, urls: list[str], timeout_s: float):
+        self.urls, self.timeout_s = urls, timeout_s
+        self.error: RuntimeError | None = None
+        self.waited_s: float | None = None
+        self._thread = threading.Thread(target=self._run, name="wait-for-engines", daemon=True)
+
+    def start(self) -> "EngineWaiter":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        try:
+            wait_for_engines(self.urls, self.timeout_s)
+            self.waited_s = time.monotonic() - t0
+        except RuntimeError as exc:
+            self.error = exc
+
+    @property
+    def done(self) -> bool:
+        """Every engine answered, or the wait failed."""
+        return not self._thread.is_alive()
+
+    def join(self) -> None:
+        """Wait for the outcome. Raises the RuntimeError of ``wait_for_engines``."""
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+def load_while_waiting(model: str | None, urls: list[str], timeout_s: float):
+    """The tokenizer of ``model``, loaded while the engines are waited for; returns once both
+    are done, logging each (what is still awaited, then ready).
+
+    Raises:
+        RuntimeError: engines not answering within ``timeout_s``.
+        ModelLoadError, OSError, ValueError: the tokenizer cannot be loaded (raised at once).
+    """
+    from engine_min.tokenizer import load_tokenizer
+    waiter = EngineWaiter(urls, timeout_s).start()
+    t0 = time.monotonic()
+    logger.info("loading the tokenizer of %s while waiting for %d engine(s)",
+                model or "the embedded model", len(urls))
+    tokenizer = load_tokenizer(model)
+    logger.info("tokenizer loaded in %.2f s%s", time.monotonic() - t0,
+                "" if waiter.done else "; still waiting for the engines")
+    waiter.join()
+    logger.info("all %d engine(s) healthy after %.2f s", len(urls), waiter.waited_s)
+    return tokenizer
+
+
 def route_main(args: argparse.Namespace) -> int:
-    """Check the engines, load the tokenizer, serve until interrupted. Returns 2 (reason on
-    stderr) on bad flags, engines not answering or a model that cannot be read."""
+    """Check the flags, load the tokenizer while waiting for the engines, serve until
+    interrupted. Returns 2 (reason on stderr) on bad flags, engines not answering or a model
+    that cannot be read."""
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine_min.router.policy import make_policy
+    from engine_min.weights import ModelLoadError
     try:
         urls = parse_engine_urls(args.engines)
         policy = make_policy(args.policy, args.max_load_gap, args.min_hit_fraction)
-        wait_for_engines(urls, args.startup_timeout_s)
-    except (ValueError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    from engine_min.tokenizer import load_tokenizer
-    from engine_min.weights import ModelLoadError
-    try:
-        tokenizer = load_tokenizer(args.model)
-    except (ModelLoadError, OSError, ValueError) as exc:
+        tokenizer = load_while_waiting(args.model, urls, args.startup_timeout_s)
+    except (ModelLoadError, OSError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for warning in check_tokenizer(urls, tokenizer):

@@ -452,6 +452,13 @@ def test_no_healthy_engine_and_bad_engine_urls(engines, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"error: engine(s) not answering /health after 0.3 s: {dead} (")
     assert "refused" in err
+    # the tokenizer loads while the engines are waited for: a model that cannot be read is
+    # an error at once, not after the engines' 60 s
+    t0 = time.monotonic()
+    assert cli_main(["route", "--engines", dead, "--model", "/nonexistent/m.gguf",
+                     "--startup-timeout-s", "60"]) == 2
+    assert time.monotonic() - t0 < 10
+    assert capsys.readouterr().err.startswith("error: cannot read GGUF file /nonexistent/m.gguf")
     for bad, why in (("localhost:8000", "bad URL 'localhost:8000'"),
                      ("http://a:1,http://a:1", "listed twice"), (",", "no engine URL"),
                      ("http://h:1/v1", "bad URL 'http://h:1/v1'")):
