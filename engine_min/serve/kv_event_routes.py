@@ -11,6 +11,10 @@ with every retained batch numbered above ``SEQ``, or waits up to ``timeout`` sec
     400                a malformed query
     404                the engine runs with KV events off
 
+When the server shuts down (SIGTERM, ``ServerThread.stop``) every open long poll answers at
+once with what it has (usually an empty list), so shutdown does not wait out the polls: the
+app's ``on_shutdown`` runs before aiohttp waits for the handlers still running.
+
 ``/v1/kv_events/snapshot`` gives the cached block hashes exactly after batch ``seq``, with the
 hash chain's seed and block size a subscriber needs to hash prompts the way the engine does::
 
@@ -45,12 +49,18 @@ class KVEventRoutes:
         self.log, self.block_size, self.hash_seed = log, block_size, hash_seed
         self._loop: asyncio.AbstractEventLoop | None = None
         self._published = asyncio.Event()
+        self._closing = False
 
     async def on_startup(self, _app: web.Application) -> None:
         self._loop = asyncio.get_running_loop()
-        self._published = asyncio.Event()
+        self._published, self._closing = asyncio.Event(), False
         if self.log is not None:
             self.log.on_publish = self._on_publish  # called on the engine thread
+
+    async def on_shutdown(self, _app: web.Application) -> None:
+        """End every open long poll now (each answers with what it has)."""
+        self._closing = True
+        self._wake()
 
     def _on_publish(self) -> None:
         loop = self._loop
@@ -92,7 +102,7 @@ class KVEventRoutes:
                                                status=410, type="gone_error",
                                                code="kv_events_gap"))
             remaining = deadline - asyncio.get_running_loop().time()
-            if batches or remaining <= 0:
+            if batches or remaining <= 0 or self._closing:
                 return web.json_response({"epoch": self.log.epoch,
                                           "latest_seq": self.log.latest_seq,
                                           "batches": [b.to_json() for b in batches]})
@@ -117,6 +127,7 @@ def add_kv_event_routes(app: web.Application, engine: Any) -> KVEventRoutes:
     routes = KVEventRoutes(getattr(engine, "kv_event_log", None),
                            getattr(bm, "block_size", 0), getattr(bm, "hash_seed", b""))
     app.on_startup.append(routes.on_startup)
+    app.on_shutdown.append(routes.on_shutdown)
     app.router.add_get("/v1/kv_events", routes.events)
     app.router.add_get("/v1/kv_events/snapshot", routes.snapshot)
     return routes

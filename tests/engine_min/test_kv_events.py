@@ -1,10 +1,19 @@
 """KV events of the prefix cache: the event log's numbering, window and snapshot; replaying a
 block manager's events rebuilds its cached hashes exactly (random admissions, evictions,
 frees, resets); on the real model under a tiny pool (evictions and preemptions) the engine's
-published batches equal its prefix cache, and the HTTP routes serve them."""
+published batches equal its prefix cache, and the HTTP routes serve them; a served engine
+stopped by SIGTERM answers its open long poll and exits at once."""
 import asyncio
 import json
 import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -200,3 +209,57 @@ def test_routes_long_poll_snapshot_and_gap(small_engine):
                 neg = await s.get(f"{srv.url}/v1/kv_events?after=0&timeout=-1")
                 assert neg.status == 400
         asyncio.run(run())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_ends_an_open_long_poll_at_once():
+    """``python -m engine_min serve`` with a subscriber's 30 s long poll open: SIGTERM answers
+    the poll (200, no batches) and the process exits within 2 s, instead of waiting the poll
+    out."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine_min", "serve", "--port", str(port), "--kv-cache-bytes",
+         str(BLOCK_BYTES * 40), "--max-model-len", "256", "--log-level", "warning"],
+        cwd=Path(__file__).resolve().parents[2], stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "engine not healthy"
+            try:
+                with urllib.request.urlopen(url + "/v1/kv_events/snapshot", timeout=5) as r:
+                    snap = json.loads(r.read())
+                break
+            except OSError:
+                time.sleep(0.3)
+        answer: dict = {}
+
+        def poll() -> None:
+            with urllib.request.urlopen(f"{url}/v1/kv_events?after={snap['seq']}&epoch="
+                                        f"{snap['epoch']}&timeout=30", timeout=60) as r:
+                answer.update(status=r.status, body=json.loads(r.read()), at=time.monotonic())
+
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        time.sleep(1.0)   # the poll is waiting on the engine
+        assert poller.is_alive() and not answer
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+        exit_s = time.monotonic() - t0
+        poller.join(5)
+        assert exit_s < 2.0, exit_s
+        assert answer["status"] == 200 and answer["at"] - t0 < 2.0
+        assert answer["body"]["batches"] == [] and answer["body"]["epoch"] == snap["epoch"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+        proc.stderr.close()
