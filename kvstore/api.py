@@ -176,6 +176,21 @@ class KVStoreBase(ABC):
         """Delete chunks from every tier. Returns the number removed. Pinned chunks are removed
         once their last reader is done."""
 
+    def demote(self, ns: Namespace, keys: Sequence[ChunkKey]) -> int:
+        """Mark stored chunks as first eviction candidates: in every tier holding one, it is
+        evicted before any chunk not demoted, once no child of it is stored there (oldest
+        demotion first, whatever the tier's policy). A demoted chunk still serves lookups and
+        reads, and a read lifts its demotion. Used for tail pieces whose full chunk is now
+        stored. Mutates eviction order only; never blocks on I/O in-process.
+
+        Returns the number of ``keys`` stored somewhere (now demoted). This default, for a
+        store without eviction order of its own, demotes nothing and returns 0.
+
+        Raises:
+            ValueError: a key of another namespace (stores that check keys).
+        """
+        return 0
+
     @abstractmethod
     def clear(self, ns: Namespace | None = None) -> int:
         """Delete every chunk of ``ns`` (all namespaces if None). Returns the number removed."""

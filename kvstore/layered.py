@@ -172,6 +172,9 @@ class CircuitBreakerStore(KVStoreBase):
     def remove(self, ns: Namespace, keys: Sequence[ChunkKey]) -> int:
         return self._call("remove", self.remote.remove, ns, keys)
 
+    def demote(self, ns: Namespace, keys: Sequence[ChunkKey]) -> int:
+        return self._call("demote", self.remote.demote, ns, keys)
+
     def clear(self, ns: Namespace | None = None) -> int:
         return self._call("clear", self.remote.clear, ns)
 
@@ -303,6 +306,18 @@ class LayeredStore(KVStoreBase):
             n = max(n, self.remote.remove(ns, keys))
         except Exception as exc:  # noqa: BLE001
             self._remote_failed("remove", exc)
+        return n
+
+    def demote(self, ns: Namespace, keys: Sequence[ChunkKey]) -> int:
+        """Demote in the local store and in the remote one (a remote failure is counted and
+        skipped); returns the larger count."""
+        n = self.local.demote(ns, keys)
+        try:
+            n = max(n, self.remote.demote(ns, keys))
+        except ValueError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            self._remote_failed("demote", exc)
         return n
 
     def clear(self, ns: Namespace | None = None) -> int:

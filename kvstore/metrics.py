@@ -29,6 +29,8 @@ _COUNTERS = {
     "promotions": ("Chunks copied to the top tier on a hit, by the tier they came from", True),
     "admission_refusals": ("Chunks the admission filter kept out of a full tier (a put, a "
                            "promotion or a spill), by that tier", True),
+    "demoted_chunks": ("Stored chunks demoted to first eviction candidates (tail pieces "
+                       "whose full chunk is stored), counted once per demote call", False),
     "corruptions": ("Stored chunks that failed a check on read or open (served as misses)", True),
     "dropped_writes": ("Disk writes dropped because lmdb's map was full", True),
     "errors": ("Internal errors survived (eviction policy failures, writer failures)", True),

@@ -6,6 +6,12 @@ each chunk's parent key (the previous chunk of the same prompt) on insert, and `
 prefers chunks with no child stored in this tier (tails before heads), since evicting a head
 makes the stored tails after it unreachable by a prefix lookup.
 
+Demotion: ``demote(key)`` marks a key as redundant for its own prompt (a tail piece whose full
+chunk is now stored). A demoted key with no stored child is the next victim before any other
+key, whatever the policy's order says (oldest demotion first); a demoted key with stored
+children waits for them like any other. Reading a demoted key (``on_access``) lifts the
+demotion: it proved useful.
+
 Policies are not thread-safe; the tier that owns one serialises calls.
 """
 from __future__ import annotations
@@ -38,6 +44,10 @@ class EvictionPolicy(ABC):
       ``can_evict`` (e.g. all pinned). Does not remove it: the tier evicts it and then calls
       ``on_remove``. First choice: the first evictable key in policy order with no stored child;
       otherwise the first evictable key in policy order (``leaves_only=True``: no otherwise).
+      Demoted keys come first in both passes (see ``demote``).
+    * ``demote(key)``: make a tracked key the first victim once it has no stored child; returns
+      whether ``key`` is tracked. Demoting a demoted key keeps its first demotion's place.
+      ``on_access`` lifts the demotion, ``on_remove`` forgets it.
 
     Ranks and queues: a policy's order is one or more queues (LRU, FIFO, LFU: one; S3-FIFO:
     small and main; ARC: T1 and T2), read one after the other in the order ``_queues()``
@@ -64,6 +74,9 @@ class EvictionPolicy(ABC):
         self._queue: dict[Key, int] = {}  # key -> queue id (absent: queue 0)
         self._heaps: list[list[tuple[int, Key]]] = [[] for _ in range(self.num_queues)]
         self._heap_entries = 0  # entries over all heaps, live or stale
+        self._demoted: dict[Key, int] = {}  # demoted key -> demotion sequence number
+        self._demoted_heap: list[tuple[int, Key]] = []  # (seq, key) of demoted keys, lazily pruned
+        self._demote_seq = 0
 
     # ---- events -------------------------------------------------------------------------
     def on_insert(self, key: Key, nbytes: int, parent: Key | None = None) -> None:
@@ -81,7 +94,40 @@ class EvictionPolicy(ABC):
 
     def on_access(self, key: Key) -> None:
         if key in self._nbytes:
+            self._demoted.pop(key, None)
             self._access(key)
+
+    def demote(self, key: Key) -> bool:
+        """Make tracked ``key`` the first victim once it has no stored child (see the class
+        docstring). Returns whether ``key`` is tracked (False: ignored)."""
+        if key not in self._nbytes:
+            return False
+        if key not in self._demoted:
+            self._demote_seq += 1
+            self._demoted[key] = self._demote_seq
+            self._push_demoted(key)
+        return True
+
+    def is_demoted(self, key: Key) -> bool:
+        """Whether ``key`` is tracked and demoted (O(1), no side effects)."""
+        return key in self._demoted
+
+    @property
+    def num_demoted(self) -> int:
+        """Tracked keys demoted now."""
+        return len(self._demoted)
+
+    def _push_demoted(self, key: Key) -> None:
+        """Record demoted ``key`` in the demoted heap when it has no stored child (one with a
+        child is pushed when its last child goes). Prunes stale entries past 2x live ones."""
+        if key in self._children:
+            return
+        heap = self._demoted_heap
+        if len(heap) > 2 * len(self._demoted) + 64:
+            self._demoted_heap = heap = [(s, k) for s, k in heap if self._demoted.get(k) == s
+                                         and k not in self._children]
+            heapq.heapify(heap)
+        _heappush(heap, (self._demoted[key], key))
 
     def on_remove(self, key: Key) -> None:
         if key not in self._nbytes:
@@ -90,6 +136,7 @@ class EvictionPolicy(ABC):
         del self._nbytes[key]
         del self._ranks[key]
         self._queue.pop(key, None)
+        self._demoted.pop(key, None)
         parent = self._parent.pop(key)
         if parent is not None:
             kids = self._children.get(parent)
@@ -99,6 +146,8 @@ class EvictionPolicy(ABC):
                     del self._children[parent]
                     if parent in self._nbytes:
                         self._push_leaf(parent)
+                        if parent in self._demoted:
+                            self._push_demoted(parent)
 
     # ---- ranks (called by the subclasses' hooks) -----------------------------------------------
     def _rank(self, key: Key, rank: int, queue: int = 0) -> None:
@@ -144,6 +193,10 @@ class EvictionPolicy(ABC):
         without a stored child passes ``can_evict``)."""
         # keys with a stored child are skipped before ``can_evict`` is asked (it may cost
         # more than a dict lookup); they are the second choice, in the same order
+        if self._demoted:
+            victim = self._first_demoted(can_evict)
+            if victim is not None:
+                return victim
         if self.num_queues == 1:
             victim = self._first_leaf(0, can_evict)
             if victim is not None:
@@ -155,10 +208,31 @@ class EvictionPolicy(ABC):
                     return victim
         if leaves_only:
             return None
+        for key in sorted(self._demoted, key=self._demoted.__getitem__):
+            if can_evict(key):  # (all have a stored child: the leaves were tried first)
+                return key
         for key in self._order():
             if self._children.get(key) and can_evict(key):
                 return key
         return None
+
+    def _first_demoted(self, can_evict: Callable[[Key], bool]) -> Key | None:
+        """The oldest-demoted key with no stored child that ``can_evict`` accepts."""
+        heap, demoted, children = self._demoted_heap, self._demoted, self._children
+        held: list = []
+        found = None
+        while heap:
+            seq, key = heap[0]
+            if demoted.get(key) != seq or key in children:
+                _heappop(heap)  # stale: un-demoted, removed, or got a child (pushed again later)
+                continue
+            if can_evict(key):
+                found = key
+                break
+            held.append(_heappop(heap))
+        for entry in held:
+            _heappush(heap, entry)
+        return found
 
     def _first_leaf(self, q: int, can_evict: Callable[[Key], bool]) -> Key | None:
         """The smallest-ranked key of queue ``q`` with no stored child that ``can_evict``
@@ -229,6 +303,10 @@ class EvictionPolicy(ABC):
         assert leaves <= live, f"{self.name}: {len(leaves - live)} leaves missing from the heaps"
         assert self._heap_entries == sum(len(h) for h in self._heaps), \
             f"{self.name}: heap entry count drifted"
+        assert set(self._demoted) <= set(self._nbytes), f"{self.name}: untracked key demoted"
+        live_demoted = {k for s, k in self._demoted_heap if self._demoted.get(k) == s}
+        assert {k for k in self._demoted if k in leaves} <= live_demoted, \
+            f"{self.name}: a demoted leaf is missing from the demoted heap"
 
     # ---- subclass hooks -------------------------------------------------------------------
     def _queues(self) -> list[int]:

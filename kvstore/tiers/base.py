@@ -52,6 +52,9 @@ class Tier(ABC):
         #: Set by the store: may this key be evicted now (not pinned)? Used by tiers that evict
         #: on their own (the disk tier when lmdb's map is full).
         self.evictable: Callable[[ChunkKey], bool] = lambda key: True
+        #: Set by the store: is this key demoted in another tier (``demote``)? A chunk spilled
+        #: here from a tier where it was demoted stays demoted here.
+        self.demoted_elsewhere: Callable[[ChunkKey], bool] = lambda key: False
         self._lock = threading.RLock()
 
     # ---- contract -------------------------------------------------------------------------
@@ -133,8 +136,30 @@ class Tier(ABC):
 
     # ---- policy calls that cannot take the tier down ------------------------------------------
     def touch(self, key: ChunkKey) -> None:
-        """Tell the policy ``key`` was read."""
+        """Tell the policy ``key`` was read (this lifts a demotion)."""
         self._policy_call("on_access", key)
+
+    def demote(self, key: ChunkKey) -> bool:
+        """Make stored ``key`` this tier's first victim once no child of it is stored here
+        (``EvictionPolicy.demote``). Returns whether the tier holds ``key``. A policy that
+        raises is rebuilt (demotions are lost then) and False is returned."""
+        with self._lock:
+            try:
+                return self.policy.demote(key)
+            except Exception:
+                self._policy_failed("demote")
+                return False
+
+    def is_demoted(self, key: ChunkKey) -> bool:
+        """Whether ``key`` is stored here and demoted (no side effects)."""
+        return self.policy.is_demoted(key)
+
+    def _track(self, key: ChunkKey, nbytes: int, parent: ChunkKey | None) -> None:
+        """Tell the policy ``key`` was stored (``nbytes`` of tier space), demoted at once when
+        another tier holds it demoted (a spill). Called under the tier's lock."""
+        self._policy_call("on_insert", key, nbytes, parent)
+        if self.demoted_elsewhere(key):
+            self._policy_call("demote", key)
 
     def next_victim(self, can_evict: Callable[[ChunkKey], bool],
                     leaves_only: bool = False) -> ChunkKey | None:

@@ -197,7 +197,7 @@ class DiskTier(Tier):
             self._pending[key] = op
             self._queue.append(op)
             self._queued_bytes += nbytes
-            self._policy_call("on_insert", key, nbytes, parent)
+            self._track(key, nbytes, parent)
             self._cond.notify_all()
 
     def delete(self, key: ChunkKey) -> bool:

@@ -165,7 +165,7 @@ class MemoryTier(Tier):
                 self.allocator.free(pages)
                 raise
             self._entries[key] = entry
-            self._policy_call("on_insert", key, entry_bytes(entry, self.page_bytes), parent)
+            self._track(key, entry_bytes(entry, self.page_bytes), parent)
 
     # ---- direct writes: reserve pages, fill them in place, then commit ---------------------
     def reserve(self, nbytes: int) -> tuple[tuple[Extent, ...], tuple[tuple[int, int], ...]]:
@@ -205,7 +205,7 @@ class MemoryTier(Tier):
             entry = _Entry(pages, page_runs(pages, self.page_bytes, nbytes), nbytes,
                            tuple(shape), dtype, parent)
             self._entries[key] = entry
-            self._policy_call("on_insert", key, entry_bytes(entry, self.page_bytes), parent)
+            self._track(key, entry_bytes(entry, self.page_bytes), parent)
 
     def release(self, pages: tuple[Extent, ...]) -> None:
         """Give back reserved ``pages`` that will not be committed. Idempotent."""

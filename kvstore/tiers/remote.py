@@ -27,7 +27,9 @@ Keys and values:
   (``kvstore_remote_validation_failures_total{reason}``) and deleted.
 
 Capacity is Redis's own: run it with ``maxmemory`` and an eviction policy (``allkeys-lru``);
-a value Redis evicted is simply a miss.
+a value Redis evicted is simply a miss. For the same reason ``ChunkStore.demote`` changes
+nothing here: no eviction order of ours to move a key to the front of (a demoted tail piece
+stays in Redis until its TTL or Redis's own policy takes it).
 """
 from __future__ import annotations
 
