@@ -102,6 +102,14 @@ class AsyncKVStoreClient:
                                        timeout_s=timeout_s)
         return r["removed"]
 
+    async def demote(self, ns: Namespace, keys: Sequence[ChunkKey], *,
+                     timeout_s: float | None = None) -> int:
+        """Make stored chunks first eviction candidates (``KVStoreBase.demote``); returns
+        how many the daemon holds."""
+        r = await self._http.post_json("/v1/demote", P.key_request(ns, keys), idempotent=True,
+                                       timeout_s=timeout_s)
+        return r["demoted"]
+
     async def clear(self, ns: Namespace | None = None, *, timeout_s: float | None = None) -> int:
         """Delete every chunk of ``ns`` (all namespaces if None)."""
         body = {"all": True} if ns is None else {"namespace": ns.to_dict()}
@@ -352,6 +360,9 @@ class KVStoreClient(KVStoreBase):
 
     def remove(self, ns, keys, *, timeout_s=None) -> int:
         return self._call("remove", timeout_s, ns, keys)
+
+    def demote(self, ns, keys, *, timeout_s=None) -> int:
+        return self._call("demote", timeout_s, ns, keys)
 
     def clear(self, ns=None, *, timeout_s=None) -> int:
         return self._call("clear", timeout_s, ns)

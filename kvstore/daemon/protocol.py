@@ -3,7 +3,7 @@
 This module holds the binary messages; the JSON part (namespace, keys, version, errors) is
 ``kvstore.daemon.fields``, whose names are re-exported here (``P.parse_keys`` etc.).
 
-Control requests (lookup, exists, get, remove, clear, pin, unpin) are small JSON bodies
+Control requests (lookup, exists, get, remove, demote, clear, pin, unpin) are small JSON bodies
 (``application/json``); keys travel as lowercase hex of ``bytes(ChunkKey)``. Tensor payloads
 travel only as raw bytes inside a *binary message* (``application/x-kvstore``)::
 

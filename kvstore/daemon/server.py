@@ -17,6 +17,9 @@ Routes (wire format in ``kvstore.daemon.protocol``):
                                                         400 if keys is empty
     POST /v1/put         binary message                -> {stored, num_chunks, durable}
     POST /v1/remove      JSON {namespace, keys}        -> {removed}
+    POST /v1/demote      JSON {namespace, keys}        -> {demoted}: the stored keys become
+                                                        first eviction candidates
+                                                        (``KVStoreBase.demote``)
     POST /v1/clear       JSON {namespace} or {all: true} -> {removed}
     POST /v1/pin         JSON {namespace, keys, lease_s} -> {pinned, lease_s}
     POST /v1/unpin       JSON {namespace, keys}        -> {unpinned}
@@ -190,6 +193,12 @@ async def remove(request: web.Request) -> web.Response:
     return _ok({"removed": int(n)})
 
 
+async def demote(request: web.Request) -> web.Response:
+    _, ns, keys = await _ns_keys(request, WRITE)
+    n = await request.app[STATE_KEY].call(request.app[STORE_KEY].demote, ns, keys)
+    return _ok({"demoted": int(n)})
+
+
 async def clear(request: web.Request) -> web.Response:
     body = await _json_body(request)
     if body.get("all") is True:
@@ -252,7 +261,8 @@ def create_app(store: KVStoreBase, limits: ServerLimits | None = None,
     app.router.add_get("/v1/stats", stats)
     app.router.add_get("/v1/whoami", whoami)
     for name, fn in (("lookup", lookup), ("exists", exists), ("get", get), ("put", put),
-                     ("remove", remove), ("clear", clear), ("pin", pin), ("unpin", unpin)):
+                     ("remove", remove), ("demote", demote), ("clear", clear), ("pin", pin),
+                     ("unpin", unpin)):
         app.router.add_post(f"/v1/{name}", fn)
 
     async def _shutdown_pool(app: web.Application) -> None:

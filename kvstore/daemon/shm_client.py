@@ -204,6 +204,9 @@ class ShmKVStoreClient(KVStoreBase):
     def remove(self, ns, keys, *, timeout_s=None) -> int:
         return self._keys_op("remove", ns, keys, idempotent=True, timeout_s=timeout_s)["removed"]
 
+    def demote(self, ns, keys, *, timeout_s=None) -> int:
+        return self._keys_op("demote", ns, keys, idempotent=True, timeout_s=timeout_s)["demoted"]
+
     def pin(self, ns, keys, lease_s=None, *, timeout_s=None) -> int:
         return self._keys_op("pin", ns, keys, idempotent=False, timeout_s=timeout_s,
                              lease_s=lease_s)["pinned"]

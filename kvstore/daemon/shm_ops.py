@@ -346,6 +346,11 @@ async def remove(c: "Connection", h: dict) -> dict:
     return _ok(removed=int(await c.state.call(c.store.remove, ns, keys)))
 
 
+async def demote(c: "Connection", h: dict) -> dict:
+    ns, keys = _ns_keys(c, h, WRITE)
+    return _ok(demoted=int(await c.state.call(c.store.demote, ns, keys)))
+
+
 async def clear(c: "Connection", h: dict) -> dict:
     if h.get("namespace") is None:
         c.tenant.require_admin("clear of every namespace")
@@ -381,6 +386,6 @@ async def stats(c: "Connection", h: dict) -> dict:
 #: op name -> handler (``release`` and ``hello`` are the connection's own)
 HANDLERS: dict[str, Callable[["Connection", dict], Awaitable[dict | None]]] = {
     "lookup": lookup, "exists": exists, "get": get, "put": put, "remove": remove,
-    "clear": clear, "pin": pin, "unpin": unpin, "stats": stats, "stage": stage}
+    "demote": demote, "clear": clear, "pin": pin, "unpin": unpin, "stats": stats, "stage": stage}
 
 __all__ = ["HANDLERS", "RECV_SLICE"]

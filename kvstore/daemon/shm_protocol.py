@@ -43,6 +43,7 @@ put        the put header of ``kvstore.daemon.protocol``          ``stored`` (in
            (``namespace``, ``chunks`` with ``xxh3``, ...),        ({reason: count})
            payload = the chunks' bytes in order
 remove     ``namespace``, ``keys``                                ``removed``
+demote     ``namespace``, ``keys``                                ``demoted``
 clear      ``namespace`` (or null: admin only)                    ``removed``
 pin        ``namespace``, ``keys``, ``lease_s`` (or null)         ``pinned``
 unpin      ``namespace``, ``keys``                                ``unpinned``
@@ -82,8 +83,8 @@ from kvstore.daemon.protocol import (MAX_HEADER_BYTES, PREAMBLE, PREAMBLE_BYTES,
 #: Version of this path's messages (sent in ``hello``).
 SHM_VERSION = 1
 #: ops with a reply (``release`` has none)
-OPS = ("hello", "lookup", "exists", "get", "release", "put", "remove", "clear", "pin", "unpin",
-       "stats", "stage")
+OPS = ("hello", "lookup", "exists", "get", "release", "put", "remove", "demote", "clear", "pin",
+       "unpin", "stats", "stage")
 #: ``struct ucred`` of ``SO_PEERCRED``: pid, uid, gid
 _UCRED = struct.Struct("3i")
 
