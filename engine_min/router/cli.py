@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import threading
 import time
@@ -44,6 +45,15 @@ def add_route_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--startup-timeout-s", type=float, default=60.0,
                         help="seconds to wait for every engine to answer /health at start "
                         "(default 60)")
+    parser.add_argument("--kvstore-url", default=None, metavar="URL",
+                        help="the kvstore daemon the engines share (http://host:port): an "
+                        "engine then wins on its cache only by what it holds beyond the store")
+    parser.add_argument("--kvstore-auth-token", default=os.environ.get("KVSTORE_AUTH_TOKEN"),
+                        metavar="TOKEN", help="bearer token of that daemon (default "
+                        "$KVSTORE_AUTH_TOKEN)")
+    parser.add_argument("--kvstore-lookup-timeout-ms", type=float, default=5.0, metavar="MS",
+                        help="deadline of a request's store lookup; past it the request is "
+                        "scored without the store (default 5)")
     parser.add_argument("--log-level", default="info", help="logging level (default info)")
     return parser
 
@@ -199,6 +209,11 @@ def route_main(args: argparse.Namespace) -> int:
     try:
         urls = parse_engine_urls(args.engines)
         policy = make_policy(args.policy, args.max_load_gap, args.min_hit_fraction)
+        store = None
+        if args.kvstore_url:
+            from engine_min.router.store_lookup import StoreLookup
+            store = StoreLookup(args.kvstore_url, args.kvstore_lookup_timeout_ms / 1e3,
+                                args.kvstore_auth_token)
         tokenizer = load_while_waiting(args.model, urls, args.startup_timeout_s)
     except (ModelLoadError, OSError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -208,11 +223,12 @@ def route_main(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from engine_min.router.proxy import create_router_app
-    app = create_router_app(urls, tokenizer, policy, args.health_interval_s)
+    app = create_router_app(urls, tokenizer, policy, args.health_interval_s, store=store)
 
     def started(text: str) -> None:
         where = text.splitlines()[0].strip("= ").removeprefix("Running on ")
-        logger.info("routing (%s) to %s on %s", args.policy, ", ".join(urls), where)
+        logger.info("routing (%s) to %s on %s%s", args.policy, ", ".join(urls), where,
+                    f"; shared store {args.kvstore_url}" if store is not None else "")
     try:
         web.run_app(app, host=args.host, port=args.port, handler_cancellation=True,
                     access_log=None, print=started)

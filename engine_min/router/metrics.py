@@ -16,6 +16,11 @@ Series (``GET /metrics``; ``engine`` is the engine's base URL as given to ``--en
     router_stale_connection_retries_total{engine} counter, requests sent again on a fresh
                                                  connection after the engine closed their
                                                  pooled one before answering
+    router_store_lookups_total{result}           counter, store lookups (``--kvstore-url``):
+                                                 ok | timeout (past the deadline, skipped) |
+                                                 error (skipped)
+    router_store_hit_tokens_total                counter, prompt tokens the store held, in the
+                                                 picked engine's namespace
     router_failed_requests_total                 counter, requests the router could not
                                                  complete (no engine left, or an engine failed
                                                  after bytes went to the client)
@@ -53,6 +58,10 @@ class RouterMetrics:
         self.stale_connection_retries = Counter(
             "router_stale_connection_retries", "Requests sent again to the same engine on a "
             "fresh connection after it closed the pooled one", ["engine"], registry=r)
+        self.store_lookups = Counter("router_store_lookups", "Lookups of the prompt in the "
+                                     "shared kvstore daemon, by result", ["result"], registry=r)
+        self.store_hit_tokens = Counter("router_store_hit_tokens", "Prompt tokens the shared "
+                                        "store held (picked engine's namespace)", registry=r)
         self.failed_requests = Counter("router_failed_requests", "Requests the router could "
                                        "not complete", registry=r)
 

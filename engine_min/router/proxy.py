@@ -3,6 +3,9 @@
 Per ``POST /v1/completions`` / ``POST /v1/chat/completions``::
 
     read body -> worker thread: token ids + block hashes (engine_min.router.prompt)
+                 (+ the store's chunk keys, with a shared kvstore daemon)
+              -> [shared store: POST /v1/lookup, deadline-bounded; engine_min.router.
+                  store_lookup: hits beyond the store's]
               -> score healthy engines (index hits x block_size, load) -> policy decision
               -> POST to the engine (router_overhead_seconds ends here)
               -> relay: a stream chunk by chunk as it arrives, else the whole answer;
@@ -26,6 +29,7 @@ engine is healthy (503 otherwise); ``GET /metrics`` is ``engine_min.router.metri
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -36,6 +40,7 @@ from aiohttp import web
 from engine_min.router.metrics import RouterMetrics
 from engine_min.router.policy import RETRY, Candidate, Decision
 from engine_min.router.prompt import PreparedPrompt, PromptEncoder, prepare_prompt
+from engine_min.router.store_lookup import StoreLookup, discount_store_hits
 from engine_min.router.subscriber import Engine, EngineSubscriber
 from engine_min.serve import protocol as proto
 from engine_min.serve.errors import error_response, openai_error_middleware
@@ -108,11 +113,15 @@ class Router:
         health_interval_s: seconds between an engine's health checks.
         poll_timeout_s: long-poll wait on an engine's ``/v1/kv_events``.
         max_connections: concurrent upstream connections (streams, polls) of the one session.
+        store: the shared kvstore daemon's ``StoreLookup`` (None: no shared store); used by
+            the cache-aware policy only.
     """
 
     def __init__(self, urls: list[str], tokenizer, policy, health_interval_s: float = 1.0,
-                 poll_timeout_s: float = 10.0, max_connections: int = 4096):
+                 poll_timeout_s: float = 10.0, max_connections: int = 4096,
+                 store: StoreLookup | None = None):
         self.metrics = RouterMetrics()
+        self.store = store if getattr(policy, "name", "") == "cache-aware" else None
         self.engines = [Engine(u.rstrip("/"), i, self.metrics) for i, u in enumerate(urls)]
         self.tokenizer, self.policy = tokenizer, policy
         self.encoder = PromptEncoder(tokenizer)
@@ -136,7 +145,8 @@ class Router:
             connector=aiohttp.TCPConnector(force_close=True, limit=0), auto_decompress=False,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         for e in self.engines:
-            sub = EngineSubscriber(e, self.session, self.health_interval_s, self.poll_timeout_s)
+            sub = EngineSubscriber(e, self.session, self.health_interval_s, self.poll_timeout_s,
+                                   fetch_store_namespace=self.store is not None)
             self._tasks.append(asyncio.create_task(sub.run(), name=f"subscriber {e.url}"))
 
     async def stop(self, _app: web.Application | None = None) -> None:
@@ -159,13 +169,36 @@ class Router:
             out.append(Candidate(e.position, hits, e.load))
         return out
 
-    def _decide(self, prompt: PreparedPrompt, exclude: set[int]) -> Decision | None:
+    def _decide(self, prompt: PreparedPrompt, exclude: set[int],
+                store_hits: dict[bytes, int]) -> Decision | None:
+        """The policy's pick among healthy engines not in ``exclude``; with ``store_hits``
+        (tokens per store ``ns_id``) on advantages over the store. ``hit_tokens`` of the
+        decision is the engine's own (local) hit."""
         cands = self._candidates(prompt, exclude)
         if not cands:
             return None
         if prompt.token_ids is None:
             return self.policy.least_loaded(cands)
-        return self.policy.choose(cands, len(prompt.token_ids))
+        n = len(prompt.token_ids)
+        if not store_hits:
+            return self.policy.choose(cands, n)
+        by_pos = {}
+        for c in cands:
+            ns = self.engines[c.position].store_namespace
+            if ns is not None and ns.ns_id in store_hits:
+                by_pos[c.position] = min(store_hits[ns.ns_id], n)
+        scored, remainder = discount_store_hits(cands, by_pos, n)
+        d = self.policy.choose(scored, remainder)
+        local = next(c.hit_tokens for c in cands if c.position == d.position)
+        return dataclasses.replace(d, hit_tokens=local)
+
+    def _prepare(self, raw: bytes, kind: str, keys: list, namespaces: list
+                 ) -> tuple[PreparedPrompt, dict[bytes, bytes]]:
+        """Worker thread: the prompt (``prepare_prompt``) and its store lookup bodies."""
+        prompt = prepare_prompt(self.tokenizer, raw, kind, keys, self.encoder)
+        if not namespaces or prompt.token_ids is None:
+            return prompt, {}
+        return prompt, self.store.lookup_bodies(namespaces, prompt.token_ids)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/completions`` and ``POST /v1/chat/completions``."""
@@ -173,11 +206,17 @@ class Router:
         raw = await request.read()
         kind = "chat" if request.path.endswith("/chat/completions") else "completion"
         keys = [e.index.hash_key for e in self.engines if e.healthy and e.index.ready]
-        prompt = await asyncio.get_running_loop().run_in_executor(
-            None, prepare_prompt, self.tokenizer, raw, kind, keys, self.encoder)
+        namespaces = [] if self.store is None else [
+            e.store_namespace for e in self.engines
+            if e.healthy and e.store_namespace is not None]
+        prompt, bodies = await asyncio.get_running_loop().run_in_executor(
+            None, self._prepare, raw, kind, keys, namespaces)
+        store_hits = {}
+        if bodies:
+            store_hits = await self.store.hit_tokens(self.session, bodies, self.metrics)
         tried: set[int] = set()
         while True:
-            decision = self._decide(prompt, tried)
+            decision = self._decide(prompt, tried, store_hits)
             if decision is None:
                 self.metrics.failed_requests.inc()
                 return _no_engine(bool(tried))
@@ -187,6 +226,9 @@ class Router:
             self.metrics.predicted_hit_tokens.labels(e.url).inc(decision.hit_tokens)
             if not tried:
                 self.metrics.overhead.observe(time.perf_counter() - t0)
+                if store_hits and e.store_namespace is not None:
+                    self.metrics.store_hit_tokens.inc(
+                        store_hits.get(e.store_namespace.ns_id, 0))
             try:
                 return await self._send(request, e, raw)
             except UpstreamFailed as exc:
@@ -307,7 +349,8 @@ def _no_engine(after_failures: bool) -> web.Response:
 
 
 def create_router_app(urls: list[str], tokenizer, policy, health_interval_s: float = 1.0,
-                      poll_timeout_s: float = 10.0) -> web.Application:
+                      poll_timeout_s: float = 10.0, store: StoreLookup | None = None
+                      ) -> web.Application:
     """The router's aiohttp app (its ``Router`` is ``app[ROUTER_KEY]``); subscribers start and
     stop with the app.
 
@@ -317,13 +360,15 @@ def create_router_app(urls: list[str], tokenizer, policy, health_interval_s: flo
         policy: ``engine_min.router.policy.make_policy(...)``.
         health_interval_s: seconds between health checks of each engine.
         poll_timeout_s: long-poll wait on each engine's events.
+        store: the engines' shared kvstore daemon (None: none); cache-aware scores then
+            count only what an engine holds beyond it (``engine_min.router.store_lookup``).
 
     Raises:
         ValueError: no URL.
     """
     if not urls:
         raise ValueError("at least one engine URL is needed")
-    router = Router(urls, tokenizer, policy, health_interval_s, poll_timeout_s)
+    router = Router(urls, tokenizer, policy, health_interval_s, poll_timeout_s, store=store)
     app = web.Application(client_max_size=64 * 1024 * 1024,
                           middlewares=[openai_error_middleware])
     app[ROUTER_KEY] = router

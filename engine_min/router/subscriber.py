@@ -18,6 +18,10 @@ snapshot (empty after a restart). ``generation`` counts the downs, so an answer 
 flight while the engine went down is thrown away instead of refilling a dropped index.
 
 An engine without the events endpoints (404) is still routed to, by load, with an empty index.
+
+With a shared store (``fetch_store_namespace``), each time an engine comes into service its
+``GET /debug/stats`` field ``store_namespace`` (the kvstore namespace its connector saves
+chunks under; absent or null without a store) is read once into ``Engine.store_namespace``.
 """
 from __future__ import annotations
 
@@ -58,6 +62,9 @@ class Engine:
         self.reported_load = 0
         self.generation = 0
         self.events_supported = True
+        #: its kvstore ``Namespace`` (``fetch_store_namespace``); None: no store, or unknown
+        self.store_namespace = None
+        self.store_namespace_read = False
         self._up = asyncio.Event()
         metrics.add_engine(url)
 
@@ -74,6 +81,7 @@ class Engine:
         self.healthy = False
         self.generation += 1
         self.reported_load = 0
+        self.store_namespace, self.store_namespace_read = None, False
         self._up.clear()
         self.index.drop()
         self.metrics.engine_healthy.labels(self.url).set(0)
@@ -121,9 +129,11 @@ class EngineSubscriber:
     """
 
     def __init__(self, engine: Engine, session: aiohttp.ClientSession,
-                 health_interval_s: float = 1.0, poll_timeout_s: float = 10.0):
+                 health_interval_s: float = 1.0, poll_timeout_s: float = 10.0,
+                 fetch_store_namespace: bool = False):
         self.engine, self.session = engine, session
         self.health_interval_s, self.poll_timeout_s = health_interval_s, poll_timeout_s
+        self.fetch_store_namespace = fetch_store_namespace
         self._soft_failures = 0
 
     async def run(self) -> None:
@@ -158,11 +168,37 @@ class EngineSubscriber:
             self._soft_failures = 0
             e.mark_up()
             e.reported_load = load
+            if self.fetch_store_namespace and not e.store_namespace_read:
+                await self.read_store_namespace(timeout)
             return True
         self._soft_failures += 1
         if self._soft_failures >= MAX_SOFT_FAILURES:
             e.mark_down(f"/health failed {self._soft_failures} times in a row")
         return False
+
+    async def read_store_namespace(self, timeout: aiohttp.ClientTimeout) -> None:
+        """Read the engine's ``store_namespace`` from ``GET /debug/stats`` (once per time in
+        service; a failure is logged and retried at the next health check)."""
+        from kvstore.keys import Namespace
+        e, gen = self.engine, self.engine.generation
+        try:
+            async with self.session.get(e.url + "/debug/stats", timeout=timeout) as r:
+                stats = await r.json(content_type=None) if r.status == 200 else None
+            d = stats.get("store_namespace") if isinstance(stats, dict) else None
+            ns = Namespace.from_dict(d) if d is not None else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError,
+                TypeError) as exc:
+            logger.warning("engine %s: cannot read its store namespace from /debug/stats: "
+                           "%r", e.url, exc)
+            return
+        if gen != e.generation:
+            return
+        e.store_namespace, e.store_namespace_read = ns, True
+        if ns is None:
+            logger.warning("engine %s reports no store namespace (no --kvstore-* flags?): "
+                           "scored without the shared store", e.url)
+        else:
+            logger.info("engine %s saves to store namespace %s", e.url, ns.describe())
 
     # ---- events --------------------------------------------------------------------------
     async def _events_loop(self) -> None:

@@ -1,0 +1,127 @@
+"""What a shared kvstore daemon holds of a prompt, and how that discounts the engines' own hits.
+
+When the engines load from one kvstore daemon (``--kvstore-url`` on the engines and on the
+router), a prompt's tokens the store holds are loadable by every engine sharing it, so they do
+not tell the engines apart: an engine's advantage is only what its own prefix cache holds
+beyond the store. Per request, for each store namespace among the healthy engines (read once
+from each engine's ``GET /debug/stats`` field ``store_namespace``), the router asks the daemon
+``POST /v1/lookup`` for the prompt's chunk keys (``kvstore.keys.Namespace.chunk_keys``, the
+keys the engine's connector saves under) and gets ``store_hit = num_hit_chunks x
+chunk_size`` tokens. The lookup has a deadline (default 5 ms); on a timeout or an error the
+request is scored without the store (``router_store_lookups_total{result}``).
+
+``discount_store_hits`` turns the candidates' local hits into advantages over the store::
+
+    s_e        = store hit tokens in engine e's namespace (0: e uses no store, or the lookup
+                 was skipped)
+    score_e    = max(0, hit_tokens_e - s_e)         what e holds that the store does not
+    remainder  = num_prompt_tokens - min(s_e)        tokens the store cannot give every engine
+
+and the policy runs on ``score`` and ``remainder`` unchanged (``engine_min.router.policy``):
+an engine wins on its cache only if it holds more beyond the store than another engine does
+and at least ``min_hit_fraction`` of the remainder; otherwise (the store holds as much as any
+engine) the least-loaded engine gets the request, and loads the prefix from the store.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Mapping
+
+import aiohttp
+
+from engine_min.router.metrics import RouterMetrics
+from engine_min.router.policy import Candidate
+
+logger = logging.getLogger("engine_min.router")
+
+#: default deadline of one request's store lookups (seconds)
+DEFAULT_LOOKUP_TIMEOUT_S = 0.005
+
+
+def discount_store_hits(candidates: Iterable[Candidate], store_hits: Mapping[int, int],
+                        num_prompt_tokens: int) -> tuple[list[Candidate], int]:
+    """``(candidates scored beyond the store, remainder)`` as in the module's formula.
+
+    Args:
+        candidates: the healthy engines with their local ``hit_tokens``.
+        store_hits: store hit tokens per candidate ``position`` (absent: 0).
+        num_prompt_tokens: the prompt's length in tokens.
+
+    Raises:
+        ValueError: a store hit that is negative or longer than the prompt.
+    """
+    cands = list(candidates)
+    hits = [store_hits.get(c.position, 0) for c in cands]
+    if any(not 0 <= s <= num_prompt_tokens for s in hits):
+        raise ValueError(f"store hits {hits} outside [0, {num_prompt_tokens}]")
+    scored = [Candidate(c.position, max(0, c.hit_tokens - s), c.load)
+              for c, s in zip(cands, hits)]
+    return scored, num_prompt_tokens - min(hits, default=0)
+
+
+class StoreLookup:
+    """Asks a kvstore daemon how many of a prompt's leading tokens it holds.
+
+    Args:
+        url: the daemon's base URL (``http://host:port``).
+        timeout_s: deadline of one request's lookups (all namespaces together), > 0.
+        auth_token: bearer token of a daemon started with ``--auth-token`` (None: none).
+
+    Raises:
+        ValueError: a URL that is not ``http(s)://host[:port]`` or a deadline <= 0.
+    """
+
+    def __init__(self, url: str, timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S, auth_token: str | None = None):
+        from kvstore.daemon import protocol as P
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--kvstore-url: expected http://host:port, got {url!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"the store lookup deadline must be > 0 s, got {timeout_s}")
+        self.url, self.timeout_s = url.rstrip("/"), timeout_s
+        self.headers = {"Content-Type": "application/json",
+                        P.VERSION_HEADER: str(P.PROTOCOL_VERSION)}
+        if auth_token:
+            self.headers["Authorization"] = f"Bearer {auth_token}"
+        self._key_request = P.key_request
+
+    def lookup_bodies(self, namespaces: Iterable, token_ids: list[int]) -> dict[bytes, bytes]:
+        """The ``/v1/lookup`` body of ``token_ids``'s full chunks per namespace (keyed by
+        ``ns_id``); namespaces whose chunk is longer than the prompt are left out. CPU-bound
+        (sha256 over the prompt): run it off the event loop."""
+        out = {}
+        for ns in namespaces:
+            if ns.ns_id not in out and len(token_ids) >= ns.layout.chunk_size:
+                out[ns.ns_id] = self._key_request(ns, ns.chunk_keys(token_ids))
+        return out
+
+    async def hit_tokens(self, session: aiohttp.ClientSession, bodies: Mapping[bytes, bytes],
+                         metrics: RouterMetrics) -> dict[bytes, int]:
+        """Store hit tokens per ``ns_id`` of ``bodies`` (``lookup_bodies``); ``{}`` when the
+        deadline passed or the daemon failed (counted in ``metrics.store_lookups``, logged
+        at debug)."""
+        if not bodies:
+            return {}
+        t0 = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                found = await asyncio.gather(*(self._one(session, b) for b in bodies.values()))
+        except TimeoutError:
+            metrics.store_lookups.labels("timeout").inc()
+            logger.debug("store lookup past its %.1f ms deadline", self.timeout_s * 1e3)
+            return {}
+        except (aiohttp.ClientError, OSError, ValueError, KeyError, TypeError) as exc:
+            metrics.store_lookups.labels("error").inc()
+            logger.debug("store lookup failed after %.1f ms: %r",
+                         (time.perf_counter() - t0) * 1e3, exc)
+            return {}
+        metrics.store_lookups.labels("ok").inc()
+        return dict(zip(bodies, found))
+
+    async def _one(self, session: aiohttp.ClientSession, body: bytes) -> int:
+        async with session.post(self.url + "/v1/lookup", data=body, headers=self.headers) as r:
+            answer = await r.json(content_type=None)
+            if r.status != 200:
+                raise ValueError(f"/v1/lookup: HTTP {r.status}: {answer}")
+        return int(answer["num_hit_chunks"]) * int(answer["chunk_size"])

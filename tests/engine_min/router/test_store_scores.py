@@ -1,0 +1,63 @@
+"""Scores with a shared store, on hand-made candidates: an engine's score is its own hit
+beyond what the store holds in its namespace; the fraction test applies to the tokens the
+store cannot give every engine; when no engine holds meaningfully more than the store, the
+least-loaded engine is picked."""
+from __future__ import annotations
+
+import pytest
+
+from engine_min.router.policy import CacheAwarePolicy, Candidate
+from engine_min.router.store_lookup import StoreLookup, discount_store_hits
+
+
+def _c(*rows):
+    return [Candidate(i, hits, load) for i, (hits, load) in enumerate(rows)]
+
+
+def test_scores_are_hits_beyond_the_store():
+    # a 2000-token prompt; the store holds 1792 tokens (7 chunks of 256) for both engines;
+    # engine 0 holds 1984 locally (a later round of its chat), engine 1 holds 1024
+    scored, remainder = discount_store_hits(_c((1984, 3), (1024, 0)), {0: 1792, 1: 1792}, 2000)
+    assert [(c.position, c.hit_tokens, c.load) for c in scored] == [(0, 192, 3), (1, 0, 0)]
+    assert remainder == 208
+    d = CacheAwarePolicy(max_load_gap=8, min_hit_fraction=0.5).choose(scored, remainder)
+    assert (d.position, d.reason, d.hit_tokens) == (0, "hit", 192)   # 192 >= 0.5 * 208
+    # engine 0 holds only what the store holds plus one block: nothing worth its load
+    scored, remainder = discount_store_hits(_c((1808, 3), (1024, 0)), {0: 1792, 1: 1792}, 2000)
+    assert [c.hit_tokens for c in scored] == [16, 0] and remainder == 208
+    d = CacheAwarePolicy(max_load_gap=8, min_hit_fraction=0.5).choose(scored, remainder)
+    assert (d.position, d.reason) == (1, "load")
+    # the store holds the whole prompt's chunks: every advantage is 0, least loaded wins,
+    # although without the store engine 0's 1984 tokens would have won
+    scored, remainder = discount_store_hits(_c((1984, 3), (0, 0)), {0: 2000, 1: 2000}, 2000)
+    assert [c.hit_tokens for c in scored] == [0, 0] and remainder == 0
+    d = CacheAwarePolicy().choose(scored, remainder)
+    assert (d.position, d.reason) == (1, "load")
+    assert CacheAwarePolicy().choose(_c((1984, 3), (0, 0)), 2000).position == 0
+
+
+def test_engines_without_the_store_keep_their_hits():
+    # engine 1 uses no store (no entry): its local hit counts whole; the fraction test is on
+    # the whole prompt (the store gives it nothing)
+    scored, remainder = discount_store_hits(_c((512, 0), (768, 0)), {0: 512}, 1000)
+    assert [c.hit_tokens for c in scored] == [0, 768] and remainder == 1000
+    d = CacheAwarePolicy(min_hit_fraction=0.5).choose(scored, remainder)
+    assert (d.position, d.reason, d.hit_tokens) == (1, "hit", 768)
+    # no store hits at all: the candidates are unchanged
+    cands = _c((64, 1), (0, 0))
+    assert discount_store_hits(cands, {}, 100) == (cands, 100)
+    assert discount_store_hits([], {}, 100) == ([], 100)
+
+
+def test_bad_store_hits_and_flags_are_refused():
+    with pytest.raises(ValueError, match="outside"):
+        discount_store_hits(_c((0, 0)), {0: 101}, 100)
+    with pytest.raises(ValueError, match="outside"):
+        discount_store_hits(_c((0, 0)), {0: -1}, 100)
+    with pytest.raises(ValueError, match="http://host:port"):
+        StoreLookup("unix:///tmp/kv.sock")
+    with pytest.raises(ValueError, match="deadline"):
+        StoreLookup("http://127.0.0.1:1", timeout_s=0)
+    lookup = StoreLookup("http://127.0.0.1:1/", timeout_s=0.005, auth_token="t")
+    assert lookup.url == "http://127.0.0.1:1"
+    assert lookup.headers["Authorization"] == "Bearer t"
