@@ -18,6 +18,11 @@ aligned), with chunk size ``C`` and tail size ``F`` (0 = off)::
     save      full chunks computed and not saved yet (``chunks_to_save``), and at a prompt's
               end the tail pieces past its last full chunk (``pieces_to_save``), each with its
               true parent when it continues units saved earlier
+    supersede a chunk save covering tokens whose pieces this request saved names those
+              pieces (``SaveRange.supersedes``): the adapter demotes them once the chunk is
+              stored (first eviction candidates; they still serve other prompts that share
+              the prefix up to a piece, while there is room). Pieces the request only loaded
+              are left alone: the hit proved them useful to more than one prompt
 
 Keys: ``Namespace.chunk_keys`` of the request's tokens for full chunks; tail pieces are keyed
 in the tail namespace (the same layout with chunk size ``F``), chained from token 0, so a
@@ -25,6 +30,12 @@ piece only matches the identical prefix::
 
     tokens  |      chunk 0 (C)      |      chunk 1 (C)      | F | F | F |..
     keys    ns (chunk C)            ns                     tail ns (chunk F), chained from 0
+
+When the answer later fills chunk 2, its save supersedes those pieces::
+
+    tokens  |      chunk 0 (C)      |      chunk 1 (C)      |      chunk 2 (C)      |
+    saved   (earlier)                (earlier)               | chunks_to_save now    |
+    pieces                                                   | F | F | F | superseded (demoted)
 """
 from __future__ import annotations
 
@@ -32,7 +43,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from connectors.chunk_geometry import ChunkGeometry
-from connectors.chunk_records import LoadPlan, LookupHit, Piece, SaveRange
+from connectors.chunk_records import LoadPlan, LookupHit, Piece, SaveRange, Superseded
 from kvstore.keys import ChunkKey, Namespace, chain_hashes
 
 
@@ -131,6 +142,7 @@ class RequestChunks:
         self.pieces = KeyChain(tail_ns) if tail_ns is not None else None
         self.saved = 0          # tokens whose full chunks are saved or known stored
         self.tail_saved = 0     # tokens whose tail pieces are saved or known stored
+        self.pieces_put: set[int] = set()   # indices of the tail pieces this request saved
         self.lookup: LookupHit | None = None
 
     # ---- lookup -------------------------------------------------------------------------------
@@ -204,7 +216,8 @@ class RequestChunks:
     # ---- saves --------------------------------------------------------------------------------
     def chunks_to_save(self, tokens: Sequence[int], end: int) -> SaveRange | None:
         """The full chunks with KV in ``[0, end)`` not saved yet, marked saved (a dropped
-        save is not retried); None when there are none."""
+        save is not retried); None when there are none. The range names the tail pieces it
+        covers that this request saved itself (``supersedes``; ``pieces_put``)."""
         rng = self.geometry.chunks_to_save(self.saved, end)
         if not rng:
             return None
@@ -213,7 +226,20 @@ class RequestChunks:
         # a save continuing chunks saved earlier names its first chunk's parent (the store
         # keeps prefixes reachable only with true parents)
         parent = keys[rng.start - 1] if rng.start else None
-        return SaveRange(self.chunks.ns, rng.start, tuple(keys[rng.start:]), parent)
+        return SaveRange(self.chunks.ns, rng.start, tuple(keys[rng.start:]), parent,
+                         supersedes=self._superseded(tokens, rng))
+
+    def _superseded(self, tokens: Sequence[int], rng: range) -> Superseded | None:
+        """The tail pieces the chunks ``rng`` cover among those this request saved."""
+        C, F = self.geometry.chunk_size, self.geometry.tail_size
+        if not self.pieces_put:
+            return None
+        js = [j for j in range(rng.start * C // F, rng.stop * C // F) if j in self.pieces_put]
+        if not js:
+            return None
+        tail = self.pieces.keys(tokens, js[-1] + 1)
+        return Superseded(self.pieces.ns, tuple(tail[j] for j in js),
+                          tuple(j * F // C - rng.start for j in js))
 
     def pieces_to_save(self, tokens: Sequence[int], end: int) -> SaveRange | None:
         """The tail pieces past the last full chunk of ``[0, end)`` not saved yet
@@ -227,6 +253,7 @@ class RequestChunks:
         if hi <= lo:
             return None
         self.tail_saved = hi * F
+        self.pieces_put.update(range(lo, hi))
         keys = self.pieces.keys(tokens, hi)
         # pieces are looked up from the last full chunk on: the piece there starts a chain
         # (no parent); one continuing pieces saved earlier names the piece before it

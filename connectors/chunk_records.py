@@ -36,6 +36,23 @@ class LookupHit:
 
 
 @dataclass(frozen=True)
+class Superseded:
+    """Tail pieces that a save's full chunks cover: once those chunks are stored the pieces
+    are redundant for this prefix (they still serve a prompt that diverges inside the chunk),
+    so the adapter demotes them (``KVStoreBase.demote``) after the chunks' put.
+
+    Attributes:
+        ns: the tail namespace (the pieces' keys are of it).
+        keys: the pieces' keys, in token order.
+        chunk_index: per piece, the index into the save's ``keys`` of the chunk covering it.
+    """
+
+    ns: Namespace
+    keys: tuple[ChunkKey, ...]
+    chunk_index: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class SaveRange:
     """Consecutive units of one chain to save: chunks (or tail pieces, ``tail``) ``first,
     first + 1, ...`` of ``ns``'s chunk size.
@@ -49,6 +66,8 @@ class SaveRange:
             earlier; None when ``keys[0]`` starts its chain (or its parent was not saved by
             this request).
         tail: tail pieces (the tail namespace).
+        supersedes: (full chunks) the tail pieces this request saved that these chunks cover,
+            to demote once the chunks are stored; None when there are none.
     """
 
     ns: Namespace
@@ -56,6 +75,7 @@ class SaveRange:
     keys: tuple[ChunkKey, ...]
     parent: ChunkKey | None = None
     tail: bool = False
+    supersedes: Superseded | None = None
 
     @property
     def unit(self) -> int:

@@ -29,9 +29,12 @@ so it only matches the identical prefix. Pieces are saved when a prompt's prefil
 prompt + generated tokens), each piece once per request: fewer than ``2 * C / F`` pieces in all
 (under one chunk of the prompt and one of the whole request), and none inside a chunk saved
 before it. Pieces take tier bytes like chunks (they are chunks of the tail namespace: evicted,
-spilled and counted alike). Pieces a request saved after its prompt stay when its answer later
-fills their chunk: any prompt sharing the prefix up to a piece but not the whole chunk (the next
-question about the same document) still loads them. A lookup asks for pieces from where the
+spilled and counted alike). When a request's answer later fills the chunk of pieces it saved,
+the chunk's save (its background write, after the put) demotes those pieces
+(``KVStoreBase.demote``): they become the first eviction candidates of every tier, so they never
+take room something else needs, yet they still serve any prompt sharing the prefix up to a piece
+but not the whole chunk (the next question about the same document) while there is room; a
+demoted piece that is read again is no longer demoted. A lookup asks for pieces from where the
 leading stored full chunks end, up to the end of that chunk (no piece lies past a prompt's
 first missing chunk), so a hit recomputes fewer than ``F`` tokens of a stored prefix instead
 of up to ``C - 1``::
@@ -57,7 +60,7 @@ looked up, once per request), ``external_prefix_cache_hits`` (tokens loaded, onc
 ``kvstore_hit_tokens_by_tier`` splits them by the tier they came from: ``"cpu"``, ``"disk"``,
 ``"remote:cpu"``... for chunks held by the daemon's tiers), loaded/saved bytes and
 chunks (tail pieces apart: ``kvstore_loaded_tail_chunks``, ``kvstore_saved_tail_chunks``; their
-bytes are in the byte counters), load/save/lookup latency (count, sum, max in seconds), fallbacks, dropped saves; with a
+bytes are in the byte counters; ``kvstore_demoted_tail_chunks``, ``kvstore_demote_errors``), load/save/lookup latency (count, sum, max in seconds), fallbacks, dropped saves; with a
 daemon behind ``CircuitBreakerStore``: ``kvstore_remote_skipped_calls`` (calls not sent while a
 failed daemon cools down), ``kvstore_remote_breaker_trips``, ``kvstore_remote_breaker_open``.
 """
@@ -80,7 +83,7 @@ from connectors.chunk_plan import LookupQuery, RequestChunks
 from connectors.chunk_records import LoadPlan, LookupHit, SaveRange
 from connectors.engine_min_load import Loader
 from connectors.engine_min_stats import ConnectorStats
-from connectors.save_queue import SaveQueue
+from connectors.save_queue import SaveQueue, demote_superseded
 from kernels import ops
 from kvstore.api import KVStoreBase, LookupResult
 from kvstore.keys import IDENTITY_FIELDS, Namespace, rope_identity
@@ -365,7 +368,20 @@ class EngineMinConnector(KVConnectorBase):
         g = self.geometry
         kvs = [ops.gather_chunk(self.kv_cache, g.unit_blocks(block_ids, s, rng.unit))
                for s in rng.starts]
-        self._saves.submit(rng.ns, list(rng.keys), kvs, rng.nbytes, rng.parents)
+        then = None if rng.supersedes is None else (
+            lambda stored, rng=rng: self._demote(rng, stored))
+        self._saves.submit(rng.ns, list(rng.keys), kvs, rng.nbytes, rng.parents, then)
+
+    def _demote(self, rng: SaveRange, stored: int) -> None:
+        """Writer thread, after ``rng``'s chunks were put: demote the tail pieces they cover
+        (``demote_superseded``); a failure is counted (``demote_errors``) and logged once."""
+        try:
+            n = demote_superseded(self.store, rng.ns, rng.keys, stored, rng.supersedes)
+            self.stats.add(demoted_tail_chunks=n)
+        except Exception as exc:  # noqa: BLE001 - a lost demotion only costs room, later
+            self.stats.add(demote_errors=1)
+            self.stats.warn_once("demote", "kv connector: demoting tail pieces failed (%s: %s)",
+                                 type(exc).__name__, exc)
 
     def _reserve(self, n_chunks: int, nbytes: int) -> bool:
         """Room in the save queue for ``nbytes`` (counted as queued), or a counted drop."""

@@ -14,7 +14,8 @@ log = logging.getLogger("connectors.engine_min")
 COUNTERS = ("requests", "queried_tokens", "hit_tokens", "loaded_tokens", "loaded_chunks",
             "loaded_bytes", "saved_chunks", "saved_bytes", "queued_chunks",
             "dropped_save_chunks", "save_errors", "fallbacks", "lookup_fallbacks",
-            "load_fallbacks", "load_failed_tokens", "loaded_tail_chunks", "saved_tail_chunks")
+            "load_fallbacks", "load_failed_tokens", "loaded_tail_chunks", "saved_tail_chunks",
+            "demoted_tail_chunks", "demote_errors")
 
 
 class Latency:

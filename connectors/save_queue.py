@@ -11,9 +11,14 @@ per thread): on a host whose cores the engine's compute threads fill, a put (a c
 store, or a send to the daemon) takes the cycles they leave instead of stalling the forward
 pass that produces the next first token. While the engine thread waits on the store lock
 the writer holds, the compute threads are idle, so the writer still runs.
+
+A save may carry a follow-up (``submit(then=...)``) run on the writer thread right after its
+put succeeded: the connectors demote the tail pieces a saved full chunk covers there
+(``demote_superseded``), off the engine's critical path.
 """
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -23,6 +28,8 @@ from typing import Callable, Sequence
 import torch
 
 from kvstore.keys import ChunkKey, Namespace
+
+log = logging.getLogger("connectors.save_queue")
 
 #: ``done(ns, stored, seconds, error)``: called on the writer thread after each put; ``stored``
 #: is the number of chunks newly stored (None when ``error`` is set).
@@ -81,12 +88,15 @@ class SaveQueue:
             return True
 
     def submit(self, ns: Namespace, keys: Sequence[ChunkKey], kvs: Sequence[torch.Tensor],
-               nbytes: int, parents: Sequence[ChunkKey | None] | None = None) -> None:
+               nbytes: int, parents: Sequence[ChunkKey | None] | None = None,
+               then: Callable[[int], None] | None = None) -> None:
         """Queue one reserved item (``nbytes`` as passed to ``try_reserve``); ``kvs`` are the
         gathered chunks ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]``, owned by the
         queue from now on; ``parents`` as ``KVStoreBase.put_chunks`` takes them (passed on
-        only when not None)."""
-        self._q.put((ns, keys, kvs, nbytes, parents))
+        only when not None). ``then(stored)``: called on the writer thread after the put
+        returned (not when it raised), before ``done``; an exception it raises is logged,
+        never raised."""
+        self._q.put((ns, keys, kvs, nbytes, parents, then))
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Wait until every submitted item is written. False on timeout."""
@@ -110,7 +120,7 @@ class SaveQueue:
             item = self._q.get()
             if item is None:
                 return
-            ns, keys, kvs, nbytes, parents = item
+            ns, keys, kvs, nbytes, parents, then = item
             del item
             t0 = time.perf_counter()
             try:
@@ -119,6 +129,11 @@ class SaveQueue:
             except Exception as exc:  # noqa: BLE001 - a failed save only costs a future hit
                 stored, error = None, exc
             del kvs
+            if then is not None and error is None:
+                try:
+                    then(stored)
+                except Exception:  # noqa: BLE001 - a follow-up never stops the writer
+                    log.exception("save follow-up failed")
             try:
                 self._done(ns, stored, time.perf_counter() - t0, error)
             finally:
@@ -126,3 +141,32 @@ class SaveQueue:
                     self._bytes -= nbytes
                     self._items -= 1
                     self._cv.notify_all()
+
+
+def _direct(fn: Callable, *args):
+    return fn(*args)
+
+
+def demote_superseded(store, ns: Namespace, keys: Sequence[ChunkKey], stored: int, sup,
+                      call: Callable = _direct) -> int:
+    """After a put of the full chunks ``keys`` of ``ns`` (``stored`` of them newly stored),
+    demote the tail pieces ``sup`` (a ``connectors.chunk_records.Superseded``) whose covering
+    chunk is stored: all of them when every chunk was newly stored, else those whose chunk
+    ``store.exists`` finds (a chunk the store rejected leaves its pieces as they were).
+
+    Args:
+        store: any ``KVStoreBase``.
+        call: ``call(fn, *args)`` makes each store call (e.g. the vLLM connector's
+            ``StoreCalls``, which adds the daemon's deadline); default: ``fn(*args)``.
+
+    Returns the number of pieces the store demoted (``KVStoreBase.demote``).
+
+    Raises:
+        whatever the store calls raise (the caller counts and logs it).
+    """
+    pieces = list(sup.keys)
+    if stored < len(keys):
+        need = sorted(set(sup.chunk_index))
+        found = dict(zip(need, call(store.exists, ns, [keys[i] for i in need])))
+        pieces = [k for k, c in zip(sup.keys, sup.chunk_index) if found[c]]
+    return call(store.demote, sup.ns, pieces) if pieces else 0

@@ -10,7 +10,7 @@ from typing import Any
 from kvstore.keys import ChunkKey, Namespace
 
 from connectors.chunk_plan import RequestChunks
-from connectors.chunk_records import LoadPlan, SaveRange
+from connectors.chunk_records import LoadPlan, SaveRange, Superseded
 
 
 @dataclass
@@ -31,6 +31,9 @@ class ChunkTransfer:
         parent: (saves) key of the chunk before ``keys[0]`` when a save continues chunks
             stored earlier, None when ``keys[0]`` starts its chain (the store keeps prefixes
             reachable only with true parents).
+        supersedes: (saves of full chunks) the tail pieces these chunks cover, demoted by
+            the writer once the chunks are stored (``connectors.chunk_records.Superseded``),
+            or None.
     """
 
     request_id: str
@@ -41,6 +44,7 @@ class ChunkTransfer:
     end: int
     block_ids: list[int]
     parent: ChunkKey | None = None
+    supersedes: Superseded | None = None
 
 
 @dataclass
@@ -97,7 +101,9 @@ def load_transfers(req_id: str, plan: LoadPlan, block_ids: list[int]) -> list[Ch
 
 def save_transfer(req_id: str, rng: SaveRange, block_ids: list[int]) -> ChunkTransfer:
     """The transfer saving ``rng`` (chunks or tail pieces of one chain); it names the unit
-    before its first as the parent when the save continues units saved earlier."""
+    before its first as the parent when the save continues units saved earlier, and the tail
+    pieces its chunks supersede."""
     u = rng.unit
     return ChunkTransfer(req_id, rng.ns, rng.first, list(rng.keys), rng.first * u,
-                         (rng.first + len(rng.keys)) * u, block_ids, rng.parent)
+                         (rng.first + len(rng.keys)) * u, block_ids, rng.parent,
+                         rng.supersedes)

@@ -1,7 +1,8 @@
 """Worker side of the vLLM connector: the paged KV caches, loads scattered into them (layer
 by layer beside the forward pass, ``connectors.vllm.layer_load``, or whole before it), saves
 gathered out of them after the forward pass and written by the shared background writer
-(``connectors.save_queue.SaveQueue``).
+(``connectors.save_queue.SaveQueue``), which then demotes the tail pieces a saved full chunk
+covers (``ChunkTransfer.supersedes``).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from kvstore.api import chain_parents
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.layout import KVLayout
 
-from connectors.save_queue import SaveQueue
+from connectors.save_queue import SaveQueue, demote_superseded
 from connectors.vllm.layer_load import LayerLoad, Loader
 from connectors.vllm.paged_layout import PagedLayout, derive_paged_layout
 from connectors.vllm.records import ChunkTransfer
@@ -284,7 +285,20 @@ class WorkerSide:
                 self.counters.add(dropped_saves=len(t.keys))
                 continue
             parents = None if t.parent is None else chain_parents(t.keys, t.parent)
-            self.saves.submit(t.ns, t.keys, kvs, nbytes, parents)
+            then = None if t.supersedes is None else (lambda stored, t=t: self._demote(t, stored))
+            self.saves.submit(t.ns, t.keys, kvs, nbytes, parents, then)
+
+    def _demote(self, t: ChunkTransfer, stored: int) -> None:
+        """Writer thread, after ``t``'s chunks were put: demote the tail pieces they cover
+        (``connectors.save_queue.demote_superseded``); a failure is counted
+        (``demote_errors``) and logged, never raised."""
+        try:
+            n = demote_superseded(self.calls.store, t.ns, t.keys, stored, t.supersedes,
+                                  self.calls)
+            self.counters.add(demoted_tail_chunks=n)
+        except Exception as e:  # noqa: BLE001 - a lost demotion only costs room, later
+            log.warning("kvstore demote of %s's tail pieces failed (%s)", t.request_id, e)
+            self.counters.add(demote_errors=1)
 
     def _put(self, ns: Namespace, keys: list[ChunkKey], kvs: list[torch.Tensor],
              *parents: Any) -> int:
