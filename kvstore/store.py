@@ -104,6 +104,8 @@ class ChunkStore(AdminMethods, DirectMethods, KVStoreBase):
         self._st = st = StoreState(config, self.tiers, self.metrics)
         # the shared state's lock, pins and removed-while-pinned set, under the store's names
         self._lock, self._pins, self._doomed = st.lock, st.pins, st.doomed
+        if st.admission is not None:  # a demoted victim never keeps a newcomer out
+            st.admission.victim_demoted = lambda k: any(t.is_demoted(k) for t in self.tiers)
         self._admin = StoreAdmin(st)
         self._direct = DirectIO(st, self._place)
         for i, t in enumerate(self.tiers):

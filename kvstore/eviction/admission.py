@@ -14,11 +14,15 @@ seen once in the current window: a key's first request only enters the doorkeepe
 ones are counted in the sketch), aged by halving every counter (and clearing the doorkeeper)
 after ``window`` recorded requests, so old popularity fades.
 
+A *demoted* victim (``EvictionPolicy.demote``: redundant, kept only while there is room) never
+keeps a newcomer out: ``admit`` says yes whenever ``victim_demoted(victim)``, a test the store
+sets (default: nothing is demoted).
+
 Filters are not thread-safe; the store calls them under its lock.
 """
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Callable, Hashable
 
 Key = Hashable
 
@@ -59,6 +63,8 @@ class TinyLFU:
             raise ValueError(f"width {width} and window {window} must be >= 1")
         self._fixed_window = window
         self.auto_grow = auto_grow
+        #: set by the store: is this victim demoted in the tier it is evicted from?
+        self.victim_demoted: Callable[[Key], bool] = lambda key: False
         self._resize(width)
 
     def _resize(self, width: int) -> None:
@@ -115,9 +121,10 @@ class TinyLFU:
         return n + (1 if key in self._door else 0)
 
     def admit(self, candidate: Key, victim: Key) -> bool:
-        """Whether ``candidate`` should displace ``victim``: it was requested strictly more
-        often (ties keep the victim: the tier's content does not churn for nothing)."""
-        return self.estimate(candidate) > self.estimate(victim)
+        """Whether ``candidate`` should displace ``victim``: the victim is demoted, or the
+        candidate was requested strictly more often (ties keep the victim: the tier's content
+        does not churn for nothing)."""
+        return self.victim_demoted(victim) or self.estimate(candidate) > self.estimate(victim)
 
 
 def create_admission(name: str) -> TinyLFU | None:

@@ -123,3 +123,21 @@ def test_layered_store_demotes_in_the_local_and_the_remote_part():
     assert local.tiers[0].is_demoted(p0) and remote.tiers[0].is_demoted(p0)
     assert local.stats()["demoted_chunks"] == 1 == remote.stats()["demoted_chunks"]
     layered.close()
+
+
+def test_a_demoted_victim_never_keeps_a_newcomer_out_with_tinylfu():
+    # CPU tier of 2 one-chunk prompts, LRU, TinyLFU: A and B are put and read twice (3
+    # requests each); a newcomer C asked once loses against A (test_admission's scenario) ...
+    s = make(cpu=2, admission="tinylfu")
+    a, b, c = (NS.chunk_keys(prompt(i))[0] for i in range(3))
+    for i in (0, 1):
+        put_chunk(s, i)
+    for key in (a, a, b, b):
+        assert s.get_chunks(NS, [key])[0] is not None
+    assert s.put_chunks(NS, [c], [kv_for(prompt(2))]) == 0
+    # ... but once A is demoted, C takes its place at the first put
+    assert s.demote(NS, [a]) == 1
+    assert s.put_chunks(NS, [c], [kv_for(prompt(2))]) == 1
+    assert s.exists(NS, [a, b, c]) == [False, True, True]
+    s.check_integrity()
+    s.close()
