@@ -56,3 +56,35 @@ def test_a_failing_demote_is_counted_and_the_chunk_is_saved_anyway():
     assert store.tiers[0].policy.num_demoted == 0
     conn.close()
     store.close()
+
+
+class NoDemote(ChunkStore):
+    """The control: a store that keeps no demotion (``KVStoreBase``'s default)."""
+
+    def demote(self, ns, keys):
+        return 0
+
+
+def test_under_pressure_the_demoted_piece_goes_before_an_older_chunk():
+    """CPU tier of 8 pages of 128 bytes (a chunk: 2 pages, a piece: 1). Stored in this order:
+    chunk X of another prompt, then the 13-token request's chunk 0, piece 2 and chunk 1 (7
+    pages). An 8-token prompt then needs 2 pages with 1 free: LRU alone evicts X, the oldest
+    chunk with no child; with demotion piece 2 goes instead and X stays."""
+    gone = {}
+    for cls in (NoDemote, ChunkStore):
+        store = cls(StoreConfig(cpu_bytes=8 * 128, page_bytes=128))
+        conn = conn_for(store)
+        other, toks, new = prompt(8, 300), prompt(13), prompt(8, 700)
+        first_run(conn, other)
+        first_run(conn, toks, max_tokens=4)
+        assert store.stats()["tiers"]["cpu"]["used_bytes"] == 7 * 128
+        first_run(conn, new)
+        x, c0 = conn.ns.chunk_keys(other)[0], conn.ns.chunk_keys(toks)[0]
+        piece2 = conn.tail_ns.chunk_keys(toks)[2]
+        assert store.exists(conn.ns, [c0, conn.ns.chunk_keys(new)[0]]) == [True, True]
+        kept = store.exists(conn.ns, [x])[0], store.exists(conn.tail_ns, [piece2])[0]
+        gone[cls.__name__] = [name for name, k in zip(("X", "piece 2"), kept) if not k]
+        store.check_integrity()
+        conn.close()
+        store.close()
+    assert gone == {"NoDemote": ["X"], "ChunkStore": ["piece 2"]}
