@@ -22,16 +22,16 @@ Run in the vLLM environment::
 
     .venv-vllm/bin/python -m bench.vllm_compare [--docs 3] [--doc-tokens 1500] [--json out.json]
 
-Needs vLLM (tools/make_vllm_env.sh). ``--child SPEC_JSON`` is the per-process driver (also
-used by tests/connectors/test_vllm_connector.py): it prints one line ``RESULT <json>``.
+Needs vLLM (tools/make_vllm_env.sh). Each configuration is one ``bench.vllm_engine`` child
+process (``run_child``; the vLLM integration tests drive it too); ``--child SPEC_JSON`` runs
+one here and prints one line ``RESULT <json>``. engine_min (``--engine-min``) loads the same
+converted folder as vLLM under vLLM's model id, so on the daemon it shares vLLM's chunks.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
-import os
-import re
 import statistics
 import subprocess
 import sys
@@ -40,25 +40,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.vllm_engine import (MODEL_ID, VLLM_CPU_BLOCK, Daemon, child_main, make_document,
+                               run_child)
 from kvstore.defaults import DEFAULT_CHUNK_SIZE
-
-ROOT = Path(__file__).resolve().parent.parent
-MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 # ------------------------------------------------------------------------------------------
 # Workload
 # ------------------------------------------------------------------------------------------
-def make_document(i: int, n_paragraphs: int) -> str:
-    """A synthetic document with facts the questions ask about (deterministic)."""
-    towns = ["Elm", "Oak", "Ash", "Fir", "Yew", "Bay", "Pine"]
-    t = towns[i % len(towns)]
-    paras = [f"Section {j}: the river town of {t}{j} exports {(j * 7 + i) % 97 + 3} tons of "
-             f"grain each year; its mayor is named Ann{t}{j} and its bridge has {j % 9 + 2} arches."
-             for j in range(n_paragraphs)]
-    return f"Report {i} on the towns of the {t} valley.\n" + "\n".join(paras)
-
-
 def make_workload(tokenizer, n_docs: int, doc_tokens: int) -> list[dict]:
     """Token-id prompts: per document, question 1, question 1 again, question 2.
 
@@ -96,180 +85,23 @@ def make_chats(tokenizer, n_chats: int, doc_tokens: int) -> list[list[list[int]]
     return out
 
 
-# ------------------------------------------------------------------------------------------
-# One engine process
-# ------------------------------------------------------------------------------------------
-def _engine(spec: dict):
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    kind = spec["connector"]
-    ktc = None
-    if kind == "example":
-        ktc = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
-                               kv_connector_extra_config={"shared_storage_path": spec["example_path"]})
-    elif kind in ("ours-cpu", "ours-daemon"):
-        extra = {"model_id": MODEL_ID, "chunk_size": spec.get("chunk_size", DEFAULT_CHUNK_SIZE)}
-        if kind == "ours-daemon":   # the daemon alone (in-process keys would be ignored)
-            extra["kvstore_url"] = spec["url"]
-        else:
-            extra["cpu_bytes"] = spec.get("cpu_bytes", "512MiB")
-        extra.update(spec.get("extra", {}))
-        ktc = KVTransferConfig(kv_connector="KVStoreConnector",
-                               kv_connector_module_path="connectors.vllm", kv_role="kv_both",
-                               kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
-    return LLM(model=spec["model_dir"], dtype="float32", distributed_executor_backend="uni",
-               max_model_len=spec.get("max_model_len", 4096), enforce_eager=True, seed=0,
-               kv_cache_memory_bytes=spec.get("kv_cache_bytes", 256 << 20),
-               enable_prefix_caching=bool(spec.get("prefix_caching", False)),
-               kv_transfer_config=ktc, disable_log_stats=False)
-
-
-def _connector_stats(llm) -> dict:
-    out = {}
-    try:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-        if has_kv_transfer_group():
-            w = get_kv_transfer_group()
-            if hasattr(w, "flush"):
-                w.flush()
-            if hasattr(w, "stats"):
-                out["worker"] = w.stats()
-        sched = llm.llm_engine.engine_core.engine_core.scheduler.connector
-        if sched is not None and hasattr(sched, "stats"):
-            out["scheduler"] = sched.stats()
-    except Exception as e:  # stats are best effort
-        out["error"] = repr(e)
-    return out
-
-
-def _request(llm, tokens: list[int], max_tokens: int, spec: dict,
-             ignore_eos: bool = False) -> dict:
-    """One greedy request: its TTFT (s; vLLM's request metrics, or a separate 1-token generate
-    with ``spec["ttft_separate"]``), wall time, answer ids and text, connector stats after it."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-    r: dict = {"num_tokens": len(tokens)}
-    if spec.get("ttft_separate", False):
-        t = time.perf_counter()
-        llm.generate([TokensPrompt(prompt_token_ids=tokens)],
-                     SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
-        r["ttft_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    out = llm.generate([TokensPrompt(prompt_token_ids=tokens)],
-                       SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                      ignore_eos=ignore_eos), use_tqdm=False)[0]
-    r["gen_s"] = time.perf_counter() - t
-    m = getattr(out, "metrics", None)
-    if "ttft_s" not in r and m is not None and getattr(m, "first_token_ts", 0):
-        # engine-core monotonic timestamps: queued -> first token
-        r["ttft_s"] = m.first_token_ts - (m.queued_ts or m.scheduled_ts)
-    r["output_ids"] = list(out.outputs[0].token_ids)
-    r["text"] = out.outputs[0].text
-    # prompt tokens not computed: vLLM's own prefix-cache hit plus what a connector loaded
-    r["num_cached_tokens"] = getattr(out, "num_cached_tokens", None)
-    st = _connector_stats(llm)
-    if st:
-        r["connector"] = st
-    return r
-
-
-def child_main(spec: dict) -> dict:
-    """Run ``spec["prompts"]`` (token lists) in one fresh engine, then each chat of
-    ``spec["chats"]`` (a chat: its user turns as token lists; round ``k``'s prompt = round
-    ``k-1``'s prompt + its answer + turn ``k``; answers of ``spec["chat_max_tokens"][k]``
-    tokens, exactly that many: EOS ignored). Per request (``results``; ``chats``, one list of
-    rounds per chat): the TTFT (s), the greedy answer (``max_tokens`` tokens for prompts),
-    connector stats after it."""
-    t0 = time.perf_counter()
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-    llm = _engine(spec)
-    start_s = time.perf_counter() - t0
-    if spec.get("warmup", True):  # first forward passes are slow (allocations, kernels)
-        llm.generate([TokensPrompt(prompt_token_ids=list(range(1000, 1300)))],
-                     SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
-    max_tokens = int(spec.get("max_tokens", 16))
-    results = [_request(llm, list(tokens), max_tokens, spec) for tokens in spec["prompts"]]
-    chats = []
-    for turns in spec.get("chats", []):
-        rounds: list[dict] = []
-        prompt: list[int] = []
-        for k, turn in enumerate(turns):
-            prompt = prompt + (rounds[-1]["output_ids"] if rounds else []) + list(turn)
-            n = spec.get("chat_max_tokens", [max_tokens] * (k + 1))[k]
-            rounds.append({**_request(llm, prompt, int(n), spec, ignore_eos=True),
-                           "prompt_ids": prompt})
-        chats.append(rounds)
-    return {"start_s": start_s, "results": results, "chats": chats,
-            "connector": _connector_stats(llm)}
-
-
-def run_child(spec: dict, python: str | None = None, timeout_s: float = 600) -> dict:
-    """Run ``child_main(spec)`` in a fresh process; returns its result dict.
-
-    Raises:
-        RuntimeError: the child failed (its stderr tail is in the message).
-    """
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([python or sys.executable, "-m", "bench.vllm_compare", "--child",
-                           json.dumps(spec)], cwd=str(ROOT), env=env, capture_output=True,
-                          text=True, timeout=timeout_s)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise RuntimeError(f"engine child failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
-
-
-class Daemon:
-    """A ``kvstore serve`` subprocess on a free loopback port (context manager)."""
-
-    def __init__(self, cpu_bytes: str = "1GiB", python: str | None = None):
-        self.cmd = [python or sys.executable, "-m", "kvstore", "serve", "--host", "127.0.0.1",
-                    "--port", "0", "--cpu-bytes", cpu_bytes, "--log-level", "warning"]
-        self.proc: subprocess.Popen | None = None
-        self.url = ""
-
-    def __enter__(self) -> "Daemon":
-        self.proc = subprocess.Popen(self.cmd, cwd=str(ROOT), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True,
-                                     env=dict(os.environ, PYTHONPATH=str(ROOT)))
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line and self.proc.poll() is not None:
-                break
-            m = re.search(r"listening on (http://\S+)", line)
-            if m:
-                self.url = m.group(1)
-                return self
-        self.__exit__(None, None, None)
-        raise RuntimeError("kvstore serve did not start")
-
-    def __exit__(self, *exc) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
 
 # ------------------------------------------------------------------------------------------
 # The comparison
 # ------------------------------------------------------------------------------------------
-def _engine_min_row(workload: list[dict], max_tokens: int, **store: Any) -> dict:
-    """engine_min on the same prompts (its own prefix cache off). With ``store`` (``url=`` a
-    daemon, or ``cpu_bytes=``) it runs with our connector at chunk 256: on the daemon that vLLM
+def _engine_min_row(model_dir: str, workload: list[dict], max_tokens: int,
+                    **store: Any) -> dict:
+    """engine_min on the same prompts and the same weights folder as vLLM (its own prefix cache
+    off). With ``store`` (``url=`` a daemon, or ``cpu_bytes=``) it runs with our connector at
+    chunk 256, vLLM's model id and tail pieces of vLLM's block size: on the daemon that vLLM
     wrote to, engine_min loads vLLM's chunks (same namespace), which is cross-engine sharing."""
     from connectors.factory import create_connector
     from engine_min.config import EngineConfig
     from engine_min.engine import LLMEngine
     from engine_min.sampler import SamplingParams
-    conn = create_connector(chunk_size=DEFAULT_CHUNK_SIZE, deadline_s=5.0, **store) if store else None
-    eng = LLMEngine(EngineConfig(enable_prefix_caching=False), connector=conn)
+    conn = create_connector(chunk_size=DEFAULT_CHUNK_SIZE, deadline_s=5.0, model_id=MODEL_ID,
+                            tail_chunk_size=VLLM_CPU_BLOCK, **store) if store else None
+    eng = LLMEngine(EngineConfig(model=model_dir, enable_prefix_caching=False), connector=conn)
     res = []
     try:
         for w in workload:
@@ -288,11 +120,11 @@ def _engine_min_row(workload: list[dict], max_tokens: int, **store: Any) -> dict
     return {"results": res}
 
 
-def _engine_min_run(runs: dict, name: str, workload: list[dict], max_tokens: int,
-                    **store: Any) -> None:
+def _engine_min_run(runs: dict, name: str, model_dir: str, workload: list[dict],
+                    max_tokens: int, **store: Any) -> None:
     print(f"[vllm_compare] {name} ...", file=sys.stderr, flush=True)
     try:
-        runs[name] = _engine_min_row(workload, max_tokens, **store)
+        runs[name] = _engine_min_row(model_dir, workload, max_tokens, **store)
     except Exception as e:  # engine_min missing or broken: the vLLM rows still count
         runs[name] = {"skipped": f"engine_min unavailable: {e!r}"}
 
@@ -447,11 +279,11 @@ def main(argv: list[str] | None = None) -> int:
                 runs[name] = _run_config(name, {**common, "connector": "ours-daemon",
                                                 "url": d.url}, a.child_timeout_s)
             if d is not None and a.engine_min and a.chunk_size == DEFAULT_CHUNK_SIZE:
-                _engine_min_run(runs, "engine_min + daemon vLLM filled", workload, a.max_tokens,
-                                url=d.url)
+                _engine_min_run(runs, "engine_min + daemon vLLM filled", model_dir, workload,
+                                a.max_tokens, url=d.url)
     if a.engine_min:
-        _engine_min_run(runs, "engine_min (no store)", workload, a.max_tokens)
-        _engine_min_run(runs, "engine_min + cpu store", workload, a.max_tokens,
+        _engine_min_run(runs, "engine_min (no store)", model_dir, workload, a.max_tokens)
+        _engine_min_run(runs, "engine_min + cpu store", model_dir, workload, a.max_tokens,
                         cpu_bytes="1GiB")
     table = summarize(workload, runs)
     report = {"workload": {"docs": a.docs, "prompt_tokens": [len(x) for x in prompts],

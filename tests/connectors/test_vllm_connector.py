@@ -21,7 +21,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 import torch  # noqa: E402
 
-from bench.vllm_compare import MODEL_ID, Daemon, make_document, run_child  # noqa: E402
+from bench.vllm_engine import MODEL_ID, Daemon, make_document, run_child  # noqa: E402
 from bench.vllm_model import convert  # noqa: E402
 
 pytestmark = pytest.mark.slow

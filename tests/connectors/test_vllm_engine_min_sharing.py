@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here (tools/make_vllm_env.sh)")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-from bench.vllm_compare import MODEL_ID, Daemon, make_document, run_child  # noqa: E402
+from bench.vllm_engine import MODEL_ID, Daemon, make_document, run_child  # noqa: E402
 from bench.vllm_model import convert  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -64,7 +64,7 @@ def test_vllm_and_engine_min_share_chunks_through_one_daemon(model_dir, prompts)
                                  enable_prefix_caching=False))
     own = [o.output_token_ids for o in eng.generate([p, r], greedy)]
     with Daemon("512MiB") as d:
-        # the model id vLLM's connector is given (bench.vllm_compare: MODEL_ID); engine_min
+        # the model id vLLM's connector is given (bench.vllm_engine: MODEL_ID); engine_min
         # would name the folder by its name, vLLM by its served name
         conn = create_connector(url=d.url, chunk_size=CHUNK, tail_chunk_size=BLOCK,
                                 deadline_s=60.0, model_id=MODEL_ID)

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here (tools/make_vllm_env.sh)")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-from bench.vllm_compare import make_document, run_child  # noqa: E402
+from bench.vllm_engine import make_document, run_child  # noqa: E402
 from bench.vllm_model import convert  # noqa: E402
 from kvstore.config import StoreConfig  # noqa: E402
 from kvstore.daemon.server import ServerLimits, ThreadedServer, create_app  # noqa: E402
