@@ -12,7 +12,8 @@ Configurations (all engines get the same small KV pool, so only the reuse path d
 ``ServerGroup(..., num_engines=N)`` starts N engines of any configuration (the ``kvstore-*``
 ones all connect to the same store: one daemon for ``kvstore-remote``), and
 ``router_policy="cache-aware"`` (or ``"round-robin"``) puts one router in front of them
-(``python -m engine_min route --engines URL,... --policy P``), started together with the
+(``python -m engine_min route --engines URL,... --policy P``, plus ``--kvstore-url`` of the
+group's daemon when there is one), started together with the
 engines (it waits for their ``/health`` itself); ``g.router_url`` is then the single URL to send
 requests to.
 
@@ -193,6 +194,7 @@ class ServerGroup:
         n_engines = self.num_engines or (2 if self.name == "shared" else 1)
         threads = self.opts.threads or max(1, (os.cpu_count() or 1) // n_engines)
         extra: list[str] = []
+        daemon_url = None
         if self.name == "recompute":
             if self.no_prefix_caching_flag:
                 extra = ["--no-prefix-caching"]
@@ -214,6 +216,7 @@ class ServerGroup:
                 sock = os.path.join(sock_dir, "kvstore.sock")
             self._spawn("daemon", _daemon_cmd(port, self.opts, sock), port, "/healthz", threads)
             extra = ["--kvstore-url", f"http://127.0.0.1:{port}"]
+            daemon_url = extra[1]
         if extra and self.name != "recompute" and self.opts.kvstore_chunk_size:
             extra += ["--kvstore-chunk-size", str(self.opts.kvstore_chunk_size)]
         for i in range(n_engines):
@@ -222,8 +225,11 @@ class ServerGroup:
                         threads)
         if self.router_policy:  # it waits for the engines' /health itself, meanwhile it loads
             port = free_port()  # its tokenizer
+            args = self.router_args   # the router discounts what the shared daemon holds
+            if daemon_url and "--kvstore-url" not in args:
+                args = ("--kvstore-url", daemon_url, *args)
             self._spawn("router", _router_cmd(port, self.engine_urls, self.router_policy,
-                                              self.opts.startup_timeout_s, self.router_args),
+                                              self.opts.startup_timeout_s, args),
                         port, "/health", 1)
         for p in self.procs:
             self._wait_healthy(p)
