@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import re
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
 from jinja2 import TemplateError
 
 from engine_min.block_hash import block_hashes
@@ -139,8 +141,13 @@ def prepare_prompt(tokenizer, raw: bytes, kind: str, keys: Iterable[HashKey],
     ids = prompt_token_ids(tokenizer, raw, kind, encoder)
     if ids is None:
         return PreparedPrompt(None)
+    keys = set(keys)
+    if not keys:
+        return PreparedPrompt(ids)
     try:
-        hashes = {key: block_hashes(key[0], ids, key[1]) for key in set(keys)}
-    except ValueError:  # a token id outside [0, 2**32): the engine refuses it
+        # one uint32 copy of the ids for every key: about 3x cheaper than the list -> int64
+        # conversion ``block_hashes`` makes of a list (80 us of its 160 for 2k tokens)
+        arr = np.frombuffer(array("I", ids), dtype=np.uint32)
+    except (OverflowError, TypeError):  # a token id outside [0, 2**32): the engine refuses it
         return PreparedPrompt(None)
-    return PreparedPrompt(ids, hashes)
+    return PreparedPrompt(ids, {key: block_hashes(key[0], arr, key[1]) for key in keys})
