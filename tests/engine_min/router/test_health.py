@@ -44,6 +44,9 @@ def test_no_healthy_engine_and_bad_engine_urls(engines, capsys):
                      "--startup-timeout-s", "60"]) == 2
     assert time.monotonic() - t0 < 10
     assert capsys.readouterr().err.startswith("error: cannot read GGUF file /nonexistent/m.gguf")
+    assert cli_main(["route", "--engines", dead, "--kvstore-url", "unix:///tmp/kv.sock"]) == 2
+    assert capsys.readouterr().err == ("error: --kvstore-url: expected http://host:port, got "
+                                       "'unix:///tmp/kv.sock'\n")
     for bad, why in (("localhost:8000", "bad URL 'localhost:8000'"),
                      ("http://a:1,http://a:1", "listed twice"), (",", "no engine URL"),
                      ("http://h:1/v1", "bad URL 'http://h:1/v1'")):
