@@ -6,8 +6,9 @@ tokenizer of ``--model`` loads (main thread) while every engine is waited for un
 ``GET /health`` within ``--startup-timeout-s`` (an engine still loading its model is waited
 for; a thread). The log says what is still awaited and when the router is ready; it listens
 once both are done. Any failure is one line on stderr and exit status 2 (a tokenizer that
-cannot be loaded at once, without waiting for the engines). An engine whose ``/tokenize`` disagrees with the router's
-tokenizer on a probe chat is logged as a warning (its requests would be routed by load only).
+cannot be loaded at once, without waiting for the engines). An engine whose ``/tokenize``
+disagrees with the router's tokenizer on a probe chat is logged as a warning (its requests
+would be routed by load only).
 """
 from __future__ import annotations
 

@@ -73,7 +73,8 @@ class StoreLookup:
         ValueError: a URL that is not ``http(s)://host[:port]`` or a deadline <= 0.
     """
 
-    def __init__(self, url: str, timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S, auth_token: str | None = None):
+    def __init__(self, url: str, timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S,
+                 auth_token: str | None = None):
         from kvstore.daemon import protocol as P
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"--kvstore-url: expected http://host:port, got {url!r}")
