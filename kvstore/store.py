@@ -310,29 +310,6 @@ class ChunkStore(AdminMethods, DirectMethods, KVStoreBase):
         parents = self._st.check_write(ns, keys, kvs, parents, "put_chunks")
         return self._place(keys, kvs, parents, ns.layout)
 
-    def demote(self, ns: Namespace, keys: Sequence[ChunkKey]) -> int:
-        """As ``KVStoreBase.demote``: in each local tier holding a key, its policy evicts it
-        first (``EvictionPolicy.demote``); a spill carries the demotion to the tier below.
-        The remote (Redis) tier keeps no eviction order of ours: nothing changes there and
-        its copies are not counted. Counted in ``demoted_chunks``.
-
-        Raises:
-            ValueError: a key of another namespace.
-        """
-        st = self._st
-        st.check_keys(ns, keys)
-        n = 0
-        with st.lock:
-            for k in keys:
-                if k in st.doomed:
-                    continue
-                found = False
-                for t in self.tiers:
-                    found = t.demote(k) or found
-                n += found
-        self.metrics.inc("demoted_chunks", n)
-        return n
-
     def _place(self, keys: Sequence[ChunkKey], items: Sequence,
                parents: Sequence[ChunkKey | None], layout: KVLayout) -> int:
         """Store ``items[i]`` (a tensor, or a filled ``Reservation``) as ``keys[i]`` with the

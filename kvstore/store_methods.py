@@ -1,6 +1,6 @@
 """The public methods ``kvstore.store.ChunkStore`` takes from its parts, as mixins that
 forward to them: removal, pins, durability and stats to ``kvstore.store_admin.StoreAdmin``
-(``self._admin``); reservations and borrowed reads to ``kvstore.direct.DirectIO``
+(``self._admin``; ``demote`` asks the tiers of the shared state, ``self._st``, itself); reservations and borrowed reads to ``kvstore.direct.DirectIO``
 (``self._direct``). The docstrings are the public ones; the parts document the details.
 """
 from __future__ import annotations
@@ -18,6 +18,29 @@ class AdminMethods:
 
     def remove(self, ns: Namespace, keys: Sequence[ChunkKey]) -> int:
         return self._admin.remove(ns, keys)
+
+    def demote(self, ns: Namespace, keys: Sequence[ChunkKey]) -> int:
+        """As ``KVStoreBase.demote``: in each local tier holding a key, its policy evicts it
+        first (``EvictionPolicy.demote``); a spill carries the demotion to the tier below.
+        The remote (Redis) tier keeps no eviction order of ours: nothing changes there and
+        its copies are not counted. Counted in ``demoted_chunks``.
+
+        Raises:
+            ValueError: a key of another namespace.
+        """
+        st = self._st
+        st.check_keys(ns, keys)
+        n = 0
+        with st.lock:
+            for k in keys:
+                if k in st.doomed:
+                    continue
+                found = False
+                for t in st.tiers:
+                    found = t.demote(k) or found
+                n += found
+        st.metrics.inc("demoted_chunks", n)
+        return n
 
     def clear(self, ns: Namespace | None = None) -> int:
         return self._admin.clear(ns)
