@@ -13,7 +13,7 @@ Roles:
 
 * ``admin``: every route and every namespace, ``clear {"all": true}``, ``/v1/stats`` and
   ``/metrics`` (aggregates over all tenants).
-* ``tenant``: lookup, exists, get, put, remove, clear, pin and unpin in its own namespaces.
+* ``tenant``: lookup, exists, get, put, remove, demote, clear, pin and unpin in its own namespaces.
 * ``reader``: lookup, exists and get in its own namespaces.
 
 **The binding.** A tenant's namespaces are those whose ``cache_salt`` is its salt ``S`` or starts
