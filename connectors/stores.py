@@ -35,11 +35,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvstore.api import KVStoreBase
+from kvstore.defaults import DEFAULT_DISK_BYTES  # noqa: F401 (disk tier size when only disk_path is given)
 
 log = logging.getLogger("kvstore.connectors.stores")
 
-#: disk tier size when only ``disk_path`` is given.
-DEFAULT_DISK_BYTES = "4GiB"
 #: CPU tier size when only ``remote_url`` is given (``StoreConfig``'s default).
 DEFAULT_CPU_BYTES = "1GiB"
 #: Deadline of the one ``whoami`` call a daemon-backed connector makes at start (seconds).

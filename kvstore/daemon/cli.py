@@ -14,6 +14,7 @@ import sys
 from typing import Any, Sequence
 
 from kvstore.config import DISK_CODECS
+from kvstore.defaults import DEFAULT_DISK_BYTES
 from kvstore.disk_inspect import inspect_disk  # noqa: F401 (the inspect command; re-exported)
 from kvstore.units import format_size
 
@@ -31,7 +32,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--gpu-bytes", help="GPU tier capacity (default 0: no GPU tier)")
     p.add_argument("--device", help="device of the GPU tier (default cuda)")
     p.add_argument("--disk-path", help="lmdb directory of the disk tier")
-    p.add_argument("--disk-bytes", help="disk tier capacity (default 0: no disk tier)")
+    p.add_argument("--disk-bytes", help="disk tier capacity (default with --disk-path: "
+                   f"{DEFAULT_DISK_BYTES}; no --disk-path: no disk tier)")
     p.add_argument("--disk-codec", choices=DISK_CODECS,
                    help="value codec of the disk tier (default auto: shuffle-lz4 where it saves "
                         "10%%); int8/fp8 store about half of fp16's bytes, lossily, only for "

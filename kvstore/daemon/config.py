@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from kvstore.defaults import DEFAULT_DISK_BYTES
 from kvstore.units import parse_size
 
 ENV_PREFIX = "KVSTORE_"
@@ -26,8 +27,10 @@ class ServeConfig:
 
     Attributes:
         host, port: bind address (default loopback ``127.0.0.1:8500``; port 0 = any free port).
-        cpu_bytes, gpu_bytes, disk_bytes: tier capacities (0 = tier absent).
-        disk_path: lmdb directory of the disk tier.
+        cpu_bytes, gpu_bytes, disk_bytes: tier capacities (0 = tier absent; ``disk_bytes``
+            unset = ``DEFAULT_DISK_BYTES`` with a ``disk_path``, else 0).
+        disk_path: lmdb directory of the disk tier (with ``disk_bytes`` 0 or without a path
+            but ``disk_bytes`` > 0: ``ValueError``).
         device: device of the GPU tier (``cuda``, ``cuda:1``).
         policy: eviction policy of every tier (``lru``, ``lfu``, ``fifo``, ``s3fifo``, ``arc``).
         admission: admission filter of the tiers (``none``, ``tinylfu``; see
@@ -99,7 +102,7 @@ class ServeConfig:
     port: int = 8500
     cpu_bytes: int | str = "1GiB"
     gpu_bytes: int | str = 0
-    disk_bytes: int | str = 0
+    disk_bytes: int | str | None = None
     disk_path: str | None = None
     device: str = "cuda"
     policy: str = "lru"
@@ -135,8 +138,21 @@ class ServeConfig:
             if getattr(self, name) not in DISK_CODECS:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of "
                                  f"{DISK_CODECS}")
+        if self.disk_path in ("", None):
+            object.__setattr__(self, "disk_path", None)
+        if self.disk_bytes is None:     # a disk path alone gets the default capacity
+            object.__setattr__(self, "disk_bytes",
+                               DEFAULT_DISK_BYTES if self.disk_path is not None else 0)
         for name in ("cpu_bytes", "gpu_bytes", "disk_bytes", "max_body_bytes", "page_bytes"):
             object.__setattr__(self, name, parse_size(getattr(self, name)))
+        if self.disk_path is not None and self.disk_bytes <= 0:
+            raise ValueError(f"disk_path {self.disk_path!r} with disk_bytes "
+                             f"{self.disk_bytes}: give the disk tier a capacity (or leave "
+                             f"disk_bytes out: {DEFAULT_DISK_BYTES})")
+        if self.disk_path is None and self.disk_bytes > 0:
+            raise ValueError(f"disk_bytes {self.disk_bytes} without disk_path: say where the "
+                             "disk tier lives (--disk-path, $KVSTORE_DISK_PATH or 'disk_path' "
+                             "in the config file)")
         if self.max_inflight_bytes is None or str(self.max_inflight_bytes).lower() == "auto":
             object.__setattr__(self, "max_inflight_bytes",
                                max(32 << 20, (self.cpu_bytes + self.gpu_bytes) // 16))

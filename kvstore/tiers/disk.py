@@ -73,7 +73,8 @@ class DiskTier(Tier):
     ``close``: one open disk tier per path, in any process.
 
     Raises:
-        ValueError: capacity <= 0. lmdb.Error: the environment cannot be opened.
+        ValueError: capacity <= 0. NotADirectoryError: ``path`` is a file. lmdb.Error: the
+            environment cannot be opened.
         DiskPathInUse (an ``OSError`` and a ``ValueError``): another open disk tier holds
             ``path`` (the message names the path and the holder's pid).
     """
@@ -83,6 +84,8 @@ class DiskTier(Tier):
         if capacity_bytes <= 0:
             raise ValueError(f"disk tier capacity must be > 0, got {capacity_bytes}")
         super().__init__("disk", capacity_bytes, policy_name)
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise NotADirectoryError(f"disk tier path {path!r} is a file, not a directory")
         os.makedirs(path, exist_ok=True)
         self.path = path
         self.codec = codec

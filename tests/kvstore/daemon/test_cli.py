@@ -113,6 +113,11 @@ def test_unusable_store_settings_exit_2_with_the_reason_not_a_traceback(tmp_path
     cases = [
         (["--disk-path", str(a_file / "kv"), "--disk-bytes", "1MiB"],
          f"cannot open the disk tier at '{a_file / 'kv'}'"),
+        (["--disk-path", str(a_file), "--disk-bytes", "1MiB"],
+         f"disk tier path '{a_file}' is a file, not a directory"),
+        (["--disk-path", str(tmp_path / "kv0"), "--disk-bytes", "0"],
+         "give the disk tier a capacity"),
+        (["--disk-bytes", "1MiB"], "disk_bytes 1048576 without disk_path"),
         (["--config", str(tmp_path / "missing.yaml")], "cannot read config file"),
         (["--request-timeout-s", "-1"], "request_timeout_s must be a positive number"),
         (["--max-lease-s", "nan"], "max_lease_s must be a positive number"),
@@ -129,6 +134,16 @@ def test_unusable_store_settings_exit_2_with_the_reason_not_a_traceback(tmp_path
     assert cli.main(["inspect", str(not_lmdb)]) == 2
     assert "is not a readable disk tier" in capsys.readouterr().err
     assert (not_lmdb / "data.mdb").read_bytes() == b"not an lmdb file"  # left untouched
+
+
+def test_a_disk_path_alone_gets_the_default_disk_capacity(tmp_path):
+    from kvstore.defaults import DEFAULT_DISK_BYTES
+    from kvstore.units import parse_size
+    cfg = serve_config.resolve({"disk_path": str(tmp_path / "kv")}, {})
+    assert (cfg.disk_path, cfg.disk_bytes) == (str(tmp_path / "kv"),
+                                               parse_size(DEFAULT_DISK_BYTES))
+    assert cfg.store_config_kwargs()["disk_bytes"] == 4 << 30
+    assert serve_config.resolve({}, {}).disk_bytes == 0                   # no path: no tier
 
 
 def test_format_table_shows_sizes_readably():
