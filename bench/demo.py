@@ -6,7 +6,8 @@
 2. Long-document QA (two documents, several questions each) with ``recompute`` and
    ``kvstore-remote``.
 
-Prints each table and the speed-ups next to the project's targets, leaves the JSON and PNG
+Prints each table and the speed-ups next to the project's targets (each marked met or
+MISSED; a missed speed target does not fail the run, failed requests do), leaves the JSON and PNG
 plots in ``results/`` (git-ignored), and stops every process it started, also on Ctrl-C.
 ``--configs`` adds configurations to both runs (``all`` for every one); sizes are fixed so the
 whole demo finishes within 10 minutes on a 2-core CPU.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -42,6 +44,31 @@ def _merge(base: str, extra: str) -> str:
     return ",".join(names + [n for n in more if n not in names])
 
 
+def summarize(reps: dict, elapsed: float, load_average: list[float]) -> dict:
+    """The demo's summary from the two benchmarks' reports (``reps``: name -> the dict their
+    ``main`` returns, with ``speedups`` and ``configs``), printed and returned: each target of
+    ``TARGETS`` with its measured ratio and whether it is ``met``; ``failed``: configurations
+    with failed requests; ``missed_targets``; the run's seconds and load average."""
+    summary: dict = {"elapsed_s": elapsed, "targets": [], "load_average": load_average}
+    print(f"\n== demo summary ({elapsed:.0f} s) ==")
+    for bench, key, pair, target in TARGETS:
+        got = reps[bench]["speedups"].get(key, {}).get(pair)
+        met = got is not None and got >= target
+        summary["targets"].append({"benchmark": bench, "figure": key, "ratio": pair,
+                                   "target": target, "measured": got, "met": met})
+        shown = "n/a" if got is None else f"{got:.1f}x"
+        print(f"{bench}: {key} {pair} = {shown} (target >= {target:.0f}x: "
+              f"{'met' if met else 'MISSED'})")
+    summary["failed"] = [f"{b}/{n}" for b, r in reps.items() for n, f in r["configs"].items()
+                         if f["num_ok"] == 0 or f["num_failed"]]
+    summary["missed_targets"] = [f"{t['benchmark']}/{t['ratio']}" for t in summary["targets"]
+                                 if not t["met"]]
+    if summary["missed_targets"]:   # a speed figure, not a failure: timings move with load
+        print(f"targets missed: {', '.join(summary['missed_targets'])} (load average "
+              f"{load_average[0]:.1f}: speed-ups shrink on a busy host)")
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -64,21 +91,11 @@ def main(argv: list[str] | None = None) -> int:
                                 "--json", str(out / "long_doc_qa.json")]),
     }
     elapsed = time.perf_counter() - t0
-    summary = {"elapsed_s": elapsed, "targets": []}
-    print(f"\n== demo summary ({elapsed:.0f} s) ==")
-    for bench, key, pair, target in TARGETS:
-        got = reps[bench]["speedups"].get(key, {}).get(pair)
-        summary["targets"].append({"benchmark": bench, "figure": key, "ratio": pair,
-                                   "target": target, "measured": got})
-        shown = "n/a" if got is None else f"{got:.1f}x"
-        print(f"{bench}: {key} {pair} = {shown} (target >= {target:.0f}x)")
-    failed = [f"{b}/{n}" for b, r in reps.items() for n, f in r["configs"].items()
-              if f["num_ok"] == 0 or f["num_failed"]]
-    summary["failed"] = failed
+    summary = summarize(reps, elapsed, list(os.getloadavg()))
     (out / "demo_summary.json").write_text(json.dumps(summary, indent=1))
     print(f"results in {out}/ (multi_round_qa.json, long_doc_qa.json, *.png, demo_summary.json)")
-    if failed:
-        print(f"configurations with failed requests: {', '.join(failed)}")
+    if summary["failed"]:
+        print(f"configurations with failed requests: {', '.join(summary['failed'])}")
         return 1
     return 0
 
