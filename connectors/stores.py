@@ -240,8 +240,8 @@ def _with_daemon(spec: StoreSpec, stores: list[KVStoreBase]) -> OpenedStore:
         from kvstore.daemon.client import KVStoreClient
         client = KVStoreClient(http_url(spec.url), auth_token=spec.auth_token,
                                timeout_s=spec.timeout_s)
-        if spec.auth_token:
-            salt = daemon_tenant_salt(client, max(spec.timeout_s, WHOAMI_TIMEOUT_S))
+        salt = daemon_tenant_salt(client, max(spec.timeout_s, WHOAMI_TIMEOUT_S),
+                                  token=bool(spec.auth_token))
         if spec.breaker is None:
             stores.append(client)
         else:
@@ -257,16 +257,34 @@ def _with_daemon(spec: StoreSpec, stores: list[KVStoreBase]) -> OpenedStore:
     return OpenedStore(LayeredStore(stores[0], stores[1]), salt)
 
 
-def daemon_tenant_salt(client: Any, timeout_s: float) -> str | None:
-    """The salt the daemon binds ``client``'s token to (``GET /v1/whoami``), or None for an
-    unbound (admin) token. A daemon that cannot be asked (down, an old version, a wrong
-    token) also gives None, logged: the connector then names unsalted namespaces, which a
-    tenant token is refused (403), so it recomputes; it never reads another tenant's chunks.
+def daemon_tenant_salt(client: Any, timeout_s: float, token: bool = True) -> str | None:
+    """The salt the daemon binds ``client``'s token to (``GET /v1/whoami``, asked once at
+    start, also without a token: it checks the daemon answers and accepts this engine), or
+    None for an unbound (admin) token or none. A daemon that cannot be asked (down, an old
+    version, a missing or wrong token) also gives None, with one WARNING that says why and
+    what follows: the connector then names unsalted namespaces, which a tenant token is
+    refused (403), so it recomputes; it never reads another tenant's chunks.
     """
     from kvstore.daemon.client import RemoteError, StoreUnavailable
     try:
         salt = client.whoami(timeout_s=timeout_s).get("cache_salt")
-    except (StoreUnavailable, RemoteError, ValueError) as e:
+    except StoreUnavailable as e:
+        log.warning("kvstore daemon %s is not answering (%s): requests recompute until it "
+                    "does%s", client.url, e,
+                    "; this token's tenant salt is then unknown until the engine restarts"
+                    if token else "")
+        return None
+    except RemoteError as e:
+        if e.status in (401, 403):
+            log.warning("kvstore daemon %s refuses this engine (%s: %s): every request "
+                        "recomputes; give the daemon's token (--kvstore-auth-token, "
+                        "$KVSTORE_AUTH_TOKEN, vLLM's auth_token)", client.url, e.status,
+                        "wrong token" if token else "no token given")
+        else:
+            log.warning("kvstore daemon %s: cannot learn this token's tenant salt (%s); its "
+                        "requests may be refused until the engine restarts", client.url, e)
+        return None
+    except ValueError as e:
         log.warning("kvstore daemon %s: cannot learn this token's tenant salt (%s); its "
                     "requests may be refused until the engine restarts", client.url, e)
         return None

@@ -164,7 +164,7 @@ def test_a_failed_open_leaves_the_disk_path_free(tmp_path, monkeypatch):
     is released, so the next open of the same path succeeds."""
     import connectors.stores as stores
 
-    def no_daemon(client, timeout_s):
+    def no_daemon(client, timeout_s, token=True):
         raise RuntimeError("daemon exploded")
     monkeypatch.setattr(stores, "daemon_tenant_salt", no_daemon)
     path = str(tmp_path / "lmdb")
@@ -184,3 +184,38 @@ def test_create_connector_refusing_an_option_closes_the_store_it_opened(tmp_path
         create_connector(cpu_bytes="1MiB", disk_path=path, disk_bytes="16MiB", **bad)
     c = create_connector(cpu_bytes="1MiB", disk_path=path, disk_bytes="16MiB")  # path free
     c.close()
+
+
+def test_a_daemon_that_refuses_or_does_not_answer_is_named_at_start(caplog):
+    """Opening a store on a daemon asks ``/v1/whoami`` once, also without a token: a daemon
+    that wants a token, one given a wrong token, and one not listening each give one WARNING
+    at start saying so (the engine still starts and recomputes); a daemon that accepts gives
+    none."""
+    import logging
+    from kvstore.config import StoreConfig
+    from kvstore.daemon.run import ThreadedServer
+    from kvstore.daemon.server import ServerLimits, create_app
+    from bench.servers import free_port
+    store = ChunkStore(StoreConfig(cpu_bytes="8MiB"))
+    token = "admin-token-0123456789"
+    with ThreadedServer(create_app(store, ServerLimits(auth_token=token))) as srv:
+        cases = [(None, "refuses this engine (401: no token given)"),
+                 ("wrong-token-0123456789", "refuses this engine (401: wrong token)"),
+                 (token, None)]
+        for given, warning in cases:
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="kvstore.connectors.stores"):
+                opened = open_store(StoreSpec(url=srv.url, auth_token=given, timeout_s=2.0))
+            opened.store.close()
+            msgs = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+            if warning is None:
+                assert msgs == [], msgs
+            else:
+                assert len(msgs) == 1 and warning in msgs[0] and srv.url in msgs[0], msgs
+    store.close()
+    caplog.clear()
+    url = f"http://127.0.0.1:{free_port()}"
+    with caplog.at_level(logging.WARNING, logger="kvstore.connectors.stores"):
+        open_store(StoreSpec(url=url, timeout_s=0.5)).store.close()
+    msgs = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(msgs) == 1 and f"kvstore daemon {url} is not answering" in msgs[0], msgs
