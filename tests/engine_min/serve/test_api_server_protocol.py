@@ -242,12 +242,13 @@ def test_build_connector_is_none_without_store_flags_and_checks_combinations():
 
 
 def test_a_kvstore_disk_path_that_cannot_be_opened_is_a_flag_error_not_a_traceback(tmp_path):
-    # a file where the folder should be (FileExistsError) and a lock file that is a folder
+    # a file where the folder should be (named as such) and a lock file that is a folder
     # (IsADirectoryError) were OSErrors that escaped serve as tracebacks
     from engine_min.serve.cli import build_connector
     (tmp_path / "a-file").write_text("x")
     (tmp_path / "d" / "kvstore.lock").mkdir(parents=True)
-    for path, reason in [(tmp_path / "a-file", "[Errno 17] File exists"),
+    for path, reason in [(tmp_path / "a-file",
+                          f"disk tier path '{tmp_path / 'a-file'}' is a file, not a directory"),
                          (tmp_path / "d", "[Errno 21] Is a directory")]:
         with pytest.raises(SystemExit) as exc:
             build_connector(_args("--kvstore-disk-path", str(path), "--kvstore-disk-bytes", "1MiB"))
