@@ -7,9 +7,10 @@ add_generation_prompt=True)`` for chats and ``Tokenizer.encode`` (no BOS) for te
 given as token ids is used as is. Block hashes are ``engine_min.block_hash.block_hashes`` under
 each engine's ``(hash_seed, block_size)``.
 
-Synchronous and CPU-bound (the byte-level BPE pre-tokenizer takes about 5 ms of CPU for a
-2k-token text on the 2-core test machine): the proxy runs ``prepare_prompt`` on a worker thread,
-and ``PromptEncoder`` caches the token ids of the text between special tokens. The tokenizer
+Synchronous and CPU-bound (the byte-level BPE takes about 4 ms of CPU for a 2k-token text on
+the 2-core test machine): ``PromptEncoder`` caches the token ids of the text between special
+tokens, and the proxy runs ``prompt_source`` then ``prepare_source`` on a worker thread unless
+the body is small and its text has little not yet cached (``num_uncached_chars``). The tokenizer
 splits text at its special tokens (``<|im_start|>``, ``<|im_end|>``) before anything else and
 encodes each piece on its own, so encoding piece by piece gives the same ids; a chat's next
 round repeats its history piece for piece, and only the new messages are tokenized.
@@ -92,6 +93,15 @@ class PromptEncoder:
                 ids += self._piece(piece)
         return ids
 
+    def num_uncached_chars(self, text: str) -> int:
+        """Characters of ``text`` that ``encode`` would tokenize (not in the cache): all of
+        it when the cache is not used. Changes nothing (not the pieces' recency)."""
+        if self._split is None:
+            return len(text)
+        pieces = self._split.split(text)[::2]
+        with self._lock:
+            return sum(len(p) for p in pieces if p not in self._cache)
+
     def _piece(self, piece: str) -> list[int]:
         with self._lock:
             hit = self._cache.get(piece)
@@ -110,35 +120,52 @@ class PromptEncoder:
         return ids
 
 
-def prompt_token_ids(tokenizer, raw: bytes, kind: str,
-                     encoder: PromptEncoder | None = None) -> list[int] | None:
-    """Token ids of the prompt of request body ``raw`` (``kind``: ``completion`` | ``chat``),
-    exactly as the engine computes them; None when the engine would refuse the body (invalid
-    JSON or fields, a template error, text too long or not tokenizable). ``encoder``: a
-    ``PromptEncoder`` of ``tokenizer`` (None: ``tokenizer.encode``)."""
+def prompt_source(tokenizer, raw: bytes, kind: str) -> str | list[int] | None:
+    """The prompt of request body ``raw`` (``kind``: ``completion`` | ``chat``) as the engine
+    reads it before tokenizing: its text (chat template applied) or its token ids; None when
+    the engine would refuse the body (invalid JSON or fields, a template error, text too
+    long)."""
     try:
         body = proto.loads_body(raw)
         if kind == "chat":
             req = proto.parse_chat_request(body)
             if sum(len(m["content"]) for m in req.messages) > MAX_PROMPT_CHARS:
                 return None
-            text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
-        else:
-            req = proto.parse_completion_request(body)
-            if not isinstance(req.prompt, str):
-                return list(req.prompt)
-            if len(req.prompt) > MAX_PROMPT_CHARS:
-                return None
-            text = req.prompt
-        return encoder.encode(text) if encoder is not None else list(tokenizer.encode(text))
+            return tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
+        req = proto.parse_completion_request(body)
+        if not isinstance(req.prompt, str):
+            return list(req.prompt)
+        return req.prompt if len(req.prompt) <= MAX_PROMPT_CHARS else None
     except (proto.ApiError, ValueError, TypeError, TemplateError):
         return None
 
 
-def prepare_prompt(tokenizer, raw: bytes, kind: str, keys: Iterable[HashKey],
+def source_token_ids(tokenizer, source: str | list[int] | None,
+                     encoder: PromptEncoder | None = None) -> list[int] | None:
+    """Token ids of a ``prompt_source`` (text through ``encoder``, or ``tokenizer.encode``
+    when None); None for None or text that cannot be tokenized."""
+    if not isinstance(source, str):
+        return source
+    try:
+        return encoder.encode(source) if encoder is not None else list(tokenizer.encode(source))
+    except (ValueError, TypeError):
+        return None
+
+
+def prompt_token_ids(tokenizer, raw: bytes, kind: str,
+                     encoder: PromptEncoder | None = None) -> list[int] | None:
+    """Token ids of the prompt of request body ``raw`` (``kind``: ``completion`` | ``chat``),
+    exactly as the engine computes them; None when the engine would refuse the body (invalid
+    JSON or fields, a template error, text too long or not tokenizable). ``encoder``: a
+    ``PromptEncoder`` of ``tokenizer`` (None: ``tokenizer.encode``)."""
+    return source_token_ids(tokenizer, prompt_source(tokenizer, raw, kind), encoder)
+
+
+def prepare_source(tokenizer, source: str | list[int] | None, keys: Iterable[HashKey],
                    encoder: PromptEncoder | None = None) -> PreparedPrompt:
-    """``prompt_token_ids`` and its block hashes under each of ``keys``."""
-    ids = prompt_token_ids(tokenizer, raw, kind, encoder)
+    """``source_token_ids`` of a ``prompt_source`` and its block hashes under each of
+    ``keys``."""
+    ids = source_token_ids(tokenizer, source, encoder)
     if ids is None:
         return PreparedPrompt(None)
     keys = set(keys)
@@ -151,3 +178,9 @@ def prepare_prompt(tokenizer, raw: bytes, kind: str, keys: Iterable[HashKey],
     except (OverflowError, TypeError):  # a token id outside [0, 2**32): the engine refuses it
         return PreparedPrompt(None)
     return PreparedPrompt(ids, {key: block_hashes(key[0], arr, key[1]) for key in keys})
+
+
+def prepare_prompt(tokenizer, raw: bytes, kind: str, keys: Iterable[HashKey],
+                   encoder: PromptEncoder | None = None) -> PreparedPrompt:
+    """``prompt_token_ids`` and its block hashes under each of ``keys``."""
+    return prepare_source(tokenizer, prompt_source(tokenizer, raw, kind), keys, encoder)

@@ -1,12 +1,12 @@
 """``prepare_prompt`` on prompts of token ids (no tokenizer needed): its block hashes under
 each engine's ``(hash_seed, block_size)`` are ``block_hashes`` of the ids exactly; ids the
-engine refuses give no prompt."""
+engine refuses give no prompt; ``prompt_source`` is the text or ids the engine tokenizes."""
 from __future__ import annotations
 
 import json
 
 from engine_min.block_hash import block_hashes
-from engine_min.router.prompt import prepare_prompt
+from engine_min.router.prompt import prepare_prompt, prompt_source, source_token_ids
 
 
 def _body(ids) -> bytes:
@@ -31,3 +31,11 @@ def test_ids_the_engine_refuses_give_no_prompt():
         raw = _body(bad) if bad != "not json" else b"{nope"
         p = prepare_prompt(None, raw, "completion", [(b"\x01" * 16, 16)])
         assert p.token_ids is None and p.hashes == {}
+
+
+def test_prompt_source_is_what_the_engine_tokenizes():
+    assert prompt_source(None, _body([5, 6]), "completion") == [5, 6]
+    assert prompt_source(None, b'{"prompt": "Hi there"}', "completion") == "Hi there"
+    assert prompt_source(None, b'{"prompt": "x", "n": 2}', "completion") is None
+    assert prompt_source(None, b"{nope", "chat") is None
+    assert source_token_ids(None, None) is None and source_token_ids(None, [3]) == [3]

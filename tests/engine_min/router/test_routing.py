@@ -38,6 +38,13 @@ def test_token_ids_equal_an_engine_tokenize(engines, spare):
                  "<|im_start", "", "x" * 50 + "<|endoftext|>\n\n"):
         assert enc.encode(text) == tok.encode(text), text
     assert enc._chars <= 40 and enc._split is not None
+    # what a prompt would cost to tokenize: the text between special tokens not cached yet
+    enc = PromptEncoder(tok)
+    assert enc.num_uncached_chars(rendered) == len(rendered.replace("<|im_start|>", "")
+                                                   .replace("<|im_end|>", "")) > 50
+    enc.encode(rendered)
+    assert enc.num_uncached_chars(rendered) == 0
+    assert enc.num_uncached_chars(rendered + "<|im_start|>user\nNew?") == len("user\nNew?")
     assert prompt_token_ids(tok, json.dumps({"messages": messages}).encode(), "chat",
                             enc) == expected
     # the start-up probe agrees with the engine; a dead engine and another tokenizer are named
