@@ -5,9 +5,9 @@ router), a prompt's tokens the store holds are loadable by every engine sharing 
 not tell the engines apart: an engine's advantage is only what its own prefix cache holds
 beyond the store. Per request, for each store namespace among the healthy engines (read once
 from each engine's ``GET /debug/stats`` field ``store_namespace``), the router asks the daemon
-``POST /v1/lookup`` for the prompt's chunk keys (``kvstore.keys.Namespace.chunk_keys``, the
-keys the engine's connector saves under) and gets ``store_hit = num_hit_chunks x
-chunk_size`` tokens. The lookup has a deadline (default 5 ms); on a timeout or an error the
+``POST /v1/lookup`` for the prompt's chunk keys (``Namespace.chunk_keys``, the keys the
+engine's connector saves under, through ``connectors.prompt_keys``: the router imports nothing
+of ``kvstore`` itself) and gets ``store_hit = num_hit_chunks x chunk_size`` tokens. The lookup has a deadline (default 5 ms); on a timeout or an error the
 request is scored without the store (``router_store_lookups_total{result}``).
 
 ``discount_store_hits`` turns the candidates' local hits into advantages over the store::
@@ -75,17 +75,16 @@ class StoreLookup:
 
     def __init__(self, url: str, timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S,
                  auth_token: str | None = None):
-        from kvstore.daemon import protocol as P
+        from connectors.prompt_keys import LOOKUP_HEADERS, lookup_body
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"--kvstore-url: expected http://host:port, got {url!r}")
         if not timeout_s > 0:
             raise ValueError(f"the store lookup deadline must be > 0 s, got {timeout_s}")
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
-        self.headers = {"Content-Type": "application/json",
-                        P.VERSION_HEADER: str(P.PROTOCOL_VERSION)}
+        self.headers = {"Content-Type": "application/json", **LOOKUP_HEADERS}
         if auth_token:
             self.headers["Authorization"] = f"Bearer {auth_token}"
-        self._key_request = P.key_request
+        self._lookup_body = lookup_body
 
     def lookup_bodies(self, namespaces: Iterable, token_ids: list[int]) -> dict[bytes, bytes]:
         """The ``/v1/lookup`` body of ``token_ids``'s full chunks per namespace (keyed by
@@ -94,7 +93,7 @@ class StoreLookup:
         out = {}
         for ns in namespaces:
             if ns.ns_id not in out and len(token_ids) >= ns.layout.chunk_size:
-                out[ns.ns_id] = self._key_request(ns, ns.chunk_keys(token_ids))
+                out[ns.ns_id] = self._lookup_body(ns, token_ids)
         return out
 
     async def hit_tokens(self, session: aiohttp.ClientSession, bodies: Mapping[bytes, bytes],

@@ -179,13 +179,13 @@ class EngineSubscriber:
     async def read_store_namespace(self, timeout: aiohttp.ClientTimeout) -> None:
         """Read the engine's ``store_namespace`` from ``GET /debug/stats`` (once per time in
         service; a failure is logged and retried at the next health check)."""
-        from kvstore.keys import Namespace
+        from connectors.prompt_keys import parse_namespace
         e, gen = self.engine, self.engine.generation
         try:
             async with self.session.get(e.url + "/debug/stats", timeout=timeout) as r:
                 stats = await r.json(content_type=None) if r.status == 200 else None
             d = stats.get("store_namespace") if isinstance(stats, dict) else None
-            ns = Namespace.from_dict(d) if d is not None else None
+            ns = parse_namespace(d) if d is not None else None
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError,
                 TypeError) as exc:
             logger.warning("engine %s: cannot read its store namespace from /debug/stats: "
