@@ -18,7 +18,8 @@ Series (``GET /metrics``; ``engine`` is the engine's base URL as given to ``--en
                                                  pooled one before answering
     router_store_lookups_total{result}           counter, store lookups (``--kvstore-url``):
                                                  ok | timeout (past the deadline, skipped) |
-                                                 error (skipped)
+                                                 error (skipped) | skipped (could not change
+                                                 the pick: not asked)
     router_store_hit_tokens_total                counter, prompt tokens the store held, in the
                                                  picked engine's namespace
     router_failed_requests_total                 counter, requests the router could not

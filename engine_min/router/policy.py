@@ -116,16 +116,30 @@ class CacheAwarePolicy:
         self.max_load_gap, self.min_hit_fraction = max_load_gap, min_hit_fraction
         self._rotation = _Rotation()
 
-    def choose(self, candidates: list[Candidate], num_prompt_tokens: int = 0) -> Decision:
-        """The engine for a prompt of ``num_prompt_tokens`` tokens. Raises ValueError on an
-        empty list."""
-        if not candidates:
-            raise ValueError("no candidate engine")
+    def _eligible_best(self, candidates: list[Candidate], num_prompt_tokens: int
+                       ) -> tuple[list[Candidate], int] | None:
+        """``(eligible, best)`` when an engine wins on its hits, else None."""
         min_load = min(c.load for c in candidates)
         eligible = [c for c in candidates if c.load <= min_load + self.max_load_gap]
         best = max(c.hit_tokens for c in eligible)
         if (best > min(c.hit_tokens for c in candidates)
                 and best >= self.min_hit_fraction * num_prompt_tokens):
+            return eligible, best
+        return None
+
+    def wins_on_hits(self, candidates: list[Candidate], num_prompt_tokens: int) -> bool:
+        """Whether ``choose`` would pick by hits (reason ``hit``); changes nothing. False for
+        an empty list."""
+        return bool(candidates) and self._eligible_best(candidates, num_prompt_tokens) is not None
+
+    def choose(self, candidates: list[Candidate], num_prompt_tokens: int = 0) -> Decision:
+        """The engine for a prompt of ``num_prompt_tokens`` tokens. Raises ValueError on an
+        empty list."""
+        if not candidates:
+            raise ValueError("no candidate engine")
+        found = self._eligible_best(candidates, num_prompt_tokens)
+        if found is not None:
+            eligible, best = found
             top = [c for c in eligible if c.hit_tokens == best]
             low = min(c.load for c in top)
             c = self._rotation.pick([c for c in top if c.load == low])

@@ -201,6 +201,16 @@ class Router:
         local = next(c.hit_tokens for c in cands if c.position == d.position)
         return dataclasses.replace(d, hit_tokens=local)
 
+    def _store_can_matter(self, prompt: PreparedPrompt) -> bool:
+        """False when the store's hits cannot change the decision: every healthy engine saves
+        to one namespace and none wins on its own hits (``engine_min.router.store_lookup``)."""
+        cands = self._candidates(prompt, set())
+        spaces = {None if (ns := self.engines[c.position].store_namespace) is None else ns.ns_id
+                  for c in cands}
+        if len(spaces) != 1 or None in spaces or prompt.token_ids is None:
+            return True
+        return self.policy.wins_on_hits(cands, len(prompt.token_ids))
+
     def _prepare(self, source, keys: list, namespaces: list
                  ) -> tuple[PreparedPrompt, dict[bytes, bytes]]:
         """The prompt of a ``prompt_source`` (``prepare_source``) and its store lookup
@@ -235,7 +245,9 @@ class Router:
             if e.healthy and e.store_namespace is not None]
         prompt, bodies = await self._prepare_request(raw, kind, keys, namespaces)
         store_hits = {}
-        if bodies:
+        if bodies and not self._store_can_matter(prompt):
+            self.metrics.store_lookups.labels("skipped").inc()
+        elif bodies:
             store_hits = await self.store.hit_tokens(self.session, bodies, self.metrics)
         tried: set[int] = set()
         while True:

@@ -7,8 +7,9 @@ beyond the store. Per request, for each store namespace among the healthy engine
 from each engine's ``GET /debug/stats`` field ``store_namespace``), the router asks the daemon
 ``POST /v1/lookup`` for the prompt's chunk keys (``Namespace.chunk_keys``, the keys the
 engine's connector saves under, through ``connectors.prompt_keys``: the router imports nothing
-of ``kvstore`` itself) and gets ``store_hit = num_hit_chunks x chunk_size`` tokens. The lookup has a deadline (default 5 ms); on a timeout or an error the
-request is scored without the store (``router_store_lookups_total{result}``).
+of ``kvstore`` itself) and gets ``store_hit = num_hit_chunks x chunk_size`` tokens. The
+lookup has a deadline (default 5 ms); on a timeout or an error the request is scored without
+the store (``router_store_lookups_total{result}``).
 
 ``discount_store_hits`` turns the candidates' local hits into advantages over the store::
 
@@ -21,6 +22,11 @@ and the policy runs on ``score`` and ``remainder`` unchanged (``engine_min.route
 an engine wins on its cache only if it holds more beyond the store than another engine does
 and at least ``min_hit_fraction`` of the remainder; otherwise (the store holds as much as any
 engine) the least-loaded engine gets the request, and loads the prefix from the store.
+
+The lookup is skipped (``result="skipped"``) when every healthy engine saves to one namespace
+and none wins on its own hits without the store: with one store hit ``s`` for all, an engine
+wins on ``max(0, h - s) >= f (n - s)`` only if ``h >= f n + (1 - f) s >= f n``, and equal hits
+stay equal, so the store cannot make an engine win (a new conversation's first round).
 """
 from __future__ import annotations
 

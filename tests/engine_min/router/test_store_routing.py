@@ -3,8 +3,9 @@ two engines saving to and loading from one daemon; the router reads each engine'
 namespace from its ``/debug/stats``. A prompt engine A served (and saved to the store) is
 held whole by the store, so A's own cache gives it no advantage: the router sends the prompt
 to the less loaded engine B, which loads it from the store, where without the store A would
-have won on its cache. A daemon that does not answer within the deadline is skipped (counted)
-and the request is routed on the engines' own hits."""
+have won on its cache. A prompt no engine holds is routed without asking the store (it cannot
+change the pick). A daemon that does not answer within the deadline is skipped (counted) and
+the request is routed on the engines' own hits."""
 from __future__ import annotations
 
 import json
@@ -57,6 +58,10 @@ def store_engines(daemon):
         srv.connector.close()
 
 
+def _delta(before: dict, after: dict) -> dict:
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
 def _stream_in_background(url: str, prompt: str, max_tokens: int) -> threading.Thread:
     body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
                        "ignore_eos": True, "stream": True}).encode()
@@ -105,8 +110,7 @@ def test_a_prompt_the_store_holds_goes_to_the_least_loaded_engine(daemon, store_
         status, _, body = request(srv.url, "/v1/completions", json.dumps(
             {"model": MODEL, "prompt": ids, "max_tokens": 2}).encode())
         assert status == 200, body
-        m = metrics(srv.url)
-        delta = {k: m.get(k, 0.0) - before.get(k, 0.0) for k in m}
+        delta = _delta(before, metrics(srv.url))
         assert metric(delta, "router_requests_total", engine=b.url, reason="load") == 1
         assert sum(v for k, v in delta.items() if k.startswith("router_requests_total")) == 1
         assert metric(delta, "router_store_lookups_total", result="ok") == 1
@@ -120,17 +124,35 @@ def test_a_prompt_the_store_holds_goes_to_the_least_loaded_engine(daemon, store_
         assert stats["kvstore_loaded_tokens"] == PROMPT_LEN - 1
         busy.join(120)
 
-        # a daemon that does not answer in time: skipped and counted, routed on own hits
+        # a prompt no engine holds: the store cannot change the pick, so it is not asked
+        fresh = tok.encode("A different question about volcanoes and their ash. " * 20)
+        before = metrics(srv.url)
+        status, _, body = request(srv.url, "/v1/completions", json.dumps(
+            {"model": MODEL, "prompt": fresh[:PROMPT_LEN], "max_tokens": 1}).encode())
+        assert status == 200, body
+        delta = _delta(before, metrics(srv.url))
+        assert metric(delta, "router_store_lookups_total", result="skipped") == 1
+        assert metric(delta, "router_store_lookups_total", result="ok") == 0
+
+        # a daemon that does not answer in time: skipped and counted; the request is routed
+        # on the engines' own hits (A holds this prompt, B nothing)
+        q = tok.encode("The gardener counted the roses every morning in June. " * 20)
+        q = q[:PROMPT_LEN]
+        post_json(a.url, "/v1/completions", {"model": MODEL, "prompt": q, "max_tokens": 1})
+        assert a.connector.wait_for_save(30.0)
+        settle(srv, store_engines)
         hole = socket.create_server(("127.0.0.1", 0))   # listens, never answers
         srv.router.store.url = f"http://127.0.0.1:{hole.getsockname()[1]}"
         srv.router.store.timeout_s = 0.05
-        settle(srv, store_engines)
+        before = metrics(srv.url)
         status, _, body = request(srv.url, "/v1/completions", json.dumps(
-            {"model": MODEL, "prompt": ids, "max_tokens": 2}).encode())
+            {"model": MODEL, "prompt": q, "max_tokens": 1}).encode())
         hole.close()
         assert status == 200, body
-        m2 = metrics(srv.url)
-        assert metric(m2, "router_store_lookups_total", result="timeout") == 1
-        assert metric(m2, "router_failed_requests_total") == 0
+        delta = _delta(before, metrics(srv.url))
+        assert metric(delta, "router_store_lookups_total", result="timeout") == 1
+        assert metric(delta, "router_requests_total", engine=a.url, reason="hit") == 1
+        assert metric(delta, "router_predicted_hit_tokens_total", engine=a.url) == PROMPT_LEN
+        assert metric(metrics(srv.url), "router_failed_requests_total") == 0
     finally:
         srv.stop()
