@@ -5,8 +5,10 @@ daemon). Contract and call order: ``connectors.base``.
 A thin adapter: what to look up, load and save, and the keys, comes from the engine-agnostic
 core (``connectors.chunk_plan.RequestChunks``, one per request); this module translates
 engine_min's sequences and steps into it, runs the store calls on worker threads within
-deadlines, and moves KV (loads: ``connectors.engine_min_load.Loader``; saves:
-``connectors.save_queue.SaveQueue``).
+deadlines, and moves KV. One module per job: lookups ``connectors.engine_min_lookup``
+(``PrefixLookup``), loads ``connectors.engine_min_load`` (``Loader``), saves
+``connectors.engine_min_save`` (``Saver``, over ``connectors.save_queue.SaveQueue``), counters
+``connectors.engine_min_stats``.
 
 Per request (``C`` = chunk size; keys are ``Namespace.chunk_keys`` of the request's tokens)::
 
@@ -30,14 +32,14 @@ prompt + generated tokens), each piece once per request: fewer than ``2 * C / F`
 (under one chunk of the prompt and one of the whole request), and none inside a chunk saved
 before it. Pieces take tier bytes like chunks (they are chunks of the tail namespace: evicted,
 spilled and counted alike). When a request's answer later fills the chunk of pieces it saved,
-the chunk's save (its background write, after the put) demotes those pieces
-(``KVStoreBase.demote``): they become the first eviction candidates of every tier, so they never
-take room something else needs, yet they still serve any prompt sharing the prefix up to a piece
-but not the whole chunk (the next question about the same document) while there is room; a
-demoted piece that is read again is no longer demoted. A lookup asks for pieces from where the
-leading stored full chunks end, up to the end of that chunk (no piece lies past a prompt's
-first missing chunk), so a hit recomputes fewer than ``F`` tokens of a stored prefix instead
-of up to ``C - 1``::
+the chunk's save (its background write, after the put; ``connectors.engine_min_save``) demotes
+those pieces (``KVStoreBase.demote``): they become the first eviction candidates of every tier,
+so they never take room something else needs, yet they still serve any prompt sharing the
+prefix up to a piece but not the whole chunk (the next question about the same document) while
+there is room; a demoted piece that is read again is no longer demoted. A lookup asks for
+pieces from where the leading stored full chunks end, up to the end of that chunk (no piece
+lies past a prompt's first missing chunk), so a hit recomputes fewer than ``F`` tokens of a
+stored prefix instead of up to ``C - 1``::
 
     tokens  |      chunk 0 (C)      |      chunk 1 (C)      | F | F | F |..       (P tokens)
     keys    ns (chunk C)            ns                     tail ns (chunk F), chained from 0
@@ -52,15 +54,15 @@ Robustness: every lookup and every step's loads run on worker threads and are wa
 most ``deadline_s`` (+ ``deadline_s_per_chunk`` per chunk loaded); a late, failed or partial
 load counts a fallback, logs once per kind, and leaves ``seq.num_computed_tokens`` at the end of
 what landed, so the engine prefills the rest. Saves go through a bounded queue
-(``connectors.save_queue.SaveQueue``, ``save_queue_bytes``); when it is full the save is
-dropped and counted, never waited for.
+(``save_queue_bytes``); when it is full the save is dropped and counted, never waited for.
 
 Counters (``get_stats``), cumulative: ``external_prefix_cache_queries`` (tokens of requests
 looked up, once per request), ``external_prefix_cache_hits`` (tokens loaded, once per request;
 ``kvstore_hit_tokens_by_tier`` splits them by the tier they came from: ``"cpu"``, ``"disk"``,
 ``"remote:cpu"``... for chunks held by the daemon's tiers), loaded/saved bytes and
 chunks (tail pieces apart: ``kvstore_loaded_tail_chunks``, ``kvstore_saved_tail_chunks``; their
-bytes are in the byte counters; ``kvstore_demoted_tail_chunks``, ``kvstore_demote_errors``), load/save/lookup latency (count, sum, max in seconds), fallbacks, dropped saves; with a
+bytes are in the byte counters; ``kvstore_demoted_tail_chunks``, ``kvstore_demote_errors``),
+load/save/lookup latency (count, sum, max in seconds), fallbacks, dropped saves; with a
 daemon behind ``CircuitBreakerStore``: ``kvstore_remote_skipped_calls`` (calls not sent while a
 failed daemon cools down), ``kvstore_remote_breaker_trips``, ``kvstore_remote_breaker_open``.
 """
@@ -69,9 +71,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import time
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,13 +79,13 @@ import torch
 
 from connectors.base import KVConnectorBase, LoadResult
 from connectors.chunk_geometry import ChunkGeometry
-from connectors.chunk_plan import LookupQuery, RequestChunks
-from connectors.chunk_records import LoadPlan, LookupHit, SaveRange
+from connectors.chunk_plan import RequestChunks
+from connectors.chunk_records import LoadPlan
 from connectors.engine_min_load import Loader
+from connectors.engine_min_lookup import PrefixLookup
+from connectors.engine_min_save import Saver
 from connectors.engine_min_stats import ConnectorStats
-from connectors.save_queue import SaveQueue, demote_superseded
-from kernels import ops
-from kvstore.api import KVStoreBase, LookupResult
+from kvstore.api import KVStoreBase
 from kvstore.keys import IDENTITY_FIELDS, Namespace, rope_identity
 from kvstore.kv_codec import LOSSY_CODECS
 from kvstore.layered import remote_breaker
@@ -181,13 +181,6 @@ class EngineMinConnector(KVConnectorBase):
         self._tail_arg = tail_chunk_size
         self.tail_ns: Namespace | None = None
         self.model_identity: dict[str, str] = {}
-        # a store whose every tier is behind a daemon (the daemon's client) reports the
-        # daemon's tier names: shown as "remote:<tier>" (a layered store names them so itself)
-        caps = store.capabilities
-        self._remote = caps.remote and caps.tiers == ("remote",)
-        # an in-process store answers a lookup inline when its lock is free (no I/O); a
-        # store whose lookup_keys is its own says nonblocking_lookup=False
-        self._inline_lookup = caps.nonblocking_lookup and not caps.remote
         self.ns: Namespace | None = None
         self.geometry: ChunkGeometry | None = None
         self.kv_cache: torch.Tensor | None = None
@@ -195,9 +188,10 @@ class EngineMinConnector(KVConnectorBase):
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvconn-io")
         self.stats = ConnectorStats()
         self.c = self.stats.c          # counters by name (``get_stats`` reports them)
+        self._lookups = PrefixLookup(store, self._pool, self.stats, deadline_s)
         self._loader = Loader(store, self._pool, self.stats, deadline_s, deadline_s_per_chunk)
+        self._saver = Saver(store, self.stats, save_queue_bytes)
         self._closed = False
-        self._saves = SaveQueue(store.put_chunks, save_queue_bytes, self._saved)
 
     # ---- helpers ------------------------------------------------------------------------------
     def _state(self, seq: Any) -> _Request:
@@ -251,7 +245,9 @@ class EngineMinConnector(KVConnectorBase):
             self.tail_ns = dataclasses.replace(self.ns, layout=dataclasses.replace(
                 layout, chunk_size=self.tail_chunk_size))
         self.kv_cache = kv_cache
+        self._lookups.bind(self.ns, self.tail_ns)
         self._loader.bind(kv_cache, block_size)
+        self._saver.bind(kv_cache, self.geometry, self.tail_ns)
         self.store.register(self.ns)  # a tier smaller than one chunk fails here, not mid-run
         if self.tail_ns is not None:
             self.store.register(self.tail_ns)
@@ -271,44 +267,8 @@ class EngineMinConnector(KVConnectorBase):
             query = chunks.lookup_query(seq.token_ids, n, num_computed_tokens)
             if query is None:
                 return 0, False
-            hit = self._run_lookup(query)
+            hit = self._lookups.run(query)
         return chunks.record(hit), False
-
-    def _run_lookup(self, query: LookupQuery) -> LookupHit:
-        """``query`` inline when the store answers without waiting (an in-process store whose
-        lock is free: no thread hop on the engine's critical path), else on a worker thread,
-        waited for at most ``deadline_s``; a miss on timeout or error (a counted fallback)."""
-        t0 = time.perf_counter()
-        try:
-            hit = self._lookup(query, inline=True) if self._inline_lookup else None
-            if hit is None:
-                hit = self._pool.submit(self._lookup, query).result(timeout=self.deadline_s)
-        except FutureTimeout:
-            self.stats.fallback("lookup", "lookup timed out after %.3f s; recomputing",
-                                self.deadline_s)
-            hit = LookupHit.miss(query.num_tokens, query.num_local)
-        except Exception as exc:  # noqa: BLE001 - any store trouble means a miss
-            self.stats.fallback("lookup", "lookup failed (%s: %s); recomputing",
-                                type(exc).__name__, exc)
-            hit = LookupHit.miss(query.num_tokens, query.num_local)
-        self.stats.observe("lookup", time.perf_counter() - t0)
-        if self._remote:
-            hit = dataclasses.replace(hit, tiers={k: f"remote:{t}" for k, t in hit.tiers.items()})
-        return hit
-
-    def _lookup(self, q: LookupQuery, inline: bool = False) -> LookupHit | None:
-        """The leading stored full chunks of ``q.keys``, then the stored tail pieces of
-        ``q.tail_range`` after them. ``inline``: only what the store answers at once
-        (``try_lookup_keys``); None when it would wait (ask again on a worker thread)."""
-        look = self.store.try_lookup_keys if inline else self.store.lookup_keys
-        full = look(self.ns, list(q.keys)) if q.keys else _NO_HIT
-        if full is None:
-            return None
-        rng = q.tail_range(full.num_hit_chunks)
-        tail = look(self.tail_ns, list(q.tail_keys[rng.start:rng.stop])) if rng else _NO_HIT
-        if tail is None:
-            return None
-        return q.hit(full.num_hit_chunks, full.tiers, tail.num_hit_chunks, tail.tiers)
 
     def update_state_after_alloc(self, seq: Any, block_ids: list[int],
                                  num_external_tokens: int) -> None:
@@ -331,8 +291,8 @@ class EngineMinConnector(KVConnectorBase):
         end = seq.num_computed_tokens if self.save_generated else \
             min(seq.num_computed_tokens, seq.num_prompt_tokens)
         end = min(end, len(block_ids) * self.geometry.block_size)
-        self._queue_save(st.chunks.chunks_to_save(seq.token_ids, end), block_ids)
-        self._queue_save(st.chunks.pieces_to_save(seq.token_ids, end), block_ids)
+        self._saver.queue(st.chunks.chunks_to_save(seq.token_ids, end), block_ids)
+        self._saver.queue(st.chunks.pieces_to_save(seq.token_ids, end), block_ids)
 
     # ---- worker side: loads -------------------------------------------------------------------
     def start_load_kv(self, sched_out: Any, kv_cache: torch.Tensor) -> None:
@@ -355,57 +315,12 @@ class EngineMinConnector(KVConnectorBase):
             if st is None:
                 continue
             end = min(seq.num_computed_tokens + item.num_new_tokens, seq.num_prompt_tokens)
-            self._queue_save(st.chunks.chunks_to_save(seq.token_ids, end), seq.block_table)
+            self._saver.queue(st.chunks.chunks_to_save(seq.token_ids, end), seq.block_table)
             if end == seq.num_prompt_tokens:   # the prompt's prefill is complete
-                self._queue_save(st.chunks.pieces_to_save(seq.token_ids, end),
-                                 seq.block_table)
-
-    def _queue_save(self, rng: SaveRange | None, block_ids: list[int]) -> None:
-        """Gather the units of ``rng`` out of the pool and queue them (or drop them when the
-        queue is full)."""
-        if rng is None or not self._reserve(len(rng.keys), rng.nbytes):
-            return
-        g = self.geometry
-        kvs = [ops.gather_chunk(self.kv_cache, g.unit_blocks(block_ids, s, rng.unit))
-               for s in rng.starts]
-        then = None if rng.supersedes is None else (
-            lambda stored, rng=rng: self._demote(rng, stored))
-        self._saves.submit(rng.ns, list(rng.keys), kvs, rng.nbytes, rng.parents, then)
-
-    def _demote(self, rng: SaveRange, stored: int) -> None:
-        """Writer thread, after ``rng``'s chunks were put: demote the tail pieces they cover
-        (``demote_superseded``); a failure is counted (``demote_errors``) and logged once."""
-        try:
-            n = demote_superseded(self.store, rng.ns, rng.keys, stored, rng.supersedes)
-            self.stats.add(demoted_tail_chunks=n)
-        except Exception as exc:  # noqa: BLE001 - a lost demotion only costs room, later
-            self.stats.add(demote_errors=1)
-            self.stats.warn_once("demote", "kv connector: demoting tail pieces failed (%s: %s)",
-                                 type(exc).__name__, exc)
-
-    def _reserve(self, n_chunks: int, nbytes: int) -> bool:
-        """Room in the save queue for ``nbytes`` (counted as queued), or a counted drop."""
-        ok = self._saves.try_reserve(nbytes)
-        self.stats.add(**{"queued_chunks" if ok else "dropped_save_chunks": n_chunks})
-        if not ok:
-            self.stats.warn_once("save_drop", "kv connector: save queue full (%d bytes); "
-                                 "dropping saves", self.save_queue_bytes)
-        return ok
-
-    def _saved(self, ns: Namespace, stored: int | None, seconds: float,
-               error: Exception | None) -> None:
-        """``SaveQueue`` callback (writer thread): count what one put stored, or its error."""
-        self.stats.observe("save", seconds)
-        if error is None:
-            self.stats.add(**{"saved_tail_chunks" if ns is self.tail_ns else "saved_chunks":
-                              stored, "saved_bytes": stored * ns.layout.chunk_bytes})
-        else:
-            self.stats.add(save_errors=1)
-            self.stats.warn_once("save", "kv connector: save failed (%s: %s)",
-                                 type(error).__name__, error)
+                self._saver.queue(st.chunks.pieces_to_save(seq.token_ids, end), seq.block_table)
 
     def wait_for_save(self, timeout_s: float | None = None) -> bool:
-        return self._saves.wait(timeout_s)
+        return self._saver.wait(timeout_s)
 
     # ---- metrics and lifetime -----------------------------------------------------------------
     def get_stats(self) -> dict:
@@ -413,7 +328,7 @@ class EngineMinConnector(KVConnectorBase):
         out = {k: snap.pop(k) for k in ("external_prefix_cache_queries",
                                         "external_prefix_cache_hits",
                                         "kvstore_hit_tokens_by_tier")}
-        out.update({"kvstore_save_queue_bytes": self._saves.queued_bytes,
+        out.update({"kvstore_save_queue_bytes": self._saver.queued_bytes,
                     "store_namespace": None if self.ns is None else self.ns.to_dict()})
         out.update(snap)
         breaker = remote_breaker(self.store)
@@ -425,10 +340,8 @@ class EngineMinConnector(KVConnectorBase):
         if self._closed:
             return
         self._closed = True
-        self._saves.close(30.0)
+        self._saver.close(30.0)
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.owns_store:
             self.store.close()
 
-
-_NO_HIT = LookupResult(0, 0, (), 0)   # what an empty lookup answers

@@ -1,0 +1,89 @@
+"""Scheduler-side lookups of ``connectors.engine_min.EngineMinConnector``: the ``PrefixLookup``
+it owns.
+
+The request's chunk plan (``connectors.chunk_plan.RequestChunks.lookup_query``) says which keys
+to ask about: the full chunks past the engine's own hit, then the tail pieces after the leading
+stored chunks, up to the end of the first missing chunk. ``PrefixLookup.run`` asks the store
+(``lookup_keys``) within ``deadline_s``: inline when the store answers without waiting (an
+in-process ``ChunkStore`` whose lock is free: no thread hop on the engine's critical path),
+else on a worker thread. A timeout or a store error is a miss, counted as a lookup fallback
+and logged once; the engine then prefills those tokens itself.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from concurrent.futures import Executor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from connectors.chunk_plan import LookupQuery
+from connectors.chunk_records import LookupHit
+from connectors.engine_min_stats import ConnectorStats
+from kvstore.api import KVStoreBase, LookupResult
+from kvstore.keys import Namespace
+
+_NO_HIT = LookupResult(0, 0, (), 0)   # what an empty lookup answers
+
+
+class PrefixLookup:
+    """Lookups of one connector's requests in its store.
+
+    Args:
+        store: the store asked (``lookup_keys``, ``try_lookup_keys``).
+        pool: the worker threads a lookup that may wait runs on.
+        stats: the connector's counters (lookup latency, fallbacks).
+        deadline_s: longest wait for one lookup (seconds).
+    """
+
+    def __init__(self, store: KVStoreBase, pool: Executor, stats: ConnectorStats,
+                 deadline_s: float) -> None:
+        self.store, self._pool, self.stats, self.deadline_s = store, pool, stats, deadline_s
+        caps = store.capabilities
+        # a store whose every tier is behind a daemon (the daemon's client) reports the
+        # daemon's tier names: shown as "remote:<tier>" (a layered store names them so itself)
+        self._remote = caps.remote and caps.tiers == ("remote",)
+        # an in-process store answers a lookup inline when its lock is free (no I/O); a
+        # store whose lookup_keys is its own says nonblocking_lookup=False
+        self._inline = caps.nonblocking_lookup and not caps.remote
+        self.ns: Namespace | None = None
+        self.tail_ns: Namespace | None = None
+
+    def bind(self, ns: Namespace, tail_ns: Namespace | None) -> None:
+        """Ask about full chunks in ``ns`` and tail pieces in ``tail_ns`` (None: no pieces)."""
+        self.ns, self.tail_ns = ns, tail_ns
+
+    def run(self, query: LookupQuery) -> LookupHit:
+        """``query`` inline when the store answers without waiting, else on a worker thread,
+        waited for at most ``deadline_s``; a miss on timeout or error (a counted fallback).
+        Tiers of a daemon's chunks are named ``"remote:<tier>"``."""
+        t0 = time.perf_counter()
+        try:
+            hit = self._lookup(query, inline=True) if self._inline else None
+            if hit is None:
+                hit = self._pool.submit(self._lookup, query).result(timeout=self.deadline_s)
+        except FutureTimeout:
+            self.stats.fallback("lookup", "lookup timed out after %.3f s; recomputing",
+                                self.deadline_s)
+            hit = LookupHit.miss(query.num_tokens, query.num_local)
+        except Exception as exc:  # noqa: BLE001 - any store trouble means a miss
+            self.stats.fallback("lookup", "lookup failed (%s: %s); recomputing",
+                                type(exc).__name__, exc)
+            hit = LookupHit.miss(query.num_tokens, query.num_local)
+        self.stats.observe("lookup", time.perf_counter() - t0)
+        if self._remote:
+            hit = dataclasses.replace(hit, tiers={k: f"remote:{t}" for k, t in hit.tiers.items()})
+        return hit
+
+    def _lookup(self, q: LookupQuery, inline: bool = False) -> LookupHit | None:
+        """The leading stored full chunks of ``q.keys``, then the stored tail pieces of
+        ``q.tail_range`` after them. ``inline``: only what the store answers at once
+        (``try_lookup_keys``); None when it would wait (ask again on a worker thread)."""
+        look = self.store.try_lookup_keys if inline else self.store.lookup_keys
+        full = look(self.ns, list(q.keys)) if q.keys else _NO_HIT
+        if full is None:
+            return None
+        rng = q.tail_range(full.num_hit_chunks)
+        tail = look(self.tail_ns, list(q.tail_keys[rng.start:rng.stop])) if rng else _NO_HIT
+        if tail is None:
+            return None
+        return q.hit(full.num_hit_chunks, full.tiers, tail.num_hit_chunks, tail.tiers)

@@ -1,0 +1,110 @@
+"""Worker-side saves of ``connectors.engine_min.EngineMinConnector``: the ``Saver`` it owns.
+
+The connector decides *what* to save (``connectors.chunk_plan.RequestChunks``:
+``chunks_to_save`` / ``pieces_to_save`` give a ``connectors.chunk_records.SaveRange``, after a
+prefill step and at request end); the ``Saver`` gathers the range's chunks or tail pieces out of
+the engine's paged KV pool (``kernels.ops.gather_chunk``, one per unit) and hands them to a
+bounded background writer (``connectors.save_queue.SaveQueue``, ``save_queue_bytes``). When the
+queue is full the save is dropped and counted (``dropped_save_chunks``), never waited for.
+
+When a saved chunk covers tail pieces this request saved before (``SaveRange.supersedes``: its
+answer filled the chunk of pieces), the writer thread demotes those pieces right after the put
+(``connectors.save_queue.demote_superseded``): they become the first eviction candidates of
+every tier, yet still serve a prompt sharing the prefix up to a piece while there is room. A
+failed demotion is counted (``demote_errors``) and logged once; it only costs room, later.
+"""
+from __future__ import annotations
+
+import torch
+
+from connectors.chunk_geometry import ChunkGeometry
+from connectors.chunk_records import SaveRange
+from connectors.engine_min_stats import ConnectorStats
+from connectors.save_queue import SaveQueue, demote_superseded
+from kernels import ops
+from kvstore.api import KVStoreBase
+from kvstore.keys import Namespace
+
+
+class Saver:
+    """Saves of one connector's requests out of its engine's paged KV pool.
+
+    Args:
+        store: the store written to (``put_chunks``, ``demote``).
+        stats: the connector's counters (queued, dropped, saved chunks and bytes, errors).
+        save_queue_bytes: bytes of gathered chunks waiting for the writer; a save that would
+            exceed it is dropped (counted) unless the queue is empty.
+    """
+
+    def __init__(self, store: KVStoreBase, stats: ConnectorStats, save_queue_bytes: int) -> None:
+        self.store, self.stats = store, stats
+        self.save_queue_bytes = save_queue_bytes
+        self.kv_cache: torch.Tensor | None = None
+        self.geometry: ChunkGeometry | None = None
+        self.tail_ns: Namespace | None = None
+        self._queue = SaveQueue(store.put_chunks, save_queue_bytes, self._saved)
+
+    def bind(self, kv_cache: torch.Tensor, geometry: ChunkGeometry,
+             tail_ns: Namespace | None) -> None:
+        """Gather from ``kv_cache`` ``[num_layers, 2, num_blocks, block_size, num_kv_heads,
+        head_dim]`` laid out as ``geometry`` says; puts into ``tail_ns`` count as tail pieces."""
+        self.kv_cache, self.geometry, self.tail_ns = kv_cache, geometry, tail_ns
+
+    def queue(self, rng: SaveRange | None, block_ids: list[int]) -> None:
+        """Gather the units of ``rng`` out of the pool (``block_ids``: the request's blocks)
+        and queue them (or drop them, counted, when the queue is full). None: nothing."""
+        if rng is None or not self._reserve(len(rng.keys), rng.nbytes):
+            return
+        g = self.geometry
+        kvs = [ops.gather_chunk(self.kv_cache, g.unit_blocks(block_ids, s, rng.unit))
+               for s in rng.starts]
+        then = None if rng.supersedes is None else (
+            lambda stored, rng=rng: self._demote(rng, stored))
+        self._queue.submit(rng.ns, list(rng.keys), kvs, rng.nbytes, rng.parents, then)
+
+    def _demote(self, rng: SaveRange, stored: int) -> None:
+        """Writer thread, after ``rng``'s chunks were put: demote the tail pieces they cover
+        (``demote_superseded``); a failure is counted (``demote_errors``) and logged once."""
+        try:
+            n = demote_superseded(self.store, rng.ns, rng.keys, stored, rng.supersedes)
+            self.stats.add(demoted_tail_chunks=n)
+        except Exception as exc:  # noqa: BLE001 - a lost demotion only costs room, later
+            self.stats.add(demote_errors=1)
+            self.stats.warn_once("demote", "kv connector: demoting tail pieces failed (%s: %s)",
+                                 type(exc).__name__, exc)
+
+    def _reserve(self, n_chunks: int, nbytes: int) -> bool:
+        """Room in the save queue for ``nbytes`` (counted as queued), or a counted drop."""
+        ok = self._queue.try_reserve(nbytes)
+        self.stats.add(**{"queued_chunks" if ok else "dropped_save_chunks": n_chunks})
+        if not ok:
+            self.stats.warn_once("save_drop", "kv connector: save queue full (%d bytes); "
+                                 "dropping saves", self.save_queue_bytes)
+        return ok
+
+    def _saved(self, ns: Namespace, stored: int | None, seconds: float,
+               error: Exception | None) -> None:
+        """``SaveQueue`` callback (writer thread): count what one put stored, or its error."""
+        self.stats.observe("save", seconds)
+        if error is None:
+            self.stats.add(**{"saved_tail_chunks" if ns is self.tail_ns else "saved_chunks":
+                              stored, "saved_bytes": stored * ns.layout.chunk_bytes})
+        else:
+            self.stats.add(save_errors=1)
+            self.stats.warn_once("save", "kv connector: save failed (%s: %s)",
+                                 type(error).__name__, error)
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes of gathered chunks waiting for (or being written by) the writer."""
+        return self._queue.queued_bytes
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued save was written (at most ``timeout_s`` seconds; None =
+        no limit). False on timeout."""
+        return self._queue.wait(timeout_s)
+
+    def close(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for queued saves, refuse new ones, stop the writer.
+        Idempotent."""
+        self._queue.close(timeout_s)
