@@ -79,7 +79,7 @@ def add_store_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    "tokens (a multiple of the block size dividing the chunk size), so a hit "
                    "recomputes < N tokens instead of up to a chunk (default: the engine's "
                    "block size, when it divides the chunk size); 0 = off (full chunks only)")
-    s.add_argument("--kvstore-lossy-codec", default=None, choices=("int8", "fp8"),
+    s.add_argument("--kvstore-lossy-codec", default=None, choices=("kivi", "int8", "fp8"),
                    help="store this engine's chunks lossily with this codec (about half of "
                    "fp16's bytes) in the in-process store's disk and remote tiers, and accept "
                    "it from a daemon started with --disk-codec/--remote-codec of the same "

@@ -14,8 +14,8 @@ Value layout (little-endian)::
 * codecs: ``raw`` (0), ``lz4`` (1), ``shuffle-lz4`` (2: byte-shuffle, then lz4 block). Byte
   shuffle groups byte j of every element together (as blosc does): fp16/bf16 exponent bytes
   repeat a lot, mantissa bytes do not, so lz4 finds the repeats only after shuffling.
-  Lossy: ``int8`` (3), ``fp8`` (4), see ``kvstore.kv_codec`` (payload = scales + 1-byte
-  values). For them ``raw_nbytes`` and ``xxh3_64`` describe the *decoded* tensor's bytes
+  Lossy: ``int8`` (3), ``fp8`` (4), ``kivi`` (5: grouped, 6-8 bits per value), see
+  ``kvstore.kv_codec`` (payload = scales + codes). For them ``raw_nbytes`` and ``xxh3_64`` describe the *decoded* tensor's bytes
   (computed at encode time by decoding once), so every codec's decoded bytes are checked the
   same way; a payload whose size is not the codec's for the header's shape (a header naming
   the wrong codec) does not decode.
@@ -149,7 +149,7 @@ def pack_value(key: bytes, parent: bytes | None, raw: np.ndarray, dtype: str,
                fallback: str = "raw") -> bytes:
     """Header + encoded payload for a chunk. ``raw`` is the tensor's bytes (uint8 1-D).
 
-    A lossy ``codec`` (``int8``, ``fp8``) encodes the tensor (``shape``, ``dtype``) and records
+    A lossy ``codec`` (``int8``, ``fp8``, ``kivi``) encodes the tensor (``shape``, ``dtype``) and records
     the checksum of its decoded bytes; a chunk it cannot encode (a non-finite value, a dtype
     it does not take) is written with the lossless ``fallback`` instead.
 

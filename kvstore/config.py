@@ -9,13 +9,14 @@ import os
 from dataclasses import dataclass, field, fields
 
 from kvstore.eviction import ADMISSIONS, POLICIES
+from kvstore.kv_codec import LOSSY_CODECS
 from kvstore.layout import KVLayout
 from kvstore.units import format_size, parse_size
 
 TIER_NAMES = ("gpu", "cpu", "disk")
 #: Value codecs of the disk and remote tiers: lossless, then the lossy ones
 #: (``kvstore.kv_codec``), used only for chunks of namespaces that accept them.
-DISK_CODECS = ("auto", "raw", "lz4", "shuffle-lz4", "int8", "fp8")
+DISK_CODECS = ("auto", "raw", "lz4", "shuffle-lz4") + LOSSY_CODECS
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class StoreConfig:
             allocator hands out runs, ``kvstore.tiers.memory``). 64 KiB pages left 4 KiB
             chunks using 6% of a tier.
         disk_codec: ``auto`` (byte-shuffle + lz4, raw when that saves < 10%), ``raw``, ``lz4``,
-            ``shuffle-lz4``; or lossy ``int8`` / ``fp8`` (``kvstore.kv_codec``): used for the
+            ``shuffle-lz4``; or lossy ``kivi`` / ``int8`` / ``fp8`` (``kvstore.kv_codec``): used for the
             chunks of namespaces whose ``lossy_codec`` names it, every other chunk is written
             with ``auto``.
         max_namespaces: namespaces whose layout check the store remembers
@@ -66,7 +67,7 @@ class StoreConfig:
         remote_timeout_s: deadline of a remote lookup or get (seconds).
         remote_queue_bytes: most bytes waiting to be written to Redis (beyond: dropped).
         remote_codec: value codec in Redis (``raw``, ``auto``, ``lz4``, ``shuffle-lz4``; or
-            lossy ``int8`` / ``fp8``, as ``disk_codec``, other chunks written ``raw``).
+            lossy ``kivi`` / ``int8`` / ``fp8``, as ``disk_codec``, other chunks written ``raw``).
         remote_password: Redis password when the URL has none (else
             ``$KVSTORE_REMOTE_PASSWORD``).
         remote_breaker_failures: consecutive failures of a Redis node that open its circuit

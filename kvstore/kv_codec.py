@@ -1,6 +1,6 @@
-"""Lossy KV codecs for the disk and remote tiers: ``int8`` and ``fp8`` (about half the bytes of
-fp16 KV, a quarter of fp32), vectorized on the CPU (numpy passes; torch only for the e4m3
-and bf16 casts).
+"""Lossy KV codecs for the disk and remote tiers: ``kivi`` (the default lossy codec, under
+half the bytes of fp16 KV), ``int8`` and ``fp8`` (about half), vectorized on the CPU (numpy
+passes; torch only for the e4m3 and bf16 casts).
 
 A chunk is ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` (index 0 of dim 1 = K,
 1 = V) in fp32, fp16 or bf16. Encoded payload (little-endian)::
@@ -18,6 +18,17 @@ A chunk is ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` (index 0 of d
   (amax / 127 rounded up to fp16; values are quantized with the stored scale, so its
   rounding does not loosen the bound), plus the rounding of ``x̂`` to the chunk's dtype (half
   an ulp of ``x̂``).
+* ``kivi`` (``kvstore.kv_grouped``, which states its payload; parameters ``KIVI_PARAMS``,
+  recorded in each payload): K at 8 bits per channel over groups of 64 tokens, symmetric (a
+  step per group, codes ``[-127, 127]``); V at 7 bits per token over groups of 64 channels,
+  asymmetric (a minimum and a step per group, codes ``[0, 127]``). Chosen by greedy agreement
+  on the real model over two prompt sets, not by mean error: V ranges per channel (lower
+  mean error, but a small token next to a large one loses its precision), K at 6 or 7 bits,
+  or a Hadamard rotation of V changed more answers. Error bound: ``|x - x̂| <= s / 2 * (1 +
+  2**-12)`` per element, ``s`` the stored step of its group (at most ``amax / 127`` for K,
+  ``(max - min) / 127`` for V, times ``2**(1/16)``: steps are stored as 8-bit codes on a log
+  scale), plus the fp32 rounding of ``x̂`` and its rounding to the chunk's dtype (half an
+  ulp of ``x̂`` each).
 * ``fp8`` (float8_e4m3fn values, one scale per ``(layer, kv, token, head)`` over head_dim,
   ``s = amax / 448`` rounded up to fp16): error bound ``|x - x̂| <= 2**-4 * |x| + 2**-10 * s`` (3 mantissa bits,
   round to nearest; the second term covers e4m3's subnormals), so at most ``amax / 16`` of
@@ -28,14 +39,15 @@ chunk's scales are fp32. A chunk with a non-finite value cannot be encoded (``Va
 the caller stores it with a lossless codec instead.
 
 Bytes per value vs fp16 (scales counted), for ``chunk_size`` T and ``head_dim`` D:
-``int8 = 0.5 + (1/T + 1/D) / 2`` (T=256, D=64: 0.510), ``fp8 = 0.5 + 1/D`` (0.516).
+``int8 = 0.5 + (1/T + 1/D) / 2`` (T=256, D=64: 0.510), ``fp8 = 0.5 + 1/D`` (0.516),
+``kivi = (8 + 7 + 8 / 64 + 24 / D) / 32`` for T a multiple of 64 (D=64: 0.484).
 
 **The rule: no silent lossy chunk.** A tier writes a chunk lossily only when the chunk's
 namespace accepts that codec: ``Namespace.lossy_codec`` names it (``""``, the default, accepts
 none: bit-exact only). ``lossy_codec`` is part of the namespace digest, so it is part of every
 chunk key: a bit-exact consumer's keys never name a chunk written by a namespace that accepts
-loss, and a tier configured lossy (``StoreConfig.disk_codec`` / ``remote_codec`` = ``int8`` or
-``fp8``) writes every other namespace's chunks losslessly (``auto`` on disk, ``raw`` in Redis).
+loss, and a tier configured lossy (``StoreConfig.disk_codec`` / ``remote_codec`` = ``kivi``,
+``int8`` or ``fp8``) writes every other namespace's chunks losslessly (``auto`` on disk, ``raw`` in Redis).
 The CPU and GPU tiers always hold exact bytes. (A namespace the store no longer remembers,
 beyond ``StoreConfig.max_namespaces``, counts as accepting none until it is used again.)
 A value's header names its codec, so a tier
@@ -46,8 +58,17 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-#: Lossy codec names (their codes in ``kvstore.codec.CODECS`` come after the lossless ones).
-LOSSY_CODECS = ("int8", "fp8")
+from kvstore import kv_grouped
+
+#: Lossy codec names (their codes in ``kvstore.codec.CODECS`` come after the lossless ones;
+#: append only).
+LOSSY_CODECS = ("int8", "fp8", "kivi")
+#: The lossy codec to choose when none is named (the one that meets the agreement target).
+DEFAULT_LOSSY_CODEC = "kivi"
+#: ``kivi``'s parameters for new payloads (each payload records its own, so changing these
+#: leaves stored chunks readable).
+KIVI_PARAMS = kv_grouped.GroupParams(k=kv_grouped.PartParams(8, 64, "tokens", symmetric=True),
+                                     v=kv_grouped.PartParams(7, 64, "channels"))
 #: Largest magnitude of each codec's values: int8 uses [-127, 127]; e4m3fn's max finite is 448.
 QMAX = {"int8": 127.0, "fp8": 448.0}
 _SCALE_DTYPES = (np.float16, np.float32)
@@ -133,6 +154,8 @@ def encode(kv: torch.Tensor, codec: str) -> np.ndarray:
     if codec not in LOSSY_CODECS:
         raise ValueError(f"unknown lossy codec {codec!r}; choose one of {LOSSY_CODECS}")
     x = _host_array(kv)                                      # [L, 2, T, H, D]
+    if codec == "kivi":
+        return kv_grouped.encode(x, KIVI_PARAMS)
     if codec == "int8":
         amaxes = [_amax(x[:, 0], 1), _amax(x[:, 1], -1)]     # [L, H, D], [L, T, H]
     else:
@@ -156,7 +179,8 @@ def encode(kv: torch.Tensor, codec: str) -> np.ndarray:
 
 def payload_nbytes(codec: str, shape: tuple[int, ...], scale_itemsize: int = 2) -> int:
     """Bytes of a payload of ``codec`` for a chunk of ``shape`` with scales of
-    ``scale_itemsize`` bytes (2 = fp16, 4 = fp32).
+    ``scale_itemsize`` bytes (2 = fp16, 4 = fp32); for ``kivi``, a payload of
+    ``KIVI_PARAMS``.
 
     Raises:
         ValueError: an unknown codec or a shape that is not 5-D with 2 at dim 1.
@@ -165,6 +189,8 @@ def payload_nbytes(codec: str, shape: tuple[int, ...], scale_itemsize: int = 2) 
         raise ValueError(f"shape must be [num_layers, 2, chunk_size, num_kv_heads, head_dim], "
                          f"got {list(shape)}")
     L, _, T, H, D = shape
+    if codec == "kivi":
+        return kv_grouped.nbytes(KIVI_PARAMS, shape, scale_itemsize)
     if codec == "int8":
         n_scales = L * H * D + L * T * H
     elif codec == "fp8":
@@ -183,6 +209,8 @@ def decode(payload, codec: str, dtype: torch.dtype, shape: tuple[int, ...]) -> t
             one ``codec`` gives for ``shape`` (e.g. a header that names the wrong codec).
     """
     mv = memoryview(payload).cast("B")
+    if codec == "kivi":
+        return _decode_kivi(np.frombuffer(mv, dtype=np.uint8), dtype, shape)
     if len(mv) < 1 or mv[-1] >= len(_SCALE_DTYPES):
         raise ValueError(f"{codec} payload has no valid scale dtype code")
     sdt = np.dtype(_SCALE_DTYPES[mv[-1]])
@@ -208,6 +236,15 @@ def decode(payload, codec: str, dtype: torch.dtype, shape: tuple[int, ...]) -> t
     return out.to(dtype) if wide != dtype else out
 
 
+def _decode_kivi(payload: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if len(shape) != 5 or shape[1] != 2:
+        raise ValueError(f"shape must be [num_layers, 2, chunk_size, num_kv_heads, head_dim], "
+                         f"got {list(shape)}")
+    out = torch.empty(shape, dtype=torch.float32)            # [L, 2, T, H, D]
+    kv_grouped.decode(payload, shape, out.numpy())
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
 def error_bound(kv: torch.Tensor, codec: str) -> torch.Tensor:
     """Per-element bound of ``|kv - decode(encode(kv))|`` in fp32, the shape of ``kv`` (the
     module docstring's, before the rounding to the chunk's dtype, which a caller adds: half
@@ -219,6 +256,8 @@ def error_bound(kv: torch.Tensor, codec: str) -> torch.Tensor:
     _check(kv)
     x32 = kv.detach().to("cpu", torch.float32)
     x = x32.numpy()
+    if codec == "kivi":
+        return torch.from_numpy(kv_grouped.steps(x, KIVI_PARAMS) * np.float32(0.5 * (1 + 2 ** -12)))
     if codec == "int8":
         ks, vs = (torch.from_numpy(sc.astype(np.float32))
                   for sc in _scales([_amax(x[:, 0], 1), _amax(x[:, 1], -1)], 127.0))

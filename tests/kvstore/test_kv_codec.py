@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore import kv_codec
-from kvstore.codec import CODECS, CorruptChunkError, _FIXED, _TRAILER, checksum, pack_value, \
-    unpack_header, unpack_value
+from kvstore import kv_codec, kv_grouped
+from kvstore.codec import CODECS, HEADER_BYTES_MAX, CorruptChunkError, _FIXED, _TRAILER, \
+    checksum, pack_value, unpack_header, unpack_value
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
 
@@ -34,8 +34,10 @@ def assert_within_bound(kv, codec):
     out = kv_codec.decode(kv_codec.encode(kv, codec), codec, kv.dtype, tuple(kv.shape))
     assert out.dtype == kv.dtype and tuple(out.shape) == tuple(kv.shape)
     err = (kv.float() - out.float()).abs()
-    # the stated bound, plus the rounding of x̂ to the chunk's dtype (half an ulp of x̂)
-    bound = kv_codec.error_bound(kv, codec) + out.float().abs() * ULP[kv.dtype] + 1e-12
+    # the stated bound, plus the rounding of x̂ to the chunk's dtype (half an ulp of x̂; for a
+    # subnormal x̂, half the subnormal spacing)
+    half_ulp = torch.clamp(out.float().abs(), min=torch.finfo(kv.dtype).tiny) * ULP[kv.dtype]
+    bound = kv_codec.error_bound(kv, codec) + half_ulp + 1e-12
     assert bool((err <= bound).all()), float((err - bound).max())
     return out, err
 
@@ -133,7 +135,7 @@ def test_stored_value_records_the_codec_and_the_checksum_of_the_decoded_bytes(co
     value = pack_value(KEY, None, _raw(kv), "float16", SHAPE, codec)
     h, raw = unpack_value(value, KEY)
     want = kv_codec.decode(kv_codec.encode(kv, codec), codec, torch.float16, SHAPE)
-    assert h.codec == codec and CODECS.index(codec) == {"int8": 3, "fp8": 4}[codec]
+    assert h.codec == codec and CODECS.index(codec) == {"int8": 3, "fp8": 4, "kivi": 5}[codec]
     assert h.raw_nbytes == kv.numel() * 2 and h.checksum == checksum(_raw(want))
     assert np.array_equal(raw, _raw(want))
     assert len(value) == h.payload_offset + kv_codec.payload_nbytes(codec, SHAPE) + _TRAILER.size
@@ -160,7 +162,8 @@ def _with_codec(value: bytes, codec: str) -> bytes:
 def test_a_header_that_lies_about_its_codec_is_a_miss():
     kv = random_kv(torch.float16)
     for stored, claimed in (("raw", "int8"), ("raw", "fp8"), ("int8", "fp8"), ("fp8", "int8"),
-                            ("int8", "raw")):
+                            ("int8", "raw"), ("raw", "kivi"), ("kivi", "int8"), ("int8", "kivi"),
+                            ("kivi", "fp8"), ("kivi", "raw")):
         value = _with_codec(pack_value(KEY, None, _raw(kv), "float16", SHAPE, stored), claimed)
         assert unpack_header(value).codec == claimed
         with pytest.raises(CorruptChunkError):
@@ -185,3 +188,99 @@ def test_namespace_lossy_codec_is_in_the_digest_only_when_set():
     assert "lossy_codec=int8" in lossy.describe()
     with pytest.raises(ValueError, match="unknown lossy_codec"):
         Namespace("m", lay, lossy_codec="int4")
+
+
+# --- kivi: grouped asymmetric codes at fewer than 8 bits (kvstore.kv_grouped) -----------------
+
+P = kv_grouped.PartParams
+
+
+def test_pack_bits_puts_code_i_at_bit_bits_times_i_little_endian():
+    codes = np.array([1, 2, 3, 4, 5, 6, 7, 0, 5], dtype=np.uint8)
+    packed = kv_grouped.pack_bits(codes, 3)
+    # 8 codes in 3 bytes, then the 9th zero-padded to 8 codes: 2 groups of 3 bytes
+    word = sum(int(c) << (3 * i) for i, c in enumerate(codes[:8]))  # 0o07654321
+    assert packed.tolist() == list(word.to_bytes(3, "little")) + [5, 0, 0]
+    rng = np.random.default_rng(0)
+    for bits in range(1, 9):
+        for n in (1, 8, 13, 1000):
+            c = rng.integers(0, 2 ** bits, n, dtype=np.uint8)
+            p = kv_grouped.pack_bits(c, bits)
+            assert p.size == -(-n // 8) * bits
+            assert np.array_equal(kv_grouped.unpack_bits(p, bits, n), c)
+
+
+def test_exact_payload_of_a_small_kivi_chunk():
+    kv = np.zeros((1, 2, 2, 1, 2), dtype=np.float32)     # [L, k/v, T, H, D]
+    kv[0, 0, :, 0, 0] = [1.0, -0.5]                      # K channel 0 over 2 tokens
+    kv[0, 1, 0, 0, :] = [2.5, -1.0]                      # V token 0 over 2 channels
+    kv[0, 1, 1, 0, :] = [0.25, 0.75]                     # V token 1
+    params = kv_grouped.GroupParams(P(2, 2, "tokens"), P(3, 2, "channels"))
+    payload = kv_grouped.encode(kv, params)
+    assert payload.size == kv_grouped.nbytes(params, kv.shape) == (4 + 2 + 4) * 2 + 2 + 3 + 7
+    # K per channel [L, 1, H, D]: mins (fp16) -0.5 and 0; needed steps 1.5 / 3 = 0.5 and 0:
+    # base 0.5 (fp32), step codes 0 (0.5 * 2**0) and 255 (the smallest step, for a zero range)
+    assert payload[:4].view(np.float16).tolist() == [-0.5, 0.0]
+    assert payload[4:6].tolist() == [0, 255] and payload[6:10].view("<f4").tolist() == [0.5]
+    # V per token [L, T, H, 1]: mins -1 and 0.25; needed steps 3.5 / 7 = 0.5 and 0.5 / 7 =
+    # 0.0714: base 0.5, codes 0 and floor(-16 * log2(0.0714 / 0.5)) = 44 (step 0.0743 >= 0.0714)
+    assert payload[10:14].view(np.float16).tolist() == [-1.0, 0.25]
+    assert payload[14:16].tolist() == [0, 44] and payload[16:20].view("<f4").tolist() == [0.5]
+    step = float(kv_grouped.step_table(0.5)[44])
+    assert step == pytest.approx(0.5 * 2 ** (-44 / 16)) and step >= 0.5 / 7
+    # K codes [T, D] = [[3, 0], [0, 0]] at 2 bits; V codes [[7, 0], [0, 7]] at 3 bits
+    # (0.5 / 0.0743 = 6.73 -> 7)
+    assert payload[20:22].tolist() == [3, 0]
+    assert payload[22:25].tolist() == list((7 | 7 << 9).to_bytes(3, "little"))
+    assert payload[25:].tolist() == [2, 2, 0, 3, 2, 1, 0]  # params (mode 1: along channels)
+    out = np.empty_like(kv)
+    kv_grouped.decode(payload, kv.shape, out)
+    assert out[0, 0].ravel().tolist() == [1.0, 0.0, -0.5, 0.0]
+    assert out[0, 1, 0].ravel().tolist() == [2.5, -1.0]
+    assert out[0, 1, 1].ravel().tolist() == [0.25, np.float32(0.25) + np.float32(7 * step)]
+
+
+def test_kivi_bytes_are_under_half_of_fp16_with_scales_and_header():
+    n64 = 30 * 2 * 64 * 3 * 64                            # SmolLM2-135M, chunk_size 64
+    shape = (30, 2, 64, 3, 64)
+    # K 8 bits + a step code per channel and 64 tokens (symmetric: no minimum); V 7 bits + an
+    # fp16 minimum and a step code per token over 64 channels; an fp32 base step each; 7 bytes
+    # of parameters
+    assert kv_codec.payload_nbytes("kivi", shape) == (
+        n64 // 2 * (8 + 7) // 8 + 1 * (30 * 3 * 64) + (2 + 1) * (30 * 64 * 3) + 4 * 2 + 7)
+    assert (kv_codec.payload_nbytes("kivi", shape) + HEADER_BYTES_MAX) / (2 * n64) < 0.485
+    big = (30, 2, 256, 3, 64)
+    assert kv_codec.payload_nbytes("kivi", big) / (2 * n64 * 4) < 0.485
+
+
+def test_kivi_odd_shapes_and_other_parameters_round_trip_within_the_bound():
+    kv = random_kv(shape=(3, 2, 50, 2, 37)) * 3           # groups that do not divide T or D
+    x = kv.numpy()
+    for params in (kv_codec.KIVI_PARAMS, kv_grouped.GroupParams(P(7, 10, "tokens"), P(5, 24, "channels")),
+                   kv_grouped.GroupParams(P(1, 5, "channels"), P(3, 7, "tokens")),
+                   kv_grouped.GroupParams(P(8, 64, "tokens", True), P(2, 9, "channels", True))):
+        payload = kv_grouped.encode(x, params)
+        out = np.empty_like(x)
+        kv_grouped.decode(payload, x.shape, out)
+        err = np.abs(out - x)
+        assert (err <= kv_grouped.steps(x, params) / 2 * (1 + 2 ** -12) + np.abs(out) * 2 ** -24).all()
+        assert err.max() > 0
+
+
+def test_kivi_payloads_record_their_parameters(monkeypatch):
+    """A payload written with other parameters (an older setting) still decodes."""
+    kv = outlier_kv()
+    old = kv_grouped.GroupParams(P(8, 16, "tokens"), P(8, 16, "channels"))
+    monkeypatch.setattr(kv_codec, "KIVI_PARAMS", old)
+    payload = kv_codec.encode(kv, "kivi")
+    bound = kv_codec.error_bound(kv, "kivi")
+    monkeypatch.undo()
+    assert kv_codec.KIVI_PARAMS != old
+    out = kv_codec.decode(payload, "kivi", torch.float32, SHAPE)
+    assert bool(((out - kv).abs() <= bound + out.abs() * 2 ** -24).all())
+    bad = payload.copy()
+    bad[-4] = 9                                           # v_bits 9: not a parameter block
+    with pytest.raises(ValueError, match="parameter block"):
+        kv_codec.decode(bad, "kivi", torch.float32, SHAPE)
+    with pytest.raises(ValueError, match="needs"):
+        kv_codec.decode(payload[1:], "kivi", torch.float32, SHAPE)

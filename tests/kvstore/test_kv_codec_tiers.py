@@ -148,3 +148,37 @@ def test_int8_remote_tier_writes_lossily_only_for_the_accepting_namespace(redis_
         assert all(bits_equal(g, w) for g, w in zip(got, kvs))
         got = b.get_chunks(INT8, INT8.chunk_keys(TOKENS))
         assert all(bits_equal(g, decoded(w, "int8")) for g, w in zip(got, kvs))
+
+
+def test_kivi_disk_tier_beside_int8_chunks_of_a_previous_run(tmp_path):
+    """A disk tier changed from int8 to kivi between restarts: the int8 chunks read as written,
+    the kivi namespace's new chunks are written kivi (within its bound, fewer bytes), the other
+    namespaces' exactly."""
+    kivi = Namespace("codec-test", LAY, lossy_codec="kivi")
+    first, second = chunks(seed=6), chunks(seed=7)
+    more = list(range(700, 700 + 3 * 8))
+    with disk_store(tmp_path, "int8") as store:
+        assert store.put_chunks(INT8, INT8.chunk_keys(TOKENS), first) == 3
+        assert store.flush(10.0)
+    cfg = StoreConfig(cpu_bytes=0, page_bytes=CB, disk_bytes=64 * CB,
+                      disk_path=str(tmp_path / "db"), disk_codec="kivi")
+    with ChunkStore(cfg, [EXACT, INT8, kivi]) as store:
+        for ns in (EXACT, INT8, kivi):
+            assert store.put_chunks(ns, ns.chunk_keys(more), second) == 3
+        assert disk_codecs(store, INT8.chunk_keys(TOKENS)) == ["int8"] * 3
+        assert disk_codecs(store, kivi.chunk_keys(more)) == ["kivi"] * 3
+        assert disk_codecs(store, INT8.chunk_keys(more)) == ["raw"] * 3
+        assert disk_codecs(store, EXACT.chunk_keys(more)) == ["raw"] * 3
+        got = store.get_chunks(INT8, INT8.chunk_keys(TOKENS))
+        assert all(bits_equal(g, decoded(w, "int8")) for g, w in zip(got, first))
+        got = store.get_chunks(kivi, kivi.chunk_keys(more))
+        assert all(bits_equal(g, decoded(w, "kivi")) for g, w in zip(got, second))
+        for g, w in zip(got, second):
+            bound = kv_codec.error_bound(w, "kivi") + g.float().abs() * 2 ** -11
+            assert bool(((g.float() - w.float()).abs() <= bound).all())
+        got = store.get_chunks(EXACT, EXACT.chunk_keys(more))
+        assert all(bits_equal(g, w) for g, w in zip(got, second))
+        n = kv_codec.payload_nbytes("kivi", LAY.shape())
+        for k in kivi.chunk_keys(more):
+            assert n < store.tiers[-1].nbytes_of(k) <= n + HEADER_BYTES_MAX
+        store.check_integrity()

@@ -1,0 +1,313 @@
+"""Grouped asymmetric KV quantization at 1-8 bits per value (the ``kivi`` codec of
+``kvstore.kv_codec``), vectorized numpy: no per-element Python.
+
+A chunk ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` (fp32 here; K at index 0 of
+dim 1, V at 1) is cut, for K and for V separately, into groups along tokens (one range per
+channel over ``group`` tokens: KIVI's choice for keys, whose outlier channels would set a
+per-token range) or along channels (one range per token over ``group`` channels). An
+asymmetric group stores its minimum ``m`` (rounded *down* to the scale dtype) and a step ``s =
+(max - m) / (2**bits - 1)`` (rounded *up*), and each value the code ``q = rint((x - m) / s)``
+in ``[0, 2**bits - 1]``; decoded ``m + q * s``. A symmetric group stores only ``s = amax /
+c`` (``c = 2**(bits-1) - 1``, rounded up) and the code ``q = rint(x / s) + c`` in ``[0, 2c]``;
+decoded ``(q - c) * s``. Codes are packed at ``bits`` bits (8 codes in ``bits`` bytes,
+little-endian). The last group of a chunk (or of ``head_dim``) may be shorter.
+
+Error bound per element: ``|x - x̂| <= s / 2 * (1 + 2**-12)`` (``s`` the stored step of its
+group; the factor covers the fp32 arithmetic of encoding), plus the fp32 rounding of ``m + q *
+s`` (half an ulp of x̂) and the rounding of x̂ to the chunk's dtype.
+
+Payload (little-endian)::
+
+    K mins | K steps | V mins | V steps | K codes | V codes
+    | k_bits k_group k_mode v_bits v_group v_mode u8 | scale dtype code u8 (0 = fp16, 1 = fp32)
+
+(mode: bit 0 = along channels, bit 1 = symmetric: no mins). Mins and steps of a part grouped along tokens are ``[num_layers, ceil(chunk_size / group),
+num_kv_heads, head_dim]``, along channels ``[num_layers, chunk_size, num_kv_heads,
+ceil(head_dim / group)]``; codes ``[num_layers, chunk_size, num_kv_heads, head_dim]`` each,
+packed. The parameters travel in the payload: a reader needs only the payload and the shape.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+_SCALE_DTYPES = (np.float16, np.float32)
+_FP16_MAX = 65504.0
+_ALONG = ("tokens", "channels")
+_PER_OCTAVE = 16  # step codes per octave: a step at most 2**(1/16) = 4.4% above the need
+_TAIL = 7  # k_bits, k_group, k_mode, v_bits, v_group, v_mode, scale dtype code
+
+
+@dataclass(frozen=True)
+class PartParams:
+    """How K or V is quantized: ``bits`` per code (1-8; 2-8 when ``symmetric``), ``group``
+    length (1-255) along ``along`` (``tokens``: a range per channel; ``channels``: a range
+    per token), ``symmetric`` (a step per group, no minimum)."""
+
+    bits: int
+    group: int
+    along: str
+    symmetric: bool = False
+
+    def __post_init__(self):
+        if not 1 + self.symmetric <= self.bits <= 8 or not 1 <= self.group <= 255 \
+                or self.along not in _ALONG:
+            raise ValueError(f"bits 1-8 (2-8 symmetric), group 1-255, along one of {_ALONG}; "
+                             f"got {self}")
+
+    @property
+    def mode(self) -> int:
+        """The mode byte of the payload."""
+        return _ALONG.index(self.along) | self.symmetric << 1
+
+
+    def num_groups(self, shape: tuple[int, ...]) -> int:
+        """Groups (= mins = steps) of this part for a chunk of ``shape``."""
+        L, _, T, H, D = shape
+        if self.along == "tokens":
+            return L * -(-T // self.group) * H * D
+        return L * T * H * -(-D // self.group)
+
+
+@dataclass(frozen=True)
+class GroupParams:
+    """The parameters of K's and V's quantization."""
+
+    k: PartParams
+    v: PartParams
+
+
+def pack_bits(codes: np.ndarray, bits: int) -> np.ndarray:
+    """``codes`` (uint8, each < 2**bits) packed at ``bits`` bits, little-endian: 8 codes in
+    ``bits`` bytes (the last 8 zero-padded). A new 1-D uint8 array of ``ceil(n / 8) * bits``
+    (uint8 column operations: code i of 8 lands in bytes ``bits * i // 8`` and maybe the next)."""
+    flat = codes.reshape(-1)
+    n8 = -(-flat.size // 8)
+    if bits == 8:
+        out = np.zeros(n8 * 8, dtype=np.uint8)
+        out[:flat.size] = flat
+        return out
+    if flat.size == n8 * 8:
+        c = flat.reshape(n8, 8)
+    else:
+        c = np.zeros((n8, 8), dtype=np.uint8)
+        c.reshape(-1)[:flat.size] = flat
+    out = np.zeros((n8, bits), dtype=np.uint8)
+    for i in range(8):
+        k, o = divmod(bits * i, 8)
+        out[:, k] |= c[:, i] << o                             # uint8: high bits drop off
+        if o + bits > 8:
+            out[:, k + 1] |= c[:, i] >> (8 - o)
+    return out.reshape(-1)
+
+
+def unpack_bits(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
+    """The ``n`` codes (a new uint8 array) of ``pack_bits``."""
+    if bits == 8:
+        return np.array(packed[:n], dtype=np.uint8)
+    n8 = -(-n // 8)
+    p = packed.reshape(n8, bits)
+    c = np.empty((n8, 8), dtype=np.uint8)
+    mask = np.uint8((1 << bits) - 1)
+    for i in range(8):
+        k, o = divmod(bits * i, 8)
+        col = c[:, i]
+        np.right_shift(p[:, k], o, out=col)
+        if o + bits > 8:
+            col |= p[:, k + 1] << (8 - o)
+        col &= mask
+    return c.reshape(-1)[:n]
+
+
+def nbytes(params: GroupParams, shape: tuple[int, ...], scale_itemsize: int = 2) -> int:
+    """Payload bytes for a chunk of ``shape`` (5-D, 2 at dim 1)."""
+    L, _, T, H, D = shape
+    n8 = -(-(L * T * H * D) // 8)
+    n = 0
+    for p in (params.k, params.v):   # (mins,) step codes, base
+        n += p.num_groups(shape) * ((not p.symmetric) * scale_itemsize + 1) + 4
+    return n + n8 * (params.k.bits + params.v.bits) + _TAIL
+
+
+def _grouped(x: np.ndarray, part: PartParams) -> tuple[np.ndarray, int]:
+    """``x`` (``[L, T, H, D]``) with the grouped axis split in ``[groups, group]`` (a view;
+    a copy padded with the axis' last values when the group does not divide it), and the axis
+    of the members."""
+    L, T, H, D = x.shape
+    axis = 1 if part.along == "tokens" else 3
+    n = x.shape[axis]
+    g = -(-n // part.group)
+    if g * part.group != n:
+        pad = [(0, 0)] * 4
+        pad[axis] = (0, g * part.group - n)
+        x = np.pad(x, pad, mode="edge")
+    if axis == 1:
+        return x.reshape(L, g, part.group, H, D), 2
+    return x.reshape(L, T, H, g, part.group), 4
+
+
+def _ungrouped(xg: np.ndarray, part: PartParams, shape: tuple[int, ...]) -> np.ndarray:
+    """Inverse of ``_grouped``: ``[L, T, H, D]`` of ``shape`` (padding dropped)."""
+    L, T, H, D = shape
+    if part.along == "tokens":
+        return xg.reshape(L, -1, H, D)[:, :T]
+    return xg.reshape(L, T, H, -1)[..., :D]
+
+
+def _round(a: np.ndarray, dtype, up: bool) -> np.ndarray:
+    """``a`` (fp32) in ``dtype``, rounded up (or down) so the stored value bounds ``a``."""
+    r = a.astype(dtype)
+    wrong = r.astype(np.float32) < a if up else r.astype(np.float32) > a
+    r[wrong] = np.nextafter(r[wrong], dtype(np.inf if up else -np.inf))
+    return r
+
+
+def step_table(base: float) -> np.ndarray:
+    """fp32 step of each step code: ``base * 2**(-code / 16)``, codes 0-255."""
+    return (np.float64(base) * 2.0 ** (-np.arange(256) / _PER_OCTAVE)).astype(np.float32)
+
+
+def _step_codes(need: np.ndarray) -> tuple[np.ndarray, np.float32]:
+    """(codes, base) whose steps ``step_table(base)[codes]`` are each >= ``need`` (fp32 >= 0):
+    base = the largest need; a need below base * 2**-16 gets that step."""
+    base = np.float32(need.max()) if need.size else np.float32(0)
+    if base == 0:
+        return np.zeros(need.shape, np.uint8), base
+    table = step_table(base)
+    with np.errstate(divide="ignore"):
+        e = np.floor(-_PER_OCTAVE * np.log2(need / base))
+    codes = np.clip(e, 0, 255).astype(np.uint8)
+    while True:
+        low = table[codes] < need                             # log2's rounding: one code less
+        if not low.any():
+            return codes, base
+        codes[low] -= 1
+
+
+def _ranges(x: np.ndarray, part: PartParams, sdt):
+    """(grouped x, stored mins or None when symmetric, step codes, base, steps, member axis);
+    mins, codes and steps keep the member axis (length 1)."""
+    xg, axis = _grouped(x, part)
+    mn = xg.min(axis=axis, keepdims=True)
+    mx = xg.max(axis=axis, keepdims=True)
+    if not (np.isfinite(mn).all() and np.isfinite(mx).all()):
+        raise ValueError("KV has non-finite values; a lossy codec cannot encode it")
+    if part.symmetric:
+        m, need = None, np.maximum(-mn, mx) / np.float32(2 ** (part.bits - 1) - 1)
+    else:
+        m = _round(mn, sdt, up=False)
+        need = (mx - m.astype(np.float32)) / np.float32(2 ** part.bits - 1)
+    codes, base = _step_codes(need)
+    return xg, m, codes, base, step_table(base)[codes], axis
+
+
+def _quantize(x: np.ndarray, part: PartParams, sdt):
+    """(stored group arrays, codes ``[L, T, H, D]`` uint8) of one part ``x`` (fp32 ``[L, T,
+    H, D]``)."""
+    xg, m, scodes, base, s32, _ = _ranges(x, part, sdt)
+    inv = np.zeros_like(s32)
+    np.divide(1.0, s32, out=inv, where=s32 != 0)
+    if part.symmetric:                                       # x / s in [-c, c], then + c
+        t = np.multiply(xg, inv, dtype=np.float32)
+        np.rint(t, out=t)
+        t += 2 ** (part.bits - 1) - 1
+        np.clip(t, 0, 2 ** part.bits - 2, out=t)
+        stored = [scodes, np.array([base], "<f4")]
+    else:                                                    # (x - m) / s in [0, 2**bits - 1]
+        t = np.subtract(xg, m.astype(np.float32), dtype=np.float32)
+        t *= inv
+        np.rint(t, out=t)
+        np.minimum(t, 2 ** part.bits - 1, out=t)             # x >= m, so t >= 0
+        stored = [m, scodes, np.array([base], "<f4")]
+    return stored, _ungrouped(t.astype(np.uint8), part, x.shape)
+
+
+def scale_dtype(x: np.ndarray):
+    """fp16 unless a group's min or step could not fit it (then fp32 for the whole chunk)."""
+    big = max(-float(x.min()), float(x.max())) if x.size else 0.0
+    return np.float16 if big <= _FP16_MAX / 2 * (1 - 2 ** -10) else np.float32
+
+
+def encode(x: np.ndarray, params: GroupParams) -> np.ndarray:
+    """Payload (a new uint8 array) of ``x`` (fp32 ``[L, 2, T, H, D]``).
+
+    Raises:
+        ValueError: a non-finite value.
+    """
+    sdt = scale_dtype(x)                                     # (a NaN: fp32, then refused)
+    kg, kq = _quantize(x[:, 0], params.k, sdt)
+    vg, vq = _quantize(x[:, 1], params.v, sdt)
+    tail = np.array([params.k.bits, params.k.group, params.k.mode,
+                     params.v.bits, params.v.group, params.v.mode,
+                     _SCALE_DTYPES.index(sdt)], dtype=np.uint8)
+    parts = [a.reshape(-1).view(np.uint8) for a in kg + vg]
+    parts += [pack_bits(kq, params.k.bits), pack_bits(vq, params.v.bits), tail]
+    return np.concatenate(parts)
+
+
+def read_params(payload: np.ndarray) -> tuple[GroupParams, np.dtype]:
+    """The parameters and scale dtype a payload records.
+
+    Raises:
+        ValueError: a payload too short or with invalid parameters.
+    """
+    if payload.size < _TAIL or payload[-1] >= len(_SCALE_DTYPES) \
+            or max(payload[-5], payload[-2]) > 3:
+        raise ValueError("kivi payload has no valid parameter block")
+    kb, kg, km, vb, vg, vm = (int(v) for v in payload[-_TAIL:-1])
+    try:
+        params = GroupParams(PartParams(kb, kg, _ALONG[km & 1], bool(km & 2)),
+                             PartParams(vb, vg, _ALONG[vm & 1], bool(vm & 2)))
+    except ValueError as e:
+        raise ValueError(f"kivi payload has no valid parameter block: {e}") from None
+    return params, np.dtype(_SCALE_DTYPES[payload[-1]])
+
+
+def decode(payload: np.ndarray, shape: tuple[int, ...], out: np.ndarray) -> None:
+    """Decode ``payload`` (uint8) into ``out`` (fp32 ``shape``, written).
+
+    Raises:
+        ValueError: invalid parameters or a payload size other than ``nbytes``'s.
+    """
+    params, sdt = read_params(payload)
+    want = nbytes(params, shape, sdt.itemsize)
+    if payload.size != want:
+        raise ValueError(f"kivi payload of {payload.size} bytes, shape {list(shape)} needs {want}")
+    L, _, T, H, D = shape
+    n, pos, ranges = L * T * H * D, 0, []
+    for part in (params.k, params.v):
+        g = part.num_groups(shape)
+        arrays = []
+        if not part.symmetric:                               # mins
+            arrays.append(payload[pos:pos + g * sdt.itemsize].view(sdt).astype(np.float32))
+            pos += g * sdt.itemsize
+        codes = payload[pos:pos + g]
+        base = payload[pos + g:pos + g + 4].view("<f4")[0]
+        arrays.append(step_table(base)[codes])                # steps
+        pos += g + 4
+        ranges.append(arrays)
+    for i, part in enumerate((params.k, params.v)):
+        nb = -(-n // 8) * part.bits
+        q = unpack_bits(payload[pos:pos + nb], part.bits, n).reshape(L, T, H, D)
+        pos += nb
+        qg, axis = _grouped(q, part)
+        m_s = [r.reshape(qg.shape[:axis] + (1,) + qg.shape[axis + 1:]) for r in ranges[i]]
+        if part.symmetric:
+            xg = np.subtract(qg, 2 ** (part.bits - 1) - 1, dtype=np.float32)
+            xg *= m_s[0]
+        else:
+            xg = np.multiply(qg, m_s[1], dtype=np.float32)
+            xg += m_s[0]
+        out[:, i] = _ungrouped(xg, part, (L, T, H, D))
+
+
+def steps(x: np.ndarray, params: GroupParams) -> np.ndarray:
+    """The stored step ``s`` of each element's group (fp32, the shape of ``x``)."""
+    sdt = scale_dtype(x)
+    out = np.empty_like(x, dtype=np.float32)
+    for i, part in enumerate((params.k, params.v)):
+        xg, _, _, _, s, _ = _ranges(x[:, i], part, sdt)
+        full = np.broadcast_to(s, xg.shape)
+        out[:, i] = _ungrouped(np.ascontiguousarray(full), part, x.shape[:1] + x.shape[2:])
+    return out
