@@ -91,6 +91,15 @@ class RoundRobinPolicy:
         """For requests the router cannot score (a body it cannot parse)."""
         return self.choose(candidates)
 
+    def hit_winners(self, candidates: list[Candidate], num_prompt_tokens: int
+                    ) -> list[Candidate]:
+        """None: this policy never picks by hits."""
+        return []
+
+    def wins_on_hits(self, candidates: list[Candidate], num_prompt_tokens: int) -> bool:
+        """False: this policy never picks by hits."""
+        return False
+
 
 class CacheAwarePolicy:
     """Most prompt tokens cached among engines within ``max_load_gap`` requests of the least
@@ -127,10 +136,20 @@ class CacheAwarePolicy:
             return eligible, best
         return None
 
+    def hit_winners(self, candidates: list[Candidate], num_prompt_tokens: int
+                    ) -> list[Candidate]:
+        """The candidates ``choose`` would pick among by hits (reason ``hit``: the most hit
+        tokens among the eligible), or ``[]`` when it would pick by load; changes nothing."""
+        found = self._eligible_best(candidates, num_prompt_tokens) if candidates else None
+        if found is None:
+            return []
+        eligible, best = found
+        return [c for c in eligible if c.hit_tokens == best]
+
     def wins_on_hits(self, candidates: list[Candidate], num_prompt_tokens: int) -> bool:
         """Whether ``choose`` would pick by hits (reason ``hit``); changes nothing. False for
         an empty list."""
-        return bool(candidates) and self._eligible_best(candidates, num_prompt_tokens) is not None
+        return bool(self.hit_winners(candidates, num_prompt_tokens))
 
     def choose(self, candidates: list[Candidate], num_prompt_tokens: int = 0) -> Decision:
         """The engine for a prompt of ``num_prompt_tokens`` tokens. Raises ValueError on an

@@ -30,7 +30,6 @@ engine is healthy (503 otherwise); ``GET /metrics`` is ``engine_min.router.metri
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
@@ -42,7 +41,7 @@ from engine_min.router.metrics import RouterMetrics
 from engine_min.router.policy import RETRY, Candidate, Decision
 from engine_min.router.prompt import (PreparedPrompt, PromptEncoder, prepare_source,
                                       prompt_source)
-from engine_min.router.store_lookup import StoreLookup, discount_store_hits
+from engine_min.router.store_lookup import StoreLookup, choose_with_store, store_can_change_pick
 from engine_min.router.subscriber import Engine, EngineSubscriber
 from engine_min.serve import protocol as proto
 from engine_min.serve.errors import error_response, openai_error_middleware
@@ -196,20 +195,17 @@ class Router:
             ns = self.engines[c.position].store_namespace
             if ns is not None and ns.ns_id in store_hits:
                 by_pos[c.position] = min(store_hits[ns.ns_id], n)
-        scored, remainder = discount_store_hits(cands, by_pos, n)
-        d = self.policy.choose(scored, remainder)
-        local = next(c.hit_tokens for c in cands if c.position == d.position)
-        return dataclasses.replace(d, hit_tokens=local)
+        return choose_with_store(self.policy, cands, by_pos, n)
 
     def _store_can_matter(self, prompt: PreparedPrompt) -> bool:
         """False when the store's hits cannot change the decision: every healthy engine saves
-        to one namespace and none wins on its own hits (``engine_min.router.store_lookup``)."""
+        to one namespace and ``store_can_change_pick`` says no (``engine_min.router.store_lookup``)."""
         cands = self._candidates(prompt, set())
         spaces = {None if (ns := self.engines[c.position].store_namespace) is None else ns.ns_id
                   for c in cands}
         if len(spaces) != 1 or None in spaces or prompt.token_ids is None:
             return True
-        return self.policy.wins_on_hits(cands, len(prompt.token_ids))
+        return store_can_change_pick(self.policy, cands, len(prompt.token_ids))
 
     def _prepare(self, source, keys: list, namespaces: list
                  ) -> tuple[PreparedPrompt, dict[bytes, bytes]]:

@@ -23,14 +23,21 @@ an engine wins on its cache only if it holds more beyond the store than another 
 and at least ``min_hit_fraction`` of the remainder; otherwise (the store holds as much as any
 engine) the least-loaded engine gets the request, and loads the prefix from the store.
 
+When the store holds as much as any engine and the pick falls back to load, the least-loaded
+engine holding the most itself is taken among equally loaded ones (``choose_with_store``).
+
 The lookup is skipped (``result="skipped"``) when every healthy engine saves to one namespace
-and none wins on its own hits without the store: with one store hit ``s`` for all, an engine
-wins on ``max(0, h - s) >= f (n - s)`` only if ``h >= f n + (1 - f) s >= f n``, and equal hits
-stay equal, so the store cannot make an engine win (a new conversation's first round).
+and the store cannot change the pick (``store_can_change_pick``): none wins on its own hits
+without the store (with one store hit ``s`` for all, an engine wins on
+``max(0, h - s) >= f (n - s)`` only if ``h >= f n + (1 - f) s >= f n``, and equal hits stay
+equal, so the store cannot make an engine win: a new conversation's first round), or an engine
+that wins on its hits is also among the least loaded (with the store it still wins, or the
+least-loaded fallback takes it, as it holds the most).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Mapping
@@ -38,7 +45,7 @@ from collections.abc import Iterable, Mapping
 import aiohttp
 
 from engine_min.router.metrics import RouterMetrics
-from engine_min.router.policy import Candidate
+from engine_min.router.policy import LOAD, Candidate, Decision
 
 logger = logging.getLogger("engine_min.router")
 
@@ -65,6 +72,42 @@ def discount_store_hits(candidates: Iterable[Candidate], store_hits: Mapping[int
     scored = [Candidate(c.position, max(0, c.hit_tokens - s), c.load)
               for c, s in zip(cands, hits)]
     return scored, num_prompt_tokens - min(hits, default=0)
+
+
+def choose_with_store(policy, candidates: list[Candidate], store_hits: Mapping[int, int],
+                      num_prompt_tokens: int) -> Decision:
+    """The policy's pick on advantages over the store (``discount_store_hits``). When it
+    falls back to load (the store holds as much as any engine), the least-loaded engine that
+    holds the most itself is taken among equally loaded ones (its prefix needs no store load).
+    ``hit_tokens`` of the decision is the engine's own (local) hit.
+
+    Raises:
+        ValueError: no candidate, or a store hit outside ``[0, num_prompt_tokens]``.
+    """
+    by_pos = {c.position: c for c in candidates}
+    scored, remainder = discount_store_hits(candidates, store_hits, num_prompt_tokens)
+    d = policy.choose(scored, remainder)
+    if d.reason == LOAD:
+        low = by_pos[d.position].load
+        best = max((c for c in candidates if c.load == low),
+                   key=lambda c: (c.hit_tokens, c.position == d.position))
+        if best.hit_tokens > by_pos[d.position].hit_tokens:
+            d = Decision(best.position, LOAD, best.hit_tokens)
+    return dataclasses.replace(d, hit_tokens=by_pos[d.position].hit_tokens)
+
+
+def store_can_change_pick(policy, candidates: list[Candidate], num_prompt_tokens: int) -> bool:
+    """Whether the store's hits could change ``choose_with_store``'s pick when every candidate
+    saves to one namespace (one store hit ``s`` for all): not when no engine wins on its own
+    hits (the module's argument), nor when an engine that wins on hits is among the least
+    loaded: with the store it either still wins (advantages shrink by the same ``s``, so the
+    same engines lead) or the pick falls back to the least loaded, among whom it holds the
+    most. Changes nothing."""
+    winners = policy.hit_winners(candidates, num_prompt_tokens)
+    if not winners:
+        return False
+    low = min(c.load for c in candidates)
+    return all(c.load > low for c in winners)
 
 
 class StoreLookup:

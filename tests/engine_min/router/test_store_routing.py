@@ -134,13 +134,30 @@ def test_a_prompt_the_store_holds_goes_to_the_least_loaded_engine(daemon, store_
         assert metric(delta, "router_store_lookups_total", result="skipped") == 1
         assert metric(delta, "router_store_lookups_total", result="ok") == 0
 
-        # a daemon that does not answer in time: skipped and counted; the request is routed
-        # on the engines' own hits (A holds this prompt, B nothing)
+        # A holds this prompt, B nothing, both idle: A wins on its hits and, being among the
+        # least loaded, would also get it on load if the store held it all: not asked
         q = tok.encode("The gardener counted the roses every morning in June. " * 20)
         q = q[:PROMPT_LEN]
         post_json(a.url, "/v1/completions", {"model": MODEL, "prompt": q, "max_tokens": 1})
         assert a.connector.wait_for_save(30.0)
         settle(srv, store_engines)
+        assert ra.load == rb.load == 0
+        before = metrics(srv.url)
+        status, _, body = request(srv.url, "/v1/completions", json.dumps(
+            {"model": MODEL, "prompt": q, "max_tokens": 1}).encode())
+        assert status == 200, body
+        delta = _delta(before, metrics(srv.url))
+        assert metric(delta, "router_store_lookups_total", result="skipped") == 1
+        assert metric(delta, "router_requests_total", engine=a.url, reason="hit") == 1
+
+        # A busier than B: the store could now move it to B, so it is asked; a daemon that
+        # does not answer in time is skipped and counted, and the request is routed on the
+        # engines' own hits
+        busy = _stream_in_background(a.url, "Write a long poem about the sea.", 60)
+        deadline = time.monotonic() + 30
+        while ra.load < 1:
+            assert time.monotonic() < deadline, "A's load never showed"
+            time.sleep(0.02)
         hole = socket.create_server(("127.0.0.1", 0))   # listens, never answers
         srv.router.store.url = f"http://127.0.0.1:{hole.getsockname()[1]}"
         srv.router.store.timeout_s = 0.05
@@ -154,5 +171,6 @@ def test_a_prompt_the_store_holds_goes_to_the_least_loaded_engine(daemon, store_
         assert metric(delta, "router_requests_total", engine=a.url, reason="hit") == 1
         assert metric(delta, "router_predicted_hit_tokens_total", engine=a.url) == PROMPT_LEN
         assert metric(metrics(srv.url), "router_failed_requests_total") == 0
+        busy.join(120)
     finally:
         srv.stop()

@@ -76,3 +76,40 @@ def test_wins_on_hits_is_choose_without_its_effects():
     tied = _c((0, 0), (0, 0))
     assert [p.choose(tied, 10).position for _ in range(3)] == \
         [fresh.choose(tied, 10).position for _ in range(3)] == [0, 1, 0]
+
+
+def test_with_the_store_a_load_tie_goes_to_the_engine_holding_the_prefix():
+    from engine_min.router.store_lookup import choose_with_store
+    # the store holds all 2000 tokens for both: no advantage; equal loads: engine 1 holds
+    # 1984 itself (no store load), engine 0 nothing: engine 1, whatever the rotation says
+    for _ in range(3):
+        d = choose_with_store(CacheAwarePolicy(), _c((0, 1), (1984, 1)), {0: 2000, 1: 2000},
+                              2000)
+        assert (d.position, d.reason, d.hit_tokens) == (1, "load", 1984)
+    # less loaded beats holding the prefix when the store gives it to every engine
+    d = choose_with_store(CacheAwarePolicy(), _c((0, 0), (1984, 1)), {0: 2000, 1: 2000}, 2000)
+    assert (d.position, d.reason, d.hit_tokens) == (0, "load", 0)
+    # a win on hits beyond the store reports the local hit
+    d = choose_with_store(CacheAwarePolicy(), _c((1984, 3), (1024, 0)), {0: 1792, 1: 1792},
+                          2000)
+    assert (d.position, d.reason, d.hit_tokens) == (0, "hit", 1984)
+
+
+@pytest.mark.parametrize("rows, can", [
+    (((0, 0), (0, 1)), False),          # nobody wins on hits (a new conversation)
+    (((1984, 0), (0, 1)), False),       # the hit winner is the least loaded: same pick
+    (((1984, 1), (0, 1)), False),       # ... also when tied for least loaded
+    (((1984, 2), (0, 1)), True),        # the winner is busier: the store could move it
+])
+def test_the_store_is_asked_only_when_it_could_change_the_pick(rows, can):
+    from engine_min.router.policy import RoundRobinPolicy
+    from engine_min.router.store_lookup import choose_with_store, store_can_change_pick
+    policy = CacheAwarePolicy(max_load_gap=8, min_hit_fraction=0.5)
+    cands = _c(*rows)
+    assert store_can_change_pick(policy, cands, 2000) is can
+    if not can:   # the pick without the store lookup equals the pick with any store hit
+        for s in (0, 1024, 1792, 2000):
+            with_store = choose_with_store(CacheAwarePolicy(), cands, {0: s, 1: s}, 2000)
+            without = choose_with_store(CacheAwarePolicy(), cands, {}, 2000)
+            assert with_store.position == without.position, s
+    assert store_can_change_pick(RoundRobinPolicy(), cands, 2000) is False
