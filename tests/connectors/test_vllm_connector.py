@@ -1,13 +1,14 @@
-"""KVStoreConnector on the real vLLM engine (CPU build), end to end.
+"""KVStoreConnector on the real vLLM engine (CPU build), end to end, in-process: loads, saves,
+fallbacks, the chat's second round, the namespace. Two engines sharing a daemon:
+``test_vllm_daemon.py``; shared fixtures: ``vllm_fixtures.py``.
 
 Skipped unless vLLM imports in the running interpreter; run it in the vLLM environment::
 
     tools/make_vllm_env.sh && .venv-vllm/bin/python -m pytest -q tests/connectors/test_vllm_connector.py
 
-Engine starts: one in-process engine (prefix caching on, in-process store) for the ordered
-tests below, and three fresh engine processes (a no-connector baseline; two engines sharing one
-``kvstore serve`` daemon, prefix caching on then off). The tests of the in-process engine run in
-file order and check counter deltas.
+Engine starts: one in-process engine (prefix caching on, in-process store) for every test
+below, and one fresh engine process (the no-connector baseline). The tests share that engine:
+they run in file order and check counter deltas, so keep them in one file and in order.
 """
 from __future__ import annotations
 
@@ -21,59 +22,12 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 import torch  # noqa: E402
 
-from bench.vllm_engine import MODEL_ID, Daemon, make_document, run_child  # noqa: E402
-from bench.vllm_model import convert  # noqa: E402
+from bench.vllm_engine import MODEL_ID, make_document  # noqa: E402
+from tests.connectors.vllm_fixtures import (  # noqa: E402, F401 - fixtures used by name
+    BLOCK, CHUNK, MAX_TOKENS, ROUND1_TOKENS, Failing, Missing, baseline, chat, hf_kv, model_dir,
+    paged_gather_ref, prompts)
 
 pytestmark = pytest.mark.slow
-CHUNK = 256
-BLOCK = 128   # vLLM CPU backend's default block size (checked below from the engine)
-MAX_TOKENS = 12
-ROUND1_TOKENS = 190   # round 1's answer of the chat test: it fills chunk 4 and one piece
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(convert())
-
-
-@pytest.fixture(scope="module")
-def prompts(model_dir):
-    """P: a ~1250-token document question; Q: P's first 600 tokens + a different tail."""
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    p = tok.encode(make_document(0, 30) + "\nQuestion: how many tons of grain does Elm3 export?"
-                   "\nAnswer:")
-    tail = tok.encode("\nSection 99: the town of Zed has a lighthouse.\nQuestion: what does Zed "
-                      "have?\nAnswer:")
-    q = p[:600] + tail
-    assert 1100 < len(p) < 1280, len(p)   # 4 full chunks
-    return {"P": p, "Q": q}
-
-
-@pytest.fixture(scope="module")
-def chat(model_dir):
-    """A 2-round chat as token lists: U1 (another document's question, 1219..1279 tokens), U2
-    (the next question); round 2's prompt = U1 + round 1's answer + U2."""
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    u1 = tok.encode(make_document(2, 32) + "\nQuestion: how many arches has the bridge of "
-                    "Ash4?\nAnswer:")
-    u2 = tok.encode("\nQuestion: what is the name of the mayor of Ash5?\nAnswer:")
-    assert 1219 <= len(u1) < 1280, len(u1)
-    return {"U1": u1, "U2": u2}
-
-
-@pytest.fixture(scope="module")
-def baseline(model_dir, prompts, chat):
-    """Greedy outputs of vLLM without any connector (fresh process): P, Q, and the chat's
-    two rounds (answers of ROUND1_TOKENS then MAX_TOKENS tokens)."""
-    res = run_child({"model_dir": model_dir, "connector": "none",
-                     "warmup": False, "max_tokens": MAX_TOKENS,
-                     "prompts": [prompts["P"], prompts["Q"]],
-                     "chats": [[chat["U1"], chat["U2"]]],
-                     "chat_max_tokens": [ROUND1_TOKENS, MAX_TOKENS]})
-    return {"P": res["results"][0]["output_ids"], "Q": res["results"][1]["output_ids"],
-            "chat": [r["output_ids"] for r in res["chats"][0]]}
 
 
 @pytest.fixture(scope="module")
@@ -122,17 +76,6 @@ def test_cold_run_saves_full_chunks_and_matches_baseline(engine, prompts, baseli
     assert dw["dropped_saves"] == 0 and dw["save_errors"] == 0
 
 
-def _hf_kv(model_dir: str, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Reference K, V per layer from transformers: ``[num_kv_heads, T, head_dim]`` each."""
-    from transformers import AutoModelForCausalLM
-    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        pkv = m(torch.tensor([tokens]), use_cache=True).past_key_values
-    if hasattr(pkv, "layers"):
-        return [(layer.keys[0], layer.values[0]) for layer in pkv.layers]
-    return [(k[0], v[0]) for k, v in pkv]
-
-
 def test_stored_chunks_equal_reference_kv_token_by_token(engine, prompts, model_dir):
     w = engine["w"]
     p = prompts["P"][:4 * CHUNK + BLOCK]
@@ -144,7 +87,7 @@ def test_stored_chunks_equal_reference_kv_token_by_token(engine, prompts, model_
     assert len(chunks) == 5 and all(c is not None for c in chunks)
     kv = torch.cat(chunks, dim=2)                       # [L, 2, 1152, H, D]
     assert tuple(kv.shape) == (30, 2, 1152, 3, 64) and kv.dtype == torch.float32
-    ref = _hf_kv(model_dir, p)
+    ref = hf_kv(model_dir, p)
     worst = 0.0
     for layer, (k, v) in enumerate(ref):               # k, v: [H, T, D]
         for which, r in ((0, k), (1, v)):
@@ -175,13 +118,7 @@ def test_paged_scatter_gather_round_trip_slot_by_slot(engine):
     run = torch.arange(5 * BLOCK + 17, 5 * BLOCK + 17 + 300)
     scratch.zero_()
     paged.scatter(scratch, paged.plan(run), kv)
-    assert torch.equal(PagedGatherRef.gather(scratch, paged.offsets(run)), kv)
-
-
-class PagedGatherRef:
-    @staticmethod
-    def gather(cache: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        return cache.reshape(-1)[offs]
+    assert torch.equal(paged_gather_ref(scratch, paged.offsets(run)), kv)
 
 
 def test_vllm_prefix_hit_means_no_store_load(engine, prompts, baseline):
@@ -214,25 +151,11 @@ def test_only_tokens_beyond_vllm_hit_are_loaded(engine, prompts, baseline):
     assert dw["loaded_chunks"] == 2 and dw["loaded_tail_chunks"] == 1
 
 
-class _Failing:
-    """Store wrapper whose named methods raise (as a dead daemon or a deadline would)."""
-
-    def __init__(self, inner, fail: set[str]):
-        self.inner, self.fail = inner, fail
-
-    def __getattr__(self, name):
-        if name in self.fail:
-            def boom(*a, **k):
-                raise TimeoutError(f"{name}: injected deadline")
-            return boom
-        return getattr(self.inner, name)
-
-
 def test_store_load_error_falls_back_to_recompute(engine, prompts, baseline):
     assert engine["llm"].reset_prefix_cache()
     w = engine["w"]
     real = w.store
-    w.store = _Failing(real, {"get_chunks"})
+    w.store = Failing(real, {"get_chunks"})
     try:
         out, dw, ds = _gen(engine, prompts["P"])
     finally:
@@ -247,30 +170,13 @@ def test_lookup_deadline_means_prefill(engine, prompts, baseline):
     assert engine["llm"].reset_prefix_cache()
     s = engine["s"]
     real = s.store
-    s.store = _Failing(real, {"exists"})
+    s.store = Failing(real, {"exists"})
     try:
         out, dw, ds = _gen(engine, prompts["P"])
     finally:
         s.store = real
     assert out == baseline["P"]
     assert ds["lookup_errors"] == 1 and ds["external_tokens"] == 0 and dw["loaded_tokens"] == 0
-
-
-class _Missing:
-    """Store wrapper whose ``get_chunks`` answers None for the chunks at ``index`` of each
-    call whose namespace is ``ns`` (evicted between lookup and load)."""
-
-    def __init__(self, inner, ns, index: int):
-        self.inner, self.ns, self.index = inner, ns, index
-
-    def get_chunks(self, ns, keys, *a, **k):
-        got = self.inner.get_chunks(ns, keys, *a, **k)
-        if ns == self.ns and len(got) > self.index:
-            got[self.index] = None
-        return got
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
 
 
 @pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
@@ -281,7 +187,7 @@ def test_a_chunk_missing_at_load_time_is_recomputed_from_there(engine, prompts, 
     assert engine["llm"].reset_prefix_cache()
     w = engine["w"]
     real, default, w.worker.layerwise = w.store, w.worker.layerwise, layerwise
-    w.store = _Missing(real, w.namespaces.base, 2)
+    w.store = Missing(real, w.namespaces.base, 2)
     try:
         out, dw, ds = _gen(engine, prompts["P"])
     finally:
@@ -374,21 +280,6 @@ def test_a_save_left_at_request_end_keeps_the_blocks_until_copied_out(engine, mo
     assert engine["llm"].reset_prefix_cache()
 
 
-def test_two_engine_processes_share_prefix_through_daemon(model_dir, prompts, baseline):
-    with Daemon("512MiB") as d:
-        common = {"model_dir": model_dir, "connector": "ours-daemon", "url": d.url,
-                  "max_tokens": MAX_TOKENS, "prompts": [prompts["P"]], "warmup": False}
-        a = run_child({**common, "prefix_caching": True})
-        b = run_child({**common, "prefix_caching": False})
-    ra, rb = a["results"][0], b["results"][0]
-    assert ra["output_ids"] == baseline["P"] and rb["output_ids"] == baseline["P"]
-    wa, wb = a["connector"]["worker"], b["connector"]["worker"]
-    assert wa["saved_chunks"] == 4 and wa["saved_tail_chunks"] == 1 and wa["loaded_tokens"] == 0
-    assert wb["loaded_tokens"] == 4 * CHUNK + BLOCK and wb["load_errors"] == 0
-    assert wb["saved_chunks"] == 0 and wb["remote"] is True
-    assert rb["ttft_s"] < ra["ttft_s"], (rb["ttft_s"], ra["ttft_s"])
-
-
 def test_namespace_names_what_vllm_loaded(engine, prompts, model_dir):
     """Scheduler and worker build one namespace from vLLM's config: the model id, the content
     fingerprint of the folder vLLM loaded, its dtype and RoPE, and the KV layout; keys follow
@@ -404,6 +295,7 @@ def test_namespace_names_what_vllm_loaded(engine, prompts, model_dir):
     assert ns.weights_fingerprint == weights_fingerprint(model_dir) != ""
     assert (ns.compute_dtype, ns.quantization, ns.kv_quantization, ns.adapter) == \
         ("float32", "", "", "")
-    assert json.loads(ns.rope)["rope_theta"] == 100000.0
+    # RoPE in kvstore.keys.rope_identity's form, the one engine_min's connector writes too
+    assert json.loads(ns.rope) == {"theta": 100000.0, "scaling": None}
     bare = Namespace(MODEL_ID, ns.layout)
     assert set(ns.chunk_keys(prompts["P"])).isdisjoint(bare.chunk_keys(prompts["P"]))
