@@ -1,11 +1,11 @@
 """Lossy KV codecs on the real model: ``python -m bench.codec [--quick] [--json FILE]``.
 
 Prompts: the long-document and multi-round workloads (``bench.workloads``; 20 prompts, or 3
-with ``--quick``), on engine_min with the embedded SmolLM2-135M-Instruct, its prefix cache off
+with ``--quick``; ``--seed`` draws another set), on engine_min with the embedded SmolLM2-135M-Instruct, its prefix cache off
 (reuse comes from the store only). Per prompt, greedy, ``--max-tokens`` (32) generated tokens:
 
 * ``recompute``: no connector (full prefill);
-* per codec (``raw``, ``int8``, ``fp8``): a store with a disk tier only, configured with that
+* per codec (``raw``, ``int8``, ``fp8``, ``kivi``): a store with a disk tier only, configured with that
   codec, and a connector whose namespace accepts it (``lossy_codec``; none for ``raw``), full
   chunks only (no tail pieces: the prompt's last partial chunk is prefilled). The raw run
   saves each prompt's chunks with a first request; a lossy codec's store gets the same
@@ -21,7 +21,8 @@ with ``--quick``), on engine_min with the embedded SmolLM2-135M-Instruct, its pr
 Codec figures over the chunks the raw run stored (the model's real KV, fp32 in engine_min):
 ``bytes_ratio_vs_fp16`` (stored value bytes, header and scales counted, / 2 bytes per
 element), ``bytes_ratio_vs_stored_dtype`` (/ the KV dtype's bytes), ``max_abs_error`` and
-``mean_abs_error`` of the decoded KV, ``encode_gbps`` / ``decode_gbps`` (fp16-equivalent
+``mean_abs_error`` of the decoded KV, ``within_error_bound`` (every decoded value within the
+codec's stated bound, ``kvstore.kv_codec.error_bound``), ``encode_gbps`` / ``decode_gbps`` (fp16-equivalent
 bytes per second of ``kvstore.codec.pack_value`` / ``unpack_value``: a tier's whole
 per-chunk cost, checksums included; for a lossy codec packing also decodes once, for the
 checksum). ``load_average`` is recorded: figures on a busy host are not comparable.
@@ -42,22 +43,26 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.workloads import LongDocQA, MultiRoundQA  # noqa: E402
+from kvstore import kv_codec  # noqa: E402
 from kvstore.codec import pack_value, unpack_value  # noqa: E402
 from kvstore.layout import dtype_name  # noqa: E402
 
-CODECS = ("raw", "int8", "fp8")
+CODECS = ("raw", "int8", "fp8", "kivi")
 
 
-def workload_prompts(quick: bool) -> list[list[int]]:
-    """Token prompts: long-document questions, then multi-round chat prompts."""
+def workload_prompts(quick: bool, seed: int = 0) -> list[list[int]]:
+    """Token prompts: long-document questions, then multi-round chat prompts (``seed``: the
+    workloads' seed, another seed gives another prompt set of the same shape)."""
     if quick:
-        docs = LongDocQA(num_docs=1, doc_tokens=192, questions_per_doc=2, question_tokens=16)
+        docs = LongDocQA(num_docs=1, doc_tokens=192, questions_per_doc=2, question_tokens=16,
+                         seed=seed)
         chat = MultiRoundQA(num_users=1, num_rounds=1, system_tokens=32, context_tokens=128,
-                            question_tokens=16, answer_tokens=8)
+                            question_tokens=16, answer_tokens=8, seed=seed)
     else:
-        docs = LongDocQA(num_docs=2, doc_tokens=1024, questions_per_doc=5, question_tokens=24)
+        docs = LongDocQA(num_docs=2, doc_tokens=1024, questions_per_doc=5, question_tokens=24,
+                         seed=seed)
         chat = MultiRoundQA(num_users=5, num_rounds=2, system_tokens=64, context_tokens=512,
-                            question_tokens=24, answer_tokens=32)
+                            question_tokens=24, answer_tokens=32, seed=seed)
     return [list(r.prompt) for r in docs.requests() + chat.requests()]
 
 
@@ -123,7 +128,7 @@ def codec_figures(kvs: list[torch.Tensor], codec: str) -> dict:
     """Bytes, error and speed of ``codec`` over real chunks ``kvs``."""
     key = bytes(48)
     elems = sum(kv.numel() for kv in kvs)
-    stored, enc_s, dec_s, max_err, sum_err = 0, 0.0, 0.0, 0.0, 0.0
+    stored, enc_s, dec_s, max_err, sum_err, over = 0, 0.0, 0.0, 0.0, 0.0, 0.0
     for kv in kvs:
         raw = kv.reshape(-1).view(torch.uint8).numpy()
         t0 = time.perf_counter()
@@ -133,14 +138,18 @@ def codec_figures(kvs: list[torch.Tensor], codec: str) -> dict:
         t2 = time.perf_counter()
         enc_s, dec_s, stored = enc_s + t1 - t0, dec_s + t2 - t1, stored + len(value)
         assert h.codec == codec, (h.codec, codec)
-        err = (torch.from_numpy(out).view(kv.dtype).view(kv.shape).float() - kv.float()).abs()
+        got = torch.from_numpy(out).view(kv.dtype).view(kv.shape).float()
+        err = (got - kv.float()).abs()
+        if codec in kv_codec.LOSSY_CODECS:   # the stated bound + half an ulp of the KV dtype
+            ulp = torch.finfo(kv.dtype).eps / 2
+            over = max(over, float((err - kv_codec.error_bound(kv, codec) - got.abs() * ulp).max()))
         max_err, sum_err = max(max_err, float(err.max())), sum_err + float(err.sum(dtype=torch.float64))
     return {"bytes_ratio_vs_fp16": stored / (2 * elems),
             "bytes_ratio_vs_stored_dtype": stored / (kvs[0].element_size() * elems),
             "max_abs_error": max_err, "mean_abs_error": sum_err / elems,
             "kv_abs_max": max(float(kv.abs().max()) for kv in kvs),
             "encode_gbps": 2 * elems / enc_s / 1e9, "decode_gbps": 2 * elems / dec_s / 1e9,
-            "chunks_measured": len(kvs)}
+            "chunks_measured": len(kvs), "within_error_bound": over <= 0}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -151,6 +160,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--chunk-size", type=int, default=64,
                     help="store chunk size (default %(default)s: a hit prefills < 64 tokens)")
     ap.add_argument("--codecs", default=",".join(CODECS), help="comma-separated, raw first")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="workload seed (another prompt set; default %(default)s)")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args(argv)
     codecs = args.codecs.split(",")
@@ -161,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
     from engine_min.config import EngineConfig
     from engine_min.engine import LLMEngine
 
-    prompts = workload_prompts(args.quick)
+    prompts = workload_prompts(args.quick, args.seed)
     n = max(len(p) for p in prompts) + args.max_tokens + 16
     cfg = EngineConfig(kv_cache_bytes=(n + 64) * 30 * 2 * 3 * 64 * 4 * 2,
                        enable_prefix_caching=False, max_num_batched_tokens=max(512, n))
@@ -172,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
         t, out = _generate(engine, p, args.max_tokens)
         rec_ttft.append(t)
         want.append(out)
-    res: dict = {"num_prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
+    res: dict = {"num_prompts": len(prompts), "seed": args.seed, "prompt_tokens": [len(p) for p in prompts],
                  "max_tokens": args.max_tokens, "chunk_size": args.chunk_size,
                  "recompute_ttft_s": statistics.median(rec_ttft), "codecs": {}}
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-codec-") as workdir:

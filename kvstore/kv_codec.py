@@ -14,7 +14,9 @@ A chunk is ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` (index 0 of d
   tokens (keys have outlier channels: a per-token scale would be set by the outliers and
   crush every other channel); V with one scale per token, ``[num_layers, chunk_size,
   num_kv_heads]`` over head_dim. ``s = amax / 127`` (rounded up to fp16).
-  Error bound: ``|x - x̂| <= s / 2`` per element, ``s`` being the stored scale of its group
+  Error bound: ``|x - x̂| <= s / 2 * (1 + 2**-12)`` per element (the factor: ``x / s`` is
+  computed as ``x * (1 / s)`` in fp32, which can round a value at a half step to the farther
+  code, as seen on real KV), ``s`` being the stored scale of its group
   (amax / 127 rounded up to fp16; values are quantized with the stored scale, so its
   rounding does not loosen the bound), plus the rounding of ``x̂`` to the chunk's dtype (half
   an ulp of ``x̂``).
@@ -262,8 +264,8 @@ def error_bound(kv: torch.Tensor, codec: str) -> torch.Tensor:
         ks, vs = (torch.from_numpy(sc.astype(np.float32))
                   for sc in _scales([_amax(x[:, 0], 1), _amax(x[:, 1], -1)], 127.0))
         out = torch.empty_like(x32)
-        out[:, 0] = ks[:, None] / 2
-        out[:, 1] = vs[..., None] / 2
+        out[:, 0] = ks[:, None] * (0.5 * (1 + 2 ** -12))
+        out[:, 1] = vs[..., None] * (0.5 * (1 + 2 ** -12))
         return out
     if codec == "fp8":
         sc = torch.from_numpy(_scales([_amax(x, -1)], 448.0)[0].astype(np.float32))

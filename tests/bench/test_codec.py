@@ -1,6 +1,6 @@
 """``python -m bench.codec --quick`` on the real model: the JSON has every codec's figures, the
 raw disk tier reproduces recompute exactly, and the lossy codecs store about a quarter of the
-fp32 KV's bytes with errors within their stated bounds."""
+fp32 KV's bytes (kivi: under half of fp16's) with errors within their stated bounds."""
 from __future__ import annotations
 
 import json
@@ -15,13 +15,14 @@ def test_quick_codec_bench_reports_every_codec(tmp_path):
     assert res["num_prompts"] == 3 and res["kv_dtype"] == "float32"
     fields = {"bytes_ratio_vs_fp16", "bytes_ratio_vs_stored_dtype", "token_agreement",
               "prompt_exact_rate", "max_abs_error", "mean_abs_error", "encode_gbps",
-              "decode_gbps", "disk_hit_ttft_s"}
-    assert set(res["codecs"]) == {"raw", "int8", "fp8"}
+              "decode_gbps", "disk_hit_ttft_s", "within_error_bound"}
+    assert set(res["codecs"]) == {"raw", "int8", "fp8", "kivi"}
     for row in res["codecs"].values():
         assert fields <= set(row)
         assert row["loaded_tokens"] == (3 + 3 + 2) * 64  # full chunks of 208, 208, 176 tokens
         assert row["encode_gbps"] > 0 and row["decode_gbps"] > 0
-    raw, int8, fp8 = (res["codecs"][c] for c in ("raw", "int8", "fp8"))
+        assert row["within_error_bound"] is True   # each codec's stated bound, on real KV
+    raw, int8, fp8, kivi = (res["codecs"][c] for c in ("raw", "int8", "fp8", "kivi"))
     # raw: bit-exact, fp32 stored whole (2x fp16), so generation equals recompute's
     assert raw["max_abs_error"] == 0 and raw["token_agreement"] == 1.0
     assert raw["prompt_exact_rate"] == 1.0
@@ -33,3 +34,10 @@ def test_quick_codec_bench_reports_every_codec(tmp_path):
     # int8's step is amax/127 of a channel or token (amax <= kv_abs_max): error <= half of it
     assert int8["max_abs_error"] <= int8["kv_abs_max"] / 127 / 2 * 1.001
     assert fp8["max_abs_error"] <= fp8["kv_abs_max"] / 16
+    # kivi: K 8 bits + 1 byte per 64 values, V 7 bits + 3 bytes per 64 values, header counted
+    assert 0.48 < kivi["bytes_ratio_vs_fp16"] < 0.49
+    assert 0 < kivi["mean_abs_error"] < kivi["max_abs_error"]
+    # K's step is amax / 127 of a channel over 64 tokens, V's (max - min) / 127 of a token's
+    # 64 channels (<= 2 kv_abs_max / 127), at most 2**(1/16) above (the step's 8-bit code):
+    # error <= half a step
+    assert kivi["max_abs_error"] <= 2 * kivi["kv_abs_max"] / 127 * 2 ** (1 / 16) / 2 * 1.001
