@@ -1,5 +1,5 @@
-"""Lossy KV codecs for the disk and remote tiers: ``kivi`` (the default lossy codec, under
-half the bytes of fp16 KV), ``int8`` and ``fp8`` (about half), vectorized on the CPU (numpy
+"""Lossy KV codecs for the disk and remote tiers: ``kivi`` (under half the bytes of fp16 KV),
+``int8`` and ``fp8`` (about half), vectorized on the CPU (numpy
 passes; torch only for the e4m3 and bf16 casts).
 
 A chunk is ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` (index 0 of dim 1 = K,
@@ -65,8 +65,6 @@ from kvstore import kv_grouped
 #: Lossy codec names (their codes in ``kvstore.codec.CODECS`` come after the lossless ones;
 #: append only).
 LOSSY_CODECS = ("int8", "fp8", "kivi")
-#: The lossy codec to choose when none is named (the one that meets the agreement target).
-DEFAULT_LOSSY_CODEC = "kivi"
 #: ``kivi``'s parameters for new payloads (each payload records its own, so changing these
 #: leaves stored chunks readable).
 KIVI_PARAMS = kv_grouped.GroupParams(k=kv_grouped.PartParams(8, 64, "tokens", symmetric=True),
