@@ -110,7 +110,7 @@ class StoreSpec:
         remote_timeout_s: deadline of a remote lookup (seconds).
         remote_password: Redis password when the URL has none (else
             ``$KVSTORE_REMOTE_PASSWORD``); not in ``repr``.
-        lossy_codec: ``"int8"`` or ``"fp8"``: the in-process store's disk and remote tiers
+        lossy_codec: ``"kivi"``, ``"int8"`` or ``"fp8"``: the in-process store's disk and remote tiers
             write with this codec the chunks of namespaces that accept it
             (``Namespace.lossy_codec``; every other chunk losslessly, as by default); ``""``
             (default): the tiers' lossless defaults. A daemon's tiers are its own

@@ -36,7 +36,7 @@ def _serve_parser(sub) -> None:
                    f"{DEFAULT_DISK_BYTES}; no --disk-path: no disk tier)")
     p.add_argument("--disk-codec", choices=DISK_CODECS,
                    help="value codec of the disk tier (default auto: shuffle-lz4 where it saves "
-                        "10%%); int8/fp8 store about half of fp16's bytes, lossily, only for "
+                        "10%%); int8/fp8/kivi store about half of fp16's bytes, lossily, only for "
                         "namespaces whose lossy_codec names it (others: auto)")
     p.add_argument("--policy", help="eviction policy of every tier: lru, lfu, fifo, s3fifo, arc")
     p.add_argument("--admission", help="admission filter of the tiers: none (default) or tinylfu "
@@ -104,7 +104,7 @@ def _remote_flags(p: argparse.ArgumentParser) -> None:
                    help="deadline of a remote lookup in seconds; a late node's keys miss "
                         "(default 0.25)")
     g.add_argument("--remote-codec", choices=DISK_CODECS,
-                   help="value codec in Redis (default raw); int8/fp8 lossily, only for "
+                   help="value codec in Redis (default raw); int8/fp8/kivi lossily, only for "
                         "namespaces whose lossy_codec names it (others: raw)")
     g.add_argument("--remote-queue-bytes",
                    help="most chunk bytes waiting to be written behind; beyond, writes are "
