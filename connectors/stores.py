@@ -35,7 +35,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvstore.api import KVStoreBase
-from kvstore.defaults import DEFAULT_DISK_BYTES  # noqa: F401 (disk tier size when only disk_path is given)
+# the disk tier size when only disk_path is given (re-exported: factory and tests name it here)
+from kvstore.defaults import DEFAULT_DISK_BYTES  # noqa: F401
 
 log = logging.getLogger("kvstore.connectors.stores")
 
@@ -110,8 +111,8 @@ class StoreSpec:
         remote_timeout_s: deadline of a remote lookup (seconds).
         remote_password: Redis password when the URL has none (else
             ``$KVSTORE_REMOTE_PASSWORD``); not in ``repr``.
-        lossy_codec: ``"kivi"``, ``"int8"`` or ``"fp8"``: the in-process store's disk and remote tiers
-            write with this codec the chunks of namespaces that accept it
+        lossy_codec: ``"kivi"``, ``"int8"`` or ``"fp8"``: the in-process store's disk and remote
+            tiers write with this codec the chunks of namespaces that accept it
             (``Namespace.lossy_codec``; every other chunk losslessly, as by default); ``""``
             (default): the tiers' lossless defaults. A daemon's tiers are its own
             (``kvstore serve --disk-codec``).
