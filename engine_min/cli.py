@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 on bad input, with the reason on stderr)."""
     args = build_parser().parse_args(argv)
     if args.command == "serve":
-        from engine_min.serve.cli import serve_main
-        return serve_main(args) or 0
+        from engine_min.serve.cli import run_serve
+        return run_serve(args)
     if args.command == "route":
         from engine_min.router.cli import route_main
         return route_main(args)

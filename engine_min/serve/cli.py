@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import socket
+import sys
 from typing import Any
 
 from aiohttp import web
@@ -79,7 +80,7 @@ def build_connector(args: argparse.Namespace) -> Any | None:
         raise SystemExit(f"the KV store connector for engine_min is not available ({exc}); "
                          f"run without --kvstore-* flags") from exc
     except StoreFlagError as exc:
-        raise SystemExit(str(exc)) from exc
+        raise SystemExit(f"error: {exc}") from exc
     except (ValueError, OSError) as exc:  # OSError: a disk path that is a file or not writable
         raise SystemExit(f"error: bad --kvstore-* flags: {exc}") from exc
 
@@ -190,6 +191,20 @@ def serve_main(args: argparse.Namespace) -> None:
             connector.close()  # flush queued saves to the store
 
 
+def run_serve(args: argparse.Namespace) -> int:
+    """``serve_main`` as a command: returns its exit code, 2 for bad flags, a model that cannot
+    be loaded or an address that cannot be bound (the reason on stderr, as argparse's own
+    usage errors)."""
+    try:
+        serve_main(args)
+    except SystemExit as exc:
+        if not isinstance(exc.code, str):
+            raise
+        print(exc.code, file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m engine_min.serve.server [flags]``."""
     from engine_min.omp import set_omp_wait_policy
@@ -197,4 +212,4 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m engine_min.serve.server",
         description="OpenAI-compatible HTTP server for engine_min.")
-    serve_main(add_serve_args(parser).parse_args(argv))
+    raise SystemExit(run_serve(add_serve_args(parser).parse_args(argv)))

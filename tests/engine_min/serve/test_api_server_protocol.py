@@ -1,5 +1,7 @@
 """engine_min.serve.protocol, engine_min.serve.responses and engine_min.serve.metrics: validation
 rules, wire format and the streaming text hold-back, on plain values (no model, no network)."""
+import time
+
 import pytest
 
 from engine_min.serve import protocol as proto
@@ -299,3 +301,16 @@ def test_a_port_out_of_range_is_an_error_not_a_traceback(monkeypatch, port):
         serve_cli.serve_main(_args("--port", str(port)))
     assert str(exc.value) == (f"error: cannot listen on 127.0.0.1:{port}: "
                               "bind(): port must be 0-65535.")
+
+
+def test_bad_store_flags_exit_2_with_one_error_line_before_the_model_loads(capsys):
+    """``python -m engine_min serve`` with store flags that do not go together exits 2, as
+    argparse's own usage errors do, with one ``error:`` line and no engine built."""
+    from engine_min.cli import main as cli_main
+    t0 = time.monotonic()
+    assert cli_main(["serve", "--port", "0", "--kvstore-disk-bytes", "1GiB"]) == 2
+    assert capsys.readouterr().err == \
+        "error: --kvstore-disk-bytes needs --kvstore-disk-path\n"
+    assert cli_main(["serve", "--port", "0", "--kvstore-tail-chunk-size", "16"]) == 2
+    assert capsys.readouterr().err.startswith("error: --kvstore-tail-chunk-size needs a store")
+    assert time.monotonic() - t0 < 10          # refused before any model load
