@@ -7,7 +7,9 @@ or under a ``serve`` table. Each environment variable is the field name upper-ca
 """
 from __future__ import annotations
 
+import difflib
 import ipaddress
+import logging
 import math
 import os
 from dataclasses import dataclass, field, fields
@@ -18,6 +20,7 @@ from kvstore.defaults import DEFAULT_DISK_BYTES
 from kvstore.units import parse_size
 
 ENV_PREFIX = "KVSTORE_"
+log = logging.getLogger("kvstore.daemon.config")
 LOOPBACK_NAMES = ("localhost",)
 
 
@@ -340,13 +343,35 @@ def from_env(env: Mapping[str, str]) -> dict:
             if ENV_PREFIX + name.upper() in env}
 
 
+#: ``KVSTORE_*`` variables that are not ``kvstore serve`` settings but are read elsewhere in
+#: this project (the config file's path; the vLLM benchmarks' converted model folder)
+OTHER_ENV = frozenset({ENV_PREFIX + "CONFIG", ENV_PREFIX + "VLLM_MODEL_DIR"})
+
+
+def unknown_env(env: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """``(name, closest setting variable or None)`` of each ``KVSTORE_*`` variable in ``env``
+    that names no setting (a typo such as ``KVSTORE_POLCY`` would otherwise be ignored
+    silently), in name order."""
+    known = {ENV_PREFIX + name.upper() for name in FIELDS}
+    out = []
+    for name in sorted(env):
+        if name.startswith(ENV_PREFIX) and name not in known and name not in OTHER_ENV:
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
+            out.append((name, close[0] if close else None))
+    return out
+
+
 def resolve(flags: Mapping[str, Any], env: Mapping[str, str] | None = None,
             config_file: str | None = None) -> ServeConfig:
     """Merge the layers: ``flags`` (None values = not given) > env > file > defaults.
 
-    The file is ``config_file`` or else ``$KVSTORE_CONFIG``.
+    The file is ``config_file`` or else ``$KVSTORE_CONFIG``. A ``KVSTORE_*`` variable that
+    names no setting is logged (WARNING) and ignored.
     """
     env = os.environ if env is None else env
+    for name, close in unknown_env(env):
+        log.warning("%s is not a kvstore serve setting: ignored%s", name,
+                    f" (did you mean {close}?)" if close else "")
     merged: dict[str, Any] = {}
     path = config_file or env.get(ENV_PREFIX + "CONFIG")
     if path:

@@ -325,3 +325,18 @@ def test_clear_and_stats_commands_against_a_live_daemon(tmp_path, capsys):
     assert time.monotonic() - t0 < 1.0
     assert "connection refused (2 tries); is the kvstore daemon running?" \
         in capsys.readouterr().err
+
+
+def test_a_misspelt_kvstore_variable_is_named_not_silently_ignored(caplog):
+    import logging
+    env = {"KVSTORE_POLCY": "lfu", "KVSTORE_POLICY": "fifo", "KVSTORE_CONFIGG": "x",
+           "KVSTORE_VLLM_MODEL_DIR": "/m", "OTHER": "1"}
+    assert serve_config.unknown_env(env) == [("KVSTORE_CONFIGG", None),
+                                             ("KVSTORE_POLCY", "KVSTORE_POLICY")]
+    with caplog.at_level(logging.WARNING, logger="kvstore.daemon.config"):
+        cfg = serve_config.resolve({}, env)
+    assert cfg.policy == "fifo"
+    msgs = [r.getMessage() for r in caplog.records]
+    assert msgs == ["KVSTORE_CONFIGG is not a kvstore serve setting: ignored",
+                    "KVSTORE_POLCY is not a kvstore serve setting: ignored (did you mean "
+                    "KVSTORE_POLICY?)"]
