@@ -225,13 +225,25 @@ class EngineMinConnector(KVConnectorBase):
         fields["lossy_codec"] = self.lossy_codec
         return Namespace(model_id, layout, revision, self.cache_salt, self.hash_algo, **fields)
 
+    def geometry_for(self, block_size: int) -> ChunkGeometry:
+        """This connector's chunk and tail sizes for an engine of ``block_size``-token blocks
+        (tail pieces of one block unless a size was given), checked: a command line can refuse
+        sizes that do not fit before it loads a model.
+
+        Raises:
+            ValueError: a chunk size that is not a multiple of ``block_size``, or a tail size
+                that does not divide the chunk or is not a multiple of the block.
+        """
+        tail = self._tail_arg if self._tail_arg is not None else \
+            default_tail_size(block_size, self.chunk_size)     # default: pieces of one block
+        return ChunkGeometry(block_size, self.chunk_size, tail)
+
     def register_kv_caches(self, kv_cache: torch.Tensor, block_size: int) -> None:
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2 or kv_cache.shape[3] != block_size:
             raise ValueError(f"kv_cache must be [num_layers, 2, num_blocks, block_size="
                              f"{block_size}, num_kv_heads, head_dim], got {list(kv_cache.shape)}")
-        self.tail_chunk_size = self._tail_arg if self._tail_arg is not None else \
-            default_tail_size(block_size, self.chunk_size)     # default: pieces of one block
-        self.geometry = ChunkGeometry(block_size, self.chunk_size, self.tail_chunk_size)
+        self.geometry = self.geometry_for(block_size)
+        self.tail_chunk_size = self.geometry.tail_size
         layout = KVLayout(num_layers=int(kv_cache.shape[0]), num_kv_heads=int(kv_cache.shape[4]),
                           head_dim=int(kv_cache.shape[5]), dtype=kv_cache.dtype,
                           chunk_size=self.chunk_size)

@@ -71,11 +71,20 @@ def build_connector(args: argparse.Namespace) -> Any | None:
 
     Raises:
         SystemExit: inconsistent store flags (--kvstore-tail-chunk-size without a store), a
-            disk path that cannot be opened, or the connector module is missing.
+            chunk or tail size that does not fit the engine's block size, a disk path that
+            cannot be opened, or the connector module is missing.
     """
     from connectors.flags import StoreFlagError, connector_from_args
+    from engine_min.config import EngineConfig
     try:
-        return connector_from_args(args)
+        conn = connector_from_args(args)
+        if conn is not None:    # sizes that cannot fit the engine's blocks: refused before
+            try:                # the model loads
+                conn.geometry_for(getattr(args, "block_size", None) or EngineConfig.block_size)
+            except ValueError:
+                conn.close()
+                raise
+        return conn
     except ImportError as exc:  # the store's optional dependencies
         raise SystemExit(f"the KV store connector for engine_min is not available ({exc}); "
                          f"run without --kvstore-* flags") from exc

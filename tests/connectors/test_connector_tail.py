@@ -263,9 +263,12 @@ def test_server_flag_and_factory_pass_the_tail_chunk_size(tmp_path):
     assert (c.tail_chunk_size, c.tail_ns) == (0, None)
     c.close()
     c = build_connector(parse(["--kvstore-cpu-bytes", "8MiB", "--kvstore-chunk-size", "32",
-                               "--kvstore-tail-chunk-size", "8"]))
+                               "--kvstore-tail-chunk-size", "8", "--block-size", "8"]))
     assert isinstance(c, EngineMinConnector) and (c.chunk_size, c.tail_chunk_size) == (32, 8)
     c.close()
+    with pytest.raises(SystemExit, match="tail_chunk_size=8 must be a multiple"):  # block 16
+        build_connector(parse(["--kvstore-cpu-bytes", "8MiB", "--kvstore-chunk-size", "32",
+                               "--kvstore-tail-chunk-size", "8"]))
     with pytest.raises(ValueError, match="tail_chunk_size"):
         create_connector(cpu_bytes="8MiB", chunk_size=32, tail_chunk_size=12)
 

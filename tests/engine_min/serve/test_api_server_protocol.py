@@ -313,4 +313,13 @@ def test_bad_store_flags_exit_2_with_one_error_line_before_the_model_loads(capsy
         "error: --kvstore-disk-bytes needs --kvstore-disk-path\n"
     assert cli_main(["serve", "--port", "0", "--kvstore-tail-chunk-size", "16"]) == 2
     assert capsys.readouterr().err.startswith("error: --kvstore-tail-chunk-size needs a store")
+    # a chunk size that is not a multiple of the engine's block size (16 by default, or
+    # --block-size): refused from the flags, not after the model load
+    assert cli_main(["serve", "--port", "0", "--kvstore-cpu-bytes", "8MiB",
+                     "--kvstore-chunk-size", "100"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: bad --kvstore-* flags: chunk_size=100 must be a multiple")
+    assert cli_main(["serve", "--port", "0", "--kvstore-cpu-bytes", "8MiB", "--block-size", "32",
+                     "--kvstore-chunk-size", "64", "--kvstore-tail-chunk-size", "16"]) == 2
+    assert "tail_chunk_size=16 must be a multiple" in capsys.readouterr().err
     assert time.monotonic() - t0 < 10          # refused before any model load
