@@ -43,6 +43,7 @@ from engine_min.router.prompt import (PreparedPrompt, PromptEncoder, prepare_sou
                                       prompt_source)
 from engine_min.router.store_lookup import StoreLookup, choose_with_store, store_can_change_pick
 from engine_min.router.subscriber import Engine, EngineSubscriber
+from engine_min.router.usage import UsageScanner, cached_tokens
 from engine_min.serve import protocol as proto
 from engine_min.serve.errors import error_response, openai_error_middleware
 
@@ -52,7 +53,6 @@ ROUTER_KEY: web.AppKey["Router"] = web.AppKey("router")
 #: response headers not copied from the engine (hop-by-hop, or set by the router's server)
 _DROP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive",
                            "date", "server", "content-encoding"})
-_USAGE_MARK = b'"cached_tokens"'
 
 
 #: a request is prepared on the event loop, without the hop to a worker thread (about 0.1 ms,
@@ -77,38 +77,6 @@ class StreamCut(Exception):
 
 def _headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
     return {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_HEADERS}
-
-
-def cached_tokens(obj) -> int | None:
-    """``usage.prompt_tokens_details.cached_tokens`` of a response or chunk object, or None."""
-    try:
-        return int(obj["usage"]["prompt_tokens_details"]["cached_tokens"])
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-class UsageScanner:
-    """Finds ``cached_tokens`` in an SSE stream fed chunk by chunk (after the chunk was sent
-    on): only complete ``data:`` lines that mention ``"cached_tokens"`` are decoded."""
-
-    def __init__(self) -> None:
-        self._tail = b""
-        self.cached_tokens: int | None = None
-
-    def feed(self, chunk: bytes) -> None:
-        data = self._tail + chunk
-        lines = data.split(b"\n")
-        self._tail = lines.pop()
-        if _USAGE_MARK not in data:
-            return
-        for line in lines:
-            if line.startswith(b"data:") and _USAGE_MARK in line:
-                try:
-                    n = cached_tokens(json.loads(line[5:]))
-                except ValueError:
-                    continue
-                if n is not None:
-                    self.cached_tokens = n
 
 
 class Router:

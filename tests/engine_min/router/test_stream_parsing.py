@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from engine_min.router.proxy import UsageScanner, cached_tokens
+from engine_min.router.usage import UsageScanner, cached_tokens
 from engine_min.router.subscriber import parse_load
 
 USAGE = {"prompt_tokens": 70, "completion_tokens": 3, "total_tokens": 73,
