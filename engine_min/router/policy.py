@@ -96,10 +96,6 @@ class RoundRobinPolicy:
         """None: this policy never picks by hits."""
         return []
 
-    def wins_on_hits(self, candidates: list[Candidate], num_prompt_tokens: int) -> bool:
-        """False: this policy never picks by hits."""
-        return False
-
 
 class CacheAwarePolicy:
     """Most prompt tokens cached among engines within ``max_load_gap`` requests of the least
@@ -145,11 +141,6 @@ class CacheAwarePolicy:
             return []
         eligible, best = found
         return [c for c in eligible if c.hit_tokens == best]
-
-    def wins_on_hits(self, candidates: list[Candidate], num_prompt_tokens: int) -> bool:
-        """Whether ``choose`` would pick by hits (reason ``hit``); changes nothing. False for
-        an empty list."""
-        return bool(self.hit_winners(candidates, num_prompt_tokens))
 
     def choose(self, candidates: list[Candidate], num_prompt_tokens: int = 0) -> Decision:
         """The engine for a prompt of ``num_prompt_tokens`` tokens. Raises ValueError on an

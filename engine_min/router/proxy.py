@@ -167,7 +167,8 @@ class Router:
 
     def _store_can_matter(self, prompt: PreparedPrompt) -> bool:
         """False when the store's hits cannot change the decision: every healthy engine saves
-        to one namespace and ``store_can_change_pick`` says no (``engine_min.router.store_lookup``)."""
+        to one namespace and ``store_can_change_pick`` says no
+        (``engine_min.router.store_lookup``)."""
         cands = self._candidates(prompt, set())
         spaces = {None if (ns := self.engines[c.position].store_namespace) is None else ns.ns_id
                   for c in cands}

@@ -1,7 +1,7 @@
 """Scores with a shared store, on hand-made candidates: an engine's score is its own hit
 beyond what the store holds in its namespace; the fraction test applies to the tokens the
 store cannot give every engine; when no engine holds meaningfully more than the store, the
-least-loaded engine is picked. ``wins_on_hits`` (whether the store could matter) changes
+least-loaded engine is picked. ``hit_winners`` (whom ``choose`` would pick on hits) changes
 nothing."""
 from __future__ import annotations
 
@@ -64,13 +64,14 @@ def test_bad_store_hits_and_flags_are_refused():
     assert lookup.headers["Authorization"] == "Bearer t"
 
 
-def test_wins_on_hits_is_choose_without_its_effects():
+def test_hit_winners_is_choose_without_its_effects():
     p = CacheAwarePolicy(max_load_gap=1, min_hit_fraction=0.5)
-    assert p.wins_on_hits(_c((64, 0), (0, 0)), 100) is True
-    assert p.wins_on_hits(_c((64, 0), (0, 0)), 200) is False       # 64 < 0.5 * 200
-    assert p.wins_on_hits(_c((64, 0), (64, 0)), 100) is False      # nobody holds more
-    assert p.wins_on_hits(_c((64, 2), (0, 0)), 100) is False       # beyond the load gap
-    assert p.wins_on_hits([], 100) is False
+    assert bool(p.hit_winners(_c((64, 0), (0, 0)), 100)) is True
+    assert [c.position for c in p.hit_winners(_c((64, 0), (0, 0)), 100)] == [0]
+    assert bool(p.hit_winners(_c((64, 0), (0, 0)), 200)) is False       # 64 < 0.5 * 200
+    assert bool(p.hit_winners(_c((64, 0), (64, 0)), 100)) is False      # nobody holds more
+    assert bool(p.hit_winners(_c((64, 2), (0, 0)), 100)) is False       # beyond the load gap
+    assert bool(p.hit_winners([], 100)) is False
     # the rotation among equals is untouched: the same picks as a fresh policy's
     fresh = CacheAwarePolicy(max_load_gap=1, min_hit_fraction=0.5)
     tied = _c((0, 0), (0, 0))
