@@ -1,0 +1,248 @@
+"""The daemon's async HTTP client, ``AsyncKVStoreClient`` (aiohttp): the typed calls over
+``kvstore.daemon.transport`` (deadlines, retries). ``kvstore.daemon.client.KVStoreClient`` is
+the synchronous ``KVStoreBase`` over it (and over the same-host path); the deadline and retry
+rules are described there.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+from typing import AsyncIterator, Sequence
+
+import aiohttp
+import torch
+
+from kvstore.api import LookupResult
+from kvstore.daemon import protocol as P
+from kvstore.daemon.shm_client import check_out
+from kvstore.daemon.transport import Transport
+from kvstore.errors import RemoteError, StoreUnavailable
+from kvstore.keys import ChunkKey, Namespace
+
+log = logging.getLogger("kvstore.daemon.client")
+
+
+#: Put payloads go to the transport in slices of this many bytes: a slice the socket takes at
+#: once is sent from the tensor's memory; asyncio copies only what it does not take.
+SEND_SLICE = 1 << 20
+
+
+class AsyncKVStoreClient:
+    """Async client. Coroutines mirror ``KVStoreBase`` methods (``await c.get_chunks(ns, keys)``).
+
+    Args:
+        url: server base URL, e.g. ``"http://127.0.0.1:8500"``.
+        auth_token: bearer token, if the server requires one.
+        timeout_s: default per-call deadline in seconds (retries included).
+        pool_size: most pooled connections (aiohttp connector limit).
+        durable: default for ``put_chunks(durable=...)`` (wait for the disk flush).
+        retry_backoff_s: first retry delay (doubles, capped at 0.5 s).
+        refused_tries: attempts of a call whose connections are refused before it raises
+            ``StoreUnavailable`` (default 2, so about ``refused_backoff_s`` instead of the whole
+            deadline); None retries until the deadline (to ride out a daemon restart).
+        refused_backoff_s: wait between refused attempts (seconds).
+
+    Raises:
+        ValueError: ``url`` is not ``http[s]://HOST:PORT`` (``check_url``).
+    """
+
+    def __init__(self, url: str, *, auth_token: str | None = None, timeout_s: float = 10.0,
+                 pool_size: int = 32, durable: bool = False, retry_backoff_s: float = 0.02,
+                 refused_tries: int | None = 2, refused_backoff_s: float = 0.05):
+        self._http = Transport(url, auth_token=auth_token, timeout_s=timeout_s,
+                               pool_size=pool_size, retry_backoff_s=retry_backoff_s,
+                               refused_tries=refused_tries, refused_backoff_s=refused_backoff_s)
+        self.durable = durable
+
+    @property
+    def url(self) -> str:
+        """The server base URL (no trailing slash)."""
+        return self._http.url
+
+    @property
+    def timeout_s(self) -> float:
+        """Default per-call deadline (seconds)."""
+        return self._http.timeout_s
+
+    async def close(self) -> None:
+        """Close pooled connections. Idempotent."""
+        await self._http.close()
+
+    async def lookup_keys(self, ns: Namespace, keys: Sequence[ChunkKey], *,
+                          timeout_s: float | None = None) -> LookupResult:
+        """Leading keys present, per tier (see ``KVStoreBase.lookup_keys``)."""
+        r = await self._http.post_json("/v1/lookup", P.key_request(ns, keys), idempotent=True,
+                                       timeout_s=timeout_s)
+        return LookupResult(r["num_hit_chunks"], r["chunk_size"], tuple(r["tiers"]),
+                            r["num_requested_chunks"])
+
+    async def exists(self, ns: Namespace, keys: Sequence[ChunkKey], *,
+                     timeout_s: float | None = None) -> list[bool]:
+        r = await self._http.post_json("/v1/exists", P.key_request(ns, keys), idempotent=True,
+                                       timeout_s=timeout_s)
+        return list(r["exists"])
+
+    async def remove(self, ns: Namespace, keys: Sequence[ChunkKey], *,
+                     timeout_s: float | None = None) -> int:
+        r = await self._http.post_json("/v1/remove", P.key_request(ns, keys), idempotent=True,
+                                       timeout_s=timeout_s)
+        return r["removed"]
+
+    async def demote(self, ns: Namespace, keys: Sequence[ChunkKey], *,
+                     timeout_s: float | None = None) -> int:
+        """Make stored chunks first eviction candidates (``KVStoreBase.demote``); returns
+        how many the daemon holds."""
+        r = await self._http.post_json("/v1/demote", P.key_request(ns, keys), idempotent=True,
+                                       timeout_s=timeout_s)
+        return r["demoted"]
+
+    async def clear(self, ns: Namespace | None = None, *, timeout_s: float | None = None) -> int:
+        """Delete every chunk of ``ns`` (all namespaces if None)."""
+        body = {"all": True} if ns is None else {"namespace": ns.to_dict()}
+        r = await self._http.post_json("/v1/clear", json.dumps(body).encode(), idempotent=True,
+                                       timeout_s=timeout_s)
+        return r["removed"]
+
+    async def pin(self, ns: Namespace, keys: Sequence[ChunkKey], lease_s: float | None = None,
+                  *, timeout_s: float | None = None) -> int:
+        """Pin with a lease (the server caps it at its ``max_lease_s``)."""
+        r = await self._http.post_json("/v1/pin", P.key_request(ns, keys, lease_s=lease_s),
+                                       idempotent=False, timeout_s=timeout_s)
+        return r["pinned"]
+
+    async def unpin(self, ns: Namespace, keys: Sequence[ChunkKey], *,
+                    timeout_s: float | None = None) -> int:
+        r = await self._http.post_json("/v1/unpin", P.key_request(ns, keys), idempotent=False,
+                                       timeout_s=timeout_s)
+        return r["unpinned"]
+
+    async def stats(self, *, timeout_s: float | None = None) -> dict:
+        async def handle(resp):
+            return await resp.json()
+        return await self._http.call("GET", "/v1/stats", handle, idempotent=True,
+                                     timeout_s=timeout_s)
+
+    async def whoami(self, *, timeout_s: float | None = None) -> dict:
+        """``{"tenant", "role", "cache_salt"}`` of this client's token (``kvstore.daemon.tenants``):
+        namespaces must carry ``cache_salt`` (or ``cache_salt + "/..."``) unless it is None."""
+        async def handle(resp):
+            return await resp.json()
+        return await self._http.call("GET", "/v1/whoami", handle, idempotent=True,
+                                     timeout_s=timeout_s)
+
+    async def metrics_text(self, *, timeout_s: float | None = None) -> str:
+        """The server's Prometheus exposition text."""
+        async def handle(resp):
+            return await resp.text()
+        return await self._http.call("GET", "/metrics", handle, idempotent=True,
+                                     timeout_s=timeout_s)
+
+    async def get_chunks(self, ns: Namespace, keys: Sequence[ChunkKey],
+                         out: Sequence[torch.Tensor] | None = None, *,
+                         timeout_s: float | None = None) -> list[torch.Tensor | None]:
+        """Chunks ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` or None per key.
+        A payload failing its checksum is returned as None (and logged). ``out`` (optional):
+        one contiguous CPU tensor per key of the layout, read into and returned as ``out[i]``.
+
+        Raises:
+            ValueError: a bad ``out`` (count, shape, dtype, device, not contiguous).
+        """
+        if out is not None:
+            check_out(ns, keys, out)
+        if not keys:
+            return []
+
+        async def handle(resp):
+            if resp.status == 404:
+                return [None] * len(keys)
+            return await _read_get_body(resp.content, ns, keys, out)
+        return await self._http.call("POST", "/v1/get", handle, idempotent=True,
+                                     timeout_s=timeout_s, body=P.key_request(ns, keys),
+                                     headers={"Content-Type": "application/json"})
+
+    async def put_chunks(self, ns: Namespace, keys: Sequence[ChunkKey],
+                         kvs: Sequence[torch.Tensor],
+                         parents: Sequence[ChunkKey | None] | None = None, *,
+                         durable: bool | None = None, timeout_s: float | None = None) -> int:
+        """Store chunks (streamed, no copy of the tensors). With ``durable`` the server answers
+        only after the disk tier has flushed them. ``parents`` as ``KVStoreBase.put_chunks``
+        (sent as each entry's ``"parent"`` where it is not the previous key; the first
+        entry's always). Returns the number newly stored.
+
+        Raises:
+            ValueError: ``len(keys) != len(kvs)``, a bad ``parents`` count, or a tensor not
+                matching ``ns.layout`` (checked here before sending; the server checks again).
+        """
+        if len(keys) != len(kvs):
+            raise ValueError(f"{len(keys)} keys but {len(kvs)} tensors")
+        if parents is not None and len(parents) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(parents)} parents")
+        if not keys:
+            return 0
+        for kv in kvs:
+            ns.layout.validate(kv)
+        entries = [P.entry_for(k, kv) for k, kv in zip(keys, kvs)]
+        if parents is not None:
+            entries = [(dataclasses.replace(e, parent=p, parent_given=True)
+                        if i == 0 or p != keys[i - 1] else e, v)
+                       for i, ((e, v), p) in enumerate(zip(entries, parents))]
+        parts = entries
+        head = P.put_header(ns, [e for e, _ in parts],
+                            self.durable if durable is None else durable)
+        length = len(head) + sum(v.nbytes for _, v in parts)
+
+        async def stream() -> AsyncIterator[bytes | memoryview]:
+            yield head
+            for _, v in parts:
+                for off in range(0, v.nbytes, SEND_SLICE):
+                    yield v[off:off + SEND_SLICE]
+
+        async def handle(resp):
+            return (await resp.json())["stored"]
+        return await self._http.call("POST", "/v1/put", handle, idempotent=True,
+                                     timeout_s=timeout_s,
+                                     body=stream,
+                                     headers={"Content-Type": P.BINARY_CONTENT_TYPE,
+                                              "Content-Length": str(length)})
+
+    async def healthy(self, *, timeout_s: float = 1.0) -> bool:
+        """True when /readyz answers 200 within ``timeout_s``."""
+        async def handle(resp):
+            return resp.status == 200
+        try:
+            return await self._http.call("GET", "/readyz", handle, idempotent=True,
+                                         timeout_s=timeout_s)
+        except (StoreUnavailable, RemoteError):
+            return False
+
+
+async def _read_get_body(reader: aiohttp.StreamReader, ns: Namespace,
+                         keys: Sequence[ChunkKey], bufs: Sequence[torch.Tensor] | None = None
+                         ) -> list[torch.Tensor | None]:
+    hdr_len = P.decode_preamble(await reader.readexactly(P.PREAMBLE_BYTES))
+    header = P.parse_json(await reader.readexactly(hdr_len), "get response header")
+    entries = P.parse_get_response_header(header, ns, keys)
+    layout = ns.layout
+    out: list[torch.Tensor | None] = []
+    for i, e in enumerate(entries):
+        if not e.found:
+            out.append(None)
+            continue
+        kv = bufs[i] if bufs is not None else \
+            torch.empty(layout.shape(), dtype=layout.torch_dtype)  # [L, 2, T, H, D]
+        view = memoryview(kv.view(torch.uint8).reshape(-1).numpy())
+        pos = 0
+        while pos < e.nbytes:
+            data = await reader.read(e.nbytes - pos)
+            if not data:
+                raise asyncio.IncompleteReadError(b"", e.nbytes - pos)
+            view[pos:pos + len(data)] = data
+            pos += len(data)
+        if P.checksum(view) != e.xxh3:
+            log.warning("checksum mismatch on get of %s; treated as a miss", e.key)
+            out.append(None)
+        else:
+            out.append(kv)
+    return out
