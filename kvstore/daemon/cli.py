@@ -188,7 +188,11 @@ def choose_http_parser(which: str) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvstore.daemon import config as serve_config
     flags = {k: v for k, v in vars(args).items() if k in serve_config.FIELDS}
-    cfg = serve_config.resolve(flags, config_file=args.config)
+    try:
+        cfg = serve_config.resolve(flags, config_file=args.config)
+    except serve_config.EnvValueError as e:  # as argparse reports a flag it cannot parse
+        print(f"kvstore serve: error: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     choose_http_parser(cfg.http_parser)

@@ -7,7 +7,6 @@ or under a ``serve`` table. Each environment variable is the field name upper-ca
 """
 from __future__ import annotations
 
-import difflib
 import ipaddress
 import logging
 import math
@@ -16,10 +15,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from kvstore.daemon import config_env
+from kvstore.daemon.config_env import ENV_PREFIX, OTHER_ENV, EnvValueError  # noqa: F401
 from kvstore.defaults import DEFAULT_DISK_BYTES
 from kvstore.units import parse_size
 
-ENV_PREFIX = "KVSTORE_"
 log = logging.getLogger("kvstore.daemon.config")
 LOOPBACK_NAMES = ("localhost",)
 
@@ -171,7 +171,7 @@ class ServeConfig:
         if self.max_connections < 0 or self.max_namespaces <= 0:
             raise ValueError(f"max_connections must be >= 0 (0: no cap) and max_namespaces "
                              f"> 0, got {self.max_connections} and {self.max_namespaces}")
-        object.__setattr__(self, "insecure", _to_bool(self.insecure))
+        object.__setattr__(self, "insecure", config_env.to_bool(self.insecure))
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
@@ -286,16 +286,6 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _to_bool(v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    if str(v).lower() in ("1", "true", "yes", "on"):
-        return True
-    if str(v).lower() in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"not a boolean: {v!r}")
-
-
 FIELDS = tuple(f.name for f in fields(ServeConfig))
 
 
@@ -338,27 +328,19 @@ def _known(data: Mapping[str, Any], where: str) -> dict:
 
 
 def from_env(env: Mapping[str, str]) -> dict:
-    """Fields set by ``KVSTORE_<FIELD>`` variables (``KVSTORE_CONFIG`` excluded)."""
-    return {name: env[ENV_PREFIX + name.upper()] for name in FIELDS
-            if ENV_PREFIX + name.upper() in env}
+    """Fields set by ``KVSTORE_<FIELD>`` variables (``KVSTORE_CONFIG`` excluded), parsed to
+    their types (``kvstore.daemon.config_env.from_env``).
 
-
-#: ``KVSTORE_*`` variables that are not ``kvstore serve`` settings but are read elsewhere in
-#: this project (the config file's path; the vLLM benchmarks' converted model folder)
-OTHER_ENV = frozenset({ENV_PREFIX + "CONFIG", ENV_PREFIX + "VLLM_MODEL_DIR"})
+    Raises:
+        EnvValueError: a value that cannot be parsed, naming the variable and the value.
+    """
+    return config_env.from_env(env, FIELDS)
 
 
 def unknown_env(env: Mapping[str, str]) -> list[tuple[str, str | None]]:
     """``(name, closest setting variable or None)`` of each ``KVSTORE_*`` variable in ``env``
-    that names no setting (a typo such as ``KVSTORE_POLCY`` would otherwise be ignored
-    silently), in name order."""
-    known = {ENV_PREFIX + name.upper() for name in FIELDS}
-    out = []
-    for name in sorted(env):
-        if name.startswith(ENV_PREFIX) and name not in known and name not in OTHER_ENV:
-            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
-            out.append((name, close[0] if close else None))
-    return out
+    that names no setting, in name order (``kvstore.daemon.config_env.unknown_env``)."""
+    return config_env.unknown_env(env, FIELDS)
 
 
 def resolve(flags: Mapping[str, Any], env: Mapping[str, str] | None = None,
@@ -367,6 +349,10 @@ def resolve(flags: Mapping[str, Any], env: Mapping[str, str] | None = None,
 
     The file is ``config_file`` or else ``$KVSTORE_CONFIG``. A ``KVSTORE_*`` variable that
     names no setting is logged (WARNING) and ignored.
+
+    Raises:
+        EnvValueError: a ``KVSTORE_*`` value that cannot be parsed (named with its value).
+        ValueError: a bad setting from any layer (see ``ServeConfig``), or a bad file.
     """
     env = os.environ if env is None else env
     for name, close in unknown_env(env):

@@ -1,0 +1,60 @@
+"""``KVSTORE_*`` variables of ``kvstore serve``: each is parsed to its setting's type, and one
+that cannot be parsed is refused naming the variable and its value (exit 2, one ``error:`` line),
+before any tier is built."""
+import os
+
+import pytest
+
+from kvstore.daemon import cli
+from kvstore.daemon import config as serve_config
+from kvstore.daemon.config_env import EnvValueError
+
+
+def test_good_values_are_parsed_to_their_types():
+    env = {"KVSTORE_CPU_BYTES": "2MiB", "KVSTORE_PORT": "8601", "KVSTORE_INSECURE": "yes",
+           "KVSTORE_REMOTE_TTL_S": "1.5", "KVSTORE_MAX_CONNECTIONS": "auto",
+           "KVSTORE_LOG_LEVEL": "DEBUG", "KVSTORE_DEVICE": "cuda:1"}
+    assert serve_config.from_env(env) == {
+        "cpu_bytes": 2 << 20, "port": 8601, "insecure": True, "remote_ttl_s": 1.5,
+        "max_connections": "auto", "log_level": "DEBUG", "device": "cuda:1"}
+    cfg = serve_config.resolve({}, env)
+    assert (cfg.cpu_bytes, cfg.port, cfg.insecure) == (2 << 20, 8601, True)
+
+
+@pytest.mark.parametrize("var, value, reason", [
+    ("KVSTORE_CPU_BYTES", "12XB", "unknown size unit 'XB' in '12XB'"),
+    ("KVSTORE_PORT", "85OO", "not a whole number"),
+    ("KVSTORE_REQUEST_TIMEOUT_S", "10s", "not a number"),
+    ("KVSTORE_INSECURE", "maybe", "not a boolean: 'maybe'"),
+    ("KVSTORE_POLICY", "mru", "choose one of arc, fifo, lfu, lru, s3fifo"),
+])
+def test_a_value_that_cannot_be_parsed_names_the_variable(var, value, reason):
+    with pytest.raises(EnvValueError) as exc:
+        serve_config.resolve({}, {var: value})
+    assert str(exc.value).startswith(f"{var}={value!r}: {reason}")
+
+
+def test_two_bad_variables_are_both_named_in_one_line():
+    with pytest.raises(EnvValueError) as exc:
+        serve_config.resolve({}, {"KVSTORE_PORT": "80a", "KVSTORE_CPU_BYTES": "12XB",
+                                  "KVSTORE_GPU_BYTES": "0"})
+    first, second = str(exc.value).split(" | ")
+    assert first.startswith("KVSTORE_CPU_BYTES='12XB': unknown size unit 'XB'")
+    assert second == "KVSTORE_PORT='80a': not a whole number"
+
+
+@pytest.mark.parametrize("env, line", [
+    ({"KVSTORE_CPU_BYTES": "12XB"},
+     "kvstore serve: error: KVSTORE_CPU_BYTES='12XB': unknown size unit 'XB' in '12XB'; use "
+     "one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB, K, M, G, T"),
+    ({"KVSTORE_MAX_BATCH_KEYS": "1e3"},
+     "kvstore serve: error: KVSTORE_MAX_BATCH_KEYS='1e3': not a whole number"),
+])
+def test_kvstore_serve_exits_2_with_one_error_line(monkeypatch, capsys, env, line):
+    for name in [n for n in os.environ if n.startswith("KVSTORE_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert cli.main(["serve", "--port", "0"]) == 2
+    out = capsys.readouterr()
+    assert out.err.splitlines() == [line] and out.out == ""
