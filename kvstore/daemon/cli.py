@@ -294,8 +294,27 @@ def cmd_stats(args: argparse.Namespace) -> int:
     except (StoreUnavailable, RemoteError) as e:
         print(f"kvstore stats: {e}", file=sys.stderr)
         return 1
-    print(json.dumps(st, indent=2, sort_keys=True) if args.json else format_table(st))
+    print(json.dumps(st, indent=2, sort_keys=True) if args.json
+          else format_table(st, notes=STAT_NOTES))
     return 0
+
+
+#: what a ``/v1/stats`` counter counts, shown after its name in ``kvstore stats``'s table:
+#: ``lookups`` count prefix lookups and their tokens, while ``hits``/``misses`` count the chunks
+#: of get calls (``kvstore.metrics``, ``kvstore.tiers.remote_metrics``); ``*_by_tier.<tier>``
+#: rows take their counter's note
+STAT_NOTES = {
+    "lookups": "prefix lookups",
+    "requested_tokens": "lookup: tokens asked",
+    "hit_tokens": "lookup: leading tokens found",
+    "hits": "get: chunks returned",
+    "misses": "get: chunks not returned",
+    "remote.lookups": "lookup: chunks probed",
+    "remote.lookup_hits": "lookup: chunks found",
+    "remote.reads": "get: chunks asked",
+    "remote.hits": "get: chunks read",
+    "remote.misses": "get: chunks not served",
+}
 
 
 def cmd_clear(args: argparse.Namespace) -> int:
@@ -354,9 +373,21 @@ def _fmt(name: str, value: Any) -> str:
     return str(value)
 
 
-def format_table(obj: dict) -> str:
-    """Two-column text table of a nested dict; byte fields also shown as ``8GiB``."""
-    rows = [(k, _fmt(k, v)) for k, v in flatten(obj)]
+def _label(name: str, notes: dict[str, str]) -> str:
+    """``name`` with its note: ``hits (get: chunks returned)``; ``hits_by_tier.cpu`` takes the
+    note of ``hits``."""
+    head = name.rpartition(".")[0]
+    note = notes.get(name)
+    if note is None and head.endswith("_by_tier"):
+        note = notes.get(head.removesuffix("_by_tier"))
+    return f"{name} ({note})" if note else name
+
+
+def format_table(obj: dict, notes: dict[str, str] | None = None) -> str:
+    """Two-column text table of a nested dict (keys flattened to ``a.b``); byte fields also
+    shown as ``8GiB``; a key in ``notes`` (or a ``<counter>_by_tier.<tier>`` key whose
+    counter is) gets its note after it, in parentheses."""
+    rows = [(_label(k, notes or {}), _fmt(k, v)) for k, v in flatten(obj)]
     width = max((len(k) for k, _ in rows), default=0)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
