@@ -16,6 +16,7 @@ import torch
 
 from kvstore.api import LookupResult
 from kvstore.daemon import protocol as P
+from kvstore.daemon import wire_codec as W
 from kvstore.daemon.shm_client import check_out
 from kvstore.daemon.transport import Transport
 from kvstore.errors import RemoteError, StoreUnavailable
@@ -43,14 +44,24 @@ class AsyncKVStoreClient:
             ``StoreUnavailable`` (default 2, so about ``refused_backoff_s`` instead of the whole
             deadline); None retries until the deadline (to ride out a daemon restart).
         refused_backoff_s: wait between refused attempts (seconds).
+        wire_codec: ``"raw"`` (default: bit-exact payloads) or a lossy codec (``"kivi"``,
+            ``"int8"``, ``"fp8"``) to send puts and ask gets encoded with, for namespaces
+            whose ``lossy_codec`` names it (others travel raw; ``kvstore.daemon.wire_codec``).
+            Gets then return the decoded values; the daemon stores a put's decoded values.
 
     Raises:
-        ValueError: ``url`` is not ``http[s]://HOST:PORT`` (``check_url``).
+        ValueError: ``url`` is not ``http[s]://HOST:PORT`` (``check_url``), or an unknown
+            ``wire_codec``.
     """
 
     def __init__(self, url: str, *, auth_token: str | None = None, timeout_s: float = 10.0,
                  pool_size: int = 32, durable: bool = False, retry_backoff_s: float = 0.02,
-                 refused_tries: int | None = 2, refused_backoff_s: float = 0.05):
+                 refused_tries: int | None = 2, refused_backoff_s: float = 0.05,
+                 wire_codec: str = "raw"):
+        if wire_codec not in W.WIRE_CODECS:
+            raise ValueError(f"unknown wire_codec {wire_codec!r}; choose one of "
+                             f"{list(W.WIRE_CODECS)}")
+        self.wire_codec = wire_codec
         self._http = Transport(url, auth_token=auth_token, timeout_s=timeout_s,
                                pool_size=pool_size, retry_backoff_s=retry_backoff_s,
                                refused_tries=refused_tries, refused_backoff_s=refused_backoff_s)
@@ -145,6 +156,7 @@ class AsyncKVStoreClient:
         """Chunks ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` or None per key.
         A payload failing its checksum is returned as None (and logged). ``out`` (optional):
         one contiguous CPU tensor per key of the layout, read into and returned as ``out[i]``.
+        With a ``wire_codec`` the namespace accepts, chunks arrive encoded and are decoded.
 
         Raises:
             ValueError: a bad ``out`` (count, shape, dtype, device, not contiguous).
@@ -154,19 +166,25 @@ class AsyncKVStoreClient:
         if not keys:
             return []
 
+        codec = W.codec_for(ns, self.wire_codec)
+        headers = {"Content-Type": "application/json"}
+        if codec != "raw":
+            headers[W.WIRE_CODEC_HEADER] = codec
+
         async def handle(resp):
             if resp.status == 404:
                 return [None] * len(keys)
-            return await _read_get_body(resp.content, ns, keys, out)
+            return await _read_get_body(resp.content, ns, keys, out, codec)
         return await self._http.call("POST", "/v1/get", handle, idempotent=True,
                                      timeout_s=timeout_s, body=P.key_request(ns, keys),
-                                     headers={"Content-Type": "application/json"})
+                                     headers=headers)
 
     async def put_chunks(self, ns: Namespace, keys: Sequence[ChunkKey],
                          kvs: Sequence[torch.Tensor],
                          parents: Sequence[ChunkKey | None] | None = None, *,
                          durable: bool | None = None, timeout_s: float | None = None) -> int:
-        """Store chunks (streamed, no copy of the tensors). With ``durable`` the server answers
+        """Store chunks (streamed, no copy of the tensors; with a ``wire_codec`` the namespace
+        accepts, encoded first, off the event loop). With ``durable`` the server answers
         only after the disk tier has flushed them. ``parents`` as ``KVStoreBase.put_chunks``
         (sent as each entry's ``"parent"`` where it is not the previous key; the first
         entry's always). Returns the number newly stored.
@@ -183,7 +201,13 @@ class AsyncKVStoreClient:
             return 0
         for kv in kvs:
             ns.layout.validate(kv)
-        entries = [P.entry_for(k, kv) for k, kv in zip(keys, kvs)]
+        codec = W.codec_for(ns, self.wire_codec)
+        headers = {"Content-Type": P.BINARY_CONTENT_TYPE}
+        if codec == "raw":
+            entries = [P.entry_for(k, kv) for k, kv in zip(keys, kvs)]
+        else:
+            headers[W.WIRE_CODEC_HEADER] = codec
+            entries = await asyncio.to_thread(_encoded_entries, keys, kvs, codec)
         if parents is not None:
             entries = [(dataclasses.replace(e, parent=p, parent_given=True)
                         if i == 0 or p != keys[i - 1] else e, v)
@@ -204,8 +228,7 @@ class AsyncKVStoreClient:
         return await self._http.call("POST", "/v1/put", handle, idempotent=True,
                                      timeout_s=timeout_s,
                                      body=stream,
-                                     headers={"Content-Type": P.BINARY_CONTENT_TYPE,
-                                              "Content-Length": str(length)})
+                                     headers={**headers, "Content-Length": str(length)})
 
     async def healthy(self, *, timeout_s: float = 1.0) -> bool:
         """True when /readyz answers 200 within ``timeout_s``."""
@@ -218,28 +241,60 @@ class AsyncKVStoreClient:
             return False
 
 
+def _encoded_entries(keys: Sequence[ChunkKey], kvs: Sequence[torch.Tensor], codec: str
+                     ) -> list[tuple[P.ChunkEntry, memoryview]]:
+    """Header entries and wire payloads of a put's chunks under ``codec``
+    (``wire_codec.encode_chunk``: raw for a chunk it cannot encode)."""
+    out = []
+    for k, kv in zip(keys, kvs):
+        used, view = W.encode_chunk(kv, codec)
+        out.append((P.ChunkEntry(k, view.nbytes, P.dtype_name(kv.dtype), tuple(kv.shape),
+                                 P.checksum(view), codec=used), view))
+    return out
+
+
+async def _read_into(reader: aiohttp.StreamReader, view: memoryview) -> None:
+    pos = 0
+    while pos < view.nbytes:
+        data = await reader.read(view.nbytes - pos)
+        if not data:
+            raise asyncio.IncompleteReadError(b"", view.nbytes - pos)
+        view[pos:pos + len(data)] = data
+        pos += len(data)
+
+
 async def _read_get_body(reader: aiohttp.StreamReader, ns: Namespace,
-                         keys: Sequence[ChunkKey], bufs: Sequence[torch.Tensor] | None = None
-                         ) -> list[torch.Tensor | None]:
+                         keys: Sequence[ChunkKey], bufs: Sequence[torch.Tensor] | None = None,
+                         codec: str = "raw") -> list[torch.Tensor | None]:
+    """The chunks of a get answer (None: not found, or a payload failing its checksum);
+    payloads of a lossy ``codec`` are decoded (into ``bufs[i]`` when given)."""
     hdr_len = P.decode_preamble(await reader.readexactly(P.PREAMBLE_BYTES))
     header = P.parse_json(await reader.readexactly(hdr_len), "get response header")
-    entries = P.parse_get_response_header(header, ns, keys)
+    entries = P.parse_get_response_header(header, ns, keys, codec)
     layout = ns.layout
     out: list[torch.Tensor | None] = []
     for i, e in enumerate(entries):
         if not e.found:
             out.append(None)
             continue
+        if e.codec != "raw":
+            payload = bytearray(e.nbytes)
+            await _read_into(reader, memoryview(payload))
+            if P.checksum(payload) != e.xxh3:
+                log.warning("checksum mismatch on get of %s; treated as a miss", e.key)
+                out.append(None)
+                continue
+            try:
+                out.append(await asyncio.to_thread(W.decode_chunk, payload, e.codec, layout,
+                                                   bufs[i] if bufs is not None else None))
+            except P.ProtocolError as err:
+                log.warning("get of %s: %s; treated as a miss", e.key, err)
+                out.append(None)
+            continue
         kv = bufs[i] if bufs is not None else \
             torch.empty(layout.shape(), dtype=layout.torch_dtype)  # [L, 2, T, H, D]
         view = memoryview(kv.view(torch.uint8).reshape(-1).numpy())
-        pos = 0
-        while pos < e.nbytes:
-            data = await reader.read(e.nbytes - pos)
-            if not data:
-                raise asyncio.IncompleteReadError(b"", e.nbytes - pos)
-            view[pos:pos + len(data)] = data
-            pos += len(data)
+        await _read_into(reader, view)
         if P.checksum(view) != e.xxh3:
             log.warning("checksum mismatch on get of %s; treated as a miss", e.key)
             out.append(None)

@@ -25,6 +25,7 @@ from kvstore.daemon.shm_client import CAPABILITIES as SHM_CAPABILITIES
 from kvstore.daemon.shm_client import ShmKVStoreClient
 from kvstore.daemon.shm_discovery import discover_socket
 from kvstore.daemon.transport import check_url
+from kvstore.daemon.wire_codec import WIRE_CODECS
 from kvstore.errors import RemoteError, StoreUnavailable
 
 __all__ = ["AsyncKVStoreClient", "KVStoreClient", "RemoteError", "StoreUnavailable", "check_url"]
@@ -46,19 +47,25 @@ class KVStoreClient(KVStoreBase):
     Every method blocks at most its deadline (``timeout_s``) and raises ``StoreUnavailable``
     when the daemon does not answer in time, ``RemoteError`` for error answers, ``ValueError``
     for bad tensors. Other arguments as in ``AsyncKVStoreClient`` (both paths take them).
-    ``/metrics`` (``metrics_text``) is served over HTTP only.
+    ``/metrics`` (``metrics_text``) is served over HTTP only. ``wire_codec`` (as
+    ``AsyncKVStoreClient``'s) applies to HTTP only: the same-host path moves exact bytes
+    through memory, no network in between.
     """
 
-    def __init__(self, url: str, *, same_host: bool = True, **kwargs: Any):
+    def __init__(self, url: str, *, same_host: bool = True, wire_codec: str = "raw",
+                 **kwargs: Any):
         self._shm: ShmKVStoreClient | None = None
         self._async: AsyncKVStoreClient | None = None
         self._closed = False
         self._discovering = False
+        if wire_codec not in WIRE_CODECS:
+            raise ValueError(f"unknown wire_codec {wire_codec!r}; choose one of "
+                             f"{list(WIRE_CODECS)}")
         if isinstance(url, str) and url.startswith("unix://"):
             self._shm = ShmKVStoreClient(url, **kwargs)
             self.url = self._shm.url
             return
-        self._async = AsyncKVStoreClient(url, **kwargs)
+        self._async = AsyncKVStoreClient(url, wire_codec=wire_codec, **kwargs)
         self.url = self._async.url
         self._shm_kwargs = kwargs
         self._discovering = same_host

@@ -61,13 +61,16 @@ async def get(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def _send(request: web.Request, entries, total: int, chunks) -> web.StreamResponse:
+async def _send(request: web.Request, entries, total: int, chunks,
+                headers: dict | None = None) -> web.StreamResponse:
     """Stream a get answer: the header of ``entries``, then each found chunk's byte pieces
     (``chunks``: per found chunk, a list of memoryviews; ``total`` bytes in all) in slices of
-    ``WRITE_SLICE``. Each chunk's list is dropped as soon as it is sent."""
+    ``WRITE_SLICE``. Each chunk's list is dropped as soon as it is sent. ``headers``: more
+    HTTP headers of the answer."""
     head = P.get_response_header(entries)
     resp = web.StreamResponse(headers={"Content-Type": P.BINARY_CONTENT_TYPE,
-                                       P.VERSION_HEADER: str(P.PROTOCOL_VERSION)})
+                                       P.VERSION_HEADER: str(P.PROTOCOL_VERSION),
+                                       **(headers or {})})
     resp.content_length = len(head) + total
     await resp.prepare(request)
     await resp.write(head)

@@ -32,6 +32,10 @@ Header of a get response body (``found: false`` entries carry no payload)::
     {"chunks": [{"key": hex, "found": true, "nbytes": ..., "dtype": ..., "shape": ...,
                  "xxh3": ...}, {"key": hex, "found": false}, ...]}
 
+With ``X-KVStore-Wire-Codec: NAME`` (``kvstore.daemon.wire_codec``) payloads travel encoded
+with a lossy codec, for namespaces that accept it: each such entry also says ``"codec": NAME``,
+its ``nbytes`` and ``xxh3`` being the encoded payload's (absent ``codec``: ``raw``).
+
 Every request and response also carries ``X-KVStore-Protocol: 1``. A request naming an
 unsupported version is refused with 400. Errors are JSON ``{"error": str, "status": int}``.
 """
@@ -50,6 +54,7 @@ from kvstore.daemon.fields import (  # noqa: F401 (the JSON part of the wire for
     PREFIX_HASH_BYTES, PROTOCOL_VERSION, SUPPORTED_VERSIONS, VERSION_HEADER,
     ProtocolError, check_version, error_body, key_request, parse_json, parse_key, parse_keys,
     parse_namespace)
+from kvstore.daemon.wire_codec import WIRE_CODEC_HEADER, max_nbytes  # noqa: F401
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.layout import KVLayout, dtype_name
 
@@ -65,6 +70,8 @@ class ChunkEntry:
     """One chunk's header entry: key, payload size, dtype, shape and checksum.
 
     ``found`` is False only in get responses for missing keys (then no payload follows).
+    ``codec``: the payload's wire codec (``kvstore.daemon.wire_codec``; ``nbytes`` and
+    ``xxh3`` are the encoded payload's), ``raw`` by default (not written by ``to_dict``).
     ``parent`` (put only): the chunk's parent key, None for a first chunk; ``parent_given``
     says whether the header carries it (``to_dict`` writes ``"parent"`` only then; without
     it the previous entry's key is the parent: ``put_parents``).
@@ -78,12 +85,15 @@ class ChunkEntry:
     found: bool = True
     parent: ChunkKey | None = None
     parent_given: bool = False
+    codec: str = "raw"
 
     def to_dict(self) -> dict:
         if not self.found:
             return {"key": self.key.hex(), "found": False}
         out = {"key": self.key.hex(), "found": True, "nbytes": self.nbytes,
                "dtype": self.dtype, "shape": list(self.shape), "xxh3": self.xxh3}
+        if self.codec != "raw":
+            out["codec"] = self.codec
         if self.parent_given:
             out["parent"] = None if self.parent is None else self.parent.hex()
         return out
@@ -137,15 +147,19 @@ def decode_preamble(buf: bytes) -> int:
     return hdr_len
 
 
-def parse_put_header(header: dict, max_keys: int) -> tuple[Namespace, list[ChunkEntry], bool]:
+def parse_put_header(header: dict, max_keys: int, wire_codec: str = "raw"
+                     ) -> tuple[Namespace, list[ChunkEntry], bool]:
     """Validate a put header against its namespace layout, before any payload is read.
+    Entries may say ``"codec"``: ``raw`` or the request's ``wire_codec``.
 
     Returns:
         (namespace, entries, durable)
 
     Raises:
         ProtocolError: missing fields, a key of another namespace, a duplicate key, a dtype,
-            shape or nbytes that does not match ``namespace.layout``, or too many chunks (413).
+            shape or nbytes that does not match ``namespace.layout`` (a lossy entry's
+            nbytes: at most ``wire_codec.max_nbytes``), an entry codec other than ``raw`` or
+            ``wire_codec``, or too many chunks (413).
     """
     ns = parse_namespace(header.get("namespace"))
     chunks = header.get("chunks")
@@ -154,7 +168,7 @@ def parse_put_header(header: dict, max_keys: int) -> tuple[Namespace, list[Chunk
     if len(chunks) > max_keys:
         raise ProtocolError(f"{len(chunks)} chunks exceed the limit of {max_keys} per batch", 413)
     layout = ns.layout
-    entries = [_parse_put_entry(ns, layout, c) for c in chunks]
+    entries = [_parse_put_entry(ns, layout, c, wire_codec) for c in chunks]
     if len({e.key for e in entries}) != len(entries):
         raise ProtocolError("duplicate key in one put batch")
     entries = [_parse_parent(ns, c, e) for c, e in zip(chunks, entries)]
@@ -164,10 +178,15 @@ def parse_put_header(header: dict, max_keys: int) -> tuple[Namespace, list[Chunk
     return ns, entries, durable
 
 
-def _parse_put_entry(ns: Namespace, layout: KVLayout, c: Any) -> ChunkEntry:
+def _parse_put_entry(ns: Namespace, layout: KVLayout, c: Any,
+                     wire_codec: str = "raw") -> ChunkEntry:
     if not isinstance(c, dict):
         raise ProtocolError("each chunk entry must be a JSON object")
     key = parse_key(ns, c.get("key"))
+    codec = c.get("codec", "raw")
+    if codec not in ("raw", wire_codec):
+        raise ProtocolError(f"chunk codec {str(codec)[:40]!r} is neither raw nor the request's "
+                            f"wire codec {wire_codec!r} ({WIRE_CODEC_HEADER})")
     nbytes, dtype, shape, xxh = c.get("nbytes"), c.get("dtype"), c.get("shape"), c.get("xxh3")
     if dtype != layout.dtype:
         raise ProtocolError(f"dtype mismatch: layout has {layout.dtype}, chunk says {dtype!r}")
@@ -175,12 +194,16 @@ def _parse_put_entry(ns: Namespace, layout: KVLayout, c: Any) -> ChunkEntry:
     if not isinstance(shape, list) or any(type(s) is not int for s in shape) \
             or tuple(shape) != layout.shape():
         raise ProtocolError(f"shape mismatch: expected {list(layout.shape())}, got {shape!r}")
-    if type(nbytes) is not int or nbytes != layout.chunk_bytes:
+    if codec == "raw" and (type(nbytes) is not int or nbytes != layout.chunk_bytes):
         raise ProtocolError(f"nbytes mismatch: layout needs {layout.chunk_bytes}, "
                             f"chunk says {nbytes!r}")
+    if codec != "raw" and (type(nbytes) is not int
+                           or not 0 < nbytes <= max_nbytes(codec, layout)):
+        raise ProtocolError(f"nbytes of a {codec} payload must be in [1, "
+                            f"{max_nbytes(codec, layout)}], chunk says {nbytes!r}")
     if not isinstance(xxh, str) or len(xxh) != 16:
         raise ProtocolError(f"'xxh3' must be 16 hex digits, got {xxh!r}")
-    return ChunkEntry(key, nbytes, dtype, tuple(shape), xxh.lower())
+    return ChunkEntry(key, nbytes, dtype, tuple(shape), xxh.lower(), codec=codec)
 
 
 def _parse_parent(ns: Namespace, c: dict, e: ChunkEntry) -> ChunkEntry:
@@ -213,10 +236,11 @@ def get_response_header(entries: Sequence[ChunkEntry]) -> bytes:
     return encode_preamble_and_header({"chunks": [e.to_dict() for e in entries]})
 
 
-def parse_get_response_header(header: dict, ns: Namespace,
-                              keys: Sequence[ChunkKey]) -> list[ChunkEntry]:
+def parse_get_response_header(header: dict, ns: Namespace, keys: Sequence[ChunkKey],
+                              wire_codec: str = "raw") -> list[ChunkEntry]:
     """Validate a get response header against the request (same keys, in order, and the
-    namespace layout for found entries). Raises ProtocolError."""
+    namespace layout for found entries, whose ``codec`` may be ``raw`` or the ``wire_codec``
+    asked for). Raises ProtocolError."""
     chunks = header.get("chunks")
     if not isinstance(chunks, list) or len(chunks) != len(keys):
         raise ProtocolError(f"get response lists {len(chunks) if isinstance(chunks, list) else 0}"
@@ -228,7 +252,7 @@ def parse_get_response_header(header: dict, ns: Namespace,
         if not c.get("found"):
             out.append(ChunkEntry(key, found=False))
             continue
-        out.append(_parse_put_entry(ns, ns.layout, c))
+        out.append(_parse_put_entry(ns, ns.layout, c, wire_codec))
     return out
 
 

@@ -16,6 +16,9 @@ Routes (wire format in ``kvstore.daemon.protocol``):
     POST /v1/get         JSON {namespace, keys}        -> binary message; 404 if no key is found,
                                                         400 if keys is empty
     POST /v1/put         binary message                -> {stored, num_chunks, durable}
+                         (get and put: payloads encoded with the lossy codec named by
+                         ``X-KVStore-Wire-Codec``, for a namespace that accepts it, else 422;
+                         ``kvstore.daemon.wire_codec``)
     POST /v1/remove      JSON {namespace, keys}        -> {removed}
     POST /v1/demote      JSON {namespace, keys}        -> {demoted}: the stored keys become
                                                         first eviction candidates
@@ -36,7 +39,8 @@ token (else 403). ``--auth-token`` alone is one admin.
 
 Store calls run on a thread pool so a slow disk tier never blocks the event loop. This module
 holds the app, auth/timeout middleware and the JSON routes; the binary get/put routes are in
-``kvstore.daemon.payload`` and the shared limits/state/helpers in ``kvstore.daemon.state``.
+``kvstore.daemon.payload`` (with a wire codec: ``kvstore.daemon.payload_wire``) and the shared
+limits/state/helpers in ``kvstore.daemon.state``.
 """
 from __future__ import annotations
 
@@ -53,7 +57,8 @@ from kvstore.api import KVStoreBase
 # re-exported: kvstore.daemon.server stays the public import path of these
 from kvstore.daemon.budget import BufferPool, ByteBudget  # noqa: F401
 from kvstore.daemon.conns import ConnectionGuard
-from kvstore.daemon.payload import can_persist, get, persist, put  # noqa: F401
+from kvstore.daemon.payload import can_persist, persist  # noqa: F401
+from kvstore.daemon.payload_wire import get, put  # noqa: F401
 from kvstore.daemon.run import ThreadedServer, serve_until_signal, set_ready  # noqa: F401
 from kvstore.daemon.state import (READ_BUFSIZE, STATE_KEY, STORE_KEY, TENANT_KEY,  # noqa: F401
                                   ServerLimits, _json_body, _json_error, _ns_keys, _ok,
