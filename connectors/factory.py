@@ -28,6 +28,7 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
                      model_id: str | None = None, revision: str | None = None,
                      auth_token: str | None = None, save_generated: bool = True,
                      tail_chunk_size: int | None = None, remote: dict | None = None,
+                     wire_codec: str = "",
                      **connector_kwargs: Any) -> EngineMinConnector:
     """A connector over the store these options describe (see module docstring).
 
@@ -55,6 +56,8 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
         remote: the in-process store's remote tier (Redis) as ``StoreSpec`` fields
             (``remote_url``, ``remote_key_prefix``, ``remote_ttl_s``, ``remote_timeout_s``);
             None = none.
+        wire_codec: the daemon client's wire codec (``StoreSpec.wire_codec``): chunks of
+            namespaces that accept it travel to and from the daemon encoded; ``""``: raw.
         connector_kwargs: further ``EngineMinConnector`` arguments; its ``lossy_codec``
             also sets the in-process store's disk and remote tier codec (``StoreSpec``).
 
@@ -74,6 +77,7 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
                                   disk_bytes=disk_bytes, url=url, auth_token=auth_token,
                                   timeout_s=timeout_s, breaker=breaker,
                                   lossy_codec=connector_kwargs.get("lossy_codec", ""),
+                                  wire_codec=wire_codec,
                                   **(remote or {})))
     store = opened.store
     try:

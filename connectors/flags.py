@@ -85,6 +85,12 @@ def add_store_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    "it from a daemon started with --disk-codec/--remote-codec of the same "
                    "codec: its chunks get keys of their own (never shared with bit-exact "
                    "engines). Default: bit-exact only")
+    s.add_argument("--kvstore-wire-codec", default=None, choices=("kivi", "int8", "fp8"),
+                   help="also send this engine's chunks to and from the daemon (--kvstore-url, "
+                   "over HTTP) encoded with this codec, about half the bytes on the network; "
+                   "the daemon stores the decoded values. Must name the --kvstore-lossy-codec "
+                   "(the daemon refuses a lossy codec for a namespace that does not accept "
+                   "it). Default: bit-exact payloads")
     s.add_argument("--kvstore-remote-url", default=None, metavar="URL",
                    help="in-process store: a remote tier in Redis below its tiers, shared by "
                    "every engine pointing at it: redis://HOST:PORT (standalone or a cluster "
@@ -106,15 +112,15 @@ def connector_from_args(args: argparse.Namespace) -> EngineMinConnector | None:
     """The connector of the store flags (``kvstore_cpu_bytes``, ``kvstore_disk_path``,
     ``kvstore_disk_bytes``, ``kvstore_url``, ``kvstore_remote_*``, ``kvstore_chunk_size``,
     optional ``kvstore_deadline_s``, ``kvstore_auth_token`` and ``kvstore_tail_chunk_size``:
-    None or absent = pieces of the engine's block size, 0 = off), or None when no store flag
-    is set.
+    None or absent = pieces of the engine's block size, 0 = off; ``kvstore_lossy_codec``,
+    ``kvstore_wire_codec``), or None when no store flag is set.
 
     The store is in-process tiers (cpu bytes, disk path and bytes, a remote tier in Redis), a
     remote daemon (url), or both (local tiers in front of the daemon).
 
     Raises:
         StoreFlagError: a tail chunk size or remote-tier setting without a store, disk bytes
-            without a disk path, a remote URL with only a daemon, a remote URL that does not
+            without a disk path, a wire codec without a daemon or other than the lossy codec, a remote URL with only a daemon, a remote URL that does not
             parse.
         ValueError: as ``connectors.factory.create_connector`` (a bad URL, size or chunk size;
             ``kvstore.tiers.redis_nodes.RemoteConfigError``: Redis unreachable or the password
@@ -125,7 +131,7 @@ def connector_from_args(args: argparse.Namespace) -> EngineMinConnector | None:
             for k in ("cpu_bytes", "disk_path", "disk_bytes", "url")}
     remote = remote_options(args)
     if all(v is None for v in opts.values()) and not remote:
-        for flag in ("tail_chunk_size", "lossy_codec"):  # would be ignored silently
+        for flag in ("tail_chunk_size", "lossy_codec", "wire_codec"):  # else ignored silently
             if getattr(args, f"kvstore_{flag}", None):
                 raise StoreFlagError(f"--kvstore-{flag.replace('_', '-')} needs a store: "
                                      "--kvstore-cpu-bytes, --kvstore-disk-path, --kvstore-url "
@@ -137,15 +143,33 @@ def connector_from_args(args: argparse.Namespace) -> EngineMinConnector | None:
         raise StoreFlagError("--kvstore-remote-url adds a tier to the in-process store, but "
                              "--kvstore-url names only a daemon: start the daemon with "
                              "kvstore serve --remote-url instead (or add --kvstore-cpu-bytes)")
+    _check_wire_codec(args, opts["url"])
     if remote:
         opts["remote"] = remote
     extra = {}
-    for k in ("chunk_size", "deadline_s", "auth_token", "tail_chunk_size", "lossy_codec"):
+    for k in ("chunk_size", "deadline_s", "auth_token", "tail_chunk_size", "lossy_codec",
+              "wire_codec"):
         v = getattr(args, f"kvstore_{k}", None)
         if v is not None:
             extra[k] = v
     from connectors.factory import create_connector
     return create_connector(**opts, **extra)
+
+
+def _check_wire_codec(args: argparse.Namespace, url: str | None) -> None:
+    """Raises StoreFlagError: ``--kvstore-wire-codec`` without ``--kvstore-url`` or naming
+    another codec than ``--kvstore-lossy-codec`` (it would never be used)."""
+    wire = getattr(args, "kvstore_wire_codec", None)
+    if not wire:
+        return
+    if not url:
+        raise StoreFlagError("--kvstore-wire-codec encodes chunks to and from a daemon: it "
+                             "needs --kvstore-url")
+    lossy = getattr(args, "kvstore_lossy_codec", None)
+    if wire != lossy:
+        raise StoreFlagError(f"--kvstore-wire-codec {wire} needs --kvstore-lossy-codec {wire} "
+                             f"(got {lossy or 'none'}): the daemon sends and takes a lossy codec "
+                             "only for chunks whose namespace accepts it")
 
 
 def remote_options(args: argparse.Namespace) -> dict:

@@ -116,6 +116,9 @@ class StoreSpec:
             (``Namespace.lossy_codec``; every other chunk losslessly, as by default); ``""``
             (default): the tiers' lossless defaults. A daemon's tiers are its own
             (``kvstore serve --disk-codec``).
+        wire_codec: the daemon client's wire codec (``kvstore.daemon.wire_codec``): chunks of
+            namespaces whose ``lossy_codec`` names it travel to and from the daemon encoded
+            (HTTP only); ``""`` (default): raw, bit-exact.
 
     Raises:
         ValueError: at construction, a ``remote_url`` that does not parse (the message never
@@ -136,6 +139,7 @@ class StoreSpec:
     remote_timeout_s: float = 0.25
     remote_password: str | None = field(default=None, repr=False)
     lossy_codec: str = ""
+    wire_codec: str = ""
 
     def __post_init__(self) -> None:
         if not self.remote_url:
@@ -240,7 +244,7 @@ def _with_daemon(spec: StoreSpec, stores: list[KVStoreBase]) -> OpenedStore:
     if spec.url:
         from kvstore.daemon.client import KVStoreClient
         client = KVStoreClient(http_url(spec.url), auth_token=spec.auth_token,
-                               timeout_s=spec.timeout_s)
+                               timeout_s=spec.timeout_s, wire_codec=spec.wire_codec or "raw")
         salt = daemon_tenant_salt(client, max(spec.timeout_s, WHOAMI_TIMEOUT_S),
                                   token=bool(spec.auth_token))
         if spec.breaker is None:
