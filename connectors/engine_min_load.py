@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Executor, Future
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,13 +161,14 @@ class Loader:
         results = []
         for ld in loads:
             failed = True
-            try:
-                ld.future.result(timeout=max(0.0, deadline - time.perf_counter()))
-                failed = False
-            except FutureTimeout:
-                ld.future.cancel()
-                self.stats.fallback("load", "load of %d chunks missed its deadline; "
-                                    "recomputing", len(ld.plan.pieces))
+            try:  # (wait() first: a store error may itself be a TimeoutError, see lookups)
+                if wait([ld.future], timeout=max(0.0, deadline - time.perf_counter())).done:
+                    ld.future.result()
+                    failed = False
+                else:
+                    ld.future.cancel()
+                    self.stats.fallback("load", "load of %d chunks missed its deadline; "
+                                        "recomputing", len(ld.plan.pieces))
             except Exception as exc:  # noqa: BLE001
                 self.stats.fallback("load", "load failed (%s: %s); recomputing",
                                     type(exc).__name__, exc)

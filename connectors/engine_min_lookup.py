@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from concurrent.futures import Executor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Executor, wait
 
 from connectors.chunk_plan import LookupQuery
 from connectors.chunk_records import LookupHit
@@ -60,11 +59,16 @@ class PrefixLookup:
         try:
             hit = self._lookup(query, inline=True) if self._inline else None
             if hit is None:
-                hit = self._pool.submit(self._lookup, query).result(timeout=self.deadline_s)
-        except FutureTimeout:
-            self.stats.fallback("lookup", "lookup timed out after %.3f s; recomputing",
-                                self.deadline_s)
-            hit = LookupHit.miss(query.num_tokens, query.num_local)
+                # wait() then result(): a store error that is itself a TimeoutError (the
+                # daemon client's StoreUnavailable, a refused connection) is reported as what
+                # it is, not as this deadline passing
+                fut = self._pool.submit(self._lookup, query)
+                if not wait([fut], timeout=self.deadline_s).done:
+                    self.stats.fallback("lookup", "lookup timed out after %.3f s; recomputing",
+                                        self.deadline_s)
+                    hit = LookupHit.miss(query.num_tokens, query.num_local)
+                else:
+                    hit = fut.result()
         except Exception as exc:  # noqa: BLE001 - any store trouble means a miss
             self.stats.fallback("lookup", "lookup failed (%s: %s); recomputing",
                                 type(exc).__name__, exc)
