@@ -25,7 +25,12 @@ element), ``bytes_ratio_vs_stored_dtype`` (/ the KV dtype's bytes), ``max_abs_er
 codec's stated bound, ``kvstore.kv_codec.error_bound``), ``encode_gbps`` / ``decode_gbps`` (fp16-equivalent
 bytes per second of ``kvstore.codec.pack_value`` / ``unpack_value``: a tier's whole
 per-chunk cost, checksums included; for a lossy codec packing also decodes once, for the
-checksum). ``load_average`` is recorded: figures on a busy host are not comparable.
+checksum). ``wire_get_gbps``: fp16-equivalent bytes per second of gets of those chunks
+from a local daemon (``kvstore serve``'s app on a loopback port, a CPU tier) by a client
+whose wire codec is the codec (``KVStoreClient(wire_codec=...)``: the daemon encodes, the
+client decodes; ``raw`` moves exact bytes), batches of 8 chunks, best of 3 passes;
+``wire_bytes_ratio_vs_fp16`` is the payload bytes the daemon sent per fp16 byte.
+``load_average`` is recorded: figures on a busy host are not comparable.
 """
 from __future__ import annotations
 
@@ -152,6 +157,53 @@ def codec_figures(kvs: list[torch.Tensor], codec: str) -> dict:
             "chunks_measured": len(kvs), "within_error_bound": over <= 0}
 
 
+def wire_figures(kvs: list[torch.Tensor], codecs: list[str], batch: int = 8,
+                 passes: int = 3) -> dict:
+    """Per codec, ``{wire_get_gbps, wire_bytes_ratio_vs_fp16}`` of gets of ``kvs`` (real
+    chunks ``[L, 2, T, H, D]``) from a local daemon with that wire codec (module docstring)."""
+    import re
+
+    from kvstore.config import StoreConfig
+    from kvstore.daemon.client import KVStoreClient
+    from kvstore.daemon.server import ThreadedServer, create_app
+    from kvstore.keys import Namespace
+    from kvstore.layout import KVLayout
+    from kvstore.store import ChunkStore
+
+    L, _, T, H, D = kvs[0].shape
+    layout = KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype=dtype_name(kvs[0].dtype),
+                      chunk_size=T)
+    elems, total = sum(kv.numel() for kv in kvs), sum(kv.numel() * kv.element_size() for kv in kvs)
+    store = ChunkStore(StoreConfig(cpu_bytes=len(codecs) * total + (64 << 20)))
+    out: dict = {}
+    try:
+        with ThreadedServer(create_app(store)) as srv, \
+                KVStoreClient(srv.url, same_host=False, timeout_s=120.0) as admin:
+            def sent() -> float:
+                m = re.search(r"^kvstore_server_sent_bytes_total ([0-9.e+]+)$",
+                              admin.metrics_text(), re.M)
+                return float(m.group(1)) if m else 0.0
+            for codec in codecs:
+                ns = Namespace("bench-wire", layout, lossy_codec="" if codec == "raw" else codec)
+                keys = ns.chunk_keys(range(T * len(kvs)))
+                admin.put_chunks(ns, keys, kvs)
+                with KVStoreClient(srv.url, same_host=False, timeout_s=120.0,
+                                   wire_codec=codec) as c:
+                    best, before = float("inf"), sent()
+                    for _ in range(passes):
+                        t0 = time.perf_counter()
+                        for i in range(0, len(keys), batch):
+                            got = c.get_chunks(ns, keys[i:i + batch])
+                            assert all(g is not None for g in got)
+                        best = min(best, time.perf_counter() - t0)
+                    nbytes = (sent() - before) / passes
+                out[codec] = {"wire_get_gbps": 2 * elems / best / 1e9,
+                              "wire_bytes_ratio_vs_fp16": nbytes / (2 * elems)}
+    finally:
+        store.close()
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench.codec", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -203,6 +255,8 @@ def main(argv: list[str] | None = None) -> dict:
     res["kv_dtype"] = str(kvs[0].dtype).removeprefix("torch.")
     for codec in codecs:
         res["codecs"][codec].update(codec_figures(kvs, codec))
+    for codec, row in wire_figures(kvs, codecs).items():
+        res["codecs"][codec].update(row)
     res["load_average"] = [load_start, os.getloadavg()[0]]
     print(json.dumps(res, indent=2))
     if args.json:

@@ -22,11 +22,17 @@ def test_quick_codec_bench_reports_every_codec(tmp_path):
         assert row["loaded_tokens"] == (3 + 3 + 2) * 64  # full chunks of 208, 208, 176 tokens
         assert row["encode_gbps"] > 0 and row["decode_gbps"] > 0
         assert row["within_error_bound"] is True   # each codec's stated bound, on real KV
+        assert row["wire_get_gbps"] > 0             # gets from a local daemon, this wire codec
     raw, int8, fp8, kivi = (res["codecs"][c] for c in ("raw", "int8", "fp8", "kivi"))
     # raw: bit-exact, fp32 stored whole (2x fp16), so generation equals recompute's
     assert raw["max_abs_error"] == 0 and raw["token_agreement"] == 1.0
     assert raw["prompt_exact_rate"] == 1.0
     assert 2.0 <= raw["bytes_ratio_vs_fp16"] < 2.01
+    # on the daemon's wire: raw sends the fp32 bytes, each lossy codec its payload
+    assert raw["wire_bytes_ratio_vs_fp16"] == 2.0
+    assert 0.515 < int8["wire_bytes_ratio_vs_fp16"] < 0.52
+    assert 0.515 < fp8["wire_bytes_ratio_vs_fp16"] < 0.52
+    assert 0.48 < kivi["wire_bytes_ratio_vs_fp16"] < 0.49
     # int8 / fp8 at chunk_size 64, head_dim 64: 1 byte per value + 1/32 fp16 scales per value
     for row in (int8, fp8):
         assert 0.515 < row["bytes_ratio_vs_fp16"] < 0.52
