@@ -1,6 +1,8 @@
-"""Kernel dispatch: Triton kernels for CUDA tensors when Triton is installed, the CPU fast path
-(``kernels.cpu_attention``) for prefill attention on CPU tensors, else the torch reference.
-Signatures and shapes are those of ``kernels.reference``."""
+"""Kernel dispatch: Triton kernels for CUDA tensors when Triton is installed
+(``kernels.triton_attention``: reshape-and-cache, paged decode; ``kernels.triton_cache``: chunk
+gather/scatter, block copies), the CPU fast path (``kernels.cpu_attention``) for prefill
+attention on CPU tensors, else the torch reference. Signatures and shapes are those of
+``kernels.reference``."""
 from __future__ import annotations
 
 import importlib.util
@@ -11,10 +13,11 @@ from kernels import cpu_attention, reference
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
 _triton = None
+_triton_cache = None
 
 
 def _fast(t: torch.Tensor):
-    """The Triton module for a CUDA tensor when available, else None (imported lazily)."""
+    """The Triton attention module for a CUDA tensor when available, else None (lazy import)."""
     global _triton
     if not (HAS_TRITON and t.is_cuda):
         return None
@@ -22,6 +25,17 @@ def _fast(t: torch.Tensor):
         from kernels import triton_attention
         _triton = triton_attention
     return _triton
+
+
+def _fast_cache(t: torch.Tensor):
+    """The Triton block-copy module for a CUDA tensor when available, else None (lazy import)."""
+    global _triton_cache
+    if not (HAS_TRITON and t.is_cuda):
+        return None
+    if _triton_cache is None:
+        from kernels import triton_cache
+        _triton_cache = triton_cache
+    return _triton_cache
 
 
 def reshape_and_cache(key, value, kv_layer, slot_mapping) -> None:
@@ -42,6 +56,19 @@ def paged_attention_prefill(query, kv_layer, block_table, context_len, scale):
     return impl.paged_attention_prefill(query, kv_layer, block_table, context_len, scale)
 
 
-gather_chunk = reference.gather_chunk
-scatter_chunk = reference.scatter_chunk
-copy_blocks = reference.copy_blocks
+def gather_chunk(kv_cache, block_ids):
+    """See ``kernels.reference.gather_chunk``; ``kernels.triton_cache`` on CUDA."""
+    impl = _fast_cache(kv_cache) or reference
+    return impl.gather_chunk(kv_cache, block_ids)
+
+
+def scatter_chunk(kv_cache, block_ids, chunk) -> None:
+    """See ``kernels.reference.scatter_chunk``; ``kernels.triton_cache`` on CUDA."""
+    impl = _fast_cache(kv_cache) or reference
+    impl.scatter_chunk(kv_cache, block_ids, chunk)
+
+
+def copy_blocks(kv_cache, src, dst) -> None:
+    """See ``kernels.reference.copy_blocks``; ``kernels.triton_cache`` on CUDA."""
+    impl = _fast_cache(kv_cache) or reference
+    impl.copy_blocks(kv_cache, src, dst)
