@@ -120,8 +120,8 @@ def connector_from_args(args: argparse.Namespace) -> EngineMinConnector | None:
 
     Raises:
         StoreFlagError: a tail chunk size or remote-tier setting without a store, disk bytes
-            without a disk path, a wire codec without a daemon or other than the lossy codec, a remote URL with only a daemon, a remote URL that does not
-            parse.
+            without a disk path, a wire codec without a daemon or other than the lossy
+            codec, a remote URL with only a daemon, a remote URL that does not parse.
         ValueError: as ``connectors.factory.create_connector`` (a bad URL, size or chunk size;
             ``kvstore.tiers.redis_nodes.RemoteConfigError``: Redis unreachable or the password
             refused).
