@@ -8,11 +8,12 @@ as one pipeline per node, all nodes at once, within ``timeout_s`` (``kvstore.tie
 A node that fails or is late costs misses for its keys; the engine never waits past the
 deadline and never gets an error from this tier.
 
-Writes are write-behind: the store hands over a copy of each chunk it newly stores
-(``put_behind``), a background thread writes them (``SET``, with ``EX ttl_s`` when set) in
-batches, one pipeline per node. The queue is bounded in bytes; a chunk that does not fit, a
-write a full Redis refuses (``maxmemory`` with ``noeviction``) or a write to a failed node is
-dropped and counted (``kvstore_remote_dropped_writes_total{reason}``), never raised.
+Writes are write-behind (``kvstore.tiers.remote_writer``): the store hands over a copy of each
+chunk it newly stores (``put_behind``), a background thread writes them (``SET``, with
+``EX ttl_s`` when set) in batches, one pipeline per node. The queue is bounded in bytes; a chunk
+that does not fit, a write a full Redis refuses (``maxmemory`` with ``noeviction``) or a write
+to a failed node is dropped and counted (``kvstore_remote_dropped_writes_total{reason}``),
+never raised.
 
 Keys and values:
 
@@ -35,30 +36,25 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
-from collections import deque
 from typing import Callable, Sequence
 
 import torch
 from prometheus_client import CollectorRegistry
-from redis.exceptions import AskError, MovedError, OutOfMemoryError, RedisError, ResponseError
+from redis.exceptions import RedisError
 
-from kvstore.codec import CODECS, pack_value
+from kvstore.codec import CODECS
 from kvstore.keys import ChunkKey
 from kvstore.kv_codec import chunk_codec
-from kvstore.layout import KVLayout, dtype_name
+from kvstore.layout import KVLayout
 from kvstore.tiers.redis_nodes import RedisNodes
 from kvstore.tiers.redis_url import parse_redis_url
 from kvstore.tiers.remote_metrics import RemoteMetrics
 from kvstore.tiers.remote_values import check_key_prefix, decode_value, failure_reason
+from kvstore.tiers.remote_writer import WriteBehind
 
 log = logging.getLogger("kvstore.tiers.remote")
 
-#: Puts written per batch at most (one pipeline per node per batch).
-BATCH_OPS = 64
-#: Bytes of values written per batch at most.
-BATCH_BYTES = 32 * 2**20
 #: A get's deadline is ``timeout_s`` plus this many seconds per GiB of chunks asked (a floor
 #: of 256 MiB/s: a long prompt's chunks are not cut off by a deadline sized for a lookup).
 GET_SECONDS_PER_GIB = 4.0
@@ -114,14 +110,8 @@ class RemoteTier:
         self.nodes = RedisNodes(self.endpoint, self.timeout_s, breaker_threshold,
                                 breaker_reset_s, on_breaker=self._on_breaker)
         self._prefix = key_prefix.encode() + b":"
-        self._cond = threading.Condition()
-        self._queue: deque = deque()  # ("put", key, kv, parent) | ("del", redis key)
-        self._queued_bytes = 0
-        self._inflight = 0
-        self._closed = False
-        self._writer = threading.Thread(target=self._writer_loop, name="kvstore-remote-writer",
-                                        daemon=True)
-        self._writer.start()
+        self.writer = WriteBehind(self.nodes, self.metrics, self.redis_key, self.ttl_s,
+                                  self.queue_capacity)
         for node in self.nodes.primaries():  # (every master's series exists from the start)
             self.nodes.breaker(node)
             self.metrics.add_node(node)
@@ -235,121 +225,16 @@ class RemoteTier:
         log.warning("remote tier: value of %r failed a check (%s: %s); deleting it", key,
                     reason, why)
         self.metrics.inc("validation_failures", label=reason)
-        self._enqueue(("del", rk), 0)
+        self.writer.delete_later(rk)
 
     # ---- writes -----------------------------------------------------------------------------
     def put_behind(self, key: ChunkKey, kv: torch.Tensor, parent: ChunkKey | None) -> bool:
         """Queue ``kv`` (a CPU tensor the caller hands over and no longer writes) to be written
         as ``key``'s value. Returns False when it was dropped (queue full, tier closed)."""
-        nbytes = kv.numel() * kv.element_size()
-        with self._cond:
-            if self._closed or self._queued_bytes + nbytes > self.queue_capacity:
-                self.metrics.inc("dropped_writes", label="queue_full" if not self._closed
-                                 else "closed")
-                return False
         codec = chunk_codec(self.codec, self.lossy_codec_of(key.ns_id), "raw")
-        return self._enqueue(("put", key, kv, parent, codec), nbytes)
-
-    def _enqueue(self, op: tuple, nbytes: int) -> bool:
-        with self._cond:
-            if self._closed:
-                return False
-            self._queue.append((op, nbytes))
-            self._queued_bytes += nbytes
-            self.metrics.queue_bytes.set(self._queued_bytes)
-            self._cond.notify_all()
-        return True
-
-    def _writer_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                batch, size = [], 0
-                while self._queue and len(batch) < BATCH_OPS and size < BATCH_BYTES:
-                    op, n = self._queue.popleft()
-                    batch.append(op)
-                    size += n
-                self._inflight += 1
-            try:
-                self._write_batch(batch)
-            except Exception:
-                log.exception("remote tier: writer failed on a batch; dropping it")
-                self.metrics.inc("dropped_writes", sum(op[0] == "put" for op in batch), "error")
-            finally:
-                with self._cond:
-                    self._inflight -= 1
-                    self._queued_bytes -= size
-                    self.metrics.queue_bytes.set(self._queued_bytes)
-                    self._cond.notify_all()
-
-    def _encode(self, key: ChunkKey, kv: torch.Tensor, parent: ChunkKey | None,
-                codec: str) -> bytes:
-        raw = kv.reshape(-1).view(torch.uint8).numpy()  # [nbytes]
-        return pack_value(bytes(key), bytes(parent) if parent is not None else None, raw,
-                          dtype_name(kv.dtype), tuple(kv.shape), codec)
-
-    def _write_batch(self, batch: list) -> None:
-        t0 = time.perf_counter()
-        ex = ("EX", max(1, int(round(self.ttl_s)))) if self.ttl_s else ()
-        groups: dict = {}
-        items = []  # (node, index, kind, redis key, value)
-        for op in batch:
-            if op[0] == "put":
-                rk, value = self.redis_key(op[1]), self._encode(*op[1:])
-                cmd = ("SET", rk, value) + ex
-            else:
-                rk, value = op[1], None
-                cmd = ("UNLINK", rk)
-            node = self.nodes.node_of(rk)
-            cmds = groups.setdefault(node, [])
-            items.append((node, len(cmds), op[0], rk, value))
-            cmds.append(cmd)
-        res = self.nodes.run(groups, None)
-        for node, i, kind, rk, value in items:
-            r = res.get(node)
-            r = r[i] if r is not None else ConnectionError("node unavailable")
-            if isinstance(r, (MovedError, AskError)):
-                r = self._redirected(kind, rk, value, ex)
-            if kind == "del":
-                if not isinstance(r, Exception):
-                    self.metrics.inc("deleted", int(r or 0))
-                continue
-            if isinstance(r, Exception):
-                reason = ("full" if isinstance(r, OutOfMemoryError) else
-                          "error" if isinstance(r, ResponseError) else "unavailable")
-                self.metrics.inc("dropped_writes", label=reason)
-                log.debug("remote tier: write of %r dropped: %s", rk, r)
-            else:
-                self.metrics.inc("writes")
-                self.metrics.inc("written_bytes", len(value))
-        self.metrics.observe("put", time.perf_counter() - t0)
-
-    def _redirected(self, kind: str, rk: bytes, value, ex: tuple):
-        """Redo one command through the cluster client (it follows MOVED/ASK)."""
-        client = self.nodes.cluster_client()
-        try:
-            if kind == "put":
-                return client.execute_command("SET", rk, value, *ex)
-            return client.execute_command("UNLINK", rk)
-        except RedisError as e:
-            return e
+        return self.writer.put(key, kv, parent, codec)
 
     # ---- removal ----------------------------------------------------------------------------
-    def _forget_queued(self, match) -> None:
-        """Drop queued puts whose key ``match``es (they would bring removed chunks back)."""
-        with self._cond:
-            kept = deque()
-            for op, n in self._queue:
-                if op[0] == "put" and match(op[1]):
-                    self._queued_bytes -= n
-                else:
-                    kept.append((op, n))
-            self._queue = kept
-            self.metrics.queue_bytes.set(self._queued_bytes)
-
     def delete(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """Delete the values of ``keys`` now (and their queued writes). Returns, per key,
         whether a value was deleted (False also for a key on a failed node: its value stays,
@@ -358,7 +243,7 @@ class RemoteTier:
         if not keys:
             return []
         wanted = set(keys)
-        self._forget_queued(lambda k: k in wanted)
+        self.writer.forget(lambda k: k in wanted)
         groups, where = self._group([self.redis_key(k) for k in keys], lambda rk: ("UNLINK", rk))
         res = self.nodes.run(groups, None)
         out = [res.get(node) is not None and not isinstance(res[node][i], Exception)
@@ -387,7 +272,7 @@ class RemoteTier:
         """Delete every value of namespace ``ns_id`` (None: every value under this tier's key
         prefix) on every master (``SCAN`` + ``UNLINK``), and the queued writes. Returns the
         keys deleted; a master that fails is logged and skipped."""
-        self._forget_queued(lambda k: ns_id is None or k.ns_id == ns_id)
+        self.writer.forget(lambda k: ns_id is None or k.ns_id == ns_id)
         pattern, gone = self._pattern(ns_id), set()
         for node in self.nodes.primaries():
             try:
@@ -408,32 +293,21 @@ class RemoteTier:
     # ---- lifecycle ----------------------------------------------------------------------------
     @property
     def queued_bytes(self) -> int:
-        return self._queued_bytes
+        return self.writer.queued_bytes
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write is done (written or dropped). False on timeout."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._queue and not self._inflight, timeout)
+        return self.writer.flush(timeout)
 
     def stats(self) -> dict:
         """Address (no password), mode, settings, queue, breaker states and counters."""
         return {"url": self.endpoint.redacted(), "cluster": self.nodes.cluster,
                 "key_prefix": self.key_prefix, "ttl_s": self.ttl_s, "timeout_s": self.timeout_s,
-                "queue_bytes": self._queued_bytes, "queue_capacity_bytes": self.queue_capacity,
+                "queue_bytes": self.writer.queued_bytes,
+                "queue_capacity_bytes": self.queue_capacity,
                 "breakers": self.nodes.breaker_states(), **self.metrics.snapshot()}
 
     def close(self, flush_timeout: float = 10.0) -> None:
         """Write what is queued (up to ``flush_timeout`` seconds), then close. Idempotent."""
-        with self._cond:
-            if self._closed:
-                return
-        self.flush(flush_timeout)
-        with self._cond:
-            self._closed = True
-            dropped = sum(op[0] == "put" for op, _ in self._queue)
-            self._queue.clear()  # (not written in time: the writer stops after its batch)
-            self._cond.notify_all()
-        if dropped:
-            self.metrics.inc("dropped_writes", dropped, "closed")
-        self._writer.join(timeout=flush_timeout)
-        self.nodes.close()
+        if self.writer.close(flush_timeout):
+            self.nodes.close()
