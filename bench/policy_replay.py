@@ -84,6 +84,10 @@ class ReplayResult:
 _NONE: frozenset = frozenset()
 
 
+def _always(key: int) -> bool:
+    return True
+
+
 class _Tier:
     """A byte budget holding chunk sizes (the data a real tier would hold) and its policy."""
 
@@ -125,7 +129,7 @@ class PolicyReplay:
         top_hit = 0
         rows: list[int] = []
         start = self.trace.start
-        row = self._row
+        row = self._row_one_tier if len(self.tiers) == 1 else self._row
         for r in range(len(start) - 1):
             h, th = row(start[r], start[r + 1])
             rows.append(h)
@@ -184,6 +188,129 @@ class PolicyReplay:
                 else:
                     break
         return hit, top_hit
+
+    def _row_one_tier(self, a: int, b: int) -> tuple[int, int]:
+        """``_row`` for one tier, through the policy's batched calls (the same decisions): the
+        hit prefix read at once (``on_access_many``); each missing chunk's room made by
+        ``evict_until`` (leaves only, sparing its parent) then ``on_insert``; or, for a policy
+        whose victims ignore inserts and no admission filter, the room for the whole missing
+        chain made at once and the chain inserted at once (``on_insert_chain``). When leaves
+        run out (or the chunk exceeds the tier), the rest of the row takes ``_row``'s path."""
+        keys, tokens, tier, adm = self.trace.keys, self.trace.tokens, self.tiers[0], self.admission
+        if adm is not None:
+            adm.record_many(keys[a:b])
+        stored, policy = tier.nbytes, tier.policy
+        j = a
+        while j < b and keys[j] in stored:
+            j += 1
+        hit = sum(tokens[a:j])
+        if j > a:
+            policy.on_access_many(keys[a:j])
+        if j < b:
+            seg = keys[j:b]
+            if len(set(seg)) == len(seg):
+                if adm is None and policy.victims_ignore_inserts:
+                    self._store_chain(a, j, b)
+                else:
+                    self._store_each(a, j, b)
+            else:  # a chunk repeated within the row (not a chained trace): one at a time
+                self._store_from(a, j, b)
+        return hit, hit
+
+    def _evict_leaves(self, nbytes: int, par: int | None) -> int:
+        """Evict leaves of the one tier (sparing ``par``) until ``nbytes`` are freed; returns
+        the bytes freed."""
+        tier, copies, kids, parent = self.tiers[0], self._copies, self._kids, self.parent
+        stored = tier.nbytes
+        can = _always if par is None else par.__ne__
+        freed = 0
+        for v in tier.policy.evict_until(nbytes, can, True):
+            n = stored.pop(v)
+            freed += n
+            del copies[v]
+            p = parent.get(v)
+            if p is not None:
+                left = kids[p] - 1
+                if left:
+                    kids[p] = left
+                else:
+                    del kids[p]
+        tier.used -= freed
+        return freed
+
+    def _store_chain(self, a: int, j: int, b: int) -> None:
+        """Store the missing chunks ``j..b-1`` (all absent) of row ``a..b-1`` as one chain."""
+        keys, tier, tb = self.trace.keys, self.tiers[0], self.token_bytes
+        sizes = [t * tb for t in self.trace.tokens[j:b]]
+        cap = tier.capacity
+        m = next((i for i, n in enumerate(sizes) if n > cap), len(sizes))
+        par = keys[j - 1] if j > a else None
+        need = tier.used + sum(sizes[:m]) - cap
+        if need > 0:
+            self._evict_leaves(need, par)
+        room = cap - tier.used
+        fit = 0
+        while fit < m and sizes[fit] <= room:
+            room -= sizes[fit]
+            fit += 1
+        if fit:
+            self._add_chain(keys[j:j + fit], sizes[:fit], par)
+        if fit < m:  # leaves ran out: the per-chunk path (lineage fallback) from here
+            self._store_from(a, j + fit, b)
+
+    def _store_each(self, a: int, j: int, b: int) -> None:
+        """Store the missing chunks ``j..b-1`` of row ``a..b-1`` one at a time (exact for
+        every policy)."""
+        keys, tokens, tier, tb = self.trace.keys, self.trace.tokens, self.tiers[0], self.token_bytes
+        adm, policy, cap = self.admission, tier.policy, tier.capacity
+        for p in range(j, b):
+            k, nbytes = keys[p], tokens[p] * tb
+            par = keys[p - 1] if p > a else None
+            if nbytes > cap:
+                return
+            need = tier.used + nbytes - cap
+            if need > 0:
+                if adm is not None:
+                    victim = policy.next_victim(_always if par is None else par.__ne__, True)
+                    if victim is None:
+                        return self._store_from(a, p, b)
+                    adm.fit(len(tier.nbytes))
+                    if not adm.admit(k, victim):
+                        self.refused += 1
+                        return
+                if self._evict_leaves(need, par) < need:
+                    # the filter (if any) has admitted k over this placement's first victim
+                    if not self._make_room(0, nbytes, frozenset((k, par)), k,
+                                           admitted=adm is not None):
+                        return
+            self._add(tier, k, nbytes, par)
+
+    def _store_from(self, a: int, j: int, b: int) -> None:
+        """``_row``'s placement of chunks ``j..b-1`` of row ``a..b-1`` (one tier)."""
+        keys, tokens, tb = self.trace.keys, self.trace.tokens, self.token_bytes
+        for p in range(j, b):
+            k = keys[p]
+            if k in self._copies:
+                continue
+            par = keys[p - 1] if p > a else None
+            if par is not None and par not in self._copies:
+                return
+            if not self._insert(0, k, tokens[p] * tb, par, _NONE):
+                return
+
+    def _add_chain(self, chain: list[int], sizes: list[int], par: int | None) -> None:
+        """``_add`` of each chunk of ``chain`` (absent everywhere) in the one tier, at once."""
+        tier, copies, kids = self.tiers[0], self._copies, self._kids
+        stored = tier.nbytes
+        for k, n in zip(chain, sizes):
+            stored[k] = n
+            copies[k] = 1
+        for k in chain[:-1]:
+            kids[k] = 1
+        if par is not None:
+            kids[par] = kids.get(par, 0) + 1
+        tier.used += sum(sizes)
+        tier.policy.on_insert_chain(chain, sizes, par)
 
     # ---- the prefix graph over all tiers --------------------------------------------------
     def _present(self, key: int) -> bool:
@@ -248,10 +375,11 @@ class PolicyReplay:
         self._add(tier, key, nbytes, parent)
         return True
 
-    def _make_room(self, i: int, nbytes: int, near: frozenset, candidate: int) -> bool:
+    def _make_room(self, i: int, nbytes: int, near: frozenset, candidate: int,
+                   admitted: bool = False) -> bool:
         tier = self.tiers[i]
         skip: set[int] = set()
-        adm = self.admission
+        adm = None if admitted else self.admission
         if i + 1 == len(self.tiers):  # the last tier: a victim must strand nothing by itself
             copies, kids = self._copies, self._kids
 

@@ -22,7 +22,7 @@ Filters are not thread-safe; the store calls them under its lock.
 """
 from __future__ import annotations
 
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Iterable
 
 Key = Hashable
 
@@ -100,6 +100,25 @@ class TinyLFU:
         self._events += 1
         if self._events >= self.window:
             self._age()
+
+    def record_many(self, keys: Iterable[Key]) -> None:
+        """``record(k)`` for each of ``keys`` in order (one loop, the slots inlined)."""
+        door, t = self._door, self._table
+        s0, s1, s2, s3 = _SEEDS
+        s, w = self._shift, self.width
+        for key in keys:
+            if key not in door:
+                door.add(key)
+            else:
+                h = hash(key) & _M64
+                for i in ((((h * s0) & _M64) >> s), w + (((h * s1) & _M64) >> s),
+                          2 * w + (((h * s2) & _M64) >> s), 3 * w + (((h * s3) & _M64) >> s)):
+                    if t[i] < _MAX_COUNT:
+                        t[i] += 1
+            self._events += 1
+            if self._events >= self.window:
+                self._age()
+                door, t = self._door, self._table
 
     def _age(self) -> None:
         self._table = [c >> 1 for c in self._table]

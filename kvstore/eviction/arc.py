@@ -29,6 +29,7 @@ class ARCPolicy(EvictionPolicy):
 
     name = "arc"
     num_queues = 2
+    victims_ignore_inserts = False
 
     def __init__(self) -> None:
         super().__init__()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 from abc import ABC, abstractmethod
-from typing import Callable, Hashable, Iterator
+from typing import Callable, Hashable, Iterable, Iterator, Sequence
 
 Key = Hashable
 _ABSENT = object()
@@ -65,6 +65,11 @@ class EvictionPolicy(ABC):
     ranked = True
     #: number of queues (heaps) the policy's order is made of
     num_queues = 1
+    #: whether the order of the tracked keys is independent of later inserts and of how many
+    #: keys are tracked, so that a tier may make room for a whole chain of new keys before
+    #: inserting it and evict what it would evict before each key (LRU, FIFO, LFU: yes;
+    #: S3-FIFO and ARC size their queues by what is tracked: no)
+    victims_ignore_inserts = True
 
     def __init__(self) -> None:
         self._nbytes: dict[Key, int] = {}
@@ -130,8 +135,11 @@ class EvictionPolicy(ABC):
         _heappush(heap, (self._demoted[key], key))
 
     def on_remove(self, key: Key) -> None:
-        if key not in self._nbytes:
-            return
+        if key in self._nbytes:
+            self._forget(key)
+
+    def _forget(self, key: Key) -> None:
+        """``on_remove`` of a tracked key."""
         self._remove(key)  # hook sees the key's size and parent before they are dropped
         del self._nbytes[key]
         del self._ranks[key]
@@ -148,6 +156,122 @@ class EvictionPolicy(ABC):
                         self._push_leaf(parent)
                         if parent in self._demoted:
                             self._push_demoted(parent)
+
+    # ---- batched events (the same decisions as the per-event calls, fewer Python calls) --------
+    def on_access_many(self, keys: Iterable[Key]) -> None:
+        """``on_access(k)`` for each of ``keys`` in order (unknown keys ignored). Mutates; the
+        policies override it with one loop that inlines their ``_access``."""
+        for key in keys:
+            self.on_access(key)
+
+    def on_insert_chain(self, keys: Sequence[Key], nbytes: Sequence[int],
+                        parent: Key | None = None) -> None:
+        """Insert a chain of new keys at once: ``keys[0]`` (``nbytes[0]`` bytes) under
+        ``parent``, then each key under the one before it; the same state as ``on_insert`` per
+        key in order (only the chain's last key enters a leaf heap: the others have a child).
+
+        Raises:
+            ValueError: ``keys`` and ``nbytes`` differ in length.
+            KeyError: a key is already tracked or repeated in ``keys`` (nothing is inserted).
+        """
+        tracked = self._nbytes
+        if len(keys) != len(nbytes):
+            raise ValueError(f"{len(keys)} keys but {len(nbytes)} sizes")
+        if len(set(keys)) != len(keys) or any(k in tracked for k in keys):
+            bad = next((k for i, k in enumerate(keys) if k in tracked or k in keys[:i]), None)
+            raise KeyError(f"{bad!r} already tracked by {self.name} policy or repeated in the chain")
+        parents, children = self._parent, self._children
+        prev = parent
+        for key, size in zip(keys, nbytes):
+            tracked[key] = size
+            parents[key] = prev
+            if prev is not None:
+                kids = children.get(prev)
+                if kids is None:
+                    children[prev] = {key}
+                else:
+                    kids.add(key)
+            prev = key
+        self._insert_many(keys)
+
+    def _insert_many(self, keys: Sequence[Key]) -> None:
+        """``_insert`` for each of ``keys`` (already in the base's indexes), in order."""
+        for key in keys:
+            self._insert(key)
+
+    def evict_until(self, nbytes: int, can_evict: Callable[[Key], bool] = _always,
+                    leaves_only: bool = False) -> list[Key]:
+        """Remove victims until their sizes add up to at least ``nbytes``; returns them in
+        eviction order (fewer, freeing less, when ``next_victim`` finds no more). The same as
+        ``v = next_victim(can_evict, leaves_only)`` then ``on_remove(v)`` in a loop, so
+        ``can_evict`` is asked after each removal and may depend on it. Mutates."""
+        victims: list[Key] = []
+        if nbytes <= 0:
+            return victims
+        if self.num_queues == 1:
+            return self._evict_leaves_one_queue(nbytes, can_evict, leaves_only, victims)
+        sizes, next_victim, forget = self._nbytes, self.next_victim, self._forget
+        freed = 0
+        while freed < nbytes:
+            victim = next_victim(can_evict, leaves_only)
+            if victim is None:
+                break
+            freed += sizes[victim]
+            forget(victim)
+            victims.append(victim)
+        return victims
+
+    def _evict_leaves_one_queue(self, nbytes: int, can_evict: Callable[[Key], bool],
+                                leaves_only: bool, victims: list[Key]) -> list[Key]:
+        """``evict_until`` for one queue: ``_first_leaf`` and ``_forget`` inlined while the
+        heap's top is a leaf that ``can_evict`` accepts and nothing is demoted; anything else
+        takes ``next_victim`` and ``_forget``."""
+        sizes, ranks, children, parents = self._nbytes, self._ranks, self._children, self._parent
+        heap = self._heaps[0]
+        remove_hook = None if type(self)._remove is EvictionPolicy._remove else self._remove
+        freed = 0
+        while freed < nbytes:
+            victim = None
+            while heap and not self._demoted:
+                rank, key = heap[0]
+                if ranks.get(key, _ABSENT) != rank or key in children:
+                    _heappop(heap)  # stale
+                    self._heap_entries -= 1
+                    continue
+                if can_evict(key):
+                    _heappop(heap)  # (its entry goes stale with the removal below)
+                    self._heap_entries -= 1
+                    victim = key
+                break
+            if victim is None:  # refused top, demoted keys, or no leaf: the general path
+                victim = self.next_victim(can_evict, leaves_only)
+                if victim is None:
+                    break
+                freed += sizes[victim]
+                self._forget(victim)
+                victims.append(victim)
+                heap = self._heaps[0]  # (a rebuild replaces the heap)
+                continue
+            if remove_hook is not None:
+                remove_hook(victim)
+            freed += sizes.pop(victim)
+            del ranks[victim]
+            victims.append(victim)
+            parent = parents.pop(victim)
+            if parent is not None:
+                kids = children.get(parent)
+                if kids is not None:
+                    kids.discard(victim)
+                    if not kids:
+                        del children[parent]
+                        if parent in sizes:  # (``_push_leaf`` inlined)
+                            self._heap_entries += 1
+                            if self._heap_entries > 2 * len(sizes) + 64:
+                                self._rebuild_heaps()
+                                heap = self._heaps[0]
+                            else:
+                                _heappush(heap, (ranks[parent], parent))
+        return victims
 
     # ---- ranks (called by the subclasses' hooks) -----------------------------------------------
     def _rank(self, key: Key, rank: int, queue: int = 0) -> None:
@@ -319,9 +443,9 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def _access(self, key: Key) -> None: ...
 
-    @abstractmethod
     def _remove(self, key: Key) -> None:
-        """Before the base drops ``key``'s size, parent, rank and queue."""
+        """Before the base drops ``key``'s size, parent, rank and queue (default: nothing
+        to do, for a policy whose order is its ranks' dict)."""
 
     @abstractmethod
     def _order(self) -> Iterator[Key]:

@@ -12,3 +12,9 @@ class FIFOPolicy(LRUPolicy):
 
     def _access(self, key) -> None:
         pass
+
+    def on_access_many(self, keys) -> None:
+        demoted = self._demoted
+        if demoted:
+            for key in keys:
+                demoted.pop(key, None)

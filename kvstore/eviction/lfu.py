@@ -34,6 +34,39 @@ class LFUPolicy(EvictionPolicy):
         self._bucket(f + 1)[key] = None
         self._rank(key, (f + 1) << 40 | next(self._clock))
 
+    def _insert_many(self, keys) -> None:
+        freq, ranks, clock, bucket = self._freq, self._ranks, self._clock, self._bucket(1)
+        for key in keys:
+            freq[key] = 1
+            bucket[key] = None
+            ranks[key] = 1 << 40 | next(clock)
+        if keys and keys[-1] not in self._children:  # (the others have a child: the next)
+            self._push_leaf(keys[-1])
+
+    def on_access_many(self, keys) -> None:
+        sizes, demoted, freq, buckets, ranks, children, clock = (
+            self._nbytes, self._demoted, self._freq, self._buckets, self._ranks,
+            self._children, self._clock)
+        push = self._push_leaf
+        for key in keys:
+            if key in sizes:
+                if demoted:
+                    demoted.pop(key, None)
+                f = freq[key]
+                bucket = buckets[f]
+                del bucket[key]
+                if not bucket:
+                    del buckets[f]
+                f += 1
+                freq[key] = f
+                bucket = buckets.get(f)
+                if bucket is None:
+                    bucket = buckets[f] = OrderedDict()
+                bucket[key] = None
+                ranks[key] = f << 40 | next(clock)
+                if key not in children:
+                    push(key)
+
     def _remove(self, key) -> None:
         self._drop_from_bucket(key, self._freq.pop(key))
 

@@ -25,6 +25,7 @@ class S3FIFOPolicy(EvictionPolicy):
 
     name = "s3fifo"
     num_queues = 2
+    victims_ignore_inserts = False
 
     def __init__(self, small_ratio: float = 0.1) -> None:
         super().__init__()

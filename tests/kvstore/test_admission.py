@@ -151,3 +151,16 @@ def test_persist_is_an_explicit_write_the_filter_does_not_refuse(tmp_path):
     assert _refusals(store, "disk") == 0
     store.check_integrity()
     store.close()
+
+
+def test_record_many_equals_record_one_at_a_time_across_agings():
+    rng_keys = [(i * 7919) % 53 for i in range(500)]  # repeats, so counters and agings move
+    one, many = TinyLFU(width=16, window=40), TinyLFU(width=16, window=40)
+    for k in rng_keys:
+        one.record(k)
+    many.record_many(rng_keys[:123])
+    many.record_many(rng_keys[123:])
+    assert many.agings == one.agings == 24  # at 40 events, then every 20 (halved count)
+    assert many._table == one._table and many._door == one._door
+    assert many._events == one._events
+    assert [many.estimate(k) for k in range(53)] == [one.estimate(k) for k in range(53)]
