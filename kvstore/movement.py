@@ -1,7 +1,9 @@
 """Movement of chunks between the store's tiers: insert with eviction, spill, promote.
 
 A victim evicted from tier i spills (is copied) to tier i+1 unless already there; a chunk hit
-in a lower tier is promoted (copied) to the top tier. Which keys may be evicted is the
+in a lower tier is promoted (copied) to the top tier. Between two memory tiers the copy goes
+pool to pool, possibly asynchronously (``MemoryTier.put_from``: the tiers keep the pages until
+it completes and readers wait for it). Which keys may be evicted is the
 store's call (``evictable``: no pin). Not thread-safe: the store calls it under its lock.
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ from kvstore.eviction.admission import TinyLFU
 from kvstore.keys import ChunkKey
 from kvstore.metrics import StoreMetrics
 from kvstore.tiers.base import Tier
+from kvstore.tiers.memory import MemoryTier
 
 log = logging.getLogger("kvstore.store")
 
@@ -167,6 +170,25 @@ class TierMover:
         self.tiers[i].put(key, kv, parent, owned=owned)
         return True
 
+    def copy_to(self, i: int, key: ChunkKey, src: Tier, parent: ChunkKey | None,
+                kv: torch.Tensor | None = None, keep: "Protected | None" = None) -> bool:
+        """Place ``src``'s chunk ``key`` into tier i as ``insert`` does (a spill or a promote).
+        Memory tier to memory tier: pool to pool (``MemoryTier.put_from``); otherwise from
+        ``kv`` (the chunk already read) or a fresh read of ``src``. False if it was not placed
+        (no room, refused, or unreadable)."""
+        dst = self.tiers[i]
+        if isinstance(src, MemoryTier) and isinstance(dst, MemoryTier):
+            nbytes = src.data_nbytes(key)
+            if nbytes is None or not self.make_room(
+                    i, nbytes, lambda: self.protect(key, parent, keep), candidate=key):
+                return False
+            dst.put_from(key, src, parent)
+            return True
+        owned = kv is None  # (a fresh read is ours to hand over)
+        if kv is None:
+            kv = src.read(key, getattr(src, "device", "cpu"))
+        return kv is not None and self.insert(i, key, kv, parent, owned=owned, keep=keep)
+
     def make_room(self, i: int, nbytes: int,
                   keep: Callable[[], "Protected"] | None = None,
                   candidate: ChunkKey | None = None) -> bool:
@@ -256,9 +278,7 @@ class TierMover:
         tier = self.tiers[i]
         stays = self.elsewhere(key, i)
         if not stays and i + 1 < len(self.tiers):
-            data = tier.read(key, getattr(tier, "device", "cpu"))
-            if data is not None and self.insert(i + 1, key, data, self.parent_of(key), owned=True,
-                                                keep=keep):
+            if self.copy_to(i + 1, key, tier, self.parent_of(key), keep=keep):
                 self.metrics.inc("spills", tier=tier.name)
                 stays = True
         if not stays:
@@ -286,7 +306,7 @@ class TierMover:
             if key in doomed or any(t.contains(key) for t in self.tiers[:src]):
                 continue
             try:
-                if self.insert(0, key, kv, self.parent_of(key)):
+                if self.copy_to(0, key, tier, self.parent_of(key), kv):
                     self.metrics.inc("promotions", tier=tier.name)
             except Exception:
                 log.exception("promotion of %r failed", key)

@@ -1,9 +1,14 @@
 """GPU tier: one preallocated device pool managed by ``MemoryTier``'s page allocator. On a
-CPU-only machine ``device="cpu"`` runs the same code on host memory, so it is tested there."""
+CPU-only machine ``device="cpu"`` runs the same code on host memory, so it is tested there.
+
+Spills to the CPU tier and promotes from it are copied pool to pool on the tier's
+``copy_stream`` (``make_copy_stream(device)``: a CUDA side stream ordered after the kernels that
+wrote the KV, or inline copies on CPU); see ``MemoryTier.put_from``."""
 from __future__ import annotations
 
 import torch
 
+from kvstore.tiers.copy_stream import make_copy_stream
 from kvstore.tiers.memory import MemoryTier
 
 
@@ -24,3 +29,4 @@ class GpuTier(MemoryTier):
                                f"build or machine (use gpu_bytes=0, or device='cpu')")
         pool = torch.empty(num_pages * page_bytes, dtype=torch.uint8, device=device)
         super().__init__("gpu", pool, page_bytes, policy_name)
+        self.copy_stream = make_copy_stream(device)

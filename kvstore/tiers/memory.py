@@ -10,6 +10,10 @@ waste little) cost a 5.9 MB chunk no more than 64 KiB pages do. Copies go run by
 single run.
 
 The GPU tier (``gpu.py``) and the CPU tier (``cpu.py``) are this class with a different pool.
+A chunk moved from one memory tier to another (``put_from``: a spill, a promote) is copied pool
+to pool on the tiers' ``CopyStream`` (``copy_stream.py``: a CUDA side stream, or inline on
+CPU); until that copy completes, readers of the new copy wait for it and neither pool hands
+the pages out again (``inflight.py``).
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ import torch
 
 from kvstore.keys import ChunkKey
 from kvstore.tiers.base import Tier, TierFullError
+from kvstore.tiers.copy_stream import CopyHandle, CopyStream, InlineCopyStream, run_pairs
+from kvstore.tiers.inflight import InflightCopies
 
 #: ``(first page id, number of pages)``: a run of consecutive pages.
 Extent = tuple[int, int]
@@ -135,6 +141,11 @@ class MemoryTier(Tier):
         self._entries: dict[ChunkKey, _Entry] = {}
         #: pages set aside by ``reserve`` and not yet committed or released (counted as used)
         self._reserved: dict[tuple[int, ...], int] = {}
+        #: the stream of copies between this pool and another tier's (None: inline, unless
+        #: the other tier has one); the GPU tier sets its device's
+        self.copy_stream: CopyStream | None = None
+        #: copies in flight into/out of this pool, and pages waiting for them
+        self.inflight = InflightCopies()
 
     @property
     def device(self) -> torch.device:
@@ -142,7 +153,16 @@ class MemoryTier(Tier):
 
     @property
     def used_bytes(self) -> int:
-        return self.allocator.num_used * self.page_bytes
+        """Pages held by chunks and reservations; pages of deleted chunks waiting for a copy
+        to complete are not counted (they are free as soon as it does)."""
+        return (self.allocator.num_used - self.inflight.num_deferred_pages) * self.page_bytes
+
+    def _alloc(self, nbytes: int) -> tuple[Extent, ...]:
+        """Pages for ``nbytes``; waits for pending copies of deleted chunks when their pages
+        are needed. Raises ``TierFullError``. Under the lock."""
+        n = self.footprint(nbytes) // self.page_bytes
+        self.inflight.reclaim(self.allocator.free, lambda: self.allocator.num_free, n)
+        return self.allocator.alloc(n)
 
     def footprint(self, nbytes: int) -> int:
         return -(-nbytes // self.page_bytes) * self.page_bytes
@@ -156,7 +176,7 @@ class MemoryTier(Tier):
             if key in self._entries:
                 raise KeyError(f"{key!r} already in {self.name} tier")
             nbytes = kv.numel() * kv.element_size()
-            pages = self.allocator.alloc(self.footprint(nbytes) // self.page_bytes)
+            pages = self._alloc(nbytes)
             entry = _Entry(pages, page_runs(pages, self.page_bytes, nbytes), nbytes,
                            tuple(kv.shape), kv.dtype, parent)
             try:
@@ -182,7 +202,7 @@ class MemoryTier(Tier):
             TierFullError: not enough free pages.
         """
         with self._lock:
-            pages = self.allocator.alloc(self.footprint(nbytes) // self.page_bytes)
+            pages = self._alloc(nbytes)
             self._reserved[pages] = nbytes
             return pages, page_runs(pages, self.page_bytes, nbytes)
 
@@ -216,8 +236,54 @@ class MemoryTier(Tier):
     def entry_runs(self, key: ChunkKey) -> tuple[tuple[int, int], ...] | None:
         """Pool byte runs of a stored chunk (None if absent). The caller must keep the chunk
         from being freed while it uses views of them (the store's reader pin)."""
+        self._settle(key)
         e = self._entries.get(key)
         return e.runs if e is not None else None
+
+    # ---- pool-to-pool copies (spill, promote) -------------------------------------------------
+    def data_nbytes(self, key: ChunkKey) -> int | None:
+        """Bytes of the stored chunk's data (None if absent)."""
+        e = self._entries.get(key)
+        return e.nbytes if e is not None else None
+
+    def put_from(self, key: ChunkKey, src: "MemoryTier", parent: ChunkKey | None) -> CopyHandle:
+        """Store a copy of ``src``'s chunk ``key`` here, copied pool to pool on this tier's
+        ``copy_stream`` (else ``src``'s, else inline) after the work queued so far on the
+        current stream. The chunk is indexed at once; reads of it wait for the copy
+        (``read``, ``entry_runs``), and neither tier reuses the pages before it completes.
+        The caller made room first. Returns the copy's handle.
+
+        Raises:
+            KeyError: ``key`` already here, or absent from ``src``. TierFullError: no room.
+        """
+        src._settle(key)
+        with self._lock, src._lock:
+            if key in self._entries:
+                raise KeyError(f"{key!r} already in {self.name} tier")
+            s = src._entries[key]
+            pages = self._alloc(s.nbytes)
+            e = _Entry(pages, page_runs(pages, self.page_bytes, s.nbytes), s.nbytes, s.shape,
+                       s.dtype, parent)
+            stream = self.copy_stream or src.copy_stream or InlineCopyStream()
+            try:
+                h = stream.copy_runs_async(run_pairs(self.pool, e.runs, src.pool, s.runs))
+            except BaseException:
+                self.allocator.free(pages)
+                raise
+            self.inflight.add_incoming(key, h)
+            src.inflight.add_outgoing(key, h)
+            self._entries[key] = e
+            self._track(key, entry_bytes(e, self.page_bytes), parent)
+            return h
+
+    def _settle(self, key: ChunkKey) -> None:
+        """Wait for the copy still writing ``key``'s pages, if any."""
+        h = self.inflight.incoming.get(key)
+        if h is not None:
+            h.wait()
+            with self._lock:
+                if self.inflight.incoming.get(key) is h:
+                    del self.inflight.incoming[key]
 
     def _copy_in(self, e: _Entry, kv: torch.Tensor) -> None:
         if len(e.runs) == 1:
@@ -239,6 +305,7 @@ class MemoryTier(Tier):
         Raises:
             ValueError: ``out`` of another shape or dtype, or not contiguous.
         """
+        self._settle(key)
         e = self._entries.get(key)
         if e is None:
             return None
@@ -263,7 +330,11 @@ class MemoryTier(Tier):
             e = self._entries.pop(key, None)
             if e is None:
                 return False
-            self.allocator.free(e.pages)
+            pending = self.inflight.forget(key)
+            if pending:  # a copy still reads or writes these pages
+                self.inflight.defer(pending, e.pages)
+            else:
+                self.allocator.free(e.pages)
             self._policy_call("on_remove", key)
             return True
 
@@ -290,14 +361,20 @@ class MemoryTier(Tier):
             super().check_integrity()
             used = [x for e in self._entries.values() for x in e.pages]
             used += [x for pages in self._reserved for x in pages]
+            used += self.inflight.deferred_pages()
             self.allocator.check_integrity(used)
+            for table in (self.inflight.incoming, self.inflight.outgoing):
+                assert set(table) <= set(self._entries), f"{self.name}: copy of an absent chunk"
             for k, e in self._entries.items():
                 assert entry_bytes(e, self.page_bytes) == self.footprint(e.nbytes), f"{k!r}: page count"
                 assert sum(n for _, n in e.runs) == e.nbytes, f"{k!r}: runs do not cover the chunk"
 
     def close(self) -> None:
         with self._lock:
+            self.inflight.wait_all()  # (no copy may land in a pool given back)
+            self.inflight = InflightCopies()
             self._entries.clear()
             self._reserved.clear()
             self.allocator = PageAllocator(self.allocator.num_pages)
             self.policy = type(self.policy)()
+
