@@ -35,8 +35,9 @@ def spill_roundtrip_check(device: str | torch.device = "cpu", n: int = 1000, *,
                           gpu_bytes: int = 1 << 20, cpu_bytes: int = 4 << 20) -> dict:
     """Put ``n`` chunks of random sizes (1 .. ``max_chunk_bytes``, fp16, written on
     ``device`` just before the put) into a GPU tier of ``gpu_bytes`` over a CPU tier of
-    ``cpu_bytes``; each put spills older chunks, and every chunk spilled is read back from
-    the CPU tier at once and compared with what was put. One step in five also promotes a
+    ``cpu_bytes``; each put spills older chunks (one put in five spills its own chunk at
+    once, while the copy that wrote it may still run), and every chunk spilled is read back
+    from the CPU tier at once and compared with what was put. One step in five also promotes a
     random CPU-only chunk back and reads it from the GPU tier at once. Both tiers'
     ``check_integrity`` runs after every step.
 
@@ -78,6 +79,8 @@ def spill_roundtrip_check(device: str | torch.device = "cpu", n: int = 1000, *,
             in_cpu = set(cpu.keys())
             ref[key] = host
             mover.insert(0, key, kv, None, owned=True)
+            if rng.random() < 0.2 and gpu.contains(key):
+                mover.evict(0, key)  # spilled right after the kernels that wrote it
             for k in set(cpu.keys()) - in_cpu:  # spilled by this put: read back at once
                 counts["spills"] += 1
                 check(cpu, k)
