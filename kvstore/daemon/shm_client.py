@@ -29,7 +29,8 @@ import torch
 
 from kvstore.api import KVStoreBase, LookupResult, StoreCapabilities
 from kvstore.daemon import protocol as P
-from kvstore.daemon.shm_conn import Conn, unix_path
+from kvstore.daemon.shm_conn import Conn, key_frame, unix_path
+from kvstore.daemon.shm_protocol import hashes_frame
 from kvstore.daemon.shm_put import STAGING_BYTES, put_on
 from kvstore.errors import RemoteError, StoreUnavailable
 from kvstore.keys import ChunkKey, Namespace
@@ -177,8 +178,8 @@ class ShmKVStoreClient(KVStoreBase):
 
     def _keys_op(self, op: str, ns: Namespace, keys: Sequence[ChunkKey], *, idempotent: bool,
                  timeout_s: float | None, **extra: Any) -> dict:
-        from kvstore.daemon.shm_conn import key_frame
-        frame = key_frame(op, P.key_request(ns, keys, **extra))
+        frame = (key_frame(op, P.key_request(ns, keys, **extra)) if extra
+                 else hashes_frame(op, ns, keys))
         return self._call(op, lambda c, d: c.request(frame, d), idempotent=idempotent,
                           timeout_s=timeout_s)
 
@@ -254,7 +255,7 @@ class ShmKVStoreClient(KVStoreBase):
             check_out(ns, keys, out)
         if not keys:
             return []
-        frame = _key_frame("get", ns, keys)
+        frame = hashes_frame("get", ns, keys)
         return self._call("get", lambda c, d: _get(c, d, frame, ns, keys, out), idempotent=True,
                           timeout_s=timeout_s)
 
@@ -286,11 +287,6 @@ class ShmKVStoreClient(KVStoreBase):
             self._closed, idle, self._idle = True, self._idle, []
         for c in idle:
             c.close()
-
-
-def _key_frame(op: str, ns: Namespace, keys: Sequence[ChunkKey]) -> bytes:
-    from kvstore.daemon.shm_conn import key_frame
-    return key_frame(op, P.key_request(ns, keys))
 
 
 def check_out(ns: Namespace, keys: Sequence[ChunkKey], out: Sequence[torch.Tensor]) -> None:

@@ -4,8 +4,10 @@ deadline. Framing is ``kvstore.daemon.shm_protocol``'s.
 """
 from __future__ import annotations
 
+import math
 import mmap
 import os
+import select
 import socket
 import time
 import warnings
@@ -15,12 +17,16 @@ from typing import Sequence
 import numpy as np
 
 from kvstore.daemon import shm_protocol as S
-from kvstore.daemon.protocol import MAGIC, MAX_HEADER_BYTES, PREAMBLE, ProtocolError
+from kvstore.daemon.protocol import (MAGIC, MAX_HEADER_BYTES, PREAMBLE, PREAMBLE_BYTES,
+                                     ProtocolError, decode_preamble)
 from kvstore.errors import RemoteError
 
 #: Socket buffer asked for in each direction (bytes): a put's chunk (5.9 MB for SmolLM2)
 #: crosses in a few system calls instead of hundreds of 208 KiB ones.
 SOCKET_BUFFER_BYTES = 4 << 20
+#: Bytes a reply read may take ahead of what it needs (a reply's header, 0.1-8 KB, then
+#: arrives in one call; read-ahead bytes of a payload are copied out first).
+READ_AHEAD_BYTES = 64 << 10
 
 
 def unix_path(url: str) -> str:
@@ -121,11 +127,23 @@ class Conn:
         self.staging = None
         #: True once the daemon (or this system) refused a staging area: put over the socket
         self.staging_refused = False
+        # read-ahead of reply frames: [_rpos, _rend) of _rbuf are received, not yet consumed
+        self._rbuf, self._rpos, self._rend = bytearray(READ_AHEAD_BYTES), 0, 0
         try:
             for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
                 self.sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
-            self._until(deadline)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("deadline passed")
+            self.sock.settimeout(left)
             self.sock.connect(path)
+            # non-blocking from here on: each wait is one poll() bounded by the deadline
+            # (a socket with a timeout would poll before every call and reset it each time)
+            self.sock.setblocking(False)
+            fd = self.sock.fileno()
+            self._poll_in, self._poll_out = select.poll(), select.poll()
+            self._poll_in.register(fd, select.POLLIN)
+            self._poll_out.register(fd, select.POLLOUT)
             self.hello = self._hello(token, deadline, arenas)
         except BaseException:
             self.sock.close()
@@ -136,9 +154,15 @@ class Conn:
                   deadline)
         fds: list[int] = []
         try:
-            self._until(deadline)
-            reply, n = S.recv_frame(self.sock, fds)
-            reply = self.check(reply, n)
+            while True:  # the arena's descriptor rides on the reply's first bytes
+                try:
+                    data, got = S.recv_with_fds(self.sock, len(self._rbuf))
+                    break
+                except BlockingIOError:
+                    self._wait(self._poll_in, deadline)
+            fds.extend(got)
+            self._rbuf[:len(data)], self._rend = data, len(data)
+            reply = self.reply(deadline)
             instance, size = reply.get("instance"), reply.get("arena_bytes", 0)
             if not isinstance(instance, str) or type(size) is not int or size < 0:
                 raise ProtocolError(f"malformed hello reply {str(reply)[:200]}")
@@ -152,18 +176,23 @@ class Conn:
         tenant = reply.get("tenant") if isinstance(reply.get("tenant"), dict) else {}
         return Hello(instance, tenant, arena, int(reply.get("page_bytes") or 0))
 
-    def _until(self, deadline: float) -> None:
+    @staticmethod
+    def _wait(poller, deadline: float) -> None:
+        """Wait until ``poller``'s event (or an error/hang-up) on the socket; TimeoutError
+        past the deadline."""
         left = deadline - time.monotonic()
-        if left <= 0:
+        if left <= 0 or not poller.poll(max(1, math.ceil(left * 1e3))):
             raise TimeoutError("deadline passed")
-        self.sock.settimeout(left)
 
     def send(self, parts: list, deadline: float) -> None:
         """Send ``parts`` (bytes / memoryviews) in order with ``sendmsg`` (no join copy)."""
         parts = [memoryview(p).cast("B") for p in parts]
         while parts:
-            self._until(deadline)
-            sent = self.sock.sendmsg(parts[:512])
+            try:
+                sent = self.sock.sendmsg(parts[:512])
+            except BlockingIOError:
+                self._wait(self._poll_out, deadline)
+                continue
             while sent and parts:
                 if sent >= parts[0].nbytes:
                     sent -= parts[0].nbytes
@@ -176,42 +205,77 @@ class Conn:
 
     def request(self, header: dict | bytes, deadline: float, payload: Sequence = ()) -> dict:
         """Send one request (a header dict, or a ready frame) and read its reply's header;
-        an ``ok`` reply's payload, if any, is left in the socket (``recv_into``).
+        an ``ok`` reply's payload, if any, is left to ``recv_into``.
 
         Raises:
             RemoteError: an error reply. TimeoutError, ConnectionError, ProtocolError.
         """
-        self.send([header if isinstance(header, bytes) else S.encode_frame(header)]
-                  + list(payload), deadline)
+        frame = header if isinstance(header, bytes) else S.encode_frame(header)
+        self.send([frame, *payload] if payload else [frame], deadline)
         return self.reply(deadline)
 
     def reply(self, deadline: float) -> dict:
         """Read the next reply's header (after requests sent with ``send``); raises as
         ``request``."""
-        self._until(deadline)
-        reply, n = S.recv_frame(self.sock)
-        return self.check(reply, n)
+        self._fill(PREAMBLE_BYTES, deadline)
+        n = decode_preamble(bytes(self._rbuf[self._rpos:self._rpos + PREAMBLE_BYTES]))
+        self._fill(PREAMBLE_BYTES + n, deadline)  # (may move the bytes to the front)
+        start = self._rpos
+        blob = bytes(self._rbuf[start + PREAMBLE_BYTES:start + PREAMBLE_BYTES + n])
+        self._rpos = start + PREAMBLE_BYTES + n
+        reply, payload_bytes = S.decode_header(blob)
+        return self.check(reply, payload_bytes, deadline)
+
+    def _fill(self, need: int, deadline: float) -> None:
+        """Have at least ``need`` received bytes at ``_rbuf[_rpos:]`` (reading ahead as far as
+        the buffer allows: a reply's header usually arrives whole in one call)."""
+        have = self._rend - self._rpos
+        if have >= need:
+            return
+        if self._rpos + need > len(self._rbuf):  # move what is left to the front (or grow)
+            rest = self._rbuf[self._rpos:self._rend]
+            if need > len(self._rbuf):
+                self._rbuf = bytearray(need)
+            self._rbuf[:have], self._rpos, self._rend = rest, 0, have
+        view = memoryview(self._rbuf)
+        while self._rend - self._rpos < need:
+            try:
+                k = self.sock.recv_into(view[self._rend:])
+            except BlockingIOError:
+                self._wait(self._poll_in, deadline)
+                continue
+            if k == 0:
+                raise ConnectionError("daemon closed the connection")
+            self._rend += k
 
     def send_fds(self, data: bytes, fds: list[int], deadline: float) -> None:
         """Send ``data`` with ``fds`` attached (``SCM_RIGHTS``), in a message of its own."""
-        self._until(deadline)
-        S.send_with_fds(self.sock, data, fds)
+        while True:  # the descriptors ride on the first byte; the rest goes plainly
+            try:
+                S.send_with_fds(self.sock, data[:1], fds)
+                break
+            except BlockingIOError:
+                self._wait(self._poll_out, deadline)
+        if len(data) > 1:
+            self.send([data[1:]], deadline)
 
-    def check(self, reply: dict, payload_bytes: int) -> dict:
+    def check(self, reply: dict, payload_bytes: int, deadline: float | None = None) -> dict:
         """``reply`` if ``ok``; else its payload is skipped and ``RemoteError`` raised."""
         if reply.get("ok") is True:
             reply["payload_bytes"] = payload_bytes
             return reply
         if payload_bytes:
-            S.recv_exact(self.sock, payload_bytes)
+            left = time.monotonic() + 10.0 if deadline is None else deadline
+            self.recv_into(memoryview(bytearray(payload_bytes)), left)
         status = reply.get("status")
         raise RemoteError(status if type(status) is int else 500,
                           str(reply.get("error", "error reply without a message")))
 
     def alive(self) -> bool:
         """False when the daemon has closed this (idle) connection or sent on it unasked."""
+        if self._rend > self._rpos:
+            return False  # bytes nobody asked for: out of step
         try:
-            self.sock.setblocking(False)  # (with a timeout set, Python would wait for data)
             self.sock.recv(1, socket.MSG_PEEK)  # b"": closed; bytes: out of step
         except BlockingIOError:
             return True  # nothing to read: open and in step
@@ -220,8 +284,22 @@ class Conn:
         return False
 
     def recv_into(self, view: memoryview, deadline: float) -> None:
-        self._until(deadline)
-        S.recv_exact_into(self.sock, view)
+        """Fill ``view`` with the next payload bytes (read ahead ones first)."""
+        pos, n = 0, view.nbytes
+        have = self._rend - self._rpos
+        if have:
+            pos = min(have, n)
+            view[:pos] = self._rbuf[self._rpos:self._rpos + pos]
+            self._rpos += pos
+        while pos < n:
+            try:
+                k = self.sock.recv_into(view[pos:])
+            except BlockingIOError:
+                self._wait(self._poll_in, deadline)
+                continue
+            if k == 0:
+                raise ConnectionError("daemon closed the connection")
+            pos += k
 
     def close(self) -> None:
         try:
@@ -245,3 +323,4 @@ def key_frame(op: str, key_request_json: bytes) -> bytes:
     if len(blob) > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {len(blob)} bytes exceeds {MAX_HEADER_BYTES}")
     return PREAMBLE.pack(MAGIC, len(blob)) + blob
+

@@ -18,6 +18,7 @@ import torch
 import xxhash
 
 from kvstore.daemon import protocol as P
+from kvstore.daemon import shm_protocol as S
 from kvstore.daemon.payload import DROP_SCRATCH, can_persist, persist
 from kvstore.daemon.shm_staging import copy_hashed, map_client_staging
 from kvstore.daemon.state import _check_fits, _shaped
@@ -32,11 +33,15 @@ RECV_SLICE = 512 << 10
 
 
 def _ns_keys(c: "Connection", h: dict, access: str = READ):
-    """``(namespace, keys)`` of a request, once the caller may use the namespace for
-    ``access`` (403) and it fits the store (400); more than ``max_batch_keys`` keys: 413."""
+    """``(namespace, keys)`` of a request (its ``hashes``, else its ``keys``), once the caller
+    may use the namespace for ``access`` (403) and it fits the store (400); more than
+    ``max_batch_keys`` keys: 413."""
     ns = P.parse_namespace(h.get("namespace"))
     c.tenant.check(ns.cache_salt, access)
     _check_fits(c.store, ns, c.state)
+    hashes = h.get("hashes")
+    if hashes is not None:
+        return ns, S.parse_hashes(ns, hashes, c.state.limits.max_batch_keys)
     return ns, P.parse_keys(ns, h.get("keys"), c.state.limits.max_batch_keys)
 
 
@@ -44,12 +49,22 @@ def _ok(**fields: Any) -> dict:
     return {"ok": True, **fields}
 
 
+def lookup_now(c: "Connection", h: dict) -> dict | None:
+    """``lookup`` answered on the event loop when the store lock is free (no thread hop),
+    else None (``lookup`` then runs it on the store pool)."""
+    if not c.server.nonblocking_lookup:
+        return None
+    ns, keys = _ns_keys(c, h)
+    res = c.store.try_lookup_keys(ns, keys)
+    return None if res is None else _lookup_reply(res)
+
+
 async def lookup(c: "Connection", h: dict) -> dict:
     ns, keys = _ns_keys(c, h)
-    store = c.store
-    res = store.try_lookup_keys(ns, keys) if store.capabilities.nonblocking_lookup else None
-    if res is None:
-        res = await c.state.call(store.lookup_keys, ns, keys)
+    return _lookup_reply(await c.state.call(c.store.lookup_keys, ns, keys))
+
+
+def _lookup_reply(res) -> dict:
     return _ok(num_hit_chunks=res.num_hit_chunks, chunk_size=res.chunk_size,
                tiers=list(res.tiers), num_requested_chunks=res.num_requested_chunks)
 
@@ -383,9 +398,13 @@ async def stats(c: "Connection", h: dict) -> dict:
     return _ok(**await c.state.stats_body(c.store))
 
 
+#: op name -> its answer on the event loop without waiting, or None when it must wait (then
+#: the op's handler runs); for ops that are usually answered at once
+INLINE: dict[str, Callable[["Connection", dict], dict | None]] = {"lookup": lookup_now}
+
 #: op name -> handler (``release`` and ``hello`` are the connection's own)
 HANDLERS: dict[str, Callable[["Connection", dict], Awaitable[dict | None]]] = {
     "lookup": lookup, "exists": exists, "get": get, "put": put, "remove": remove,
     "demote": demote, "clear": clear, "pin": pin, "unpin": unpin, "stats": stats, "stage": stage}
 
-__all__ = ["HANDLERS", "RECV_SLICE"]
+__all__ = ["HANDLERS", "INLINE", "RECV_SLICE"]

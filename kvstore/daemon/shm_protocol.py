@@ -11,7 +11,11 @@ Frames (both directions) reuse the binary message of ``kvstore.daemon.protocol``
     b"KVS\\x01" | uint32 LE header length | JSON header | payload (header["payload_bytes"] bytes)
 
 Every request header has ``"op"``; keys travel as hex of ``bytes(ChunkKey)``, namespaces as
-``Namespace.to_dict()``, exactly as over HTTP (``kvstore.daemon.fields``). Every reply has
+``Namespace.to_dict()``, exactly as over HTTP (``kvstore.daemon.fields``). A request with
+``keys`` (lookup, exists, get, remove, demote, pin, unpin) may give them instead in compact
+form, ``hashes``: one hex string of the keys' prefix hashes back to back (every key of a
+request is of its namespace, so its id is not repeated; ``hashes_frame``, ``parse_hashes``).
+``ShmKVStoreClient`` sends every key request but ``pin`` so. Every reply has
 ``"ok": true`` and the op's fields, or ``"ok": false, "status": int, "error": str`` (the HTTP
 status the same failure gets over HTTP: 400 bad input, 401 bad token, 403 another tenant's
 namespace or a reader's write, 404 unknown op, 413 too many keys, 503 shutting down).
@@ -76,9 +80,12 @@ import asyncio
 import json
 import socket
 import struct
+from typing import Any, Sequence
 
-from kvstore.daemon.protocol import (MAX_HEADER_BYTES, PREAMBLE, PREAMBLE_BYTES, ProtocolError,
-                                     decode_preamble, encode_preamble_and_header)
+from kvstore.daemon.protocol import (MAGIC, MAX_HEADER_BYTES, PREAMBLE, PREAMBLE_BYTES,
+                                     PREFIX_HASH_BYTES, ProtocolError, decode_preamble,
+                                     encode_preamble_and_header)
+from kvstore.keys import ChunkKey, Namespace
 
 #: Version of this path's messages (sent in ``hello``).
 SHM_VERSION = 1
@@ -117,6 +124,67 @@ def decode_header(blob: bytes) -> tuple[dict, int]:
     if type(n) is not int or n < 0:
         raise ProtocolError(f"payload_bytes must be an int >= 0, got {n!r}")
     return header, n
+
+
+def hashes_frame(op: str, ns: Namespace, keys: Sequence[ChunkKey]) -> bytes:
+    """The frame of a key request in its compact form: ``{"op", "namespace", "hashes"}``,
+    ``hashes`` the keys' prefix hashes back to back in hex (one JSON string instead of one
+    per key: a lookup of 32 keys costs the client and the daemon a few microseconds each).
+
+    Raises:
+        ValueError: a key of another namespace, or of another prefix-hash size (nothing is
+            sent). ProtocolError: a header larger than ``MAX_HEADER_BYTES``.
+    """
+    ns_id = ns.ns_id
+    for k in keys:
+        if k.ns_id != ns_id:
+            raise ValueError(f"key {bytes(k).hex()[:16]}... is not of namespace "
+                             f"{ns_id.hex()[:16]}...")
+    raw = b"".join([k.prefix_hash for k in keys])
+    if keys and len(raw) != len(keys) * len(keys[0].prefix_hash):
+        raise ValueError("keys of one request must have prefix hashes of one size")
+    blob = b"".join((b'{"op":"', op.encode(), b'","namespace":', _ns_json(ns), b',"hashes":"',
+                     raw.hex().encode(), b'"}'))
+    if len(blob) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(blob)} bytes exceeds {MAX_HEADER_BYTES}")
+    return PREAMBLE.pack(MAGIC, len(blob)) + blob
+
+
+def _ns_json(ns: Namespace) -> bytes:
+    """``ns.to_dict()`` as compact JSON bytes (the last 64 namespaces' kept)."""
+    blob = _NS_JSON.get(ns)
+    if blob is None:
+        if len(_NS_JSON) >= 64:
+            _NS_JSON.clear()
+        blob = _NS_JSON[ns] = json.dumps(ns.to_dict(), separators=(",", ":")).encode()
+    return blob
+
+
+_NS_JSON: dict[Namespace, bytes] = {}
+
+
+def parse_hashes(ns: Namespace, hashes: Any, max_keys: int) -> list[ChunkKey]:
+    """The keys of ``ns`` whose prefix hashes ``hashes`` holds back to back, in hex (the
+    compact form of ``keys``: every key of a request is of its namespace); at most
+    ``max_keys`` (413 beyond).
+
+    Raises:
+        ProtocolError: not a hex string of whole ``PREFIX_HASH_BYTES[ns.hash_algo]``-byte
+            hashes, or too many.
+    """
+    size = PREFIX_HASH_BYTES[ns.hash_algo]
+    if hashes.__class__ is not str or len(hashes) % (2 * size):
+        raise ProtocolError(f"'hashes' must be a hex string of {size}-byte prefix hashes "
+                              f"(namespace hash_algo {ns.hash_algo})")
+    if len(hashes) // (2 * size) > max_keys:
+        raise ProtocolError(f"{len(hashes) // (2 * size)} keys exceed the limit of "
+                              f"{max_keys} per batch", 413)
+    try:
+        raw = bytes.fromhex(hashes)
+    except ValueError:
+        raise ProtocolError(f"'hashes' is not hex: {hashes[:64]!r}") from None
+    ns_id, trusted = ns.ns_id, ChunkKey.trusted  # lengths checked together above
+    return [trusted(ns_id, raw[i:i + size]) for i in range(0, len(raw), size)]
 
 
 def error_reply(status: int, message: str) -> dict:
@@ -225,5 +293,6 @@ def _close(fd: int) -> None:
 
 
 __all__ = ["SHM_VERSION", "OPS", "MAX_HEADER_BYTES", "PREAMBLE", "ProtocolError", "encode_frame",
-           "decode_header", "error_reply", "read_frame", "recv_exact", "recv_exact_into",
-           "recv_frame", "recv_with_fds", "send_with_fds", "peer_uid"]
+           "decode_header", "hashes_frame", "parse_hashes", "error_reply", "read_frame",
+           "recv_exact", "recv_exact_into", "recv_frame", "recv_with_fds", "send_with_fds",
+           "peer_uid"]

@@ -64,6 +64,8 @@ class ShmServer:
         if len(os.fsencode(self.path)) > MAX_SOCKET_PATH_BYTES:
             raise ValueError(f"unix socket path {self.path!r} is longer than "
                              f"{MAX_SOCKET_PATH_BYTES} bytes")
+        #: lookups may run on the event loop (``try_lookup_keys``); declared once per store
+        self.nonblocking_lookup = bool(self.store.capabilities.nonblocking_lookup)
         arena = self.store.shared_arena() if isinstance(self.store, ChunkStore) else None
         self.arena_fd, self.arena_bytes, self.page_bytes = arena or (None, 0, 0)
         self._sock: socket.socket | None = None

@@ -268,6 +268,11 @@ class Connection:
                 raise ProtocolError("hello is the connection's first request only")
             if handler is None:
                 raise ProtocolError(f"unknown op {op!r}; ops: {', '.join(S.OPS)}", 404)
+            now = shm_ops.INLINE.get(op)
+            out = now(self, header) if now is not None and not self.payload_left else None
+            if out is not None:  # answered without waiting: no timeout to arm
+                await self.reply(out)
+                return 200, True
             async with asyncio.timeout(limits.request_timeout_s):
                 out = await handler(self, header)
                 if self.payload_left:
