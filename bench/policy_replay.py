@@ -260,9 +260,11 @@ class PolicyReplay:
 
     def _store_each(self, a: int, j: int, b: int) -> None:
         """Store the missing chunks ``j..b-1`` of row ``a..b-1`` one at a time (exact for
-        every policy)."""
+        every policy): ``_evict_leaves`` and ``_add`` inlined."""
         keys, tokens, tier, tb = self.trace.keys, self.trace.tokens, self.tiers[0], self.token_bytes
-        adm, policy, cap = self.admission, tier.policy, tier.capacity
+        adm, policy, cap, stored = self.admission, tier.policy, tier.capacity, tier.nbytes
+        copies, kids, parent = self._copies, self._kids, self.parent
+        evict_until, insert = policy.evict_until, policy.on_insert
         for p in range(j, b):
             k, nbytes = keys[p], tokens[p] * tb
             par = keys[p - 1] if p > a else None
@@ -270,20 +272,38 @@ class PolicyReplay:
                 return
             need = tier.used + nbytes - cap
             if need > 0:
+                can = _always if par is None else par.__ne__
                 if adm is not None:
-                    victim = policy.next_victim(_always if par is None else par.__ne__, True)
+                    victim = policy.next_victim(can, True)
                     if victim is None:
                         return self._store_from(a, p, b)
-                    adm.fit(len(tier.nbytes))
+                    adm.fit(len(stored))
                     if not adm.admit(k, victim):
                         self.refused += 1
                         return
-                if self._evict_leaves(need, par) < need:
+                freed = 0
+                for v in evict_until(need, can, True):
+                    freed += stored.pop(v)
+                    del copies[v]
+                    vp = parent.get(v)
+                    if vp is not None:
+                        left = kids[vp] - 1
+                        if left:
+                            kids[vp] = left
+                        else:
+                            del kids[vp]
+                tier.used -= freed
+                if freed < need:
                     # the filter (if any) has admitted k over this placement's first victim
                     if not self._make_room(0, nbytes, frozenset((k, par)), k,
                                            admitted=adm is not None):
                         return
-            self._add(tier, k, nbytes, par)
+            stored[k] = nbytes
+            tier.used += nbytes
+            insert(k, nbytes, par)
+            copies[k] = 1
+            if par is not None:
+                kids[par] = kids.get(par, 0) + 1
 
     def _store_from(self, a: int, j: int, b: int) -> None:
         """``_row``'s placement of chunks ``j..b-1`` of row ``a..b-1`` (one tier)."""

@@ -82,6 +82,8 @@ class EvictionPolicy(ABC):
         self._demoted: dict[Key, int] = {}  # demoted key -> demotion sequence number
         self._demoted_heap: list[tuple[int, Key]] = []  # (seq, key) of demoted keys, lazily pruned
         self._demote_seq = 0
+        #: the subclass's ``_remove`` (None when it keeps no order of its own to update)
+        self._remove_hook = None if type(self)._remove is EvictionPolicy._remove else self._remove
 
     # ---- events -------------------------------------------------------------------------
     def on_insert(self, key: Key, nbytes: int, parent: Key | None = None) -> None:
@@ -208,54 +210,54 @@ class EvictionPolicy(ABC):
         victims: list[Key] = []
         if nbytes <= 0:
             return victims
-        if self.num_queues == 1:
-            return self._evict_leaves_one_queue(nbytes, can_evict, leaves_only, victims)
-        sizes, next_victim, forget = self._nbytes, self.next_victim, self._forget
-        freed = 0
-        while freed < nbytes:
-            victim = next_victim(can_evict, leaves_only)
-            if victim is None:
-                break
-            freed += sizes[victim]
-            forget(victim)
-            victims.append(victim)
-        return victims
-
-    def _evict_leaves_one_queue(self, nbytes: int, can_evict: Callable[[Key], bool],
-                                leaves_only: bool, victims: list[Key]) -> list[Key]:
-        """``evict_until`` for one queue: ``_first_leaf`` and ``_forget`` inlined while the
-        heap's top is a leaf that ``can_evict`` accepts and nothing is demoted; anything else
-        takes ``next_victim`` and ``_forget``."""
         sizes, ranks, children, parents = self._nbytes, self._ranks, self._children, self._parent
-        heap = self._heaps[0]
-        remove_hook = None if type(self)._remove is EvictionPolicy._remove else self._remove
+        queue, heaps, first_leaf = self._queue, self._heaps, self._first_leaf
+        remove_hook = self._remove_hook
+        one_queue = (0,) if self.num_queues == 1 else None
         freed = 0
         while freed < nbytes:
-            victim = None
-            while heap and not self._demoted:
-                rank, key = heap[0]
-                if ranks.get(key, _ABSENT) != rank or key in children:
-                    _heappop(heap)  # stale
-                    self._heap_entries -= 1
-                    continue
-                if can_evict(key):
-                    _heappop(heap)  # (its entry goes stale with the removal below)
-                    self._heap_entries -= 1
-                    victim = key
-                break
-            if victim is None:  # refused top, demoted keys, or no leaf: the general path
+            if self._demoted:  # the general path: demoted keys come first
                 victim = self.next_victim(can_evict, leaves_only)
                 if victim is None:
                     break
                 freed += sizes[victim]
                 self._forget(victim)
                 victims.append(victim)
-                heap = self._heaps[0]  # (a rebuild replaces the heap)
+                continue
+            victim = None
+            for q in one_queue or self._queues():  # (``_first_leaf`` inlined while the top
+                heap = heaps[q]  # of the heap is a leaf that ``can_evict`` accepts)
+                while heap:
+                    rank, key = heap[0]
+                    if ranks.get(key, _ABSENT) != rank or key in children \
+                            or queue.get(key, 0) != q:
+                        _heappop(heap)  # stale
+                        self._heap_entries -= 1
+                        continue
+                    if can_evict(key):
+                        _heappop(heap)  # (its entry goes stale with the removal below)
+                        self._heap_entries -= 1
+                        victim = key
+                    else:
+                        victim = first_leaf(q, can_evict)
+                    break
+                if victim is not None:
+                    break
+            if victim is None:
+                victim = None if leaves_only else self._first_with_children(can_evict)
+                if victim is None:
+                    break
+                freed += sizes[victim]
+                self._forget(victim)
+                victims.append(victim)
+                heaps = self._heaps  # (a rebuild replaces the heaps)
                 continue
             if remove_hook is not None:
                 remove_hook(victim)
             freed += sizes.pop(victim)
             del ranks[victim]
+            if queue:
+                queue.pop(victim, None)
             victims.append(victim)
             parent = parents.pop(victim)
             if parent is not None:
@@ -264,13 +266,9 @@ class EvictionPolicy(ABC):
                     kids.discard(victim)
                     if not kids:
                         del children[parent]
-                        if parent in sizes:  # (``_push_leaf`` inlined)
-                            self._heap_entries += 1
-                            if self._heap_entries > 2 * len(sizes) + 64:
-                                self._rebuild_heaps()
-                                heap = self._heaps[0]
-                            else:
-                                _heappush(heap, (ranks[parent], parent))
+                        if parent in sizes:
+                            self._push_leaf(parent)
+                            heaps = self._heaps
         return victims
 
     # ---- ranks (called by the subclasses' hooks) -----------------------------------------------
@@ -330,8 +328,10 @@ class EvictionPolicy(ABC):
                 victim = self._first_leaf(q, can_evict)
                 if victim is not None:
                     return victim
-        if leaves_only:
-            return None
+        return None if leaves_only else self._first_with_children(can_evict)
+
+    def _first_with_children(self, can_evict: Callable[[Key], bool]) -> Key | None:
+        """``next_victim``'s second choice: the first evictable key (demoted first)."""
         for key in sorted(self._demoted, key=self._demoted.__getitem__):
             if can_evict(key):  # (all have a stored child: the leaves were tried first)
                 return key
