@@ -32,6 +32,7 @@ from kvstore.daemon import protocol as P
 from kvstore.daemon.shm_conn import Conn, key_frame, unix_path
 from kvstore.daemon.shm_protocol import hashes_frame
 from kvstore.daemon.shm_put import STAGING_BYTES, put_on
+from kvstore.daemon.shm_results import ResultBuffers
 from kvstore.errors import RemoteError, StoreUnavailable
 from kvstore.keys import ChunkKey, Namespace
 
@@ -90,6 +91,8 @@ class ShmKVStoreClient(KVStoreBase):
         self._lock = threading.Lock()
         self._idle: list[Conn] = []
         self._arenas: dict = {}  # "current": the Arena of the last daemon start greeted
+        #: destinations of gets without ``out``, recycled (``kvstore.daemon.shm_results``)
+        self.results = ResultBuffers()
         self._closed = False
 
     # ---- connections ----------------------------------------------------------------------
@@ -256,8 +259,9 @@ class ShmKVStoreClient(KVStoreBase):
         if not keys:
             return []
         frame = hashes_frame("get", ns, keys)
-        return self._call("get", lambda c, d: _get(c, d, frame, ns, keys, out), idempotent=True,
-                          timeout_s=timeout_s)
+        take = self.results.take
+        return self._call("get", lambda c, d: _get(c, d, frame, ns, keys, out, take),
+                          idempotent=True, timeout_s=timeout_s)
 
     def put_chunks(self, ns, keys, kvs, parents=None, *, durable=None, timeout_s=None) -> int:
         """Store chunks, through the connection's staging area or from the tensors' memory
@@ -302,9 +306,11 @@ def check_out(ns: Namespace, keys: Sequence[ChunkKey], out: Sequence[torch.Tenso
 
 
 def _get(conn: Conn, deadline: float, frame: bytes, ns: Namespace, keys: Sequence[ChunkKey],
-         out: Sequence[torch.Tensor] | None) -> list[torch.Tensor | None]:
+         out: Sequence[torch.Tensor] | None,
+         take: Callable[[Any], torch.Tensor]) -> list[torch.Tensor | None]:
     """One get exchange: copy each found chunk's arena runs (or read its inline bytes) into
-    its destination, then release the borrow. Raises as ``Conn.request``."""
+    its destination (``out[i]``, else ``take(layout)``), then release the borrow. Raises as
+    ``Conn.request``."""
     reply = conn.request(frame, deadline)
     chunks, borrow = reply.get("chunks"), reply.get("borrow")
     if not isinstance(chunks, list) or len(chunks) != len(keys):
@@ -316,7 +322,7 @@ def _get(conn: Conn, deadline: float, frame: bytes, ns: Namespace, keys: Sequenc
         if c is None:
             got.append(None)
             continue
-        kv = out[i] if out is not None else torch.empty(lay.shape(), dtype=lay.torch_dtype)
+        kv = out[i] if out is not None else take(lay)
         dst = kv.view(torch.uint8).reshape(-1).numpy()  # [chunk_bytes]
         if not isinstance(c, dict):
             raise P.ProtocolError(f"bad get reply entry {str(c)[:60]}")
