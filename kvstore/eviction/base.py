@@ -266,9 +266,13 @@ class EvictionPolicy(ABC):
                     kids.discard(victim)
                     if not kids:
                         del children[parent]
-                        if parent in sizes:
-                            self._push_leaf(parent)
-                            heaps = self._heaps
+                        if parent in sizes:  # a leaf now (``_push_leaf`` inlined)
+                            self._heap_entries += 1
+                            if self._heap_entries > 2 * len(sizes) + 64:
+                                self._rebuild_heaps()
+                                heaps = self._heaps
+                            else:
+                                _heappush(heaps[queue.get(parent, 0)], (ranks[parent], parent))
         return victims
 
     # ---- ranks (called by the subclasses' hooks) -----------------------------------------------
