@@ -26,6 +26,8 @@ import triton.language as tl
 
 #: elements per program (at most: one block's elements rounded up to a power of two)
 MAX_TILE = 4096
+#: blocks per launch (CUDA's limit on a grid's second dimension); more are copied in turns
+MAX_BLOCKS_PER_LAUNCH = 65535
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -91,17 +93,24 @@ def _block_ids(block_ids, kv_cache: torch.Tensor, unique: bool, what: str) -> to
 
 def _launch(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor | None,
             dst_ids: torch.Tensor | None, k: int) -> None:
-    """Copy ``k`` blocks from ``src`` to ``dst`` (both 6-D pools or chunk views, one layout)."""
+    """Copy ``k`` blocks from ``src`` to ``dst`` (both 6-D pools or chunk views, one layout):
+    block ``src_ids[i]`` (else ``i``) to block ``dst_ids[i]`` (else ``i``)."""
     layers, _, _, bs, h, d = src.shape
     numel = bs * h * d
     if k == 0 or numel == 0 or layers == 0:
         return
     tile = min(triton.next_power_of_2(numel), MAX_TILE)
     s, t = _bits(src), _bits(dst)
-    _copy_blocks_kernel[(layers * 2, k, triton.cdiv(numel, tile))](
-        s, t, src_ids if src_ids is not None else s, dst_ids if dst_ids is not None else t,
-        src.stride(0), src.stride(1), src.stride(2), dst.stride(0), dst.stride(1), dst.stride(2),
-        numel, SRC_IDS=src_ids is not None, DST_IDS=dst_ids is not None, TILE=tile)
+    for lo in range(0, k, MAX_BLOCKS_PER_LAUNCH):
+        hi = min(k, lo + MAX_BLOCKS_PER_LAUNCH)
+        si = None if src_ids is None else src_ids[lo:hi]
+        di = None if dst_ids is None else dst_ids[lo:hi]
+        sv = s if si is not None else s[:, :, lo:hi]       # a chunk side: its blocks lo..hi
+        tv = t if di is not None else t[:, :, lo:hi]
+        _copy_blocks_kernel[(layers * 2, hi - lo, triton.cdiv(numel, tile))](
+            sv, tv, si if si is not None else sv, di if di is not None else tv,
+            sv.stride(0), sv.stride(1), sv.stride(2), tv.stride(0), tv.stride(1), tv.stride(2),
+            numel, SRC_IDS=si is not None, DST_IDS=di is not None, TILE=tile)
 
 
 def gather_chunk(kv_cache: torch.Tensor, block_ids: torch.Tensor | list[int]) -> torch.Tensor:

@@ -179,6 +179,22 @@ def test_bad_input_is_refused_and_nothing_written(tc):
     assert _same_bits(pool, before)
 
 
+def test_more_blocks_than_one_launch_takes(tc, monkeypatch):
+    """Past CUDA's grid limit the blocks are copied in turns (here 2 blocks per launch)."""
+    monkeypatch.setattr(tc, "MAX_BLOCKS_PER_LAUNCH", 2)
+    pool = _pool(2, 9, 4, 3, 8, torch.float16)
+    ids = [8, 1, 6, 3, 0]
+    assert _same_bits(tc.gather_chunk(pool, ids), ref.gather_chunk(pool, ids))
+    chunk = torch.randn(2, 2, 20, 3, 8)
+    want, got = pool.clone(), pool.clone()
+    ref.scatter_chunk(want, ids, chunk)
+    tc.scatter_chunk(got, ids, chunk)
+    assert _same_bits(got, want)
+    ref.copy_blocks(want, [1, 2, 3], [4, 5, 7])
+    tc.copy_blocks(got, [1, 2, 3], [4, 5, 7])
+    assert _same_bits(got, want)
+
+
 # --- compiled kernels on CUDA (skipped without CUDA and Triton) ---------------------------------
 
 @pytest.mark.gpu
@@ -198,3 +214,4 @@ def test_cuda_kernels_equal_reference(dtype):
     ref.copy_blocks(want, ids[:4], ids[3:7])
     ops.copy_blocks(got, ids[:4], ids[3:7])
     assert _same_bits(got, want)
+
