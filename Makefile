@@ -53,6 +53,12 @@ $(VLLM_STAMP): tools/make_vllm_env.sh pyproject.toml
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q -ra tests/connectors/test_vllm_connector.py tests/connectors/test_vllm_daemon.py tests/connectors/test_vllm_cli.py tests/connectors/test_vllm_tenants.py tests/connectors/test_vllm_engine_min_sharing.py
 
+# The prepared GPU checks and timings (bench/gpu_check.py) on a CUDA machine, with $(PY): an
+# interpreter whose torch is a CUDA build (.venv's is the CPU build). Writes results/gpu_check.json.
+.PHONY: gpu-check
+gpu-check:
+	mkdir -p results && $(PY) -m bench.gpu_check --json results/gpu_check.json
+
 demo: $(STAMP)
 	$(VPY) -m bench.demo
 
