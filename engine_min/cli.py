@@ -1,4 +1,5 @@
-"""Command line: ``python -m engine_min generate --prompt TEXT [--chat] [--max-tokens N] [--model PATH]``,
+"""Command line: ``python -m engine_min generate --prompt TEXT [--chat] [--max-tokens N] [--model PATH]
+[--device auto|cpu|cuda|cuda:N] [--dtype D]``,
 ``python -m engine_min serve [flags]`` (see engine_min.serve.cli),
 ``python -m engine_min route --engines URL,URL,... [flags]`` (the cache-aware router, see
 engine_min.router.cli) and
@@ -10,6 +11,15 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+
+def add_device_args(parser) -> None:
+    """``--device`` and ``--dtype`` (checked by ``EngineConfig`` before any model load)."""
+    parser.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,cuda:N}",
+                        help="where the model, KV pool and sampler run (default auto: cuda "
+                        "when available, else cpu)")
+    parser.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 "
+                        "(default: float32 on cpu, float16 on cuda)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    add_device_args(g)
     from engine_min.serve.cli import add_serve_args
     add_serve_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
     from engine_min.router.cli import add_route_args
@@ -85,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                   top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype))
+        config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device)
+        engine = LLMEngine(config)   # (a bad device or dtype is refused above, before the load)
         prompt = args.prompt
         if args.chat:
             prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])

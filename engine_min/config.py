@@ -20,6 +20,48 @@ def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+#: device types an engine runs on; ``"meta"`` builds the engine without values (shapes and
+#: placement only: it cannot sample), for tests that check where every tensor lives
+DEVICE_TYPES = ("cpu", "cuda", "meta")
+
+
+def resolve_device(device: str | torch.device | None) -> str:
+    """The device an engine runs on, as a canonical string (``"cpu"``, ``"cuda"``,
+    ``"cuda:1"``, ``"meta"``).
+
+    Args:
+        device: ``None`` or ``"auto"`` = ``"cuda"`` when ``torch.cuda.is_available()`` else
+            ``"cpu"``; otherwise a ``torch.device`` or a string ``torch.device`` accepts.
+
+    Raises:
+        ValueError: a device torch cannot parse, a type other than cpu/cuda/meta, CUDA asked
+            for where this torch build or machine has none, or a CUDA index past the last GPU.
+    """
+    if device is None or device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if not isinstance(device, (str, torch.device)):
+        raise ValueError(f"device must be a str or torch.device, got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"unknown device {device!r}; choose auto, cpu, cuda or cuda:N") from exc
+    if dev.type not in DEVICE_TYPES:
+        raise ValueError(f"unsupported device {str(dev)!r}; choose auto, cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(dev)!r}: CUDA is not available in this torch build "
+                             f"or machine (use --device cpu)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(dev)!r}: this machine has "
+                             f"{torch.cuda.device_count()} CUDA device(s)")
+    return str(dev)
+
+
+def default_dtype(device: str) -> str:
+    """The compute dtype when none is given: ``"float16"`` on CUDA, ``"float32"`` elsewhere."""
+    return "float16" if torch.device(device).type == "cuda" else "float32"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine settings (validated at construction).
@@ -27,7 +69,14 @@ class EngineConfig:
     Attributes:
         model: path to a GGUF file or a Hugging Face safetensors folder; None = the embedded
             SmolLM2-135M-Instruct GGUF (``weights.default_model_path()``).
-        dtype: weights, activations and KV dtype (``"float32"``, ``"float16"``, ``"bfloat16"``).
+        device: where the model's weights, the KV pool, the step's inputs (token ids,
+            positions, slot mapping, block tables) and the logits live: ``"auto"``/None
+            (default: ``"cuda"`` when CUDA is available, else ``"cpu"``), ``"cpu"``,
+            ``"cuda"``, ``"cuda:N"``, or a ``torch.device``; stored resolved, as a string
+            (``resolve_device``). Only the sampled token ids come back to the host, once per
+            step (all of a step's logits when a request samples non-greedily).
+        dtype: weights, activations and KV dtype (``"float32"``, ``"float16"``, ``"bfloat16"``;
+            fp32/fp16/bf16); None (default) = by device: float32 on CPU, float16 on CUDA.
         block_size: tokens per KV block.
         kv_cache_bytes: bytes of the preallocated KV pool (rounded down to whole blocks; the
             null block 0 is part of the pool).
@@ -49,11 +98,12 @@ class EngineConfig:
             weights (else a store can change answers).
 
     Raises:
-        ValueError: a non-positive size or an unknown dtype.
+        ValueError: a non-positive size, an unknown dtype, bfloat16 on a GPU without it, or
+            a device that is unknown or not on this machine (``resolve_device``).
     """
 
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str | None = None
     block_size: int = 16
     kv_cache_bytes: int = 256 * 1024 * 1024
     max_num_batched_tokens: int = 512
@@ -66,9 +116,18 @@ class EngineConfig:
     model_id: str | None = None
     model_revision: str | None = None
     weights_fingerprint: bool = True
+    device: str | torch.device | None = None
 
     def __post_init__(self) -> None:
-        torch_dtype(self.dtype)
+        device = resolve_device(self.device)
+        object.__setattr__(self, "device", device)   # frozen: store the resolved values
+        dtype = default_dtype(device) if self.dtype is None else self.dtype
+        if not isinstance(dtype, str):
+            raise ValueError(f"EngineConfig.dtype must be a dtype name, got {dtype!r}")
+        if torch_dtype(dtype) is torch.bfloat16 and device.startswith("cuda") and \
+                not torch.cuda.is_bf16_supported():
+            raise ValueError(f"dtype {dtype!r}: this GPU has no bfloat16; use float16")
+        object.__setattr__(self, "dtype", dtype)
         if self.model_id is not None and not (isinstance(self.model_id, str) and
                                               self.model_id.strip()):
             raise ValueError(f"EngineConfig.model_id must be a non-empty string, got "
@@ -84,6 +143,11 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return torch_dtype(self.dtype)
+
+    @property
+    def torch_device(self) -> torch.device:
+        """``device`` as a ``torch.device``."""
+        return torch.device(self.device)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    """A paged-attention engine over one Llama-family model on this process's device (CPU).
+    """A paged-attention engine over one Llama-family model on ``config.device`` (weights, KV
+    pool, step inputs and logits there; the sampled token ids come back once per step).
 
     Args:
         config: engine settings.
@@ -40,7 +41,8 @@ class LLMEngine:
     Attributes:
         tokenizer: encode / decode / apply_chat_template / eos_token_id.
         model_config: ModelConfig (num_layers, num_kv_heads, head_dim, max_position, ...).
-        kv_cache: the KV pool ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+        kv_cache: the KV pool ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``
+            on ``config.device``.
         max_model_len: longest prompt + output (model context, config cap and pool size).
         kv_identity: what changes the KV of the same token ids (model id, revision, weights
             fingerprint, dtype, RoPE...; ``engine_min.identity.kv_identity``), strings.
@@ -60,17 +62,17 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_path, reader)
         self.kv_identity = load_identity(self.model_path, reader, config, self.model_config)
         del reader
-        self.model = LlamaModel(self.model_config, sd, config.torch_dtype)
+        self.model = LlamaModel(self.model_config, sd, config.torch_dtype, config.device)
         del sd
         mc, dtype = self.model_config, config.torch_dtype
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        block_bytes = mc.kv_block_bytes(config.block_size, itemsize)
+        block_bytes = mc.kv_block_bytes(config.block_size, dtype.itemsize)
         num_blocks = config.kv_cache_bytes // block_bytes
         if num_blocks < 2:
             raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds {num_blocks} blocks of "
                              f"{block_bytes} bytes; at least 2 are needed (null block + 1)")
         self.kv_cache = torch.zeros(mc.num_layers, 2, num_blocks, config.block_size,
-                                    mc.num_kv_heads, mc.head_dim, dtype=dtype)
+                                    mc.num_kv_heads, mc.head_dim, dtype=dtype,
+                                    device=config.device)
         self.max_model_len = min(config.max_model_len or mc.max_position, mc.max_position,
                                  (num_blocks - 1) * config.block_size)
         seed = hashlib.sha256(f"engine_min-v1|{self.model_path}|{config.dtype}".encode()).digest()

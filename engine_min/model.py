@@ -53,6 +53,12 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
+def param(t: torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    """A frozen contiguous copy of ``t`` in ``dtype`` on ``device`` (cast on the host first:
+    the device receives only the final bytes)."""
+    return nn.Parameter(t.to(dtype).contiguous().to(device), requires_grad=False)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in float32, cast back: ``x / sqrt(mean(x^2) + eps) * weight``."""
     xf = x.float()
@@ -63,24 +69,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class DecoderLayer(nn.Module):
     """Pre-norm attention (GQA, RoPE, optional qkv bias) + SwiGLU MLP, fused qkv and gate/up."""
 
-    def __init__(self, cfg: ModelConfig, sd: dict[str, torch.Tensor], i: int, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, sd: dict[str, torch.Tensor], i: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
         super().__init__()
         p = f"layers.{i}."
 
         def w(name):
-            return nn.Parameter(sd[p + name].to(dtype).contiguous(), requires_grad=False)
+            return param(sd[p + name], dtype, device)
 
         self.cfg, self.layer_idx = cfg, i
         self.attn_norm, self.mlp_norm = w("attn_norm.weight"), w("mlp_norm.weight")
-        self.qkv = nn.Parameter(torch.cat([sd[p + "q.weight"], sd[p + "k.weight"],
-                                           sd[p + "v.weight"]]).to(dtype), requires_grad=False)
+        self.qkv = param(torch.cat([sd[p + "q.weight"], sd[p + "k.weight"], sd[p + "v.weight"]]),
+                         dtype, device)
         self.qkv_bias = None
         if cfg.attention_bias:
-            self.qkv_bias = nn.Parameter(torch.cat([sd[p + "q.bias"], sd[p + "k.bias"],
-                                                    sd[p + "v.bias"]]).to(dtype), requires_grad=False)
+            self.qkv_bias = param(torch.cat([sd[p + "q.bias"], sd[p + "k.bias"],
+                                             sd[p + "v.bias"]]), dtype, device)
         self.o = w("o.weight")
-        self.gate_up = nn.Parameter(torch.cat([sd[p + "gate.weight"], sd[p + "up.weight"]]).to(dtype),
-                                    requires_grad=False)
+        self.gate_up = param(torch.cat([sd[p + "gate.weight"], sd[p + "up.weight"]]), dtype, device)
         self.down = w("down.weight")
         self.scale = cfg.head_dim ** -0.5
 
@@ -115,17 +121,21 @@ class LlamaModel(nn.Module):
         cfg: model shape.
         sd: state dict in engine_min names (``weights.load_model``); float32 CPU tensors.
         dtype: compute dtype of weights and activations.
+        device: where the weights (and the RoPE frequencies) are placed; the forward pass
+            takes its inputs and KV pool on the same device.
     """
 
-    def __init__(self, cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
+    def __init__(self, cfg: ModelConfig, sd: dict[str, torch.Tensor],
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         super().__init__()
-        self.cfg, self.dtype = cfg, dtype
-        self.embed = nn.Parameter(sd["embed.weight"].to(dtype), requires_grad=False)  # [V, hidden]
-        self.norm = nn.Parameter(sd["norm.weight"].to(dtype), requires_grad=False)
-        self.lm_head = self.embed if cfg.tie_word_embeddings else nn.Parameter(
-            sd["lm_head.weight"].to(dtype), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, sd, i, dtype) for i in range(cfg.num_layers))
-        self.rotary = Rotary(cfg)
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.embed = param(sd["embed.weight"], dtype, device)  # [V, hidden]
+        self.norm = param(sd["norm.weight"], dtype, device)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else param(
+            sd["lm_head.weight"], dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, sd, i, dtype, device)
+                                    for i in range(cfg.num_layers))
+        self.rotary = Rotary(cfg, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

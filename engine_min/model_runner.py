@@ -8,6 +8,9 @@ the forward pass:
   ``connector.start_load_kv(sched_out, kv_cache)`` then ``connector.wait_for_load()`` before it
   (and before the inputs are built: a load that falls short moves ``num_computed_tokens`` back),
   ``connector.save(sched_out, kv_cache)`` after it (full blocks now computed may be stored).
+
+Device: every input tensor is built on the host (numpy / lists) and moved once to the KV pool's
+device (``kv_cache.device``); the logits stay there (the sampler brings back token ids).
 """
 from __future__ import annotations
 
@@ -28,8 +31,9 @@ class ModelRunner:
     """Runs the model for scheduled sequences and returns logits of those that sample.
 
     Args:
-        model: the decoder.
-        kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+        model: the decoder (its weights on ``kv_cache.device``).
+        kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``; its
+            device is where the step's inputs are placed.
         block_size: tokens per block.
         connector: optional KV connector.
     """
@@ -37,7 +41,12 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int,
                  connector: KVConnectorBase | None = None):
         self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
+        self.device = kv_cache.device
         self.connector = connector
+
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host-built input tensor on the pool's device (the same tensor on CPU)."""
+        return t.to(self.device)
 
     def _slots(self, item: ScheduledSeq) -> np.ndarray:
         """``[num_new]`` slot ids of the sequence's new tokens."""
@@ -47,7 +56,7 @@ class ModelRunner:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def prepare(self, items: list[ScheduledSeq]):
-        """Inputs for ``items`` ordered decodes first.
+        """Inputs for ``items`` ordered decodes first, on the pool's device.
 
         Returns:
             (ordered items, input_ids [T], positions [T], AttentionMetadata,
@@ -64,28 +73,31 @@ class ModelRunner:
             pos.append(np.arange(s, s + n))
             slots.append(self._slots(it))
             if n > 1:
-                spans.append(PrefillSpan(t, t + n, torch.tensor(it.seq.block_table, dtype=torch.long), s + n))
+                table = self._on_device(torch.tensor(it.seq.block_table, dtype=torch.long))
+                spans.append(PrefillSpan(t, t + n, table, s + n))
             t += n
             if it.samples:
                 sample_idx.append(t - 1)
-        meta = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(slots)),
-                                 num_decode=len(decodes), prefills=spans)
+        slot_mapping = self._on_device(torch.from_numpy(np.concatenate(slots)))  # [T] int64
+        meta = AttentionMetadata(slot_mapping=slot_mapping, num_decode=len(decodes),
+                                 prefills=spans)
         if decodes:
             width = max(len(it.seq.block_table) for it in decodes)
             tables = [it.seq.block_table + [0] * (width - len(it.seq.block_table)) for it in decodes]
-            meta.decode_block_tables = torch.tensor(tables, dtype=torch.long)
-            meta.decode_context_lens = torch.tensor(
-                [it.seq.num_computed_tokens + 1 for it in decodes], dtype=torch.long)
-        return (ordered, torch.tensor(ids, dtype=torch.long), torch.from_numpy(np.concatenate(pos)),
-                meta, torch.tensor(sample_idx, dtype=torch.long))
+            meta.decode_block_tables = self._on_device(torch.tensor(tables, dtype=torch.long))
+            meta.decode_context_lens = self._on_device(torch.tensor(
+                [it.seq.num_computed_tokens + 1 for it in decodes], dtype=torch.long))
+        return (ordered, self._on_device(torch.tensor(ids, dtype=torch.long)),
+                self._on_device(torch.from_numpy(np.concatenate(pos))), meta,
+                self._on_device(torch.tensor(sample_idx, dtype=torch.long)))
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor]:
         """Run one step.
 
         Returns:
-            (items in execution order, float32 logits ``[n_sample, vocab]`` of the items whose
-            ``samples`` is true, in that order).
+            (items in execution order, float32 logits ``[n_sample, vocab]`` on the pool's
+            device, of the items whose ``samples`` is true, in that order).
         """
         ops.copy_blocks(self.kv_cache, [s for s, _ in sched_out.blocks_to_copy],
                         [d for _, d in sched_out.blocks_to_copy])

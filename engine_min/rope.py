@@ -72,8 +72,9 @@ def _yarn(cfg: ModelConfig, sc: dict) -> tuple[torch.Tensor, float]:
 class Rotary:
     """cos/sin tables at given positions and their application to q/k."""
 
-    def __init__(self, cfg: ModelConfig):
-        self.inv_freq, self.scale = inv_freq_and_scale(cfg)  # [head_dim // 2]
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu"):
+        inv_freq, self.scale = inv_freq_and_scale(cfg)
+        self.inv_freq = inv_freq.to(device)  # [head_dim // 2] float32, on the model's device
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` each ``[num_tokens, 1, head_dim]`` for int64 ``positions [num_tokens]``."""

@@ -13,6 +13,11 @@ largest float) overflows it or makes a NaN, and softmax always sees a finite max
 raw float32 logits by 1e-40 gave inf - inf = NaN, and ``torch.multinomial`` raised for the
 whole batch). A row holding a NaN or infinite logit is an error for that row
 only (``Sampler.sample_rows``).
+
+Devices: logits may live on the engine's device (CUDA). A greedy batch is decided there
+(argmax and the finiteness check) and only its token ids come back, in one copy; a batch with a
+non-greedy row copies its logits to the host once and samples there, with CPU generators, so a
+seed draws the same tokens on every device.
 """
 from __future__ import annotations
 
@@ -126,13 +131,20 @@ class Sampler:
 
     def sample_rows(self, logits: torch.Tensor, params: list[SamplingParams],
                     generators: list[torch.Generator | None]) -> list[int | Exception]:
-        """Per row of ``logits [n, vocab]``: its token id, or the exception raised sampling it.
+        """Per row of ``logits [n, vocab]`` (any device): its token id, or the exception raised
+        sampling it.
 
         Rows are sampled in order, each at most once (a seeded row draws from its generator
         exactly as it would alone), and one row's error never changes another row's token.
+        One device-to-host copy: the token ids and finiteness of an all-greedy batch, else the
+        logits.
         """
-        if all(p.greedy for p in params) and bool(torch.isfinite(logits).all()):
-            return logits.argmax(dim=-1).tolist()
+        if all(p.greedy for p in params):
+            finite = torch.isfinite(logits).all(dim=-1)                       # [n] bool
+            ids, ok = torch.stack([logits.argmax(dim=-1), finite.long()]).tolist()
+            if all(ok):
+                return ids
+        logits = logits.cpu()   # CPU generators: the same seeded draws on every device
         out: list[int | Exception] = []
         for row, p, gen in zip(logits, params, generators):
             try:

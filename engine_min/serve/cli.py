@@ -43,7 +43,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="leave the weights' content fingerprint out of the KV store "
                    "namespace: engines then share chunks by --model-id/--model-revision "
                    "alone, and whoever sets this vouches that they load the same weights")
-    e.add_argument("--dtype", default=None, help="float32 (default), float16 or bfloat16")
+    from engine_min.cli import add_device_args
+    add_device_args(e)
     e.add_argument("--kv-cache-bytes", type=parse_size, default=None, metavar="SIZE",
                    help="bytes of the engine's KV block pool")
     e.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
@@ -94,12 +95,17 @@ def build_connector(args: argparse.Namespace) -> Any | None:
         raise SystemExit(f"error: bad --kvstore-* flags: {exc}") from exc
 
 
-def build_engine(args: argparse.Namespace, connector: Any | None = None) -> Any:
-    """An ``LLMEngine`` from the engine flags (unset flags keep ``EngineConfig``'s defaults)."""
-    from engine_min.config import EngineConfig
-    from engine_min.engine import LLMEngine
+def engine_config(args: argparse.Namespace) -> Any:
+    """The ``EngineConfig`` of the engine flags (unset flags keep its defaults); cheap, no
+    model load.
 
-    kw = {"model": args.model, "dtype": args.dtype, "kv_cache_bytes": args.kv_cache_bytes,
+    Raises:
+        ValueError: a bad engine flag (size, dtype, a device that is unknown or absent).
+    """
+    from engine_min.config import EngineConfig
+
+    kw = {"model": args.model, "dtype": args.dtype, "device": getattr(args, "device", None),
+          "kv_cache_bytes": args.kv_cache_bytes,
           "block_size": args.block_size, "max_num_batched_tokens": args.max_num_batched_tokens,
           "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
           "model_id": getattr(args, "model_id", None),
@@ -113,7 +119,13 @@ def build_engine(args: argparse.Namespace, connector: Any | None = None) -> Any:
         kw["kv_event_batches"] = args.kv_event_batches
     if getattr(args, "no_weights_fingerprint", False):
         kw["weights_fingerprint"] = False
-    return LLMEngine(EngineConfig(**kw), connector=connector)
+    return EngineConfig(**kw)
+
+
+def build_engine(args: argparse.Namespace, connector: Any | None = None) -> Any:
+    """An ``LLMEngine`` from the engine flags (``engine_config``)."""
+    from engine_min.engine import LLMEngine
+    return LLMEngine(engine_config(args), connector=connector)
 
 
 def served_model_names(args: argparse.Namespace, engine: Any) -> list[str]:
@@ -169,7 +181,8 @@ def serve_main(args: argparse.Namespace) -> None:
     """Build the engine (and connector) from ``args`` and serve until interrupted.
 
     Raises:
-        SystemExit: bad flags, a model that cannot be loaded, or an unusable KV pool size.
+        SystemExit: bad flags (a device this machine lacks: before the store or the model is
+            touched), a model that cannot be loaded, or an unusable KV pool size.
     """
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -178,6 +191,10 @@ def serve_main(args: argparse.Namespace) -> None:
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from exc
     check_listen(args.host, args.port)
+    try:
+        engine_config(args)    # bad engine flags (a device absent here) before store or model
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from exc
     connector = build_connector(args)
     try:
         engine = build_engine(args, connector)
