@@ -238,6 +238,8 @@ class Conn:
                 self._rbuf = bytearray(need)
             self._rbuf[:have], self._rpos, self._rend = rest, 0, have
         view = memoryview(self._rbuf)
+        if not have:  # a reply not read yet has rarely arrived already: wait, then read
+            self._wait(self._poll_in, deadline)
         while self._rend - self._rpos < need:
             try:
                 k = self.sock.recv_into(view[self._rend:])
