@@ -5,39 +5,18 @@ tensors: the same kernel code, the same index arithmetic and masks, executed by 
 copies, so the results must equal the reference's bit for bit. The ``gpu``-marked tests run the
 compiled kernels on CUDA (skipped on CPU-only machines, tests/conftest.py).
 """
-import importlib.util
-import os
-import pathlib
-
 import pytest
 import torch
 
 from kernels import reference as ref
 
 pytest.importorskip("triton")
-
-
-def _load_interpreted():
-    """A private copy of kernels/triton_cache.py whose kernels run in Triton's interpreter (the
-    decorator reads TRITON_INTERPRET at import; the real module, compiled, is left alone)."""
-    path = pathlib.Path(ref.__file__).with_name("triton_cache.py")
-    spec = importlib.util.spec_from_file_location("kernels._triton_cache_interpreted", path)
-    mod = importlib.util.module_from_spec(spec)
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-    return mod
+from tests.kernels.triton_interp import load_interpreted  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tc():
-    return _load_interpreted()
+    return load_interpreted("triton_cache")
 
 
 def _pool(layers, nb, bs, h, d, dtype, device="cpu", seed=0):
