@@ -7,7 +7,9 @@ them from the store and scatters the leading ones that arrived whole into the re
 step's deadline, then cancels (nothing is scattered afterwards) and lands each load: the
 sequence is rewound past what did not land (``LoadPlan.landed``), so the engine prefills the
 rest. From an in-process ``ChunkStore`` the scatter copies straight out of the CPU tier's pages
-(``ChunkStore.borrow_chunks``, reader-pinned while in use).
+(``ChunkStore.borrow_chunks``, reader-pinned while in use). A pool off the CPU receives each
+piece through ``connectors.engine_min_device.to_pool`` (asynchronous only from pinned pages),
+and the worker waits for those copies before borrowed pages go back or it returns.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch
 from connectors.base import LoadResult
 from connectors.chunk_plan import RequestChunks
 from connectors.chunk_records import LoadPlan, Piece
+from connectors.engine_min_device import sync_pool, to_pool
 from connectors.engine_min_stats import ConnectorStats
 from kernels import ops
 from kvstore.api import KVStoreBase
@@ -101,6 +104,13 @@ class Loader:
         Raises:
             whatever the store raises (the caller counts a fallback; what landed stays).
         """
+        try:
+            self._fetch_groups(ld)
+        finally:
+            sync_pool(self.kv_cache.device)    # no copy still reads a chunk we drop
+
+    def _fetch_groups(self, ld: _Load) -> None:
+        """``_fetch_and_scatter``'s reads, one per namespace."""
         groups: list[list[Piece]] = []
         for p in ld.plan.pieces:
             if groups and groups[-1][0].ns is p.ns:
@@ -120,6 +130,7 @@ class Loader:
                         if not self._scatter(ld, p, _as_chunk(parts, ns.layout), want):
                             return
                 finally:
+                    sync_pool(self.kv_cache.device)   # the pages' copies are done: release
                     borrowed.release()
                 continue
             if self._get_takes_parents:
@@ -144,8 +155,8 @@ class Loader:
             if ld.cancelled:
                 return False
             if hi > lo:
-                ops.scatter_chunk(self.kv_cache, ld.block_ids[lo // bs:hi // bs],
-                                  kv[:, :, lo - p.start:hi - p.start])
+                src, _ = to_pool(kv[:, :, lo - p.start:hi - p.start], self.kv_cache.device)
+                ops.scatter_chunk(self.kv_cache, ld.block_ids[lo // bs:hi // bs], src)
             ld.landed += 1
         return True
 

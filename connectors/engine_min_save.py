@@ -12,6 +12,11 @@ answer filled the chunk of pieces), the writer thread demotes those pieces right
 (``connectors.save_queue.demote_superseded``): they become the first eviction candidates of
 every tier, yet still serve a prompt sharing the prefix up to a piece while there is room. A
 failed demotion is counted (``demote_errors``) and logged once; it only costs room, later.
+
+Devices (``connectors.engine_min_device``): chunks are gathered on the pool's device; a store
+without a GPU tier on top gets host copies (pinned, made without waiting), and the writer waits
+for the event recorded after them before the put. On a CPU pool the gathered tensors go as
+they are.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import torch
 
 from connectors.chunk_geometry import ChunkGeometry
 from connectors.chunk_records import SaveRange
+from connectors.engine_min_device import StagedChunks, stage_for_store, takes_device_chunks
 from connectors.engine_min_stats import ConnectorStats
 from connectors.save_queue import SaveQueue, demote_superseded
 from kernels import ops
@@ -42,13 +48,17 @@ class Saver:
         self.kv_cache: torch.Tensor | None = None
         self.geometry: ChunkGeometry | None = None
         self.tail_ns: Namespace | None = None
-        self._queue = SaveQueue(store.put_chunks, save_queue_bytes, self._saved)
+        self._host_copies = False   # give the store host copies of device chunks (bind)
+        self._queue = SaveQueue(self._put, save_queue_bytes, self._saved)
 
     def bind(self, kv_cache: torch.Tensor, geometry: ChunkGeometry,
              tail_ns: Namespace | None) -> None:
         """Gather from ``kv_cache`` ``[num_layers, 2, num_blocks, block_size, num_kv_heads,
-        head_dim]`` laid out as ``geometry`` says; puts into ``tail_ns`` count as tail pieces."""
+        head_dim]`` laid out as ``geometry`` says; puts into ``tail_ns`` count as tail pieces.
+        A pool off the CPU hands the store host copies unless the store takes device chunks
+        (``takes_device_chunks``)."""
         self.kv_cache, self.geometry, self.tail_ns = kv_cache, geometry, tail_ns
+        self._host_copies = kv_cache.device.type != "cpu" and not takes_device_chunks(self.store)
 
     def queue(self, rng: SaveRange | None, block_ids: list[int]) -> None:
         """Gather the units of ``rng`` out of the pool (``block_ids``: the request's blocks)
@@ -58,9 +68,15 @@ class Saver:
         g = self.geometry
         kvs = [ops.gather_chunk(self.kv_cache, g.unit_blocks(block_ids, s, rng.unit))
                for s in rng.starts]
+        kvs = stage_for_store(kvs, self.kv_cache.device, self._host_copies)
         then = None if rng.supersedes is None else (
             lambda stored, rng=rng: self._demote(rng, stored))
         self._queue.submit(rng.ns, list(rng.keys), kvs, rng.nbytes, rng.parents, then)
+
+    def _put(self, ns: Namespace, keys, kvs: StagedChunks, *parents) -> int:
+        """Writer thread: once the device finished ``kvs`` (their event), put them."""
+        kvs.ready.wait()
+        return self.store.put_chunks(ns, keys, list(kvs), *parents)
 
     def _demote(self, rng: SaveRange, stored: int) -> None:
         """Writer thread, after ``rng``'s chunks were put: demote the tail pieces they cover
