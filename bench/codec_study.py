@@ -1,0 +1,378 @@
+"""Study of lossy KV variants on the real model: ``python -m bench.codec_study [--seed S]``.
+
+Each variant fake-quantizes the exact prefix KV in process (torch ops: quantize, then
+dequantize back to fp32), so a variant costs one generation pass per prompt and no codec code
+is needed. Prompts and the recompute reference are ``bench.codec``'s (``workload_prompts``,
+greedy, ``--max-tokens`` 32): per prompt, recompute runs with no connector; a first request
+with a connector saves the prompt's full chunks (chunk size 64) to a CPU tier; per variant,
+those exact chunks are fake-quantized and put under the variant's own namespace (a
+``cache_salt`` per variant), and a request loads them and generates. Greedy margins (top-1 minus
+top-2 logit at every generated position) are recorded through the sampler, so a flip is
+reported with the margin of recompute and of the variant at the first differing position.
+
+Bytes (``bytes_ratio_vs_fp16``): per stored chunk ``[L, 2, T, H, D]`` the bytes a codec of the
+variant would store, summed over the prompt set's distinct chunks, over 2 bytes per element.
+Codes cost ``bits / 8`` bytes per element; each scale or zero point costs 2 bytes (fp16, and the
+fake quantization uses the fp16-rounded value); a value kept exact costs 2 bytes (fp16) and an
+outlier channel 2 bytes per element plus 1 byte of channel index. Headers are not counted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from dataclasses import dataclass, field
+
+if __name__ == "__main__":  # run as a script: before torch loads OpenMP
+    from engine_min.omp import set_omp_wait_policy
+    set_omp_wait_policy()
+import torch  # noqa: E402
+
+FP16_BYTES = 2          # bytes of a scale, zero point or value kept exact
+
+
+# ---------------------------------------------------------------- fake quantization (no model)
+
+def fake_quant(x: torch.Tensor, bits: int, dim: int, symmetric: bool) -> tuple[torch.Tensor, int]:
+    """Quantize ``x`` (float, any shape) to ``bits``-bit codes with one scale (and, when not
+    ``symmetric``, one zero point) per group = all elements sharing the indices outside ``dim``
+    (the group runs along ``dim``); returns (dequantized fp32 tensor, bytes stored: codes +
+    fp16 scales/zero points). Scales and zero points are rounded to fp16 before use.
+
+    Raises:
+        ValueError: ``bits`` outside 2..16.
+    """
+    if not 2 <= bits <= 16:
+        raise ValueError(f"bits must be in 2..16, got {bits}")
+    x = x.float()
+    groups = x.numel() // max(x.shape[dim], 1)
+    if symmetric:
+        qmax = 2 ** (bits - 1) - 1
+        amax = x.abs().amax(dim=dim, keepdim=True)
+        s = (amax / qmax).half().float().clamp_min(1e-30)
+        out = (x / s).round().clamp(-qmax, qmax) * s
+        nscal = 1
+    else:
+        qmax = 2 ** bits - 1
+        lo = x.amin(dim=dim, keepdim=True).half().float()
+        hi = x.amax(dim=dim, keepdim=True)
+        s = ((hi - lo) / qmax).half().float().clamp_min(1e-30)
+        out = ((x - lo) / s).round().clamp(0, qmax) * s + lo
+        nscal = 2
+    nbytes = (x.numel() * bits + 7) // 8 + groups * nscal * FP16_BYTES
+    return out, nbytes
+
+
+def fake_quant_diffused(v: torch.Tensor, bits: int) -> tuple[torch.Tensor, int]:
+    """Error-compensating (error diffusion) symmetric rounding of values ``v [T, ..., D]``:
+    one scale per token over its last dim (as ``fake_quant(v, bits, -1, True)``), tokens
+    rounded in order, each token's rounding error added to the next token before rounding, so
+    the running sum of values over tokens keeps an error of at most one step (attention
+    output is a weighted sum over tokens). Deterministic. Returns (dequantized, bytes)."""
+    v = v.float()
+    qmax = 2 ** (bits - 1) - 1
+    s = (v.abs().amax(dim=-1, keepdim=True) / qmax).half().float().clamp_min(1e-30)
+    out = torch.empty_like(v)
+    carry = torch.zeros_like(v[0])
+    for t in range(v.shape[0]):
+        y = v[t] + carry
+        out[t] = (y / s[t]).round().clamp(-qmax, qmax) * s[t]
+        carry = y - out[t]
+    groups = v.numel() // v.shape[-1]
+    return out, (v.numel() * bits + 7) // 8 + groups * FP16_BYTES
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A fake-quantized KV format. ``cast``: ``"float16"``/``"bfloat16"`` casts the whole
+    chunk (codes ignored). Otherwise keys ``[T, H, D]`` per layer: ``k_bits`` symmetric, one
+    scale per channel over ``k_group`` tokens (``k_group`` divides the chunk size), with
+    ``k_outliers`` channels per (layer, head) of largest absmax kept in fp16; values: ``v_bits``
+    per token over its head's channels (``v_symmetric``, ``v_diffuse``: error-compensating
+    rounding along tokens). ``sinks``: the first tokens of a sequence kept in fp16.
+    ``layer_bits``: ``{layer: (k_bits, v_bits)}`` overrides."""
+    name: str
+    cast: str = ""
+    k_bits: int = 8
+    k_group: int = 64
+    k_outliers: int = 0
+    v_bits: int = 7
+    v_symmetric: bool = False
+    v_diffuse: bool = False
+    sinks: int = 0
+    layer_bits: dict = field(default_factory=dict, hash=False, compare=False)
+
+
+def _keys(k: torch.Tensor, bits: int, group: int, outliers: int) -> tuple[torch.Tensor, int]:
+    """Keys ``k [T, H, D]`` of one layer -> (dequantized, bytes)."""
+    T, H, D = k.shape
+    out, nbytes = torch.empty_like(k), 0
+    keep = None
+    if outliers:
+        keep = k.abs().amax(dim=0).topk(outliers, dim=-1).indices            # [H, outliers]
+        mask = torch.zeros(H, D, dtype=torch.bool).scatter_(1, keep, True)   # [H, D]
+        k_in = k.masked_fill(mask, 0.0)
+    else:
+        k_in = k
+    for t0 in range(0, T, group):
+        g = k_in[t0:t0 + group]                                                # [g, H, D]
+        q, b = fake_quant(g, bits, 0, True)
+        out[t0:t0 + group] = q
+        nbytes += b
+    if outliers:
+        out = torch.where(mask, k.half().float(), out)
+        nbytes -= (T * H * outliers * bits) // 8           # those codes are not stored
+        nbytes += T * H * outliers * FP16_BYTES + H * outliers
+    return out, nbytes
+
+
+def _values(v: torch.Tensor, bits: int, symmetric: bool, diffuse: bool):
+    """Values ``v [T, H, D]`` of one layer -> (dequantized, bytes)."""
+    if diffuse:
+        return fake_quant_diffused(v, bits)
+    return fake_quant(v, bits, -1, symmetric)
+
+
+def apply_variant(kv: torch.Tensor, var: Variant, start: int) -> tuple[torch.Tensor, int]:
+    """Fake-quantize one chunk ``kv [L, 2, T, H, D]`` whose first token is at position ``start``
+    of its sequence; returns (fp32 tensor of the same shape, bytes the format stores)."""
+    if var.cast:
+        dt = getattr(torch, var.cast)
+        return kv.to(dt).float(), kv.numel() * 2
+    L, _, T, H, D = kv.shape
+    s = max(0, min(var.sinks - start, T))                    # sink tokens in this chunk
+    out = kv.float().clone()
+    nbytes = s * L * 2 * H * D * FP16_BYTES
+    if s:
+        out[:, :, :s] = kv[:, :, :s].half().float()
+    for layer in range(L):
+        kb, vb = var.layer_bits.get(layer, (var.k_bits, var.v_bits))
+        k, v = kv[layer, 0, s:].float(), kv[layer, 1, s:].float()              # [T-s, H, D]
+        group = var.k_group if s == 0 else T - s
+        qk, bk = _keys(k, kb, group, var.k_outliers)
+        qv, bv = _values(v, vb, var.v_symmetric, var.v_diffuse)
+        out[layer, 0, s:], out[layer, 1, s:] = qk, qv
+        nbytes += bk + bv
+    return out, nbytes
+
+
+FIRST8 = range(8)
+VARIANTS = {v.name: v for v in [
+    Variant("fp16", cast="float16"),
+    Variant("bf16", cast="bfloat16"),
+    Variant("kivi-like", k_bits=8, v_bits=7),                     # K8 ch/64tok, V7 asym/token
+    Variant("k8-v7sym", k_bits=8, v_bits=7, v_symmetric=True),
+    Variant("k8-v7-sink4", k_bits=8, v_bits=7, sinks=4),
+    Variant("k8-v7sym-sink4", k_bits=8, v_bits=7, v_symmetric=True, sinks=4),
+    Variant("k8g32-v7sym", k_bits=8, k_group=32, v_bits=7, v_symmetric=True),
+    Variant("k8-v7diff", k_bits=8, v_bits=7, v_diffuse=True),
+    Variant("k7o4-v7sym", k_bits=7, k_outliers=4, v_bits=7, v_symmetric=True),
+    Variant("k9first8-v7sym", k_bits=8, v_bits=7, v_symmetric=True,
+            layer_bits={i: (9, 7) for i in FIRST8}),
+    Variant("v8first8-k8-v7sym", k_bits=8, v_bits=7, v_symmetric=True,
+            layer_bits={i: (8, 8) for i in FIRST8}),
+    Variant("k8-v8sym", k_bits=8, v_bits=8, v_symmetric=True),   # over budget: a reference
+]}
+
+
+# ---------------------------------------------------------------- the real-model runs
+
+class MarginRecorder:
+    """Wraps ``engine.sampler.sample_rows``: appends each greedy row's top-1 minus top-2 logit
+    to ``margins`` (one request at a time)."""
+
+    def __init__(self, engine):
+        self.margins: list[float] = []
+        self.first_logits: torch.Tensor | None = None      # [vocab] of the first sampled row
+        inner = engine.sampler.sample_rows
+
+        def sample_rows(logits, params, generators):
+            top = torch.topk(logits.float(), 2, dim=-1).values                 # [n, 2]
+            if not self.margins:
+                self.first_logits = logits[0].float().cpu().clone()
+            self.margins.extend((top[:, 0] - top[:, 1]).tolist())
+            return inner(logits, params, generators)
+        engine.sampler.sample_rows = sample_rows
+
+    def take(self) -> list[float]:
+        out, self.margins = self.margins, []
+        return out
+
+
+def _gen(engine, rec: MarginRecorder, prompt, max_tokens: int):
+    from engine_min.sampler import SamplingParams
+    rec.take()
+    out = engine.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0]
+    return list(out.output_token_ids), rec.take()
+
+
+def _connector(store, salt: str, chunk_size: int):
+    from connectors.engine_min import EngineMinConnector
+    return EngineMinConnector(store, chunk_size=chunk_size, deadline_s=60.0,
+                              deadline_s_per_chunk=2.0, save_generated=False,
+                              owns_store=False, tail_chunk_size=0, cache_salt=salt)
+
+
+def run_set(engine, prompts, variants, args) -> dict:
+    """Recompute reference, the exact chunks, then each variant; per-variant figures."""
+    from kvstore.config import StoreConfig
+    from kvstore.store import ChunkStore
+
+    rec = MarginRecorder(engine)
+    want = [_gen(engine, rec, p, args.max_tokens) for p in prompts]
+    store = ChunkStore(StoreConfig(cpu_bytes="2GiB"))
+    res: dict = {}
+    try:
+        conn = _connector(store, "exact", args.chunk_size)
+        exact = []                                    # per prompt: list of (key, kv)
+        for p in prompts:
+            engine.set_connector(conn)
+            _gen(engine, rec, p, 1)
+            conn.wait_for_save(120)
+            engine.set_connector(None)
+            keys = conn.ns.chunk_keys(p)
+            kvs = store.get_chunks(conn.ns, keys)
+            assert all(kv is not None for kv in kvs), "exact chunks not saved"
+            exact.append([kv.clone() for kv in kvs])
+        conn.close()
+        for var in variants:
+            res[var.name] = run_variant(engine, rec, store, prompts, want, exact, var, args)
+            print(var.name, json.dumps({k: v for k, v in res[var.name].items()
+                                        if k != "per_prompt"}), flush=True)
+    finally:
+        engine.set_connector(None)
+        store.close()
+    return res
+
+
+def run_variant(engine, rec, store, prompts, want, exact, var: Variant, args) -> dict:
+    """One variant over the prompt set: agreement, exact prompts, flips with margins, bytes."""
+    conn = _connector(store, var.name, args.chunk_size)
+    seen: dict = {}
+    agree, flips = [], []
+    try:
+        for i, (p, (w, wm), kvs) in enumerate(zip(prompts, want, exact)):
+            engine.set_connector(conn)                  # binds the connector's namespace
+            keys = conn.ns.chunk_keys(p)
+            q = []
+            for c, (key, kv) in enumerate(zip(keys, kvs)):
+                qkv, nb = apply_variant(kv, var, c * args.chunk_size)
+                seen[key] = (nb, kv.numel())
+                q.append(qkv.to(kv.dtype))
+            store.put_chunks(conn.ns, keys, q)
+            before = engine.stats()["kvstore_loaded_tokens"]
+            got, gm = _gen(engine, rec, p, args.max_tokens)
+            loaded = engine.stats()["kvstore_loaded_tokens"] - before
+            engine.set_connector(None)
+            if loaded != len(keys) * args.chunk_size:   # a miss would measure recompute
+                raise RuntimeError(f"{var.name} prompt {i}: loaded {loaded} tokens, "
+                                   f"expected {len(keys) * args.chunk_size}")
+            same = [a == b for a, b in zip(got, w)]
+            agree.append(sum(same) / len(w))
+            if not all(same):
+                j = same.index(False)
+                flips.append({"prompt": i, "position": j, "recompute_margin": wm[j],
+                              "variant_margin": gm[j], "agreement": agree[-1]})
+    finally:
+        engine.set_connector(None)
+        conn.close()
+    nbytes = sum(b for b, _ in seen.values())
+    elems = sum(n for _, n in seen.values())
+    return {"bytes_ratio_vs_fp16": nbytes / (2 * elems), "token_agreement": statistics.mean(agree),
+            "prompts_exact": sum(a == 1.0 for a in agree), "num_prompts": len(agree),
+            "min_flip_margin": min((f["recompute_margin"] for f in flips), default=None),
+            "flips": flips, "per_prompt": agree}
+
+
+def layer_sensitivity(engine, prompts, args, bits: int = 4) -> list[dict]:
+    """Per layer: the first generated token's logits when only that layer's K and V are
+    fake-quantized at ``bits`` (K per channel over the chunk, V per token, symmetric), the rest
+    exact; ``{layer, mean_abs_logit_change, max_abs_logit_change}`` averaged over ``prompts``."""
+    from kvstore.config import StoreConfig
+    from kvstore.store import ChunkStore
+
+    rec = MarginRecorder(engine)
+    store = ChunkStore(StoreConfig(cpu_bytes="2GiB"))
+    rows = [dict(layer=i, mean_abs_logit_change=0.0, max_abs_logit_change=0.0)
+            for i in range(engine.model_config.num_layers)]
+    try:
+        conn = _connector(store, "exact", args.chunk_size)
+        for p in prompts:
+            engine.set_connector(conn)
+            _gen(engine, rec, p, 1)
+            conn.wait_for_save(120)
+            ref = rec.first_logits
+            kvs = [kv.clone() for kv in store.get_chunks(conn.ns, conn.ns.chunk_keys(p))]
+            engine.set_connector(None)
+            for row in rows:
+                lq = _connector(store, f"layer{row['layer']}", args.chunk_size)
+                engine.set_connector(lq)
+                q = []
+                for kv in kvs:
+                    kv = kv.clone()                                 # [L, 2, T, H, D]
+                    kv[row["layer"], 0] = fake_quant(kv[row["layer"], 0], bits, 0, True)[0]
+                    kv[row["layer"], 1] = fake_quant(kv[row["layer"], 1], bits, -1, True)[0]
+                    q.append(kv)
+                store.put_chunks(lq.ns, lq.ns.chunk_keys(p), q)
+                _gen(engine, rec, p, 1)
+                engine.set_connector(None)
+                lq.close()
+                d = (rec.first_logits - ref).abs()
+                row["mean_abs_logit_change"] += float(d.mean()) / len(prompts)
+                row["max_abs_logit_change"] += float(d.max()) / len(prompts)
+        conn.close()
+    finally:
+        engine.set_connector(None)
+        store.close()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m bench.codec_study", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seed", type=int, default=0, help="workload seed (bench.codec's sets)")
+    ap.add_argument("--quick", action="store_true", help="3 short prompts")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--chunk-size", type=int, default=64)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names")
+    ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--sensitivity", type=int, default=0, metavar="N",
+                    help="instead: per-layer logit change (4-bit K and V in one layer) over "
+                         "N prompts (every len/N-th of the set)")
+    args = ap.parse_args(argv)
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        ap.error(f"unknown variants {sorted(unknown)}; choose from {list(VARIANTS)}")
+    from bench.codec import workload_prompts
+    from engine_min.config import EngineConfig
+    from engine_min.engine import LLMEngine
+
+    prompts = workload_prompts(args.quick, args.seed)
+    n = max(len(p) for p in prompts) + args.max_tokens + 16
+    engine = LLMEngine(EngineConfig(kv_cache_bytes=(n + 64) * 30 * 2 * 3 * 64 * 4 * 2,
+                                    enable_prefix_caching=False,
+                                    max_num_batched_tokens=max(512, n)))
+    variants = [VARIANTS[v] for v in args.variants.split(",")]
+    load = os.getloadavg()[0]
+    if args.sensitivity:
+        picked = prompts[::max(1, len(prompts) // args.sensitivity)][:args.sensitivity]
+        rows = layer_sensitivity(engine, picked, args)
+        for r in rows:
+            print(json.dumps(r))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"seed": args.seed, "layers": rows,
+                           "load_average": [load, os.getloadavg()[0]]}, f, indent=2)
+        return {"layers": rows}
+    res = {"seed": args.seed, "num_prompts": len(prompts),
+           "variants": run_set(engine, prompts, variants, args),
+           "load_average": [load, os.getloadavg()[0]]}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return res
+
+
+if __name__ == "__main__":
+    main()
