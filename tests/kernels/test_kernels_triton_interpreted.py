@@ -41,7 +41,8 @@ def _compile(fn, signature: dict, constexprs: dict):
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items()
              if t.startswith("*") or t in ("i32", "i64")}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"enable_fp_fusion": True}).asm    # launches' default
 
 
 @pytest.mark.parametrize("src_ids", [True, False])
