@@ -22,7 +22,11 @@ reservations, one request at a time):
   over the first victim the tier's policy names (else nothing is evicted and that tier does
   not take it; a refused spill leaves the store).
 
-Speed: which tiers hold a key (a count of copies) and how many stored keys name it as parent
+Speed: with one tier, a row is replayed through the policy's batched calls
+(``on_access_many`` for the hit prefix, ``evict_until`` and ``on_insert_chain`` for the missing
+chunks: one room-making call for the whole chain when the policy's victims ignore inserts,
+else one per chunk), with the decisions of the per-chunk path (``_row``, used with two tiers
+and tested against the batched one). Which tiers hold a key (a count of copies) and how many stored keys name it as parent
 are kept in two dicts as chunks come and go, so presence and "has a stored child" are one
 dict lookup each, whatever the number of tiers; the policies choose victims from heaps of
 keys with no stored child (``kvstore.eviction.base``).
@@ -192,7 +196,8 @@ class PolicyReplay:
     def _row_one_tier(self, a: int, b: int) -> tuple[int, int]:
         """``_row`` for one tier, through the policy's batched calls (the same decisions): the
         hit prefix read at once (``on_access_many``); each missing chunk's room made by
-        ``evict_until`` (leaves only, sparing its parent) then ``on_insert``; or, for a policy
+        ``evict_until`` (leaves only, sparing its parent) then ``on_insert`` (those that fit
+        in the free bytes first, as one ``on_insert_chain``); or, for a policy
         whose victims ignore inserts and no admission filter, the room for the whole missing
         chain made at once and the chain inserted at once (``on_insert_chain``). When leaves
         run out (or the chunk exceeds the tier), the rest of the row takes ``_row``'s path."""
@@ -212,7 +217,7 @@ class PolicyReplay:
                 if adm is None and policy.victims_ignore_inserts:
                     self._store_chain(a, j, b)
                 else:
-                    self._store_each(a, j, b)
+                    self._store_each(a, self._store_fitting(a, j, b), b)
             else:  # a chunk repeated within the row (not a chained trace): one at a time
                 self._store_from(a, j, b)
         return hit, hit
@@ -257,6 +262,20 @@ class PolicyReplay:
             self._add_chain(keys[j:j + fit], sizes[:fit], par)
         if fit < m:  # leaves ran out: the per-chunk path (lineage fallback) from here
             self._store_from(a, j + fit, b)
+
+    def _store_fitting(self, a: int, j: int, b: int) -> int:
+        """Store the leading missing chunks from ``j`` that fit in the tier's free bytes as
+        one chain (nothing is evicted between them, so this is exact for every policy);
+        returns the first chunk not stored."""
+        tier, tokens, tb = self.tiers[0], self.trace.tokens, self.token_bytes
+        room, m = tier.capacity - tier.used, j
+        while m < b and tokens[m] * tb <= room:
+            room -= tokens[m] * tb
+            m += 1
+        if m > j:
+            self._add_chain(self.trace.keys[j:m], [t * tb for t in tokens[j:m]],
+                            self.trace.keys[j - 1] if j > a else None)
+        return m
 
     def _store_each(self, a: int, j: int, b: int) -> None:
         """Store the missing chunks ``j..b-1`` of row ``a..b-1`` one at a time (exact for

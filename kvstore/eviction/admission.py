@@ -136,8 +136,8 @@ class TinyLFU:
     def estimate(self, key: Key) -> int:
         """Requests of ``key`` in the window so far (an upper estimate; see the class)."""
         t = self._table
-        n = min(t[i] for i in self._slots(key))
-        return n + (1 if key in self._door else 0)
+        a, b, c, d = self._slots(key)
+        return min(t[a], t[b], t[c], t[d]) + (1 if key in self._door else 0)
 
     def admit(self, candidate: Key, victim: Key) -> bool:
         """Whether ``candidate`` should displace ``victim``: the victim is demoted, or the

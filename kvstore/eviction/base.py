@@ -48,6 +48,14 @@ class EvictionPolicy(ABC):
     * ``demote(key)``: make a tracked key the first victim once it has no stored child; returns
       whether ``key`` is tracked. Demoting a demoted key keeps its first demotion's place.
       ``on_access`` lifts the demotion, ``on_remove`` forgets it.
+    * Batched calls, each the same decisions and state as the per-event calls it stands for
+      (one Python call per request instead of several per chunk): ``on_access_many(keys)``,
+      ``on_insert_chain(keys, nbytes, parent)`` (a request's new chunks, each the parent of
+      the next) and ``evict_until(nbytes, can_evict, leaves_only)`` (``next_victim`` then
+      ``on_remove`` until ``nbytes`` are freed; returns the victims). When
+      ``victims_ignore_inserts``, a tier may call ``evict_until`` once for a whole chain
+      (sparing the chain's parent) and then ``on_insert_chain``: the victims are those of
+      evicting before each key.
 
     Ranks and queues: a policy's order is one or more queues (LRU, FIFO, LFU: one; S3-FIFO:
     small and main; ARC: T1 and T2), read one after the other in the order ``_queues()``
