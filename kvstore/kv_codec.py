@@ -1,6 +1,6 @@
 """Lossy KV codecs for the disk and remote tiers: ``kivi`` (under half the bytes of fp16 KV),
-``int8`` and ``fp8`` (about half), vectorized on the CPU (numpy
-passes; torch only for the e4m3 and bf16 casts).
+``int8`` and ``fp8`` (about half), vectorized on the CPU (numpy passes: no per-element
+Python, no torch op; e4m3 and bf16 casts as integer operations on the fp32 bits).
 
 A chunk is ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` (index 0 of dim 1 = K,
 1 = V) in fp32, fp16 or bf16. Encoded payload (little-endian)::
@@ -60,7 +60,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvstore import kv_grouped
+from kvstore import kv_casts, kv_grouped
 
 #: Lossy codec names (their codes in ``kvstore.codec.CODECS`` come after the lossless ones;
 #: append only).
@@ -73,12 +73,8 @@ KIVI_PARAMS = kv_grouped.GroupParams(k=kv_grouped.PartParams(8, 64, "tokens", sy
 QMAX = {"int8": 127.0, "fp8": 448.0}
 _SCALE_DTYPES = (np.float16, np.float32)
 _FP16_MAX = 65504.0
-#: float32 value of each e4m3fn byte (decoding is a table lookup)
-_E4M3_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
-# The passes over the values run in numpy (single-threaded): torch splits each op over its
-# OpenMP threads, and on a busy host every such op waits a scheduler slice (~15 ms per op,
-# measured: int8 encode 120 ms in torch vs 15 ms in numpy on a loaded 2-core host). Torch
-# only casts to e4m3 (numpy has no float8) and bf16 (numpy has no bfloat16).
+# The passes over the values are numpy, in blocks of whole layers (``kvstore.kv_casts``: why
+# not torch, why blocks); e4m3 and bf16 casts are integer operations on the fp32 bits.
 
 
 def _check(kv: torch.Tensor) -> None:
@@ -127,10 +123,11 @@ def _reciprocal(sc: np.ndarray) -> np.ndarray:
 
 
 def _scaled(x: np.ndarray, inv: np.ndarray) -> np.ndarray:
-    """``x * inv`` in fp32 (a new array). No clamp is needed after it: the stored scale is at
-    least amax / qmax, so ``|x * inv| <= qmax`` (up to fp32 rounding of the reciprocal,
-    which still rounds to qmax: 127, or e4m3's 448)."""
-    return np.multiply(x, inv, dtype=np.float32)
+    """``x * inv`` in fp32 (this thread's scratch, contiguous). No clamp is needed after it:
+    the stored scale is at least amax / qmax, so ``|x * inv| <= qmax`` (up to fp32 rounding of
+    the reciprocal, which still rounds to qmax: 127, or e4m3's 448)."""
+    t = kv_casts.scratch("scaled", x.size, np.float32).reshape(x.shape)
+    return np.multiply(x, inv, out=t, dtype=np.float32)
 
 
 def _host_array(kv: torch.Tensor) -> np.ndarray:
@@ -139,7 +136,11 @@ def _host_array(kv: torch.Tensor) -> np.ndarray:
     x = kv.detach().to("cpu")
     if x.dtype == torch.float16:
         return x.numpy().astype(np.float32)
-    return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
+    if x.dtype == torch.bfloat16:                            # exact: bf16 is fp32's top half
+        wide = np.left_shift(x.contiguous().view(torch.int16).numpy().view(np.uint16),
+                             np.uint32(16), dtype=np.uint32)
+        return wide.view(np.float32)
+    return x.numpy()
 
 
 def encode(kv: torch.Tensor, codec: str) -> np.ndarray:
@@ -165,15 +166,19 @@ def encode(kv: torch.Tensor, codec: str) -> np.ndarray:
     buf = np.empty(len(scale_bytes) + x.size + 1, dtype=np.uint8)
     buf[:len(scale_bytes)] = np.frombuffer(scale_bytes, dtype=np.uint8)
     buf[-1] = _SCALE_DTYPES.index(scales[0].dtype.type)
-    vals = buf[len(scale_bytes):-1]
+    vals = buf[len(scale_bytes):-1].reshape(x.shape)
     if codec == "int8":
-        q = vals.view(np.int8).reshape(x.shape)
-        for i, inv in ((0, _reciprocal(scales[0])[:, None]), (1, _reciprocal(scales[1])[..., None])):
-            t = _scaled(x[:, i], inv)
-            q[:, i] = np.rint(t, out=t)                      # exact integers in [-127, 127]
+        q = vals.view(np.int8)
+        invs = (_reciprocal(scales[0])[:, None], _reciprocal(scales[1])[..., None])
     else:
-        t = _scaled(x, _reciprocal(scales[0])[..., None])
-        torch.from_numpy(vals).view(torch.float8_e4m3fn).copy_(torch.from_numpy(t).view(-1))
+        inv = _reciprocal(scales[0])[..., None]
+    for sl in kv_casts.layer_blocks(x.shape[0], int(np.prod(x.shape[1:]))):
+        if codec == "int8":
+            for i in (0, 1):
+                t = _scaled(x[sl, i], invs[i][sl])
+                q[sl, i] = np.rint(t, out=t)                 # exact integers in [-127, 127]
+        else:
+            kv_casts.to_e4m3(_scaled(x[sl], inv[sl]), vals[sl])
     return buf
 
 
@@ -221,28 +226,58 @@ def decode(payload, codec: str, dtype: torch.dtype, shape: tuple[int, ...]) -> t
     n_vals = L * 2 * T * H * D
     scales = np.frombuffer(mv[:want - 1 - n_vals], dtype=sdt).astype(np.float32)
     vals = np.frombuffer(mv[want - 1 - n_vals:want - 1], dtype=np.uint8)
-    wide = torch.float32 if dtype == torch.bfloat16 else dtype
-    out = torch.empty(shape, dtype=wide)                     # [L, 2, T, H, D]
-    o = out.numpy()
+    out = torch.empty(shape, dtype=dtype)                    # [L, 2, T, H, D]
     if codec == "int8":
         q = vals.view(np.int8).reshape(L, 2, T, H, D)
-        np.multiply(q[:, 0], scales[:L * H * D].reshape(L, 1, H, D), out=o[:, 0],
-                    dtype=np.float32, casting="same_kind")
-        np.multiply(q[:, 1], scales[L * H * D:].reshape(L, T, H, 1), out=o[:, 1],
-                    dtype=np.float32, casting="same_kind")
+        ks, vs = scales[:L * H * D].reshape(L, 1, H, D), scales[L * H * D:].reshape(L, T, H, 1)
     else:
-        q = np.take(_E4M3_TABLE, vals).reshape(L, 2, T, H, D)  # fp32
-        np.multiply(q, scales.reshape(L, 2, T, H, 1), out=o, casting="same_kind")
-    return out.to(dtype) if wide != dtype else out
+        q, fs = vals.reshape(L, 2, T, H, D), scales.reshape(L, 2, T, H, 1)
+    for sl, o in _blocks_of(out):
+        if codec == "int8":
+            np.multiply(q[sl, 0], ks[sl], out=o[:, 0], dtype=np.float32)
+            np.multiply(q[sl, 1], vs[sl], out=o[:, 1], dtype=np.float32)
+        else:
+            np.take(kv_casts.E4M3_TABLE, q[sl], out=o, mode="clip")  # codes are 0-255
+            o *= fs[sl]
+        _store(o, out[sl])
+    return out
+
+
+def _blocks_of(out: torch.Tensor):
+    """(layer slice, fp32 array to decode the block into) per block of ``out`` (a new
+    contiguous CPU tensor ``[L, 2, T, H, D]``): the tensor's own block when fp32, else
+    scratch (``_store`` then writes it)."""
+    wide = out.dtype == torch.float32
+    whole = out.numpy() if wide else None
+    for sl in kv_casts.layer_blocks(out.shape[0], int(np.prod(out.shape[1:]))):
+        if wide:
+            yield sl, whole[sl]
+        else:
+            shape = (sl.stop - sl.start,) + tuple(out.shape[1:])
+            yield sl, kv_casts.scratch("decoded", int(np.prod(shape)), np.float32).reshape(shape)
+
+
+def _store(o: np.ndarray, dest: torch.Tensor) -> None:
+    """Write a decoded fp32 block to its place in the output (nothing when it is there)."""
+    if dest.dtype != torch.float32:
+        kv_casts.store_fp32(o, dest)
 
 
 def _decode_kivi(payload: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     if len(shape) != 5 or shape[1] != 2:
         raise ValueError(f"shape must be [num_layers, 2, chunk_size, num_kv_heads, head_dim], "
                          f"got {list(shape)}")
-    out = torch.empty(shape, dtype=torch.float32)            # [L, 2, T, H, D]
-    kv_grouped.decode(payload, shape, out.numpy())
-    return out if dtype == torch.float32 else out.to(dtype)
+    dec = kv_grouped.Decoder(payload, shape)
+    out = torch.empty(shape, dtype=dtype)                    # [L, 2, T, H, D]
+    if not dec.blockable:                                    # one block of every layer
+        o = out.numpy() if dtype == torch.float32 else np.empty(shape, dtype=np.float32)
+        dec.decode(slice(0, shape[0]), o)
+        _store(o, out)
+        return out
+    for sl, o in _blocks_of(out):
+        dec.decode(sl, o)
+        _store(o, out[sl])
+    return out
 
 
 def error_bound(kv: torch.Tensor, codec: str) -> torch.Tensor:

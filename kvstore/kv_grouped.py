@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvstore import kv_casts
+
 _SCALE_DTYPES = (np.float16, np.float32)
 _FP16_MAX = 65504.0
 _ALONG = ("tokens", "channels")
@@ -78,46 +80,59 @@ class GroupParams:
     v: PartParams
 
 
+def _lane_masks(bits: int) -> list[tuple[np.uint64, np.uint64, np.uint64]]:
+    """(code bits moved, lane shift, mask) of the 3 levels that spread 8 codes of ``bits``
+    bits (bits 0 to ``8 * bits`` of a little-endian uint64) into the 8 bytes of the uint64,
+    widest first: 4 codes to each 32-bit half, 2 to each 16-bit lane, 1 to each byte."""
+    out = []
+    for width, lane in ((4 * bits, 64), (2 * bits, 32), (bits, 16)):
+        m = 0
+        for start in range(0, 64, lane):
+            m |= ((1 << width) - 1) << start
+        out.append((np.uint64(width), np.uint64(lane // 2), np.uint64(m)))
+    return out
+
+
 def pack_bits(codes: np.ndarray, bits: int) -> np.ndarray:
     """``codes`` (uint8, each < 2**bits) packed at ``bits`` bits, little-endian: 8 codes in
     ``bits`` bytes (the last 8 zero-padded). A new 1-D uint8 array of ``ceil(n / 8) * bits``
-    (uint8 column operations: code i of 8 lands in bytes ``bits * i // 8`` and maybe the next)."""
+    (8 codes as a uint64, merged in 3 levels of whole-array shifts and masks; code i of 8
+    lands at bit ``bits * i``)."""
     flat = codes.reshape(-1)
     n8 = -(-flat.size // 8)
+    w = np.empty(n8 * 8, dtype=np.uint8)
+    w[:flat.size] = flat
+    w[flat.size:] = 0
     if bits == 8:
-        out = np.zeros(n8 * 8, dtype=np.uint8)
-        out[:flat.size] = flat
-        return out
-    if flat.size == n8 * 8:
-        c = flat.reshape(n8, 8)
-    else:
-        c = np.zeros((n8, 8), dtype=np.uint8)
-        c.reshape(-1)[:flat.size] = flat
-    out = np.zeros((n8, bits), dtype=np.uint8)
-    for i in range(8):
-        k, o = divmod(bits * i, 8)
-        out[:, k] |= c[:, i] << o                             # uint8: high bits drop off
-        if o + bits > 8:
-            out[:, k + 1] |= c[:, i] >> (8 - o)
-    return out.reshape(-1)
+        return w
+    z = w.view("<u8")                                         # [n8]: 8 codes each
+    hi = np.empty_like(z)
+    for width, lane_shift, m in reversed(_lane_masks(bits)):
+        np.right_shift(z, lane_shift, out=hi)
+        hi &= m
+        hi <<= width
+        z &= m
+        z |= hi
+    return np.ascontiguousarray(w.reshape(n8, 8)[:, :bits]).reshape(-1)
 
 
 def unpack_bits(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
-    """The ``n`` codes (a new uint8 array) of ``pack_bits``."""
+    """The ``n`` codes (a new uint8 array) of ``pack_bits`` (the inverse levels)."""
     if bits == 8:
         return np.array(packed[:n], dtype=np.uint8)
     n8 = -(-n // 8)
-    p = packed.reshape(n8, bits)
-    c = np.empty((n8, 8), dtype=np.uint8)
-    mask = np.uint8((1 << bits) - 1)
-    for i in range(8):
-        k, o = divmod(bits * i, 8)
-        col = c[:, i]
-        np.right_shift(p[:, k], o, out=col)
-        if o + bits > 8:
-            col |= p[:, k + 1] << (8 - o)
-        col &= mask
-    return c.reshape(-1)[:n]
+    w = np.empty((n8, 8), dtype=np.uint8)
+    w[:, :bits] = packed.reshape(n8, bits)
+    w[:, bits:] = 0
+    z = w.view("<u8").reshape(n8)                            # 8 codes each
+    hi = np.empty_like(z)
+    for width, lane_shift, m in _lane_masks(bits):
+        np.right_shift(z, width, out=hi)
+        hi &= m
+        hi <<= lane_shift
+        z &= m
+        z |= hi
+    return w.reshape(-1)[:n]
 
 
 def nbytes(params: GroupParams, shape: tuple[int, ...], scale_itemsize: int = 2) -> int:
@@ -208,14 +223,15 @@ def _quantize(x: np.ndarray, part: PartParams, sdt):
     xg, m, scodes, base, s32, _ = _ranges(x, part, sdt)
     inv = np.zeros_like(s32)
     np.divide(1.0, s32, out=inv, where=s32 != 0)
+    t = kv_casts.scratch("kivi_t", xg.size, np.float32).reshape(xg.shape)
     if part.symmetric:                                       # x / s in [-c, c], then + c
-        t = np.multiply(xg, inv, dtype=np.float32)
+        np.multiply(xg, inv, out=t, dtype=np.float32)
         np.rint(t, out=t)
         t += 2 ** (part.bits - 1) - 1
         np.clip(t, 0, 2 ** part.bits - 2, out=t)
         stored = [scodes, np.array([base], "<f4")]
     else:                                                    # (x - m) / s in [0, 2**bits - 1]
-        t = np.subtract(xg, m.astype(np.float32), dtype=np.float32)
+        np.subtract(xg, m.astype(np.float32), out=t, dtype=np.float32)
         t *= inv
         np.rint(t, out=t)
         np.minimum(t, 2 ** part.bits - 1, out=t)             # x >= m, so t >= 0
@@ -270,36 +286,91 @@ def decode(payload: np.ndarray, shape: tuple[int, ...], out: np.ndarray) -> None
     Raises:
         ValueError: invalid parameters or a payload size other than ``nbytes``'s.
     """
-    params, sdt = read_params(payload)
-    want = nbytes(params, shape, sdt.itemsize)
-    if payload.size != want:
-        raise ValueError(f"kivi payload of {payload.size} bytes, shape {list(shape)} needs {want}")
-    L, _, T, H, D = shape
-    n, pos, ranges = L * T * H * D, 0, []
-    for part in (params.k, params.v):
-        g = part.num_groups(shape)
-        arrays = []
-        if not part.symmetric:                               # mins
-            arrays.append(payload[pos:pos + g * sdt.itemsize].view(sdt).astype(np.float32))
-            pos += g * sdt.itemsize
-        codes = payload[pos:pos + g]
-        base = payload[pos + g:pos + g + 4].view("<f4")[0]
-        arrays.append(step_table(base)[codes])                # steps
-        pos += g + 4
-        ranges.append(arrays)
-    for i, part in enumerate((params.k, params.v)):
-        nb = -(-n // 8) * part.bits
-        q = unpack_bits(payload[pos:pos + nb], part.bits, n).reshape(L, T, H, D)
-        pos += nb
-        qg, axis = _grouped(q, part)
-        m_s = [r.reshape(qg.shape[:axis] + (1,) + qg.shape[axis + 1:]) for r in ranges[i]]
-        if part.symmetric:
-            xg = np.subtract(qg, 2 ** (part.bits - 1) - 1, dtype=np.float32)
-            xg *= m_s[0]
-        else:
-            xg = np.multiply(qg, m_s[1], dtype=np.float32)
-            xg += m_s[0]
-        out[:, i] = _ungrouped(xg, part, (L, T, H, D))
+    Decoder(payload, shape).decode(slice(0, shape[0]), out)
+
+
+class Decoder:
+    """A payload's parts, checked, to decode a block of whole layers at a time.
+
+    Raises (at construction):
+        ValueError: invalid parameters or a payload size other than ``nbytes``'s.
+    """
+
+    def __init__(self, payload: np.ndarray, shape: tuple[int, ...]) -> None:
+        params, sdt = read_params(payload)
+        want = nbytes(params, shape, sdt.itemsize)
+        if payload.size != want:
+            raise ValueError(f"kivi payload of {payload.size} bytes, shape {list(shape)} "
+                             f"needs {want}")
+        L, _, T, H, D = shape
+        self.shape, self.parts = tuple(shape), (params.k, params.v)
+        n, pos, self._ranges, self._codes = L * T * H * D, 0, [], []
+        for part in self.parts:
+            g = part.num_groups(shape)
+            lead = (L, g // L if L else 0)                  # groups of a layer are contiguous
+            arrays = []
+            if not part.symmetric:                           # mins
+                arrays.append(payload[pos:pos + g * sdt.itemsize].view(sdt).reshape(lead))
+                pos += g * sdt.itemsize
+            codes = payload[pos:pos + g].reshape(lead)
+            arrays.append((step_table(payload[pos + g:pos + g + 4].view("<f4")[0]), codes))
+            pos += g + 4
+            self._ranges.append(arrays)
+        for part in self.parts:
+            nb = -(-n // 8) * part.bits
+            self._codes.append(payload[pos:pos + nb])
+            pos += nb
+        #: whether ``decode`` takes any block of layers (a layer's codes fill whole bytes)
+        self.blockable = (T * H * D) % 8 == 0
+
+    def decode(self, layers: slice, out: np.ndarray) -> None:
+        """Decode ``layers`` (a slice of whole layers, step 1; every layer unless
+        ``blockable``) into ``out`` (fp32 ``[len(layers), 2, T, H, D]``, written)."""
+        L, _, T, H, D = self.shape
+        l0, l1 = layers.start, layers.stop
+        shape = (l1 - l0, T, H, D)
+        per = T * H * D
+        for i, part in enumerate(self.parts):
+            nb = per // 8 * part.bits if self.blockable else None
+            packed = self._codes[i] if nb is None else self._codes[i][l0 * nb:l1 * nb]
+            if part.bits == 8:                               # the codes as stored: a view
+                q = packed[:(l1 - l0) * per].reshape(shape)
+            else:
+                q = unpack_bits(packed, part.bits, (l1 - l0) * per).reshape(shape)
+            qg, axis = _grouped(q, part)
+            gshape = qg.shape[:axis] + (1,) + qg.shape[axis + 1:]
+            m_s = []
+            for r in self._ranges[i]:
+                if isinstance(r, tuple):                     # steps: table[codes]
+                    table, codes = r
+                    m_s.append(table[codes[l0:l1]].reshape(gshape))
+                else:
+                    m_s.append(r[l0:l1].astype(np.float32).reshape(gshape))
+            dest = _grouped_view(out[:, i], part)            # None: a last group is shorter
+            xg = np.empty(qg.shape, np.float32) if dest is None else dest
+            if part.symmetric:                               # (q - c) * s
+                np.subtract(qg, np.float32(2 ** (part.bits - 1) - 1), out=xg, dtype=np.float32)
+                xg *= m_s[0]
+            else:                                            # q * s + m
+                np.multiply(qg, m_s[1], out=xg, dtype=np.float32)
+                xg += m_s[0]
+            if dest is None:
+                out[:, i] = _ungrouped(xg, part, shape)
+
+
+def _grouped_view(x: np.ndarray, part: PartParams) -> np.ndarray | None:
+    """``x`` (``[L, T, H, D]``, any strides) as ``_grouped`` splits it, as a view (writes
+    reach ``x``); None when the group does not divide the axis."""
+    L, T, H, D = x.shape
+    if part.along == "tokens":
+        shape = (L, T // part.group, part.group, H, D) if T % part.group == 0 else None
+    else:
+        shape = (L, T, H, D // part.group, part.group) if D % part.group == 0 else None
+    if shape is None:
+        return None
+    v = x.view()
+    v.shape = shape                                          # splits one axis: never a copy
+    return v
 
 
 def steps(x: np.ndarray, params: GroupParams) -> np.ndarray:
