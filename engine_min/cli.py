@@ -16,8 +16,8 @@ from pathlib import Path
 def add_device_args(parser) -> None:
     """``--device`` and ``--dtype`` (checked by ``EngineConfig`` before any model load)."""
     parser.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,cuda:N}",
-                        help="where the model, KV pool and sampler run (default auto: cuda "
-                        "when available, else cpu)")
+                        help="where the model, KV pool and sampler run (default auto: "
+                        "$ENGINE_MIN_DEVICE when set, else cuda when available, else cpu)")
     parser.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 "
                         "(default: float32 on cpu, float16 on cuda)")
 

@@ -1,6 +1,7 @@
 """Configuration: the engine's knobs (EngineConfig) and the model's shape (ModelConfig)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,8 @@ def torch_dtype(name: str) -> torch.dtype:
 #: device types an engine runs on; ``"meta"`` builds the engine without values (shapes and
 #: placement only: it cannot sample), for tests that check where every tensor lives
 DEVICE_TYPES = ("cpu", "cuda", "meta")
+#: environment variable that ``auto`` (and no device) defers to when set
+DEVICE_ENV = "ENGINE_MIN_DEVICE"
 
 
 def resolve_device(device: str | torch.device | None) -> str:
@@ -30,14 +33,23 @@ def resolve_device(device: str | torch.device | None) -> str:
     ``"cuda:1"``, ``"meta"``).
 
     Args:
-        device: ``None`` or ``"auto"`` = ``"cuda"`` when ``torch.cuda.is_available()`` else
-            ``"cpu"``; otherwise a ``torch.device`` or a string ``torch.device`` accepts.
+        device: ``None`` or ``"auto"`` = the environment variable ``ENGINE_MIN_DEVICE`` when
+            it is set to something other than ``auto`` (resolved as below; the test suite sets
+            it to ``cpu``, whose golden outputs are float32), else ``"cuda"`` when
+            ``torch.cuda.is_available()``, else ``"cpu"``; otherwise a ``torch.device`` or a
+            string ``torch.device`` accepts.
 
     Raises:
         ValueError: a device torch cannot parse, a type other than cpu/cuda/meta, CUDA asked
             for where this torch build or machine has none, or a CUDA index past the last GPU.
     """
     if device is None or device == "auto":
+        env = os.environ.get(DEVICE_ENV, "").strip()
+        if env and env != "auto":
+            try:
+                return resolve_device(env)
+            except ValueError as exc:
+                raise ValueError(f"{DEVICE_ENV}={env!r}: {exc}") from None
         return "cuda" if torch.cuda.is_available() else "cpu"
     if not isinstance(device, (str, torch.device)):
         raise ValueError(f"device must be a str or torch.device, got {type(device).__name__}")

@@ -1,7 +1,14 @@
 """Shared pytest setup: tests marked ``gpu`` skip unless CUDA (and Triton) are present; the Redis
-fixtures of ``tests.redis_fixtures`` are available to every test."""
+fixtures of ``tests.redis_fixtures`` are available to every test; engines that do not name a
+device run on the CPU (``ENGINE_MIN_DEVICE=cpu``, inherited by the servers tests start), since
+the golden outputs and block sizes of the unmarked tests are float32 CPU figures. Tests of a GPU
+name ``device="cuda"`` themselves."""
+import os
+
 import pytest
 import torch
+
+os.environ.setdefault("ENGINE_MIN_DEVICE", "cpu")
 
 # real Redis servers (standalone, 3-master cluster) for the remote tier's tests
 pytest_plugins = ["tests.redis_fixtures"]

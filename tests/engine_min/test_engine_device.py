@@ -60,6 +60,7 @@ def test_on_a_cuda_machine_auto_is_cuda_in_float16(monkeypatch):
     """The CUDA branch of the resolution, run here with CUDA reported present: auto picks
     cuda, the dtype defaults to float16, bfloat16 needs a GPU that has it, and an index past
     the last GPU is refused."""
+    monkeypatch.delenv("ENGINE_MIN_DEVICE", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
@@ -179,3 +180,18 @@ def test_every_engine_tensor_is_created_on_the_configured_device():
             eng._advance(it)
             it.seq.token_ids.append(198)
     assert len(rids) == 2
+
+
+def test_auto_defers_to_engine_min_device(monkeypatch):
+    """``ENGINE_MIN_DEVICE`` decides what auto (and no device) means, even where CUDA is
+    reported present; an explicit device wins over it; a bad value names the variable."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("ENGINE_MIN_DEVICE", "cpu")
+    assert (EngineConfig().device, EngineConfig(device="auto").dtype) == ("cpu", "float32")
+    assert EngineConfig(device="cuda").device == "cuda"
+    monkeypatch.setenv("ENGINE_MIN_DEVICE", "auto")
+    assert resolve_device(None) == "cuda"
+    monkeypatch.setenv("ENGINE_MIN_DEVICE", "tpu")
+    with pytest.raises(ValueError, match="ENGINE_MIN_DEVICE='tpu': unknown device 'tpu'"):
+        EngineConfig()
