@@ -20,6 +20,8 @@ import heapq
 from abc import ABC, abstractmethod
 from typing import Callable, Hashable, Iterable, Iterator, Sequence
 
+from kvstore.eviction import batched as _batched
+
 Key = Hashable
 _ABSENT = object()
 _heappush, _heappop = heapq.heappush, heapq.heappop
@@ -55,7 +57,7 @@ class EvictionPolicy(ABC):
       ``on_remove`` until ``nbytes`` are freed; returns the victims). When
       ``victims_ignore_inserts``, a tier may call ``evict_until`` once for a whole chain
       (sparing the chain's parent) and then ``on_insert_chain``: the victims are those of
-      evicting before each key.
+      evicting before each key. (Their code is in ``kvstore.eviction.batched``.)
 
     Ranks and queues: a policy's order is one or more queues (LRU, FIFO, LFU: one; S3-FIFO:
     small and main; ARC: T1 and T2), read one after the other in the order ``_queues()``
@@ -184,24 +186,7 @@ class EvictionPolicy(ABC):
             ValueError: ``keys`` and ``nbytes`` differ in length.
             KeyError: a key is already tracked or repeated in ``keys`` (nothing is inserted).
         """
-        tracked = self._nbytes
-        if len(keys) != len(nbytes):
-            raise ValueError(f"{len(keys)} keys but {len(nbytes)} sizes")
-        if len(set(keys)) != len(keys) or any(k in tracked for k in keys):
-            bad = next((k for i, k in enumerate(keys) if k in tracked or k in keys[:i]), None)
-            raise KeyError(f"{bad!r} already tracked by {self.name} policy or repeated in the chain")
-        parents, children = self._parent, self._children
-        prev = parent
-        for key, size in zip(keys, nbytes):
-            tracked[key] = size
-            parents[key] = prev
-            if prev is not None:
-                kids = children.get(prev)
-                if kids is None:
-                    children[prev] = {key}
-                else:
-                    kids.add(key)
-            prev = key
+        _batched.link_chain(self, keys, nbytes, parent)
         self._insert_many(keys)
 
     def _insert_many(self, keys: Sequence[Key]) -> None:
@@ -215,73 +200,7 @@ class EvictionPolicy(ABC):
         eviction order (fewer, freeing less, when ``next_victim`` finds no more). The same as
         ``v = next_victim(can_evict, leaves_only)`` then ``on_remove(v)`` in a loop, so
         ``can_evict`` is asked after each removal and may depend on it. Mutates."""
-        victims: list[Key] = []
-        if nbytes <= 0:
-            return victims
-        sizes, ranks, children, parents = self._nbytes, self._ranks, self._children, self._parent
-        queue, heaps, first_leaf = self._queue, self._heaps, self._first_leaf
-        remove_hook = self._remove_hook
-        one_queue = (0,) if self.num_queues == 1 else None
-        freed = 0
-        while freed < nbytes:
-            if self._demoted:  # the general path: demoted keys come first
-                victim = self.next_victim(can_evict, leaves_only)
-                if victim is None:
-                    break
-                freed += sizes[victim]
-                self._forget(victim)
-                victims.append(victim)
-                continue
-            victim = None
-            for q in one_queue or self._queues():  # (``_first_leaf`` inlined while the top
-                heap = heaps[q]  # of the heap is a leaf that ``can_evict`` accepts)
-                while heap:
-                    rank, key = heap[0]
-                    if ranks.get(key, _ABSENT) != rank or key in children \
-                            or queue.get(key, 0) != q:
-                        _heappop(heap)  # stale
-                        self._heap_entries -= 1
-                        continue
-                    if can_evict(key):
-                        _heappop(heap)  # (its entry goes stale with the removal below)
-                        self._heap_entries -= 1
-                        victim = key
-                    else:
-                        victim = first_leaf(q, can_evict)
-                    break
-                if victim is not None:
-                    break
-            if victim is None:
-                victim = None if leaves_only else self._first_with_children(can_evict)
-                if victim is None:
-                    break
-                freed += sizes[victim]
-                self._forget(victim)
-                victims.append(victim)
-                heaps = self._heaps  # (a rebuild replaces the heaps)
-                continue
-            if remove_hook is not None:
-                remove_hook(victim)
-            freed += sizes.pop(victim)
-            del ranks[victim]
-            if queue:
-                queue.pop(victim, None)
-            victims.append(victim)
-            parent = parents.pop(victim)
-            if parent is not None:
-                kids = children.get(parent)
-                if kids is not None:
-                    kids.discard(victim)
-                    if not kids:
-                        del children[parent]
-                        if parent in sizes:  # a leaf now (``_push_leaf`` inlined)
-                            self._heap_entries += 1
-                            if self._heap_entries > 2 * len(sizes) + 64:
-                                self._rebuild_heaps()
-                                heaps = self._heaps
-                            else:
-                                _heappush(heaps[queue.get(parent, 0)], (ranks[parent], parent))
-        return victims
+        return _batched.evict_until(self, nbytes, can_evict, leaves_only)
 
     # ---- ranks (called by the subclasses' hooks) -----------------------------------------------
     def _rank(self, key: Key, rank: int, queue: int = 0) -> None:
