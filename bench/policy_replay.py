@@ -25,17 +25,19 @@ reservations, one request at a time):
 Speed: with one tier, a row is replayed through the policy's batched calls
 (``on_access_many`` for the hit prefix, ``evict_until`` and ``on_insert_chain`` for the missing
 chunks: one room-making call for the whole chain when the policy's victims ignore inserts,
-else one per chunk), with the decisions of the per-chunk path (``_row``, used with two tiers
-and tested against the batched one). Which tiers hold a key (a count of copies) and how many stored keys name it as parent
-are kept in two dicts as chunks come and go, so presence and "has a stored child" are one
-dict lookup each, whatever the number of tiers; the policies choose victims from heaps of
-keys with no stored child (``kvstore.eviction.base``).
+else one per chunk; ``bench.policy_replay_batched``), with the decisions of the per-chunk path
+(``_row``, used with two tiers and tested against the batched one). Which tiers hold a key
+(a count of copies) and how many stored keys name it as parent are kept in two dicts as chunks
+come and go, so presence and "has a stored child" are one dict lookup each, whatever the number
+of tiers; the policies choose victims from heaps of keys with no stored child
+(``kvstore.eviction.base``).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 
+from bench.policy_replay_batched import OneTierRows
 from bench.policy_trace import ChunkTrace
 from kvstore.eviction import EvictionPolicy, create_policy
 from kvstore.eviction.admission import create_admission
@@ -126,6 +128,7 @@ class PolicyReplay:
         self.refused = 0
         self._copies: dict[int, int] = {}  # stored key -> tiers holding it
         self._kids: dict[int, int] = {}  # key -> stored keys whose parent it is
+        self._one_tier = OneTierRows(self) if len(self.tiers) == 1 else None
 
     def run(self) -> ReplayResult:
         """Replay every row once; returns the totals."""
@@ -194,162 +197,9 @@ class PolicyReplay:
         return hit, top_hit
 
     def _row_one_tier(self, a: int, b: int) -> tuple[int, int]:
-        """``_row`` for one tier, through the policy's batched calls (the same decisions): the
-        hit prefix read at once (``on_access_many``); each missing chunk's room made by
-        ``evict_until`` (leaves only, sparing its parent) then ``on_insert`` (those that fit
-        in the free bytes first, as one ``on_insert_chain``); or, for a policy
-        whose victims ignore inserts and no admission filter, the room for the whole missing
-        chain made at once and the chain inserted at once (``on_insert_chain``). When leaves
-        run out (or the chunk exceeds the tier), the rest of the row takes ``_row``'s path."""
-        keys, tokens, tier, adm = self.trace.keys, self.trace.tokens, self.tiers[0], self.admission
-        if adm is not None:
-            adm.record_many(keys[a:b])
-        stored, policy = tier.nbytes, tier.policy
-        j = a
-        while j < b and keys[j] in stored:
-            j += 1
-        hit = sum(tokens[a:j])
-        if j > a:
-            policy.on_access_many(keys[a:j])
-        if j < b:
-            seg = keys[j:b]
-            if len(set(seg)) == len(seg):
-                if adm is None and policy.victims_ignore_inserts:
-                    self._store_chain(a, j, b)
-                else:
-                    self._store_each(a, self._store_fitting(a, j, b), b)
-            else:  # a chunk repeated within the row (not a chained trace): one at a time
-                self._store_from(a, j, b)
-        return hit, hit
-
-    def _evict_leaves(self, nbytes: int, par: int | None) -> int:
-        """Evict leaves of the one tier (sparing ``par``) until ``nbytes`` are freed; returns
-        the bytes freed."""
-        tier, copies, kids, parent = self.tiers[0], self._copies, self._kids, self.parent
-        stored = tier.nbytes
-        can = _always if par is None else par.__ne__
-        freed = 0
-        for v in tier.policy.evict_until(nbytes, can, True):
-            n = stored.pop(v)
-            freed += n
-            del copies[v]
-            p = parent.get(v)
-            if p is not None:
-                left = kids[p] - 1
-                if left:
-                    kids[p] = left
-                else:
-                    del kids[p]
-        tier.used -= freed
-        return freed
-
-    def _store_chain(self, a: int, j: int, b: int) -> None:
-        """Store the missing chunks ``j..b-1`` (all absent) of row ``a..b-1`` as one chain."""
-        keys, tier, tb = self.trace.keys, self.tiers[0], self.token_bytes
-        sizes = [t * tb for t in self.trace.tokens[j:b]]
-        cap = tier.capacity
-        m = next((i for i, n in enumerate(sizes) if n > cap), len(sizes))
-        par = keys[j - 1] if j > a else None
-        need = tier.used + sum(sizes[:m]) - cap
-        if need > 0:
-            self._evict_leaves(need, par)
-        room = cap - tier.used
-        fit = 0
-        while fit < m and sizes[fit] <= room:
-            room -= sizes[fit]
-            fit += 1
-        if fit:
-            self._add_chain(keys[j:j + fit], sizes[:fit], par)
-        if fit < m:  # leaves ran out: the per-chunk path (lineage fallback) from here
-            self._store_from(a, j + fit, b)
-
-    def _store_fitting(self, a: int, j: int, b: int) -> int:
-        """Store the leading missing chunks from ``j`` that fit in the tier's free bytes as
-        one chain (nothing is evicted between them, so this is exact for every policy);
-        returns the first chunk not stored."""
-        tier, tokens, tb = self.tiers[0], self.trace.tokens, self.token_bytes
-        room, m = tier.capacity - tier.used, j
-        while m < b and tokens[m] * tb <= room:
-            room -= tokens[m] * tb
-            m += 1
-        if m > j:
-            self._add_chain(self.trace.keys[j:m], [t * tb for t in tokens[j:m]],
-                            self.trace.keys[j - 1] if j > a else None)
-        return m
-
-    def _store_each(self, a: int, j: int, b: int) -> None:
-        """Store the missing chunks ``j..b-1`` of row ``a..b-1`` one at a time (exact for
-        every policy): ``_evict_leaves`` and ``_add`` inlined."""
-        keys, tokens, tier, tb = self.trace.keys, self.trace.tokens, self.tiers[0], self.token_bytes
-        adm, policy, cap, stored = self.admission, tier.policy, tier.capacity, tier.nbytes
-        copies, kids, parent = self._copies, self._kids, self.parent
-        evict_until, insert = policy.evict_until, policy.on_insert
-        for p in range(j, b):
-            k, nbytes = keys[p], tokens[p] * tb
-            par = keys[p - 1] if p > a else None
-            if nbytes > cap:
-                return
-            need = tier.used + nbytes - cap
-            if need > 0:
-                can = _always if par is None else par.__ne__
-                if adm is not None:
-                    victim = policy.next_victim(can, True)
-                    if victim is None:
-                        return self._store_from(a, p, b)
-                    adm.fit(len(stored))
-                    if not adm.admit(k, victim):
-                        self.refused += 1
-                        return
-                freed = 0
-                for v in evict_until(need, can, True):
-                    freed += stored.pop(v)
-                    del copies[v]
-                    vp = parent.get(v)
-                    if vp is not None:
-                        left = kids[vp] - 1
-                        if left:
-                            kids[vp] = left
-                        else:
-                            del kids[vp]
-                tier.used -= freed
-                if freed < need:
-                    # the filter (if any) has admitted k over this placement's first victim
-                    if not self._make_room(0, nbytes, frozenset((k, par)), k,
-                                           admitted=adm is not None):
-                        return
-            stored[k] = nbytes
-            tier.used += nbytes
-            insert(k, nbytes, par)
-            copies[k] = 1
-            if par is not None:
-                kids[par] = kids.get(par, 0) + 1
-
-    def _store_from(self, a: int, j: int, b: int) -> None:
-        """``_row``'s placement of chunks ``j..b-1`` of row ``a..b-1`` (one tier)."""
-        keys, tokens, tb = self.trace.keys, self.trace.tokens, self.token_bytes
-        for p in range(j, b):
-            k = keys[p]
-            if k in self._copies:
-                continue
-            par = keys[p - 1] if p > a else None
-            if par is not None and par not in self._copies:
-                return
-            if not self._insert(0, k, tokens[p] * tb, par, _NONE):
-                return
-
-    def _add_chain(self, chain: list[int], sizes: list[int], par: int | None) -> None:
-        """``_add`` of each chunk of ``chain`` (absent everywhere) in the one tier, at once."""
-        tier, copies, kids = self.tiers[0], self._copies, self._kids
-        stored = tier.nbytes
-        for k, n in zip(chain, sizes):
-            stored[k] = n
-            copies[k] = 1
-        for k in chain[:-1]:
-            kids[k] = 1
-        if par is not None:
-            kids[par] = kids.get(par, 0) + 1
-        tier.used += sum(sizes)
-        tier.policy.on_insert_chain(chain, sizes, par)
+        """``_row`` for one tier, through the policy's batched calls (the same decisions;
+        ``bench.policy_replay_batched``)."""
+        return self._one_tier.row(a, b)
 
     # ---- the prefix graph over all tiers --------------------------------------------------
     def _present(self, key: int) -> bool:

@@ -60,7 +60,8 @@ def evict_until(policy: EvictionPolicy, nbytes: int, can_evict: Callable[[Key], 
     victims: list[Key] = []
     if nbytes <= 0:
         return victims
-    sizes, ranks, children, parents = policy._nbytes, policy._ranks, policy._children, policy._parent
+    sizes, ranks, parents = policy._nbytes, policy._ranks, policy._parent
+    children = policy._children
     queue, heaps, first_leaf = policy._queue, policy._heaps, policy._first_leaf
     remove_hook = policy._remove_hook
     one_queue = (0,) if policy.num_queues == 1 else None
