@@ -182,7 +182,7 @@ class ShmKVStoreClient(KVStoreBase):
     def _keys_op(self, op: str, ns: Namespace, keys: Sequence[ChunkKey], *, idempotent: bool,
                  timeout_s: float | None, **extra: Any) -> dict:
         frame = (key_frame(op, P.key_request(ns, keys, **extra)) if extra
-                 else hashes_frame(op, ns, keys))
+                 else _key_request_frame(op, ns, keys))
         return self._call(op, lambda c, d: c.request(frame, d), idempotent=idempotent,
                           timeout_s=timeout_s)
 
@@ -258,7 +258,7 @@ class ShmKVStoreClient(KVStoreBase):
             check_out(ns, keys, out)
         if not keys:
             return []
-        frame = hashes_frame("get", ns, keys)
+        frame = _key_request_frame("get", ns, keys)
         take = self.results.take
         return self._call("get", lambda c, d: _get(c, d, frame, ns, keys, out, take),
                           idempotent=True, timeout_s=timeout_s)
@@ -272,14 +272,9 @@ class ShmKVStoreClient(KVStoreBase):
             ValueError: ``len(keys) != len(kvs)``, a bad ``parents`` count, or a tensor not
                 matching ``ns.layout`` (nothing is sent then).
         """
-        if len(keys) != len(kvs):
-            raise ValueError(f"{len(keys)} keys but {len(kvs)} tensors")
-        if parents is not None and len(parents) != len(keys):
-            raise ValueError(f"{len(keys)} keys but {len(parents)} parents")
+        check_put(ns, keys, kvs, parents)
         if not keys:
             return 0
-        for kv in kvs:
-            ns.layout.validate(kv)
         durable = self.durable if durable is None else bool(durable)
         return self._call("put", lambda c, d: put_on(c, d, ns, keys, kvs, parents, durable,
                                                      self.staging_bytes),
@@ -291,6 +286,32 @@ class ShmKVStoreClient(KVStoreBase):
             self._closed, idle, self._idle = True, self._idle, []
         for c in idle:
             c.close()
+
+
+def _key_request_frame(op: str, ns: Namespace, keys: Sequence[ChunkKey]) -> bytes:
+    """A key request's frame: the compact ``hashes`` form, or the per-key form when a key is
+    not of ``ns`` (the daemon then refuses it with 400, as it does over HTTP: both paths of
+    ``KVStoreClient`` answer a foreign key alike)."""
+    try:
+        return hashes_frame(op, ns, keys)
+    except ValueError:
+        return key_frame(op, P.key_request(ns, keys))
+
+
+def check_put(ns: Namespace, keys: Sequence[ChunkKey], kvs: Sequence[torch.Tensor],
+              parents: Sequence | None) -> None:
+    """The checks a client makes on a put before sending anything.
+
+    Raises:
+        ValueError: ``len(keys) != len(kvs)``, a ``parents`` of another length, or a tensor
+            not matching ``ns.layout`` (``KVLayout.validate``).
+    """
+    if len(keys) != len(kvs):
+        raise ValueError(f"{len(keys)} keys but {len(kvs)} tensors")
+    if parents is not None and len(parents) != len(keys):
+        raise ValueError(f"{len(keys)} keys but {len(parents)} parents")
+    for kv in kvs:
+        ns.layout.validate(kv)
 
 
 def check_out(ns: Namespace, keys: Sequence[ChunkKey], out: Sequence[torch.Tensor]) -> None:

@@ -13,7 +13,7 @@ import pytest
 from kvstore.daemon import shm_protocol as S
 from kvstore.daemon.shm_client import ShmKVStoreClient
 from kvstore.daemon.protocol import ProtocolError
-from kvstore.errors import StoreUnavailable
+from kvstore.errors import RemoteError, StoreUnavailable
 from kvstore.keys import Namespace
 from tests.kvstore.daemon.shm_helpers import (KEYS, NS, OTHER, RawClient, as_bytes, chunk,
                                               shm_daemon)
@@ -73,14 +73,19 @@ def test_parse_hashes_makes_the_namespace_keys():
         S.parse_hashes(short, "00" * 40, 8)                        # 40 bytes: 2.5 hashes
 
 
-def test_a_foreign_key_is_refused_before_anything_is_sent(tmp_path):
+def test_a_foreign_key_is_refused_as_over_http(tmp_path):
+    """The compact form cannot carry a key of another namespace: the client sends the per-key
+    form and the daemon refuses it with 400, the answer an HTTP client gets."""
+    mixed = KEYS[:2] + OTHER.chunk_keys(list(range(4)))
+    with pytest.raises(ValueError, match="is not of namespace"):
+        S.hashes_frame("lookup", NS, mixed)
     with shm_daemon(tmp_path) as srv:
         with ShmKVStoreClient(srv.sock_path, timeout_s=5.0) as c:
-            mixed = KEYS[:2] + OTHER.chunk_keys(list(range(4)))
             for call in (lambda: c.lookup_keys(NS, mixed), lambda: c.exists(NS, mixed),
                          lambda: c.get_chunks(NS, mixed)):
-                with pytest.raises(ValueError, match="is not of namespace"):
+                with pytest.raises(RemoteError) as e:
                     call()
+                assert e.value.status == 400 and "does not belong" in e.value.message
             assert c.lookup_keys(NS, KEYS[:2]).num_hit_chunks == 0   # the connection is fine
     with pytest.raises(ValueError, match="one size"):
         short = Namespace("tiny-model", NS.layout, hash_algo="xxh3_128")
