@@ -17,7 +17,7 @@ import torch
 from kvstore.api import LookupResult
 from kvstore.daemon import protocol as P
 from kvstore.daemon import wire_codec as W
-from kvstore.daemon.shm_client import check_out
+from kvstore.daemon.shm_client import check_out, check_put
 from kvstore.daemon.transport import Transport
 from kvstore.errors import RemoteError, StoreUnavailable
 from kvstore.keys import ChunkKey, Namespace
@@ -193,14 +193,9 @@ class AsyncKVStoreClient:
             ValueError: ``len(keys) != len(kvs)``, a bad ``parents`` count, or a tensor not
                 matching ``ns.layout`` (checked here before sending; the server checks again).
         """
-        if len(keys) != len(kvs):
-            raise ValueError(f"{len(keys)} keys but {len(kvs)} tensors")
-        if parents is not None and len(parents) != len(keys):
-            raise ValueError(f"{len(keys)} keys but {len(parents)} parents")
+        check_put(ns, keys, kvs, parents)
         if not keys:
             return 0
-        for kv in kvs:
-            ns.layout.validate(kv)
         codec = W.codec_for(ns, self.wire_codec)
         headers = {"Content-Type": P.BINARY_CONTENT_TYPE}
         if codec == "raw":

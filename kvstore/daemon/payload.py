@@ -19,6 +19,7 @@ from kvstore.direct import BorrowedChunks, Reservation
 from kvstore.daemon.state import STATE_KEY, STORE_KEY, _check_fits, _ns_keys, _ok, _ServerState, _shaped
 from kvstore.daemon.state import authorize
 from kvstore.daemon.tenants import WRITE
+from kvstore.daemon.wire_codec import check_accepted
 
 
 #: Get payloads go to the transport in slices of this many bytes: asyncio copies what the
@@ -219,6 +220,38 @@ def persist(store: KVStoreBase, ns, keys, tensors, parents=None) -> None:
                               "chunks committed", 507)
 
 
+async def read_put_header(request: web.Request, state: _ServerState, store: KVStoreBase,
+                          wire_codec: str = "raw"):
+    """Read and check a put body's preamble and header, before any payload byte:
+    ``(namespace, entries, durable, head_bytes)``, ``head_bytes`` the preamble's and header's
+    bytes; the body's reader is left at the first payload.
+
+    Raises:
+        P.ProtocolError: 413 for a declared body past ``max_body_bytes``, 400 for an empty
+            body or a bad header (``P.parse_put_header``; entries may name ``wire_codec``),
+            403 for a namespace the token may not write, 422 for a lossy ``wire_codec`` the
+            namespace does not accept (``wire_codec.check_accepted``), the store's refusal of
+            the namespace (``_check_fits``), 400 for a durable put without a disk tier.
+    """
+    limits = state.limits
+    declared = request.content_length
+    if declared is not None and declared > limits.max_body_bytes:
+        raise P.ProtocolError(f"body of {declared} bytes exceeds {limits.max_body_bytes}", 413)
+    if declared == 0 or not request.body_exists:
+        raise P.ProtocolError("empty put body")
+    reader = request.content
+    hdr_len = P.decode_preamble(await _read_exact(reader, P.PREAMBLE_BYTES))
+    header = P.parse_json(await _read_exact(reader, hdr_len), "put header")
+    ns, entries, durable = P.parse_put_header(header, limits.max_batch_keys, wire_codec)
+    authorize(request, ns, WRITE)  # 403 before any payload byte is read
+    check_accepted(ns, wire_codec)  # 422 likewise
+    _check_fits(store, ns, state)
+    if durable and not can_persist(store):
+        raise P.ProtocolError("durable put needs a disk tier (serve with --disk-path and "
+                              "--disk-bytes)")
+    return ns, entries, durable, P.PREAMBLE_BYTES + hdr_len
+
+
 async def _read_put(request: web.Request, state: _ServerState, store: KVStoreBase,
                     budget: list[int], bufs: list, items: list):
     """Read and validate a put body: header first, then each payload against its checksum.
@@ -236,21 +269,9 @@ async def _read_put(request: web.Request, state: _ServerState, store: KVStoreBas
     Nothing is handed to the store until every payload has arrived and checked out.
     """
     limits = state.limits
-    declared = request.content_length
-    if declared is not None and declared > limits.max_body_bytes:
-        raise P.ProtocolError(f"body of {declared} bytes exceeds {limits.max_body_bytes}", 413)
-    if declared == 0 or not request.body_exists:
-        raise P.ProtocolError("empty put body")
-    reader = request.content
-    hdr_len = P.decode_preamble(await _read_exact(reader, P.PREAMBLE_BYTES))
-    header = P.parse_json(await _read_exact(reader, hdr_len), "put header")
-    ns, entries, durable = P.parse_put_header(header, limits.max_batch_keys)
-    authorize(request, ns, WRITE)  # 403 before any payload byte is read
-    _check_fits(store, ns, state)
-    if durable and not can_persist(store):
-        raise P.ProtocolError("durable put needs a disk tier (serve with --disk-path and "
-                              "--disk-bytes)")
-    expected = P.PREAMBLE_BYTES + hdr_len + P.payload_total(entries)
+    ns, entries, durable, head_bytes = await read_put_header(request, state, store)
+    reader, declared = request.content, request.content_length
+    expected = head_bytes + P.payload_total(entries)
     if expected > limits.max_body_bytes:
         raise P.ProtocolError(f"body of {expected} bytes exceeds {limits.max_body_bytes}", 413)
     if declared is not None and declared != expected:

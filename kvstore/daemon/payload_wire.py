@@ -17,9 +17,7 @@ from aiohttp import web
 from kvstore.daemon import payload as raw_routes
 from kvstore.daemon import protocol as P
 from kvstore.daemon import wire_codec as W
-from kvstore.daemon.state import STATE_KEY, STORE_KEY, _check_fits, _ns_keys, _ok, _ServerState
-from kvstore.daemon.state import authorize
-from kvstore.daemon.tenants import WRITE
+from kvstore.daemon.state import STATE_KEY, STORE_KEY, _ns_keys, _ok, _ServerState
 
 
 def _wire_codec(request: web.Request) -> str:
@@ -105,23 +103,11 @@ async def _read_encoded(request: web.Request, state: _ServerState, store, codec:
             ``codec``, 503 past the budget wait.
     """
     limits = state.limits
-    declared = request.content_length
-    if declared is not None and declared > limits.max_body_bytes:
-        raise P.ProtocolError(f"body of {declared} bytes exceeds {limits.max_body_bytes}", 413)
-    if declared == 0 or not request.body_exists:
-        raise P.ProtocolError("empty put body")
-    reader = request.content
-    hdr_len = P.decode_preamble(await raw_routes._read_exact(reader, P.PREAMBLE_BYTES))
-    header = P.parse_json(await raw_routes._read_exact(reader, hdr_len), "put header")
-    ns, entries, durable = P.parse_put_header(header, limits.max_batch_keys, codec)
-    authorize(request, ns, WRITE)  # 403 before any payload byte is read
-    W.check_accepted(ns, codec)    # 422 likewise
-    _check_fits(store, ns, state)
-    if durable and not raw_routes.can_persist(store):
-        raise P.ProtocolError("durable put needs a disk tier (serve with --disk-path and "
-                              "--disk-bytes)")
+    ns, entries, durable, head_bytes = await raw_routes.read_put_header(request, state, store,
+                                                                         codec)
+    reader, declared = request.content, request.content_length
     total = P.payload_total(entries)
-    expected = P.PREAMBLE_BYTES + hdr_len + total
+    expected = head_bytes + total
     if expected > limits.max_body_bytes:
         raise P.ProtocolError(f"body of {expected} bytes exceeds {limits.max_body_bytes}", 413)
     if declared is not None and declared != expected:
