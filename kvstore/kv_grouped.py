@@ -222,17 +222,25 @@ def _quantize(x: np.ndarray, part: PartParams, sdt):
     H, D]``)."""
     xg, m, scodes, base, s32, _ = _ranges(x, part, sdt)
     inv = np.zeros_like(s32)
-    np.divide(1.0, s32, out=inv, where=s32 != 0)
+    with np.errstate(over="ignore"):
+        np.divide(1.0, s32, out=inv, where=s32 != 0)
     t = kv_casts.scratch("kivi_t", xg.size, np.float32).reshape(xg.shape)
+    tiny = ~np.isfinite(inv)          # a subnormal step: 1 / s overflows; divide those groups
     if part.symmetric:                                       # x / s in [-c, c], then + c
         np.multiply(xg, inv, out=t, dtype=np.float32)
+        if tiny.any():
+            np.divide(xg, s32, out=t, where=np.broadcast_to(tiny, t.shape))
         np.rint(t, out=t)
         t += 2 ** (part.bits - 1) - 1
         np.clip(t, 0, 2 ** part.bits - 2, out=t)
         stored = [scodes, np.array([base], "<f4")]
     else:                                                    # (x - m) / s in [0, 2**bits - 1]
         np.subtract(xg, m.astype(np.float32), out=t, dtype=np.float32)
-        t *= inv
+        if tiny.any():
+            np.divide(t, s32, out=t, where=np.broadcast_to(tiny, t.shape))
+            t *= np.where(tiny, np.float32(1), inv)
+        else:
+            t *= inv
         np.rint(t, out=t)
         np.minimum(t, 2 ** part.bits - 1, out=t)             # x >= m, so t >= 0
         stored = [m, scodes, np.array([base], "<f4")]

@@ -284,3 +284,16 @@ def test_kivi_payloads_record_their_parameters(monkeypatch):
         kv_codec.decode(bad, "kivi", torch.float32, SHAPE)
     with pytest.raises(ValueError, match="needs"):
         kv_codec.decode(payload[1:], "kivi", torch.float32, SHAPE)
+
+
+@pytest.mark.parametrize("scale", [1e-38, 3e-39])
+@pytest.mark.parametrize("codec", ["kivi", "int8", "fp8"])
+def test_values_near_the_smallest_normal_float_round_trip_within_the_bound(codec, scale):
+    """Groups whose step is an fp32 subnormal (1 / step overflows) are divided, not
+    multiplied by an infinite reciprocal (kivi coded such groups as NaN cast to uint8)."""
+    torch.manual_seed(0)
+    shape = (2, 2, 64, 3, 64)
+    kv = torch.randn(shape) * scale
+    out = kv_codec.decode(kv_codec.encode(kv, codec), codec, torch.float32, shape)
+    assert torch.isfinite(out).all()
+    assert ((out - kv).abs() <= kv_codec.error_bound(kv, codec)).all()
