@@ -151,7 +151,10 @@ def pack_value(key: bytes, parent: bytes | None, raw: np.ndarray, dtype: str,
 
     A lossy ``codec`` (``int8``, ``fp8``, ``kivi``) encodes the tensor (``shape``, ``dtype``) and records
     the checksum of its decoded bytes; a chunk it cannot encode (a non-finite value, a dtype
-    it does not take) is written with the lossless ``fallback`` instead.
+    it does not take) is written with the lossless ``fallback`` instead. ``kivi`` keeps the
+    first ``kv_codec.SINK_TOKENS`` tokens of a chunk with no ``parent`` (the first chunk of a
+    prompt: its attention sinks) in fp16; a tail piece stored without a parent keeps them
+    too (a few bytes more, never less exact).
 
     Raises:
         ValueError: unknown codec.
@@ -159,8 +162,9 @@ def pack_value(key: bytes, parent: bytes | None, raw: np.ndarray, dtype: str,
     parent = parent or b""
     used, payload, csum = None, None, None
     if codec in kv_codec.LOSSY_CODECS:
+        sinks = kv_codec.SINK_TOKENS if codec == "kivi" and not parent else 0
         try:
-            used, payload, csum = codec, *_encode_lossy(raw, dtype, shape, codec)
+            used, payload, csum = codec, *_encode_lossy(raw, dtype, shape, codec, sinks)
         except ValueError:
             codec = fallback
     if used is None:
@@ -177,12 +181,12 @@ def _tensor(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor
 
 
 def _encode_lossy(raw: np.ndarray, dtype: str, shape: tuple[int, ...],
-                  codec: str) -> tuple[bytes, int]:
+                  codec: str, sink_tokens: int = 0) -> tuple[bytes, int]:
     """(payload, checksum of the decoded bytes) of a lossy codec. Raises ValueError when the
     codec cannot encode the chunk."""
     if dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"{codec} does not encode {dtype}")
-    payload = kv_codec.encode(_tensor(raw, dtype, shape), codec)  # uint8 array
+    payload = kv_codec.encode(_tensor(raw, dtype, shape), codec, sink_tokens)  # uint8 array
     decoded = kv_codec.decode(payload, codec, getattr(torch, dtype), shape)
     return payload, checksum(decoded.view(-1).view(torch.uint8).numpy())
 

@@ -18,10 +18,16 @@ s`` (half an ulp of x̂) and the rounding of x̂ to the chunk's dtype.
 
 Payload (little-endian)::
 
-    K mins | K steps | V mins | V steps | K codes | V codes
+    K mins | K steps | V mins | V steps | K codes | V codes [| sinks | num_sinks u8]
     | k_bits k_group k_mode v_bits v_group v_mode u8 | scale dtype code u8 (0 = fp16, 1 = fp32)
 
-(mode: bit 0 = along channels, bit 1 = symmetric: no mins). Mins and steps of a part grouped along tokens are ``[num_layers, ceil(chunk_size / group),
+(mode: bit 0 = along channels, bit 1 = symmetric: no mins; k_mode only: bit 2 = sinks
+present, bit 3 = sinks stored fp32). Optional sink tokens (``encode(..., sink_tokens=n)``):
+the first ``n`` tokens of K and V, ``x[:, :, :n]`` (``[num_layers, 2, n, num_kv_heads,
+head_dim]``), stored fp16 (fp32 when one of them overflows fp16) after the codes, which are
+unchanged; decoding overwrites those tokens with them (an error of half an fp16 ulp of x
+plus fp16's subnormal half-spacing; none when fp32). A payload without sinks is byte for byte
+the format before sinks existed. Mins and steps of a part grouped along tokens are ``[num_layers, ceil(chunk_size / group),
 num_kv_heads, head_dim]``, along channels ``[num_layers, chunk_size, num_kv_heads,
 ceil(head_dim / group)]``; codes ``[num_layers, chunk_size, num_kv_heads, head_dim]`` each,
 packed. The parameters travel in the payload: a reader needs only the payload and the shape.
@@ -39,6 +45,7 @@ _FP16_MAX = 65504.0
 _ALONG = ("tokens", "channels")
 _PER_OCTAVE = 16  # step codes per octave: a step at most 2**(1/16) = 4.4% above the need
 _TAIL = 7  # k_bits, k_group, k_mode, v_bits, v_group, v_mode, scale dtype code
+_SINKS, _SINKS_FP32 = 4, 8  # k_mode bits: sink tokens present, stored fp32
 
 
 @dataclass(frozen=True)
@@ -135,14 +142,26 @@ def unpack_bits(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
     return w.reshape(-1)[:n]
 
 
-def nbytes(params: GroupParams, shape: tuple[int, ...], scale_itemsize: int = 2) -> int:
-    """Payload bytes for a chunk of ``shape`` (5-D, 2 at dim 1)."""
+def nbytes(params: GroupParams, shape: tuple[int, ...], scale_itemsize: int = 2,
+           sink_tokens: int = 0, sink_itemsize: int = 2) -> int:
+    """Payload bytes for a chunk of ``shape`` (5-D, 2 at dim 1) with ``min(sink_tokens,
+    chunk_size)`` sink tokens of ``sink_itemsize`` bytes (2 = fp16, 4 = fp32) per value."""
     L, _, T, H, D = shape
     n8 = -(-(L * T * H * D) // 8)
     n = 0
     for p in (params.k, params.v):   # (mins,) step codes, base
         n += p.num_groups(shape) * ((not p.symmetric) * scale_itemsize + 1) + 4
+    sinks = min(sink_tokens, T)
+    if sinks:                        # the sink values and their count byte
+        n += L * 2 * sinks * H * D * sink_itemsize + 1
     return n + n8 * (params.k.bits + params.v.bits) + _TAIL
+
+
+def sink_dtype(sinks: np.ndarray):
+    """The dtype sink values ``sinks`` (fp32, finite) are stored in: fp16 unless one of them
+    overflows fp16 (then fp32: exact)."""
+    with np.errstate(over="ignore"):
+        return np.float16 if np.isfinite(sinks.astype(np.float16)).all() else np.float32
 
 
 def _grouped(x: np.ndarray, part: PartParams) -> tuple[np.ndarray, int]:
@@ -253,20 +272,31 @@ def scale_dtype(x: np.ndarray):
     return np.float16 if big <= _FP16_MAX / 2 * (1 - 2 ** -10) else np.float32
 
 
-def encode(x: np.ndarray, params: GroupParams) -> np.ndarray:
-    """Payload (a new uint8 array) of ``x`` (fp32 ``[L, 2, T, H, D]``).
+def encode(x: np.ndarray, params: GroupParams, sink_tokens: int = 0) -> np.ndarray:
+    """Payload (a new uint8 array) of ``x`` (fp32 ``[L, 2, T, H, D]``), keeping its first
+    ``min(sink_tokens, T)`` tokens as sinks (module docstring; 0: none).
 
     Raises:
-        ValueError: a non-finite value.
+        ValueError: a non-finite value, or ``sink_tokens`` outside 0-255.
     """
+    if not 0 <= sink_tokens <= 255:
+        raise ValueError(f"sink_tokens must be 0-255, got {sink_tokens}")
     sdt = scale_dtype(x)                                     # (a NaN: fp32, then refused)
     kg, kq = _quantize(x[:, 0], params.k, sdt)
     vg, vq = _quantize(x[:, 1], params.v, sdt)
-    tail = np.array([params.k.bits, params.k.group, params.k.mode,
+    n = min(sink_tokens, x.shape[2])
+    sinks, k_mode = [], params.k.mode
+    if n:
+        s = x[:, :, :n]                                      # [L, 2, n, H, D]
+        sink_dt = sink_dtype(s)
+        k_mode |= _SINKS | (_SINKS_FP32 if sink_dt is np.float32 else 0)
+        sinks = [np.ascontiguousarray(s, dtype=np.dtype(sink_dt).newbyteorder("<"))
+                 .reshape(-1).view(np.uint8), np.array([n], dtype=np.uint8)]
+    tail = np.array([params.k.bits, params.k.group, k_mode,
                      params.v.bits, params.v.group, params.v.mode,
                      _SCALE_DTYPES.index(sdt)], dtype=np.uint8)
     parts = [a.reshape(-1).view(np.uint8) for a in kg + vg]
-    parts += [pack_bits(kq, params.k.bits), pack_bits(vq, params.v.bits), tail]
+    parts += [pack_bits(kq, params.k.bits), pack_bits(vq, params.v.bits), *sinks, tail]
     return np.concatenate(parts)
 
 
@@ -277,7 +307,8 @@ def read_params(payload: np.ndarray) -> tuple[GroupParams, np.dtype]:
         ValueError: a payload too short or with invalid parameters.
     """
     if payload.size < _TAIL or payload[-1] >= len(_SCALE_DTYPES) \
-            or max(payload[-5], payload[-2]) > 3:
+            or payload[-5] > 15 or payload[-2] > 3 \
+            or payload[-5] & (_SINKS | _SINKS_FP32) == _SINKS_FP32:
         raise ValueError("kivi payload has no valid parameter block")
     kb, kg, km, vb, vg, vm = (int(v) for v in payload[-_TAIL:-1])
     try:
@@ -286,6 +317,21 @@ def read_params(payload: np.ndarray) -> tuple[GroupParams, np.dtype]:
     except ValueError as e:
         raise ValueError(f"kivi payload has no valid parameter block: {e}") from None
     return params, np.dtype(_SCALE_DTYPES[payload[-1]])
+
+
+def read_sinks(payload: np.ndarray) -> tuple[int, np.dtype]:
+    """(number of sink tokens, their dtype) a payload whose parameters ``read_params``
+    accepted records; ``(0, fp16)`` when it has none.
+
+    Raises:
+        ValueError: a payload that claims sinks but has no count byte, or a count of 0.
+    """
+    km = int(payload[-5])
+    if not km & _SINKS:
+        return 0, np.dtype(np.float16)
+    if payload.size < _TAIL + 1 or payload[-_TAIL - 1] == 0:
+        raise ValueError("kivi payload claims sink tokens but records none")
+    return int(payload[-_TAIL - 1]), np.dtype(np.float32 if km & _SINKS_FP32 else np.float16)
 
 
 def decode(payload: np.ndarray, shape: tuple[int, ...], out: np.ndarray) -> None:
@@ -306,11 +352,14 @@ class Decoder:
 
     def __init__(self, payload: np.ndarray, shape: tuple[int, ...]) -> None:
         params, sdt = read_params(payload)
-        want = nbytes(params, shape, sdt.itemsize)
+        num_sinks, sink_dt = read_sinks(payload)
+        L, _, T, H, D = shape
+        if num_sinks > T:
+            raise ValueError(f"kivi payload has {num_sinks} sink tokens, chunk_size is {T}")
+        want = nbytes(params, shape, sdt.itemsize, num_sinks, sink_dt.itemsize)
         if payload.size != want:
             raise ValueError(f"kivi payload of {payload.size} bytes, shape {list(shape)} "
                              f"needs {want}")
-        L, _, T, H, D = shape
         self.shape, self.parts = tuple(shape), (params.k, params.v)
         n, pos, self._ranges, self._codes = L * T * H * D, 0, [], []
         for part in self.parts:
@@ -328,6 +377,10 @@ class Decoder:
             nb = -(-n // 8) * part.bits
             self._codes.append(payload[pos:pos + nb])
             pos += nb
+        sink_shape = (L, 2, num_sinks, H, D)
+        self._sinks = None if not num_sinks else payload[
+            pos:pos + int(np.prod(sink_shape)) * sink_dt.itemsize].view(
+            sink_dt.newbyteorder("<")).reshape(sink_shape)   # [L, 2, n, H, D]
         #: whether ``decode`` takes any block of layers (a layer's codes fill whole bytes)
         self.blockable = (T * H * D) % 8 == 0
 
@@ -364,6 +417,8 @@ class Decoder:
                 xg += m_s[0]
             if dest is None:
                 out[:, i] = _ungrouped(xg, part, shape)
+        if self._sinks is not None:                          # the stored tokens replace theirs
+            out[:, :, :self._sinks.shape[2]] = self._sinks[l0:l1]
 
 
 def _grouped_view(x: np.ndarray, part: PartParams) -> np.ndarray | None:

@@ -30,8 +30,9 @@ def chunks(n=3, seed=0):
     return list(kv.to(torch.float16))
 
 
-def decoded(kv, codec):
-    return kv_codec.decode(kv_codec.encode(kv, codec), codec, kv.dtype, tuple(kv.shape))
+def decoded(kv, codec, sink_tokens=0):
+    return kv_codec.decode(kv_codec.encode(kv, codec, sink_tokens), codec, kv.dtype,
+                           tuple(kv.shape))
 
 
 def disk_store(tmp_path, codec, cpu_chunks=0):
@@ -152,8 +153,9 @@ def test_int8_remote_tier_writes_lossily_only_for_the_accepting_namespace(redis_
 
 def test_kivi_disk_tier_beside_int8_chunks_of_a_previous_run(tmp_path):
     """A disk tier changed from int8 to kivi between restarts: the int8 chunks read as written,
-    the kivi namespace's new chunks are written kivi (within its bound, fewer bytes), the other
-    namespaces' exactly."""
+    the kivi namespace's new chunks are written kivi (within its bound, fewer bytes; the
+    prompt's first chunk, which has no parent, with its ``SINK_TOKENS`` sink tokens in fp16),
+    the other namespaces' exactly."""
     kivi = Namespace("codec-test", LAY, lossy_codec="kivi")
     first, second = chunks(seed=6), chunks(seed=7)
     more = list(range(700, 700 + 3 * 8))
@@ -172,13 +174,16 @@ def test_kivi_disk_tier_beside_int8_chunks_of_a_previous_run(tmp_path):
         got = store.get_chunks(INT8, INT8.chunk_keys(TOKENS))
         assert all(bits_equal(g, decoded(w, "int8")) for g, w in zip(got, first))
         got = store.get_chunks(kivi, kivi.chunk_keys(more))
-        assert all(bits_equal(g, decoded(w, "kivi")) for g, w in zip(got, second))
-        for g, w in zip(got, second):
-            bound = kv_codec.error_bound(w, "kivi") + g.float().abs() * 2 ** -11
+        sinks = [kv_codec.SINK_TOKENS, 0, 0]                  # the first chunk only
+        assert all(bits_equal(g, decoded(w, "kivi", n)) for g, w, n in zip(got, second, sinks))
+        assert bits_equal(got[0][:, :, :4], second[0][:, :, :4])   # fp16 KV: sinks exact
+        assert not bits_equal(got[1][:, :, :4], second[1][:, :, :4])
+        for g, w, n in zip(got, second, sinks):
+            bound = kv_codec.error_bound(w, "kivi", n) + g.float().abs() * 2 ** -11
             assert bool(((g.float() - w.float()).abs() <= bound).all())
         got = store.get_chunks(EXACT, EXACT.chunk_keys(more))
         assert all(bits_equal(g, w) for g, w in zip(got, second))
-        n = kv_codec.payload_nbytes("kivi", LAY.shape())
-        for k in kivi.chunk_keys(more):
+        for k, s in zip(kivi.chunk_keys(more), sinks):
+            n = kv_codec.payload_nbytes("kivi", LAY.shape(), 2, s)
             assert n < store.tiers[-1].nbytes_of(k) <= n + HEADER_BYTES_MAX
         store.check_integrity()
