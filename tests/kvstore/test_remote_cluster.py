@@ -108,7 +108,9 @@ def test_lookup_and_get_send_one_pipeline_per_master(stores, shared_redis_cluste
 
 def test_a_killed_master_costs_only_its_keys_and_comes_back_empty(redis_cluster):
     a = make_store(redis_cluster.url)
-    b = make_store(redis_cluster.url, promote_on_hit=False)
+    # a 1 s read deadline: the live masters' answers must not miss it on a loaded host (with
+    # the default 0.25 s a loaded CI run once saw every node late, so every key False)
+    b = make_store(redis_cluster.url, promote_on_hit=False, remote_timeout_s=1.0)
     t = make_tier(redis_cluster.url, breaker_reset_s=0.3)
     try:
         keys, kvs = prompt(NS, 2, N)
@@ -121,7 +123,7 @@ def test_a_killed_master_costs_only_its_keys_and_comes_back_empty(redis_cluster)
             t0 = time.monotonic()
             assert b.exists(NS, keys) == alive
             got = b.get_chunks(NS, keys)
-            assert time.monotonic() - t0 < 2 * 0.25 + 0.5
+            assert time.monotonic() - t0 < 2 * 1.0 + 0.5
             assert same(got, [kv if ok else None for kv, ok in zip(kvs, alive)])
         dead_name = "%s:%d" % redis_cluster.startup_nodes[dead]
         assert b.remote.nodes.breaker_states()[dead_name] == "open"
