@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore import kv_casts
+from kvstore.kv_bits import pack_bits, unpack_bits  # noqa: F401 (part of this module's API)
 
 _SCALE_DTYPES = (np.float16, np.float32)
 _FP16_MAX = 65504.0
@@ -85,61 +86,6 @@ class GroupParams:
 
     k: PartParams
     v: PartParams
-
-
-def _lane_masks(bits: int) -> list[tuple[np.uint64, np.uint64, np.uint64]]:
-    """(code bits moved, lane shift, mask) of the 3 levels that spread 8 codes of ``bits``
-    bits (bits 0 to ``8 * bits`` of a little-endian uint64) into the 8 bytes of the uint64,
-    widest first: 4 codes to each 32-bit half, 2 to each 16-bit lane, 1 to each byte."""
-    out = []
-    for width, lane in ((4 * bits, 64), (2 * bits, 32), (bits, 16)):
-        m = 0
-        for start in range(0, 64, lane):
-            m |= ((1 << width) - 1) << start
-        out.append((np.uint64(width), np.uint64(lane // 2), np.uint64(m)))
-    return out
-
-
-def pack_bits(codes: np.ndarray, bits: int) -> np.ndarray:
-    """``codes`` (uint8, each < 2**bits) packed at ``bits`` bits, little-endian: 8 codes in
-    ``bits`` bytes (the last 8 zero-padded). A new 1-D uint8 array of ``ceil(n / 8) * bits``
-    (8 codes as a uint64, merged in 3 levels of whole-array shifts and masks; code i of 8
-    lands at bit ``bits * i``)."""
-    flat = codes.reshape(-1)
-    n8 = -(-flat.size // 8)
-    w = np.empty(n8 * 8, dtype=np.uint8)
-    w[:flat.size] = flat
-    w[flat.size:] = 0
-    if bits == 8:
-        return w
-    z = w.view("<u8")                                         # [n8]: 8 codes each
-    hi = np.empty_like(z)
-    for width, lane_shift, m in reversed(_lane_masks(bits)):
-        np.right_shift(z, lane_shift, out=hi)
-        hi &= m
-        hi <<= width
-        z &= m
-        z |= hi
-    return np.ascontiguousarray(w.reshape(n8, 8)[:, :bits]).reshape(-1)
-
-
-def unpack_bits(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
-    """The ``n`` codes (a new uint8 array) of ``pack_bits`` (the inverse levels)."""
-    if bits == 8:
-        return np.array(packed[:n], dtype=np.uint8)
-    n8 = -(-n // 8)
-    w = np.empty((n8, 8), dtype=np.uint8)
-    w[:, :bits] = packed.reshape(n8, bits)
-    w[:, bits:] = 0
-    z = w.view("<u8").reshape(n8)                            # 8 codes each
-    hi = np.empty_like(z)
-    for width, lane_shift, m in _lane_masks(bits):
-        np.right_shift(z, width, out=hi)
-        hi &= m
-        hi <<= lane_shift
-        z &= m
-        z |= hi
-    return w.reshape(-1)[:n]
 
 
 def nbytes(params: GroupParams, shape: tuple[int, ...], scale_itemsize: int = 2,
