@@ -35,7 +35,6 @@ client decodes; ``raw`` moves exact bytes), batches of 8 chunks, best of 3 passe
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -47,6 +46,7 @@ if __name__ == "__main__":  # run as a script: before torch loads OpenMP
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from bench.report import emit_json  # noqa: E402
 from bench.workloads import LongDocQA, MultiRoundQA  # noqa: E402
 from kvstore import kv_codec  # noqa: E402
 from kvstore.codec import pack_value, unpack_value  # noqa: E402
@@ -272,11 +272,7 @@ def main(argv: list[str] | None = None) -> dict:
     for codec, row in wire_figures(kvs, codecs).items():
         res["codecs"][codec].update(row)
     res["load_average"] = [load_start, os.getloadavg()[0]]
-    print(json.dumps(res, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-    return res
+    return emit_json(res, args.json)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ of the best wall time; ``load_average`` is recorded: figures on a busy host are 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -27,6 +26,7 @@ import time
 import numpy as np
 import torch
 
+from bench.report import emit_json
 from kvstore import kv_codec
 from kvstore.codec import pack_value, unpack_value
 from kvstore.layout import dtype_name
@@ -112,11 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
            "torch_threads": torch.get_num_threads(),
            "codecs": {c: codec_speed(kv, c, args.repeat) for c in codecs}}
     res["load_average"] = [load_start, os.getloadavg()[0]]
-    print(json.dumps(res, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-    return res
+    return emit_json(res, args.json)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ if __name__ == "__main__":  # run as a script: before torch loads OpenMP
     set_omp_wait_policy()
 import torch  # noqa: E402
 
+from bench.report import emit_json  # noqa: E402
+
 FP16_BYTES = 2          # bytes of a scale, zero point or value kept exact
 
 
@@ -368,10 +370,7 @@ def main(argv: list[str] | None = None) -> dict:
     res = {"seed": args.seed, "num_prompts": len(prompts),
            "variants": run_set(engine, prompts, variants, args),
            "load_average": [load, os.getloadavg()[0]]}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-    return res
+    return emit_json(res, args.json, echo=False)
 
 
 if __name__ == "__main__":

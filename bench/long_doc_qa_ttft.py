@@ -42,7 +42,6 @@ connector.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -52,6 +51,7 @@ if __name__ == "__main__":  # run as a script: before torch loads OpenMP
     set_omp_wait_policy()
 import torch  # noqa: E402
 
+from bench.report import emit_json  # noqa: E402
 from kvstore.defaults import DEFAULT_CHUNK_SIZE  # noqa: E402
 
 
@@ -249,11 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.full_chunks_only:
         res["full_chunks_only"] = rows[1][0]
     res["load_average"] = [load_start, os.getloadavg()[0]]
-    print(json.dumps(res, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-    return res
+    return emit_json(res, args.json)
 
 
 if __name__ == "__main__":

@@ -178,6 +178,18 @@ def format_table(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def emit_json(res: dict, path: str | None, echo: bool = True) -> dict:
+    """A bench's JSON result: printed (``echo``, indent 2) and written to ``path`` when given
+    (indent 2; folders created). Returns ``res``."""
+    if echo:
+        print(json.dumps(res, indent=2))
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(res, f, indent=2)
+    return res
+
+
 def write_json(rep: dict, path: str) -> None:
     """Write ``rep`` to ``path`` (folders created)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
