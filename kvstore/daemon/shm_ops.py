@@ -14,16 +14,15 @@ import os
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import numpy as np
-import torch
 import xxhash
 
 from kvstore.daemon import protocol as P
 from kvstore.daemon import shm_protocol as S
 from kvstore.daemon.payload import DROP_SCRATCH, can_persist, persist
-from kvstore.daemon.shm_staging import copy_hashed, map_client_staging
+from kvstore.daemon.shm_staging import copy_entries, map_client_staging, put_staged_direct
 from kvstore.daemon.state import _check_fits, _shaped
 from kvstore.daemon.tenants import READ, WRITE
-from kvstore.direct import ALREADY_STORED, BorrowedChunks, Reservation
+from kvstore.direct import BorrowedChunks, Reservation
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.daemon.shm_server import Connection
@@ -151,7 +150,7 @@ async def put(c: "Connection", h: dict) -> dict:
                               f"{P.payload_total(entries)}")
     if staged is not None and state.direct and not durable:
         # the common case in one store-pool call (reserve, copy + hash, commit): no hops
-        done = await state.call_shielded(_put_staged_direct, store, ns, entries, staged)
+        done = await state.call_shielded(put_staged_direct, store, ns, entries, staged)
         if done is not None:
             stored, dropped, bad = done
             if bad is not None:
@@ -273,56 +272,12 @@ async def _copy_staged(c: "Connection", ns, entries, durable: bool, budget: list
         buf = state.buffers.take(ns.layout.chunk_bytes)
         bufs.append(buf)
         items[i] = _shaped(buf, ns.layout)  # [L, 2, T, H, D]
-    copying.append(asyncio.ensure_future(state.call(_copy_entries, src, entries, list(items))))
+    copying.append(asyncio.ensure_future(state.call(copy_entries, src, entries, list(items))))
     bad = await asyncio.shield(copying[0])
     if bad is not None:
         state.rejected.labels("checksum").inc()
         raise P.ProtocolError(f"checksum mismatch for key {bad.key.hex()[:16]}...; nothing "
                               "stored")
-
-
-def _put_staged_direct(store, ns, entries, src: np.ndarray):
-    """A staged put into the top tier in one call on the store pool: reserve every chunk's
-    pages, copy and hash each from ``src``, commit the batch. Returns ``(stored, dropped,
-    None)``, ``(0, 0, entry)`` for the first entry whose bytes do not match its xxh3
-    (nothing is committed), or None when a chunk found no room in the top tier but a lower
-    tier could take it (nothing is kept; the caller takes the general path, which stages it
-    in a buffer)."""
-    keys, parents = [e.key for e in entries], P.put_parents(entries)
-    items = store.reserve_chunks(ns, keys, parents)
-    try:
-        if any(it is None for it in items) and store.capabilities.has_lower_tiers:
-            store.release_reservations(items)
-            return None
-        bad = _copy_entries(src, entries, items)
-        if bad is not None:
-            store.release_reservations(items)
-            return 0, 0, bad
-    except BaseException:
-        store.release_reservations(items)
-        raise
-    stored = store.commit_chunks(ns, keys, items, parents)
-    return stored, sum(it is None for it in items), None
-
-
-def _copy_entries(src: np.ndarray, entries, items) -> Any:
-    """Copy each entry's bytes from ``src`` into its reservation or buffer, hashing what
-    landed there; the first entry whose hash differs from its ``xxh3``, or None."""
-    pos = 0
-    for e, it in zip(entries, items):
-        s, pos = src[pos:pos + e.nbytes], pos + e.nbytes
-        if isinstance(it, Reservation):
-            dsts, o = [], 0
-            for v in it.memoryviews():
-                dsts.append((o, np.frombuffer(v, dtype=np.uint8)))
-                o += v.nbytes
-        elif it is not None and it is not ALREADY_STORED:
-            dsts = [(0, it.view(torch.uint8).reshape(-1).numpy())]
-        else:
-            continue
-        if copy_hashed(s, dsts) != e.xxh3:
-            return e
-    return None
 
 
 async def stage(c: "Connection", h: dict) -> dict:

@@ -25,11 +25,15 @@ import fcntl
 import mmap
 import os
 import stat
+from typing import Any
 
 import numpy as np
+import torch
 import xxhash
 
+from kvstore.daemon import protocol as P
 from kvstore.daemon.protocol import ProtocolError
+from kvstore.direct import ALREADY_STORED, Reservation
 
 #: Bytes hashed per step while copying (the slice is hashed while it is still in cache).
 COPY_SLICE = 512 << 10
@@ -132,3 +136,47 @@ def map_client_staging(fd: int, nbytes: int, max_bytes: int) -> np.ndarray:
 
 
 __all__ = ["ClientStaging", "COPY_SLICE", "copy_hashed", "map_client_staging"]
+
+
+def put_staged_direct(store, ns, entries, src: np.ndarray):
+    """A staged put into the top tier in one call on the store pool: reserve every chunk's
+    pages, copy and hash each from ``src``, commit the batch. Returns ``(stored, dropped,
+    None)``, ``(0, 0, entry)`` for the first entry whose bytes do not match its xxh3
+    (nothing is committed), or None when a chunk found no room in the top tier but a lower
+    tier could take it (nothing is kept; the caller takes the general path, which stages it
+    in a buffer)."""
+    keys, parents = [e.key for e in entries], P.put_parents(entries)
+    items = store.reserve_chunks(ns, keys, parents)
+    try:
+        if any(it is None for it in items) and store.capabilities.has_lower_tiers:
+            store.release_reservations(items)
+            return None
+        bad = copy_entries(src, entries, items)
+        if bad is not None:
+            store.release_reservations(items)
+            return 0, 0, bad
+    except BaseException:
+        store.release_reservations(items)
+        raise
+    stored = store.commit_chunks(ns, keys, items, parents)
+    return stored, sum(it is None for it in items), None
+
+
+def copy_entries(src: np.ndarray, entries, items) -> Any:
+    """Copy each entry's bytes from ``src`` into its reservation or buffer, hashing what
+    landed there; the first entry whose hash differs from its ``xxh3``, or None."""
+    pos = 0
+    for e, it in zip(entries, items):
+        s, pos = src[pos:pos + e.nbytes], pos + e.nbytes
+        if isinstance(it, Reservation):
+            dsts, o = [], 0
+            for v in it.memoryviews():
+                dsts.append((o, np.frombuffer(v, dtype=np.uint8)))
+                o += v.nbytes
+        elif it is not None and it is not ALREADY_STORED:
+            dsts = [(0, it.view(torch.uint8).reshape(-1).numpy())]
+        else:
+            continue
+        if copy_hashed(s, dsts) != e.xxh3:
+            return e
+    return None
