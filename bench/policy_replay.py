@@ -178,7 +178,16 @@ class PolicyReplay:
             k = keys[p]
             if k not in top_nbytes and k in copies:
                 insert(0, k, tokens[p] * tb, parent.get(k), _NONE)
-        n = len(tiers)
+        self._place(a, j, b)
+        return hit, top_hit
+
+    def _place(self, a: int, j: int, b: int) -> None:
+        """Store chunks ``j..b-1`` of row ``a..b-1`` that no tier holds, head first: each in
+        the top tier, else the first lower tier with room; stop at a chunk whose parent is
+        held nowhere or that no tier takes."""
+        keys, tokens, tb = self.trace.keys, self.trace.tokens, self.token_bytes
+        copies, insert = self._copies, self._insert
+        n = len(self.tiers)
         for p in range(j, b):
             k = keys[p]
             if k in copies:
@@ -194,7 +203,6 @@ class PolicyReplay:
                         break
                 else:
                     break
-        return hit, top_hit
 
     def _row_one_tier(self, a: int, b: int) -> tuple[int, int]:
         """``_row`` for one tier, through the policy's batched calls (the same decisions;

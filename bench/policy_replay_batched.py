@@ -166,18 +166,8 @@ class OneTierRows:
                 kids[par] = kids.get(par, 0) + 1
 
     def _store_from(self, a: int, j: int, b: int) -> None:
-        """``PolicyReplay._row``'s placement of chunks ``j..b-1`` of row ``a..b-1``."""
-        keys, tokens, tb, copies = self.keys, self.tokens, self.token_bytes, self.copies
-        insert = self.replay._insert
-        for p in range(j, b):
-            k = keys[p]
-            if k in copies:
-                continue
-            par = keys[p - 1] if p > a else None
-            if par is not None and par not in copies:
-                return
-            if not insert(0, k, tokens[p] * tb, par, _NONE):
-                return
+        """``PolicyReplay._place``: chunks ``j..b-1`` of row ``a..b-1``, one at a time."""
+        self.replay._place(a, j, b)
 
     def _add_chain(self, chain: list[int], sizes: list[int], par: int | None) -> None:
         """Store each chunk of ``chain`` (absent everywhere) in the tier, at once, each the
