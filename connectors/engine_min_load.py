@@ -26,6 +26,7 @@ from connectors.chunk_plan import RequestChunks
 from connectors.chunk_records import LoadPlan, Piece
 from connectors.engine_min_device import sync_pool, to_pool
 from connectors.engine_min_stats import ConnectorStats
+from connectors.remote_borrow import borrowing_read
 from kernels import ops
 from kvstore.api import KVStoreBase
 from kvstore.layout import KVLayout
@@ -72,9 +73,9 @@ class Loader:
         self.store, self._pool, self.stats = store, pool, stats
         self.deadline_s, self.deadline_s_per_chunk = deadline_s, deadline_s_per_chunk
         caps = store.capabilities
-        # a store that lends views of its host-memory pages (a ChunkStore whose reads are its
-        # own): loads scatter from them directly
-        self._borrow = store.borrow_chunks if caps.borrowed_reads else None
+        # a store that lends views of host-memory pages (a ChunkStore whose reads are its own;
+        # the daemon client's shared arena): loads scatter from them directly
+        self._borrow = borrowing_read(store)
         # a store that keeps copies of what it fetched needs their true parents
         self._get_takes_parents = caps.get_takes_parents
         self.kv_cache: torch.Tensor | None = None

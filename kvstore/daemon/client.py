@@ -21,6 +21,7 @@ import torch
 
 from kvstore.api import KVStoreBase, LookupResult
 from kvstore.daemon.async_client import AsyncKVStoreClient
+from kvstore.daemon.shm_borrow import ArenaBorrow, CopiedBorrow
 from kvstore.daemon.shm_client import CAPABILITIES as SHM_CAPABILITIES
 from kvstore.daemon.shm_client import ShmKVStoreClient
 from kvstore.daemon.shm_discovery import discover_socket
@@ -128,6 +129,17 @@ class KVStoreClient(KVStoreBase):
     def get_chunks(self, ns, keys, out=None, *, timeout_s=None) -> list[torch.Tensor | None]:
         """As ``AsyncKVStoreClient.get_chunks`` (``out``: buffers to read into)."""
         return self._call("get_chunks", timeout_s, ns, keys, out)
+
+    def get_borrowed(self, ns, keys, *, timeout_s=None) -> ArenaBorrow | CopiedBorrow:
+        """The chunks of ``keys`` to read in place until ``release`` (the reader's side of
+        ``kvstore.direct.BorrowedChunks``: ``parts`` per key, ``lower`` empty): over the Unix
+        socket, read-only views of the daemon's arena held by its reader pins
+        (``ShmKVStoreClient.get_borrowed``, no copy); over HTTP, the chunks ``get_chunks``
+        copied out. Call ``release`` on every path. Raises as ``get_chunks``."""
+        shm = self._path(timeout_s)
+        if shm is not None:
+            return shm.get_borrowed(ns, keys, timeout_s=timeout_s)
+        return CopiedBorrow(keys, self.get_chunks(ns, keys, timeout_s=timeout_s))
 
     def put_chunks(self, ns, keys, kvs, parents=None, *, durable=None, timeout_s=None) -> int:
         return self._call("put_chunks", timeout_s, ns, keys, kvs, parents, durable=durable)

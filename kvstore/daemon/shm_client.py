@@ -19,7 +19,6 @@ retried once sent. A connection that failed mid-call is closed, which releases i
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -29,6 +28,7 @@ import torch
 
 from kvstore.api import KVStoreBase, LookupResult, StoreCapabilities
 from kvstore.daemon import protocol as P
+from kvstore.daemon.shm_borrow import ArenaBorrow, borrow_on, release_frame
 from kvstore.daemon.shm_conn import Conn, key_frame, unix_path
 from kvstore.daemon.shm_protocol import hashes_frame
 from kvstore.daemon.shm_put import STAGING_BYTES, put_on
@@ -117,9 +117,10 @@ class ShmKVStoreClient(KVStoreBase):
         conn.close()
 
     def _call(self, what: str, fn: Callable[[Conn, float], Any], *, idempotent: bool,
-              timeout_s: float | None) -> Any:
+              timeout_s: float | None, hold: bool = False) -> Any:
         """Run ``fn(conn, deadline)`` on a pooled connection with the deadline and retries
-        of the module docstring."""
+        of the module docstring. ``hold``: a result of ``fn`` owns the connection (it gives
+        it back itself); an error still returns or closes it here."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         attempt, refused, last = 0, 0, None
@@ -172,7 +173,8 @@ class ShmKVStoreClient(KVStoreBase):
                     conn.close()
                     raise
                 else:
-                    self._give(conn)
+                    if not hold:
+                        self._give(conn)
                     return out
             delay = min(self.retry_backoff_s * 2 ** attempt, 0.5, deadline - time.monotonic())
             attempt += 1
@@ -262,6 +264,27 @@ class ShmKVStoreClient(KVStoreBase):
         take = self.results.take
         return self._call("get", lambda c, d: _get(c, d, frame, ns, keys, out, take),
                           idempotent=True, timeout_s=timeout_s)
+
+    def get_borrowed(self, ns: Namespace, keys: Sequence[ChunkKey], *,
+                     timeout_s: float | None = None) -> ArenaBorrow:
+        """The chunks of ``keys`` as read-only views of the daemon's arena, reader-pinned until
+        the result's ``release`` (``kvstore.daemon.shm_borrow``: no copy for chunks in the
+        daemon's CPU tier; those of its lower tiers come inline into recycled tensors).
+        ``parts[i]``: the chunk's bytes as 1-D uint8 tensors, or None when absent. Call
+        ``release`` (or use it as a context manager) on every path; the borrow holds one
+        connection of the pool until then.
+
+        Raises:
+            as ``get_chunks`` (nothing stays pinned then).
+        """
+        frame = _key_request_frame("get", ns, keys) if keys else None
+        if frame is None:
+            return ArenaBorrow([], [], None, None, self._give, 0.0)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        take = self.results.take
+        return self._call("get", lambda c, d: borrow_on(c, d, frame, ns, keys, take,
+                                                        self._give, timeout),
+                          idempotent=True, timeout_s=timeout_s, hold=True)
 
     def put_chunks(self, ns, keys, kvs, parents=None, *, durable=None, timeout_s=None) -> int:
         """Store chunks, through the connection's staging area or from the tensors' memory
@@ -360,10 +383,6 @@ def _get(conn: Conn, deadline: float, frame: bytes, ns: Namespace, keys: Sequenc
         raise P.ProtocolError(f"get reply carries {reply['payload_bytes']} payload bytes; "
                               f"its inline chunks {inline}")
     if borrow is not None:
-        conn.send([_release_frame(borrow)], deadline)
+        conn.send([release_frame(borrow)], deadline)
     return got
 
-
-def _release_frame(borrow: Any) -> bytes:
-    blob = json.dumps({"op": "release", "borrow": borrow}, separators=(",", ":")).encode()
-    return P.PREAMBLE.pack(P.MAGIC, len(blob)) + blob

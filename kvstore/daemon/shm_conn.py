@@ -55,7 +55,7 @@ class Arena:
 
     def __init__(self, instance: str, fd: int | None, nbytes: int):
         self.instance, self.nbytes, self.array = instance, nbytes, None
-        self._mm = None
+        self._mm = self._tensor = None
         if nbytes:
             if fd is None:
                 raise ProtocolError(f"hello announced an arena of {nbytes} bytes but passed "
@@ -65,19 +65,21 @@ class Arena:
 
     def tensor(self):
         """A ``torch.uint8`` tensor ``[nbytes]`` over the read-only mapping (writing into it
-        faults; torch's warning about non-writable arrays is silenced here only)."""
-        import torch
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.from_numpy(self.array)
+        faults; torch's warning about non-writable arrays is silenced here only). Made once."""
+        if self._tensor is None:
+            import torch
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                self._tensor = torch.from_numpy(self.array)
+        return self._tensor
 
-    def copy_runs(self, runs: Sequence, dst: np.ndarray) -> None:
-        """Copy arena byte runs ``[[offset, nbytes], ...]`` into ``dst`` (``np.uint8`` of
-        exactly their total size), adjacent runs merged into one copy.
+    def merged_runs(self, runs: Sequence, nbytes: int) -> list[list[int]]:
+        """Arena byte runs ``[[offset, nbytes], ...]`` of one chunk of ``nbytes`` bytes,
+        checked, with adjacent runs merged.
 
         Raises:
-            ProtocolError: a malformed run, one outside the arena, or runs whose sizes do not
-                add up to ``dst.size``.
+            ProtocolError: no arena, a malformed run, one outside the arena, or runs whose
+                sizes do not add up to ``nbytes``.
         """
         if self.array is None:
             raise ProtocolError("a get answered with arena runs but the daemon has no arena")
@@ -92,11 +94,20 @@ class Arena:
                 merged[-1][1] += r[1]
             else:
                 merged.append([r[0], r[1]])
-        if sum(n for _, n in merged) != dst.size:
+        if sum(n for _, n in merged) != nbytes:
             raise ProtocolError(f"arena runs hold {sum(n for _, n in merged)} bytes; the chunk "
-                                f"has {dst.size}")
+                                f"has {nbytes}")
+        return merged
+
+    def copy_runs(self, runs: Sequence, dst: np.ndarray) -> None:
+        """Copy arena byte runs ``[[offset, nbytes], ...]`` into ``dst`` (``np.uint8`` of
+        exactly their total size), adjacent runs merged into one copy.
+
+        Raises:
+            ProtocolError: as ``merged_runs``.
+        """
         pos, src = 0, self.array
-        for off, n in merged:
+        for off, n in self.merged_runs(runs, dst.size):
             np.copyto(dst[pos:pos + n], src[off:off + n])
             pos += n
 
