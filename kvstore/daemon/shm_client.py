@@ -30,7 +30,7 @@ from kvstore.api import KVStoreBase, LookupResult, StoreCapabilities
 from kvstore.daemon import protocol as P
 from kvstore.daemon.shm_borrow import ArenaBorrow, borrow_on, release_frame
 from kvstore.daemon.shm_conn import Conn, key_frame, unix_path
-from kvstore.daemon.shm_protocol import hashes_frame
+from kvstore.daemon.shm_protocol import SHM_VERSION, hashes_frame
 from kvstore.daemon.shm_put import STAGING_BYTES, put_on
 from kvstore.daemon.shm_results import ResultBuffers
 from kvstore.errors import RemoteError, StoreUnavailable
@@ -90,6 +90,7 @@ class ShmKVStoreClient(KVStoreBase):
         self._token = auth_token or None
         self._lock = threading.Lock()
         self._idle: list[Conn] = []
+        self._version = SHM_VERSION  # 1 once a daemon refused 2 (``_connect``)
         self._arenas: dict = {}  # "current": the Arena of the last daemon start greeted
         #: destinations of gets without ``out``, recycled (``kvstore.daemon.shm_results``)
         self.results = ResultBuffers()
@@ -104,10 +105,22 @@ class ShmKVStoreClient(KVStoreBase):
                     raise RuntimeError("ShmKVStoreClient is closed")
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
-                return Conn(self.path, self._token, deadline, self._arenas)
+                return self._connect(deadline)
             if conn.alive():
                 return conn
             conn.close()
+
+    def _connect(self, deadline: float) -> Conn:
+        """A new connection; hello in this client's protocol version, else (a daemon that
+        serves only version 1: 400) in version 1 from then on."""
+        try:
+            return Conn(self.path, self._token, deadline, self._arenas, self._version)
+        except RemoteError as e:
+            if (e.status != 400 or self._version == 1
+                    or "unsupported shm protocol version" not in str(e)):
+                raise
+        self._version = 1
+        return Conn(self.path, self._token, deadline, self._arenas, 1)
 
     def _give(self, conn: Conn) -> None:
         with self._lock:
@@ -243,7 +256,8 @@ class ShmKVStoreClient(KVStoreBase):
     def healthy(self, *, timeout_s: float = 1.0) -> bool:
         """True when the daemon answers a ``hello`` on a new connection within ``timeout_s``."""
         try:
-            Conn(self.path, self._token, time.monotonic() + timeout_s, self._arenas).close()
+            Conn(self.path, self._token, time.monotonic() + timeout_s, self._arenas,
+                 self._version).close()
             return True
         except (TimeoutError, RemoteError, *_BROKEN):
             return False

@@ -114,12 +114,14 @@ class Arena:
 
 @dataclass(eq=False)
 class Hello:
-    """What ``hello`` answered: the daemon's start id, the token's tenant and the arena."""
+    """What ``hello`` answered: the daemon's start id, the token's tenant, the arena and the
+    protocol version agreed on."""
 
     instance: str
     tenant: dict
     arena: Arena
     page_bytes: int
+    version: int = 1
 
 
 class Conn:
@@ -129,10 +131,11 @@ class Conn:
 
     Raises (constructor): FileNotFoundError / ConnectionRefusedError (no daemon listens),
     PermissionError, TimeoutError, ConnectionError, ProtocolError, RemoteError (hello refused:
-    401 token, 403 uid).
+    401 token, 403 uid, 400 a protocol ``version`` the daemon does not serve).
     """
 
-    def __init__(self, path: str, token: str | None, deadline: float, arenas: dict):
+    def __init__(self, path: str, token: str | None, deadline: float, arenas: dict,
+                 version: int = S.SHM_VERSION):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         #: the put staging area passed to the daemon (``kvstore.daemon.shm_put``), if any
         self.staging = None
@@ -155,13 +158,13 @@ class Conn:
             self._poll_in, self._poll_out = select.poll(), select.poll()
             self._poll_in.register(fd, select.POLLIN)
             self._poll_out.register(fd, select.POLLOUT)
-            self.hello = self._hello(token, deadline, arenas)
+            self.hello = self._hello(token, deadline, arenas, version)
         except BaseException:
             self.sock.close()
             raise
 
-    def _hello(self, token: str | None, deadline: float, arenas: dict) -> Hello:
-        self.send([S.encode_frame({"op": "hello", "version": S.SHM_VERSION, "token": token})],
+    def _hello(self, token: str | None, deadline: float, arenas: dict, version: int) -> Hello:
+        self.send([S.encode_frame({"op": "hello", "version": version, "token": token})],
                   deadline)
         fds: list[int] = []
         try:
@@ -185,7 +188,10 @@ class Conn:
             for fd in fds:  # a live mapping keeps the memfd; the descriptor is not needed
                 os.close(fd)
         tenant = reply.get("tenant") if isinstance(reply.get("tenant"), dict) else {}
-        return Hello(instance, tenant, arena, int(reply.get("page_bytes") or 0))
+        agreed = reply.get("version", 1)
+        if agreed not in S.SHM_VERSIONS or agreed > version:
+            raise ProtocolError(f"hello answered version {agreed!r} to a client of {version}")
+        return Hello(instance, tenant, arena, int(reply.get("page_bytes") or 0), agreed)
 
     @staticmethod
     def _wait(poller, deadline: float) -> None:

@@ -10,6 +10,7 @@ payload from the connection; any payload a handler leaves unread is an error.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
@@ -138,7 +139,7 @@ async def put(c: "Connection", h: dict) -> dict:
     ``POST /v1/put`` (``kvstore.daemon.payload``), nothing is visible before every chunk
     arrived and checked out."""
     state, store = c.state, c.store
-    ns, entries, durable = P.parse_put_header(h, state.limits.max_batch_keys)
+    ns, entries, durable = _parse_put(c, h)
     c.tenant.check(ns.cache_salt, WRITE)
     _check_fits(store, ns, state)
     if durable and not can_persist(store):
@@ -187,6 +188,21 @@ async def put(c: "Connection", h: dict) -> dict:
     state.bytes_in.inc(P.payload_total(entries))
     return _ok(stored=int(stored), num_chunks=len(entries), durable=durable,
                rejected={"no_room": dropped} if dropped else {})
+
+
+def _parse_put(c: "Connection", h: dict):
+    """``parse_put_header``'s ``(namespace, entries, durable)``; on a version 2 connection the
+    entries of a put from staging may leave out ``xxh3`` (they get ``xxh3=""``: copied
+    unhashed, ``kvstore.daemon.shm_protocol``)."""
+    chunks, unhashed = h.get("chunks"), set()
+    if c.version >= 2 and h.get("staging_offset") is not None and isinstance(chunks, list):
+        unhashed = {i for i, ch in enumerate(chunks) if isinstance(ch, dict) and "xxh3" not in ch}
+        if unhashed:
+            h = {**h, "chunks": [{**ch, "xxh3": "0" * 16} if i in unhashed else ch
+                                 for i, ch in enumerate(chunks)]}
+    ns, entries, durable = P.parse_put_header(h, c.state.limits.max_batch_keys)
+    return ns, [dataclasses.replace(e, xxh3="") if i in unhashed else e
+                for i, e in enumerate(entries)], durable
 
 
 async def _read_chunks(c: "Connection", ns, entries, durable: bool, budget: list[int],

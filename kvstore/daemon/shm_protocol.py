@@ -26,7 +26,7 @@ earlier replies; they are served and answered in order; ``release`` has no reply
 =========  =====================================================  ==================================
 op         request fields                                         reply fields
 =========  =====================================================  ==================================
-hello      ``version`` (1), ``token`` (str or null)               ``version``, ``instance`` (the
+hello      ``version`` (2 or 1), ``token`` (str/null)             ``version``, ``instance`` (the
                                                                   daemon's id, as in ``/v1/stats``),
                                                                   ``arena_bytes``, ``page_bytes``,
                                                                   ``tenant`` ({name, role, salt});
@@ -62,6 +62,13 @@ plus ``staging_offset`` (the first chunk's byte offset in the staging area; the 
 back to back from there) and no payload. The daemon copies each chunk into reserved arena
 pages and hashes the copy, so the client must not rewrite those bytes before the put's reply
 (it may send the next request first: replies come in request order, one per request).
+From version 2 on, the entries of a put from staging may leave out ``xxh3``: the daemon then
+copies those chunks without hashing them. Nothing crosses a socket there (the bytes are the
+client's own memory, copied once by the daemon), so a checksum would only compare the daemon's
+copy with the client's intent; a client that rewrites its staging bytes before the reply can
+store only what it could have put anyway (into its own namespaces), and the store keeps no
+checksum of a put (its disk and remote tiers checksum the stored bytes when they write
+them). A put whose bytes follow on the socket still carries ``xxh3`` for every entry.
 
 Pins of a get (``borrow``) belong to the connection: ``release`` drops them, and so does the
 connection's end (a client that dies releases everything it held). A pinned chunk's pages are
@@ -87,8 +94,11 @@ from kvstore.daemon.protocol import (MAGIC, MAX_HEADER_BYTES, PREAMBLE, PREAMBLE
                                      encode_preamble_and_header)
 from kvstore.keys import ChunkKey, Namespace
 
-#: Version of this path's messages (sent in ``hello``).
-SHM_VERSION = 1
+#: Version of this path's messages a client sends in ``hello`` (the daemon answers it back).
+#: 2: a put from staging may leave out its entries' ``xxh3`` (module docstring).
+SHM_VERSION = 2
+#: Versions the daemon serves.
+SHM_VERSIONS = (1, 2)
 #: ops with a reply (``release`` has none)
 OPS = ("hello", "lookup", "exists", "get", "release", "put", "remove", "demote", "clear", "pin",
        "unpin", "stats", "stage")
@@ -292,7 +302,7 @@ def _close(fd: int) -> None:
         pass
 
 
-__all__ = ["SHM_VERSION", "OPS", "MAX_HEADER_BYTES", "PREAMBLE", "ProtocolError", "encode_frame",
-           "decode_header", "hashes_frame", "parse_hashes", "error_reply", "read_frame",
-           "recv_exact", "recv_exact_into", "recv_frame", "recv_with_fds", "send_with_fds",
-           "peer_uid"]
+__all__ = ["SHM_VERSION", "SHM_VERSIONS", "OPS", "MAX_HEADER_BYTES", "PREAMBLE",
+           "ProtocolError", "encode_frame", "decode_header", "hashes_frame", "parse_hashes",
+           "error_reply", "read_frame", "recv_exact", "recv_exact_into", "recv_frame",
+           "recv_with_fds", "send_with_fds", "peer_uid"]

@@ -3,7 +3,9 @@ connection's staging area when the daemon offers it, else over the socket.
 
 Staged (``kvstore.daemon.shm_staging``): the chunks are split into requests of about
 ``GROUP_BYTES`` (whole chunks, at least one); request ``g`` is copied into half ``g % 2`` of
-the staging area, hashed as it is copied, and sent with ``staging_offset``; the client fills
+the staging area and sent with ``staging_offset`` (its entries without ``xxh3`` when the
+daemon speaks protocol version 2, which copies them unhashed; hashed as they are copied for a
+version 1 daemon); the client fills
 the other half while the daemon copies this one, and reads a reply only before it reuses that
 half. Each request commits on its own: a failure leaves the earlier requests' chunks stored
 (whole and checked, their parents with them), and a retry finds them stored.
@@ -97,8 +99,16 @@ def _entry(key: ChunkKey, kv: torch.Tensor, nbytes: int, xxh3: str, i: int,
 
 
 def _head(ns: Namespace, durable: bool, entries: list, **extra) -> dict:
+    """A put header; entries with an empty ``xxh3`` are sent without one (staged, v2)."""
     return {"op": "put", "namespace": ns.to_dict(), "durable": durable,
-            "chunks": [e.to_dict() for e in entries], **extra}
+            "chunks": [_entry_dict(e) for e in entries], **extra}
+
+
+def _entry_dict(e: P.ChunkEntry) -> dict:
+    d = e.to_dict()
+    if not e.xxh3:
+        del d["xxh3"]
+    return d
 
 
 def _put_socket(conn, deadline, ns, keys, kvs, views, parents, durable) -> int:
@@ -115,6 +125,7 @@ def _put_staged(conn, deadline, ns, keys, kvs, views, parents, durable,
     per = max(1, min(GROUP_BYTES, half) // cb)
     pending: deque = deque()
     stored, error = 0, None
+    hashed = conn.hello.version < 2  # version 2: staged entries go unhashed
     for g, start in enumerate(range(0, len(keys), per)):
         if len(pending) == 2:
             stored, error = _take(conn, deadline, pending, stored, error)
@@ -123,7 +134,11 @@ def _put_staged(conn, deadline, ns, keys, kvs, views, parents, durable,
         base = (g % 2) * half
         entries = []
         for j, i in enumerate(range(start, min(start + per, len(keys)))):
-            xxh3 = staging.write_hashed(base + j * cb, views[i])
+            if hashed:
+                xxh3 = staging.write_hashed(base + j * cb, views[i])
+            else:
+                staging.write(base + j * cb, views[i])
+                xxh3 = ""
             entries.append(_entry(keys[i], kvs[i], cb, xxh3, i, keys, parents, j == 0))
         conn.send([encode_frame(_head(ns, durable, entries, staging_offset=base))], deadline)
         pending.append(g)

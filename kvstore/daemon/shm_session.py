@@ -40,6 +40,8 @@ class Connection:
         self.store, self.state = server.store, server.state
         self.loop = asyncio.get_running_loop()
         self.tenant: Tenant = OPEN
+        #: the protocol version ``hello`` agreed on (``kvstore.daemon.shm_protocol``)
+        self.version = 1
         #: the request's payload bytes still unread in the socket
         self.payload_left = 0
         self.borrows: dict[int, Any] = {}
@@ -185,10 +187,11 @@ class Connection:
         if h.get("op") != "hello" or n:
             await self.reply(S.error_reply(400, "the first request must be hello"))
             return False
-        if h.get("version") != S.SHM_VERSION:
+        version = h.get("version")
+        if type(version) is not int or version not in S.SHM_VERSIONS:
             await self.reply(S.error_reply(400, f"unsupported shm protocol version "
-                                                f"{h.get('version')!r}; supported: "
-                                                f"{S.SHM_VERSION}"))
+                                                f"{version!r}; supported: "
+                                                f"{', '.join(map(str, S.SHM_VERSIONS))}"))
             return False
         tenant = self._authenticate(h.get("token"))
         if tenant is None:
@@ -196,7 +199,8 @@ class Connection:
             return False
         self.tenant = tenant
         srv = self.server
-        await self.reply({"ok": True, "version": S.SHM_VERSION, "instance": self.state.instance,
+        self.version = version
+        await self.reply({"ok": True, "version": version, "instance": self.state.instance,
                           "arena_bytes": srv.arena_bytes, "page_bytes": srv.page_bytes,
                           "tenant": {"name": tenant.name, "role": tenant.role,
                                      "salt": tenant.salt}},

@@ -67,6 +67,20 @@ class ClientStaging:
             raise
         self.array = np.frombuffer(self._mm, dtype=np.uint8)  # [nbytes], writable
 
+    def write(self, offset: int, src: memoryview) -> None:
+        """Copy ``src`` (bytes of one chunk) to ``offset``.
+
+        Raises:
+            ValueError: the bytes do not fit at ``offset``.
+        """
+        self._check_fits(offset, src.nbytes)
+        np.copyto(self.array[offset:offset + src.nbytes], np.frombuffer(src, dtype=np.uint8))
+
+    def _check_fits(self, offset: int, n: int) -> None:
+        if offset < 0 or offset + n > self.nbytes:
+            raise ValueError(f"{n} bytes at offset {offset} do not fit a staging area of "
+                             f"{self.nbytes}")
+
     def write_hashed(self, offset: int, src: memoryview) -> str:
         """Copy ``src`` (bytes of one chunk) to ``offset``; returns the xxh3_64 hex of the
         copied bytes (hashed slice by slice while in cache).
@@ -75,9 +89,7 @@ class ClientStaging:
             ValueError: the bytes do not fit at ``offset``.
         """
         n = src.nbytes
-        if offset < 0 or offset + n > self.nbytes:
-            raise ValueError(f"{n} bytes at offset {offset} do not fit a staging area of "
-                             f"{self.nbytes}")
+        self._check_fits(offset, n)
         s = np.frombuffer(src, dtype=np.uint8)
         return copy_hashed(s, [(0, self.array[offset:offset + n])])
 
@@ -164,7 +176,9 @@ def put_staged_direct(store, ns, entries, src: np.ndarray):
 
 def copy_entries(src: np.ndarray, entries, items) -> Any:
     """Copy each entry's bytes from ``src`` into its reservation or buffer, hashing what
-    landed there; the first entry whose hash differs from its ``xxh3``, or None."""
+    landed there; the first entry whose hash differs from its ``xxh3``, or None. An entry
+    with an empty ``xxh3`` (a version 2 staged put: ``kvstore.daemon.shm_protocol``) is
+    copied unhashed."""
     pos = 0
     for e, it in zip(entries, items):
         s, pos = src[pos:pos + e.nbytes], pos + e.nbytes
@@ -177,6 +191,9 @@ def copy_entries(src: np.ndarray, entries, items) -> Any:
             dsts = [(0, it.view(torch.uint8).reshape(-1).numpy())]
         else:
             continue
-        if copy_hashed(s, dsts) != e.xxh3:
+        if not e.xxh3:
+            for base, dst in dsts:
+                np.copyto(dst, s[base:base + dst.size])
+        elif copy_hashed(s, dsts) != e.xxh3:
             return e
     return None
