@@ -141,6 +141,8 @@ class PolicyReplay:
             h, th = row(start[r], start[r + 1])
             rows.append(h)
             top_hit += th
+        if self._one_tier is not None:
+            self._one_tier.sync()
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         return ReplayResult(sum(rows), top_hit, self.trace.total_tokens, self.spilled_bytes,
                             len(self.trace.keys), elapsed, tuple(rows), self.refused, cpu)
@@ -349,6 +351,8 @@ class PolicyReplay:
         """Raise ``AssertionError`` if a tier's bytes or its policy's keys disagree with what it
         holds, the copy and child counts drifted, or a stored chunk's parent is stored nowhere
         (unreachable)."""
+        if self._one_tier is not None:
+            self._one_tier.sync()
         copies: dict[int, int] = {}
         for t in self.tiers:
             assert t.used == sum(t.nbytes.values()) <= t.capacity, "tier bytes drifted"

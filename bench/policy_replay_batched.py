@@ -1,15 +1,18 @@
 """The one-tier replay's row path (``bench.policy_replay``) through the policies' batched calls.
 
-A row's hit prefix is read at once (``on_access_many``); its missing chunks are stored with
-``evict_until`` and ``on_insert_chain`` (``kvstore.eviction.batched``): one room-making call
-for the whole missing chain when the policy's victims ignore inserts and there is no admission
-filter, else the chunks that fit in the free bytes as one chain and the rest one at a time.
-The decisions are those of ``PolicyReplay._row``, the per-chunk path (tested against it in
-``tests/bench/test_policy_sim.py``); when leaves run out, or a chunk is larger than the tier,
-the rest of the row takes that path's placement (``PolicyReplay._insert``).
+Without an admission filter a row is one ``on_request`` call (its hit prefix read, its missing
+chunks stored while leaves can make room; LRU and FIFO then pop victims from a leaf-first index,
+``kvstore.eviction.leaf_first``): hits are looked up in the policy's own sizes, and the tier's
+contents and the replay's copy and child counts, which only the per-chunk placement reads, are
+rebuilt from the policy when that placement runs and at the end (``sync``). With a filter, the hit prefix is read at once (``on_access_many``) and the
+missing chunks that fit in the free bytes are stored as one chain, the rest one at a time, each
+admitted over its first victim. The decisions are those of ``PolicyReplay._row``, the per-chunk
+path (tested against it in ``tests/bench/test_policy_sim.py``); when leaves run out, or a chunk
+is larger than the tier, the rest of the row takes that path's placement (``PolicyReplay._place``).
 """
 from __future__ import annotations
 
+from itertools import takewhile
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -38,13 +41,16 @@ class OneTierRows:
         self.tier, self.admission = replay.tiers[0], replay.admission
         self.token_bytes, self.parent = replay.token_bytes, replay.parent
         self.copies, self.kids = replay._copies, replay._kids  # (shared: never replaced)
+        self.nbytes = [t * self.token_bytes for t in self.tokens]  # bytes of each access
+        self.synced = True  # whether ``copies`` and ``kids`` match the tier
 
     def row(self, a: int, b: int) -> tuple[int, int]:
         """Serve row ``a..b-1`` of the trace (indexes into its chunk arrays); returns the hit
         tokens, twice (all served by the one tier, the top)."""
-        keys, tokens, tier, adm = self.keys, self.tokens, self.tier, self.admission
-        if adm is not None:
-            adm.record_many(keys[a:b])
+        if self.admission is None:
+            return self._request(a, b)
+        keys, tokens, tier = self.keys, self.tokens, self.tier
+        self.admission.record_many(keys[a:b])
         stored, policy = tier.nbytes, tier.policy
         j = a
         while j < b and keys[j] in stored:
@@ -55,54 +61,53 @@ class OneTierRows:
         if j < b:
             seg = keys[j:b]
             if len(set(seg)) == len(seg):
-                if adm is None and policy.victims_ignore_inserts:
-                    self._store_chain(a, j, b)
-                else:
-                    self._store_each(a, self._store_fitting(a, j, b), b)
+                self._store_each(a, self._store_fitting(a, j, b), b)
             else:  # a chunk repeated within the row (not a chained trace): one at a time
                 self._store_from(a, j, b)
         return hit, hit
 
-    def _evict_leaves(self, nbytes: int, par: int | None) -> int:
-        """Evict leaves of the tier (sparing ``par``) until ``nbytes`` are freed; returns the
-        bytes freed."""
-        tier, copies, kids, parent = self.tier, self.copies, self.kids, self.parent
-        stored = tier.nbytes
-        can = _always if par is None else par.__ne__
-        freed = 0
-        for v in tier.policy.evict_until(nbytes, can, True):
-            n = stored.pop(v)
-            freed += n
-            del copies[v]
-            p = parent.get(v)
-            if p is not None:
-                left = kids[p] - 1
-                if left:
-                    kids[p] = left
-                else:
-                    del kids[p]
-        tier.used -= freed
-        return freed
+    def _request(self, a: int, b: int) -> tuple[int, int]:
+        """``row`` without an admission filter: one ``on_request`` for the row."""
+        tier = self.tier
+        policy, cap = tier.policy, tier.capacity
+        seg = self.keys[a:b]
+        hits = list(takewhile(policy.sizes.__contains__, seg))
+        j = a + len(hits)
+        hit = sum(self.tokens[a:j]) if hits else 0
+        new = seg[len(hits):]
+        sizes = self.nbytes[j:b]
+        m = len(new)
+        if m and max(sizes) > cap:  # the row stops at a chunk larger than the tier
+            m = next(i for i, n in enumerate(sizes) if n > cap)
+            new, sizes = new[:m], sizes[:m]
+        try:
+            done = policy.on_request(hits, new, sizes, cap - tier.used)
+        except KeyError:  # a chunk repeated within the row (not a chained trace): one at
+            policy.on_access_many(hits)  # a time
+            self._store_from(a, j, b)
+            return hit, hit
+        self.synced = False
+        tier.used += sum(sizes[:done.num_stored]) - done.freed_bytes
+        if done.num_stored < m:  # leaves ran out: the per-chunk path (lineage fallback)
+            self._store_from(a, j + done.num_stored, b)
+        return hit, hit
 
-    def _store_chain(self, a: int, j: int, b: int) -> None:
-        """Store the missing chunks ``j..b-1`` (all absent) of row ``a..b-1`` as one chain."""
-        keys, tier, tb = self.keys, self.tier, self.token_bytes
-        sizes = [t * tb for t in self.tokens[j:b]]
-        cap = tier.capacity
-        m = next((i for i, n in enumerate(sizes) if n > cap), len(sizes))
-        par = keys[j - 1] if j > a else None
-        need = tier.used + sum(sizes[:m]) - cap
-        if need > 0:
-            self._evict_leaves(need, par)
-        room = cap - tier.used
-        fit = 0
-        while fit < m and sizes[fit] <= room:
-            room -= sizes[fit]
-            fit += 1
-        if fit:
-            self._add_chain(keys[j:j + fit], sizes[:fit], par)
-        if fit < m:  # leaves ran out: the per-chunk path (lineage fallback) from here
-            self._store_from(a, j + fit, b)
+    def sync(self) -> None:
+        """Rebuild the tier's contents, and the replay's copy and child counts, from the
+        policy's sizes (``_request`` leaves them stale)."""
+        if self.synced:
+            return
+        copies, kids, parent, stored = self.copies, self.kids, self.parent, self.tier.nbytes
+        stored.clear()
+        stored.update(self.tier.policy.sizes)
+        copies.clear()
+        copies.update(dict.fromkeys(stored, 1))
+        kids.clear()
+        for k in stored:
+            p = parent.get(k)
+            if p is not None:
+                kids[p] = kids.get(p, 0) + 1
+        self.synced = True
 
     def _store_fitting(self, a: int, j: int, b: int) -> int:
         """Store the leading missing chunks from ``j`` that fit in the tier's free bytes as
@@ -120,7 +125,7 @@ class OneTierRows:
 
     def _store_each(self, a: int, j: int, b: int) -> None:
         """Store the missing chunks ``j..b-1`` of row ``a..b-1`` one at a time (exact for
-        every policy): ``_evict_leaves`` and the insert bookkeeping inlined."""
+        every policy): the eviction and the insert bookkeeping inlined."""
         keys, tokens, tier, tb = self.keys, self.tokens, self.tier, self.token_bytes
         adm, policy, cap, stored = self.admission, tier.policy, tier.capacity, tier.nbytes
         copies, kids, parent = self.copies, self.kids, self.parent
@@ -167,6 +172,7 @@ class OneTierRows:
 
     def _store_from(self, a: int, j: int, b: int) -> None:
         """``PolicyReplay._place``: chunks ``j..b-1`` of row ``a..b-1``, one at a time."""
+        self.sync()
         self.replay._place(a, j, b)
 
     def _add_chain(self, chain: list[int], sizes: list[int], par: int | None) -> None:

@@ -18,9 +18,14 @@ from __future__ import annotations
 
 import heapq
 from abc import ABC, abstractmethod
-from typing import Callable, Hashable, Iterable, Iterator, Sequence
+from collections import OrderedDict
+from types import MappingProxyType
+from typing import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 
 from kvstore.eviction import batched as _batched
+from kvstore.eviction import integrity as _integrity
+from kvstore.eviction import leaf_first as _leaf_first
+from kvstore.eviction.batched import Request
 
 Key = Hashable
 _ABSENT = object()
@@ -57,7 +62,10 @@ class EvictionPolicy(ABC):
       ``on_remove`` until ``nbytes`` are freed; returns the victims). When
       ``victims_ignore_inserts``, a tier may call ``evict_until`` once for a whole chain
       (sparing the chain's parent) and then ``on_insert_chain``: the victims are those of
-      evicting before each key. (Their code is in ``kvstore.eviction.batched``.)
+      evicting before each key. ``on_request(hits, keys, nbytes, free_bytes)``: a whole
+      prompt of a one-tier prefix cache (its docstring); LRU and FIFO serve it from a
+      leaf-first index, no heap (``kvstore.eviction.leaf_first``). (Their code is in
+      ``kvstore.eviction.batched``.)
 
     Ranks and queues: a policy's order is one or more queues (LRU, FIFO, LFU: one; S3-FIFO:
     small and main; ARC: T1 and T2), read one after the other in the order ``_queues()``
@@ -92,6 +100,10 @@ class EvictionPolicy(ABC):
         self._demoted: dict[Key, int] = {}  # demoted key -> demotion sequence number
         self._demoted_heap: list[tuple[int, Key]] = []  # (seq, key) of demoted keys, lazily pruned
         self._demote_seq = 0
+        #: LRU's and FIFO's leaf-first index while every event came through ``on_request``
+        #: (``kvstore.eviction.leaf_first``): the heaps are rebuilt when it is dropped
+        self._leaf_first: OrderedDict | None = None
+        self._sizes_view = MappingProxyType(self._nbytes)
         #: the subclass's ``_remove`` (None when it keeps no order of its own to update)
         self._remove_hook = None if type(self)._remove is EvictionPolicy._remove else self._remove
 
@@ -99,6 +111,8 @@ class EvictionPolicy(ABC):
     def on_insert(self, key: Key, nbytes: int, parent: Key | None = None) -> None:
         if key in self._nbytes:
             raise KeyError(f"{key!r} already tracked by {self.name} policy")
+        if self._leaf_first is not None:
+            self._drop_leaf_first()
         self._nbytes[key] = nbytes
         self._parent[key] = parent
         if parent is not None:
@@ -111,6 +125,8 @@ class EvictionPolicy(ABC):
 
     def on_access(self, key: Key) -> None:
         if key in self._nbytes:
+            if self._leaf_first is not None:
+                self._drop_leaf_first()
             self._demoted.pop(key, None)
             self._access(key)
 
@@ -119,6 +135,8 @@ class EvictionPolicy(ABC):
         docstring). Returns whether ``key`` is tracked (False: ignored)."""
         if key not in self._nbytes:
             return False
+        if self._leaf_first is not None:
+            self._drop_leaf_first()
         if key not in self._demoted:
             self._demote_seq += 1
             self._demoted[key] = self._demote_seq
@@ -148,6 +166,8 @@ class EvictionPolicy(ABC):
 
     def on_remove(self, key: Key) -> None:
         if key in self._nbytes:
+            if self._leaf_first is not None:
+                self._drop_leaf_first()
             self._forget(key)
 
     def _forget(self, key: Key) -> None:
@@ -173,6 +193,7 @@ class EvictionPolicy(ABC):
     def on_access_many(self, keys: Iterable[Key]) -> None:
         """``on_access(k)`` for each of ``keys`` in order (unknown keys ignored). Mutates; the
         policies override it with one loop that inlines their ``_access``."""
+        self._drop_leaf_first()
         for key in keys:
             self.on_access(key)
 
@@ -186,6 +207,7 @@ class EvictionPolicy(ABC):
             ValueError: ``keys`` and ``nbytes`` differ in length.
             KeyError: a key is already tracked or repeated in ``keys`` (nothing is inserted).
         """
+        self._drop_leaf_first()
         _batched.link_chain(self, keys, nbytes, parent)
         self._insert_many(keys)
 
@@ -200,7 +222,39 @@ class EvictionPolicy(ABC):
         eviction order (fewer, freeing less, when ``next_victim`` finds no more). The same as
         ``v = next_victim(can_evict, leaves_only)`` then ``on_remove(v)`` in a loop, so
         ``can_evict`` is asked after each removal and may depend on it. Mutates."""
-        return _batched.evict_until(self, nbytes, can_evict, leaves_only)
+        self._drop_leaf_first()
+        return _batched.evict_until(self, nbytes, can_evict, leaves_only)[0]
+
+    def on_request(self, hits: Sequence[Key], keys: Sequence[Key], nbytes: Sequence[int],
+                   free_bytes: int) -> Request:
+        """One prompt served by a one-tier prefix cache, at once: ``hits`` (its stored head,
+        head first) are read, then new ``keys`` (``nbytes`` each; each the parent of the next,
+        ``keys[0]`` under ``hits[-1]``, or a root without hits) are stored in order while they
+        fit: before each, leaves other than its parent are evicted until it fits in
+        ``free_bytes`` plus the bytes freed, less the bytes stored; the first that does not
+        fit (no leaf left) ends the request. Mutates. The same decisions and ranks as
+        ``on_access_many(hits)``, then per key ``evict_until(need, lambda v: v != parent,
+        True)`` and ``on_insert``. LRU and FIFO pop victims from a leaf-first index instead
+        of heaps while every event came this way and each request's ``hits`` are a chain from
+        a root (``kvstore.eviction.leaf_first``).
+
+        Raises:
+            ValueError: ``keys`` and ``nbytes`` differ in length (nothing changed).
+            KeyError: a key of ``keys`` is tracked or repeated (nothing changed).
+        """
+        if self._leaf_first is not None:
+            done = _leaf_first.request(self, hits, keys, nbytes, free_bytes)
+            if done is not None:
+                return done
+            self._drop_leaf_first()
+        return _batched.request(self, hits, keys, nbytes, free_bytes)
+
+    def _drop_leaf_first(self) -> None:
+        """Leave the leaf-first index for good: ranks, child sets and heaps rebuilt."""
+        if self._leaf_first is not None:
+            _leaf_first.leave(self)
+            self._leaf_first = None
+            self._rebuild_heaps()
 
     # ---- ranks (called by the subclasses' hooks) -----------------------------------------------
     def _rank(self, key: Key, rank: int, queue: int = 0) -> None:
@@ -246,6 +300,7 @@ class EvictionPolicy(ABC):
         without a stored child passes ``can_evict``)."""
         # keys with a stored child are skipped before ``can_evict`` is asked (it may cost
         # more than a dict lookup); they are the second choice, in the same order
+        self._drop_leaf_first()
         if self._demoted:
             victim = self._first_demoted(can_evict)
             if victim is not None:
@@ -318,11 +373,18 @@ class EvictionPolicy(ABC):
     def children(self, key: Key) -> set[Key]:
         """Tracked keys whose recorded parent is ``key`` (a new set; ``key`` need not be
         tracked)."""
+        self._drop_leaf_first()
         return set(self._children.get(key, ()))
 
     def has_children(self, key: Key) -> bool:
         """Whether some tracked key records ``key`` as its parent (O(1), no copy)."""
+        self._drop_leaf_first()
         return key in self._children
+
+    @property
+    def sizes(self) -> Mapping[Key, int]:
+        """Tracked key -> its bytes: a live read-only view (O(1) lookups)."""
+        return self._sizes_view
 
     def keys(self) -> set[Key]:
         return set(self._nbytes)
@@ -338,30 +400,9 @@ class EvictionPolicy(ABC):
         return sum(self._nbytes.values())
 
     def check_integrity(self) -> None:
-        """Raise ``AssertionError`` if the policy's indexes disagree with each other."""
-        ordered = list(self._order())
-        assert len(ordered) == len(set(ordered)) == len(self._nbytes), \
-            f"{self.name}: order has {len(ordered)} keys, tracking {len(self._nbytes)}"
-        assert set(ordered) == set(self._nbytes), f"{self.name}: order and index disagree"
-        for parent, kids in self._children.items():
-            assert kids, f"{self.name}: empty child set kept for {parent!r}"
-            for kid in kids:
-                assert self._parent.get(kid) == parent, f"{self.name}: child index stale for {kid!r}"
-        assert set(self._ranks) == set(self._nbytes), f"{self.name}: ranks and index disagree"
-        pos = {q: i for i, q in enumerate(self._queues())}
-        assert sorted(pos) == list(range(self.num_queues)), f"{self.name}: queues {list(pos)}"
-        by_rank = sorted(self._nbytes, key=lambda k: (pos[self._queue.get(k, 0)], self._ranks[k]))
-        assert by_rank == ordered, f"{self.name}: ranks do not order the keys as the policy does"
-        live = {k for q, h in enumerate(self._heaps) for r, k in h
-                if self._ranks.get(k, _ABSENT) == r and self._queue.get(k, 0) == q}
-        leaves = {k for k in self._nbytes if not self._children.get(k)}
-        assert leaves <= live, f"{self.name}: {len(leaves - live)} leaves missing from the heaps"
-        assert self._heap_entries == sum(len(h) for h in self._heaps), \
-            f"{self.name}: heap entry count drifted"
-        assert set(self._demoted) <= set(self._nbytes), f"{self.name}: untracked key demoted"
-        live_demoted = {k for s, k in self._demoted_heap if self._demoted.get(k) == s}
-        assert {k for k in self._demoted if k in leaves} <= live_demoted, \
-            f"{self.name}: a demoted leaf is missing from the demoted heap"
+        """Raise ``AssertionError`` if the policy's indexes disagree with each other
+        (``kvstore.eviction.integrity``)."""
+        _integrity.check_policy(self)
 
     # ---- subclass hooks -------------------------------------------------------------------
     def _queues(self) -> list[int]:

@@ -10,7 +10,7 @@ base (it imports this module).
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING, Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Callable, Hashable, NamedTuple, Sequence
 
 if TYPE_CHECKING:
     from kvstore.eviction.base import EvictionPolicy
@@ -18,6 +18,15 @@ if TYPE_CHECKING:
 Key = Hashable
 _ABSENT = object()
 _heappush, _heappop = heapq.heappush, heapq.heappop
+
+
+class Request(NamedTuple):
+    """What ``EvictionPolicy.on_request`` did: the victims in eviction order, how many of the
+    new keys it stored (the first ones), and the bytes the victims freed."""
+
+    victims: list
+    num_stored: int
+    freed_bytes: int
 
 
 def link_chain(policy: EvictionPolicy, keys: Sequence[Key], nbytes: Sequence[int],
@@ -30,13 +39,8 @@ def link_chain(policy: EvictionPolicy, keys: Sequence[Key], nbytes: Sequence[int
         ValueError: ``keys`` and ``nbytes`` differ in length.
         KeyError: a key is already tracked or repeated in ``keys`` (nothing is recorded).
     """
-    tracked = policy._nbytes
-    if len(keys) != len(nbytes):
-        raise ValueError(f"{len(keys)} keys but {len(nbytes)} sizes")
-    if len(set(keys)) != len(keys) or any(k in tracked for k in keys):
-        bad = next((k for i, k in enumerate(keys) if k in tracked or k in keys[:i]), None)
-        raise KeyError(f"{bad!r} already tracked by {policy.name} policy or repeated in the chain")
-    parents, children = policy._parent, policy._children
+    check_chain(policy, keys, nbytes)
+    tracked, parents, children = policy._nbytes, policy._parent, policy._children
     prev = parent
     for key, size in zip(keys, nbytes):
         tracked[key] = size
@@ -50,16 +54,28 @@ def link_chain(policy: EvictionPolicy, keys: Sequence[Key], nbytes: Sequence[int
         prev = key
 
 
+def check_chain(policy: EvictionPolicy, keys: Sequence[Key], nbytes: Sequence[int]) -> None:
+    """Raise ``ValueError`` if ``keys`` and ``nbytes`` differ in length, ``KeyError`` if a key
+    is tracked by ``policy`` or repeated in ``keys``; changes nothing."""
+    tracked = policy._nbytes
+    if len(keys) != len(nbytes):
+        raise ValueError(f"{len(keys)} keys but {len(nbytes)} sizes")
+    if len(set(keys)) != len(keys) or any(map(tracked.__contains__, keys)):
+        bad = next((k for i, k in enumerate(keys) if k in tracked or k in keys[:i]), None)
+        raise KeyError(f"{bad!r} already tracked by {policy.name} policy or repeated in the chain")
+
+
 def evict_until(policy: EvictionPolicy, nbytes: int, can_evict: Callable[[Key], bool],
-                leaves_only: bool) -> list[Key]:
+                leaves_only: bool) -> tuple[list[Key], int]:
     """``policy.next_victim(can_evict, leaves_only)`` then ``policy.on_remove`` of the victim
     until the victims' sizes add up to at least ``nbytes`` (fewer when no victim is left);
-    returns the victims in eviction order. ``can_evict`` is asked after each removal. Mutates
-    ``policy``. The leaf-heap pass of ``next_victim`` and the removal are inlined while no key
-    is demoted (demoted keys take the general path: they come first)."""
+    returns the victims in eviction order and the bytes they freed. ``can_evict`` is asked
+    after each removal. Mutates ``policy``. The leaf-heap pass of ``next_victim`` and the
+    removal are inlined while no key is demoted (demoted keys take the general path: they
+    come first)."""
     victims: list[Key] = []
     if nbytes <= 0:
-        return victims
+        return victims, 0
     sizes, ranks, parents = policy._nbytes, policy._ranks, policy._parent
     children = policy._children
     queue, heaps, first_leaf = policy._queue, policy._heaps, policy._first_leaf
@@ -124,4 +140,53 @@ def evict_until(policy: EvictionPolicy, nbytes: int, can_evict: Callable[[Key], 
                             heaps = policy._heaps
                         else:
                             _heappush(heaps[queue.get(parent, 0)], (ranks[parent], parent))
-    return victims
+    return victims, freed
+
+
+def request(policy: EvictionPolicy, hits: Sequence[Key], keys: Sequence[Key],
+            nbytes: Sequence[int], free_bytes: int) -> Request:
+    """``EvictionPolicy.on_request`` through the policy's other calls (its contract, in its
+    docstring): ``on_access_many(hits)``, then per key of ``keys``: ``evict_until`` (leaves
+    only, sparing the key's parent) until it fits, ``on_insert``; room is made once for the
+    whole chain when the policy's victims ignore inserts (the same victims). ``keys`` and
+    ``nbytes`` are checked first."""
+    check_chain(policy, keys, nbytes)
+    policy.on_access_many(hits)
+    parent = hits[-1] if hits else None
+    room, stored, freed = free_bytes, 0, 0
+    victims: list[Key] = []
+    if policy.victims_ignore_inserts:
+        need = sum(nbytes) - room
+        if need > 0:
+            victims, freed = evict_until(policy, need, _sparing(parent), True)
+            room += freed
+        for n in nbytes:
+            if n > room:
+                break
+            room -= n
+            stored += 1
+        if stored:
+            policy.on_insert_chain(keys[:stored], nbytes[:stored], parent)
+        return Request(victims, stored, freed)
+    for key, n in zip(keys, nbytes):
+        if n > room:
+            more, more_bytes = evict_until(policy, n - room, _sparing(parent), True)
+            victims += more
+            freed += more_bytes
+            room += more_bytes
+            if n > room:
+                break
+        policy.on_insert(key, n, parent)
+        room -= n
+        stored += 1
+        parent = key
+    return Request(victims, stored, freed)
+
+
+def _always(key: Key) -> bool:
+    return True
+
+
+def _sparing(parent: Key | None) -> Callable[[Key], bool]:
+    """``can_evict`` for a new key under ``parent``: anything but ``parent``."""
+    return _always if parent is None else parent.__ne__

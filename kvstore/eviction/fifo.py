@@ -9,6 +9,7 @@ class FIFOPolicy(LRUPolicy):
     Rank: the event clock at insert."""
 
     name = "fifo"
+    reads_reorder = False
 
     def _access(self, key) -> None:
         pass

@@ -1,0 +1,145 @@
+"""The leaf-first index: LRU's and FIFO's victims popped from the front of one ``OrderedDict``.
+
+A prefix-aware policy evicts the first key of its order that has no stored child (a leaf);
+in general (``base``) a heap of leaves per queue finds it. A policy that gets every event
+through ``on_request`` (a request's stored head read, then its new keys stored: how a
+one-tier prefix cache serves a prompt), each request's stored head a chain from a root,
+can keep instead one ``OrderedDict`` of every tracked key -> its rank (it stands for the
+ranks' dict), in which each key comes after all its children, so that its first key is a
+leaf and evicting is popping from the front:
+
+* a request removes its stored head from the index, evicts the index's first keys, then
+  appends its new keys last to first and its stored head last to first (LRU always; FIFO,
+  whose reads change nothing, only when it stored a key: else the head only goes back).
+  Each key then still comes after its children: a request's keys follow every older key,
+  and within the request a key follows the keys below it.
+* the first key is the leaf the policy's ranks name. The tracked keys are closed under
+  parent (keys are stored under a stored parent, only leaves leave), so of the keys one
+  request placed (one chain) only the lowest can be a leaf, and leaves stand in the order
+  of the requests that placed them. LRU ranks keys by their last request too. FIFO ranks
+  by insert: a leaf x placed later than a leaf w inserted after it was placed by a request
+  that stored a key d below x, after w's insert; d has been evicted while w stayed, so at
+  that time w had stored descendants (a leaf of them, older than d, would have gone
+  first), all inserted before d, one of them the leaf spared by a request through w,
+  which placed w again later than x: a contradiction.
+
+Per stored key a request does a few C-level dict operations (``map``, ``zip``, ``islice``
+over the dicts) and no heap push; the child sets are not kept meanwhile. Any other event
+call, a child query, or a request whose stored head is not a chain from a root, makes the
+policy leave the index (``leave``: ranks and child sets rebuilt; ``base`` then rebuilds its
+heaps) for good.
+"""
+from __future__ import annotations
+
+from collections import deque
+from itertools import accumulate, islice, repeat, takewhile
+from operator import itemgetter
+from typing import TYPE_CHECKING, Hashable, Sequence
+
+from kvstore.eviction.batched import Request, check_chain
+
+if TYPE_CHECKING:
+    from kvstore.eviction.base import EvictionPolicy
+
+Key = Hashable
+_ABSENT = object()
+
+
+def request(policy: EvictionPolicy, hits: Sequence[Key], keys: Sequence[Key],
+            nbytes: Sequence[int], free_bytes: int) -> Request | None:
+    """``EvictionPolicy.on_request`` through the leaf-first index ``policy._leaf_first``;
+    None (nothing changed) when ``hits`` is not a tracked chain from a root, or when
+    ``keys`` is empty and ``free_bytes`` negative (the general path evicts then).
+
+    Raises:
+        ValueError, KeyError: as ``on_request`` (nothing changed).
+    """
+    check_chain(policy, keys, nbytes)
+    index, sizes, parents, clock = policy._leaf_first, policy._nbytes, policy._parent, policy._clock
+    if hits:
+        ps = list(map(parents.get, hits, repeat(_ABSENT)))
+        if ps[0] is _ABSENT or ps[0] in sizes or ps[1:] != list(hits[:-1]):
+            return None
+    if not keys:
+        if free_bytes < 0:
+            return None
+        if hits and policy.reads_reorder:
+            deque(map(index.__delitem__, hits), 0)
+            index.update(zip(reversed(hits), reversed(list(islice(clock, len(hits))))))
+        return Request([], 0, 0)
+    if hits:  # out of the index until the new keys are in (the parent is spared)
+        if policy.reads_reorder:
+            deque(map(index.__delitem__, hits), 0)
+            hit_ranks = list(islice(clock, len(hits)))
+        else:
+            hit_ranks = list(map(index.pop, hits))
+    victims: list[Key] = []
+    freed = 0
+    need = sum(nbytes) - free_bytes
+    if need > 0:  # the index's first keys, until they free ``need`` bytes
+        n = len(list(takewhile(need.__gt__, accumulate(map(sizes.__getitem__, index))))) + 1
+        victims = list(islice(index, n))
+        deque(map(index.__delitem__, victims), 0)
+        freed = sum(map(sizes.pop, victims))
+        deque(map(parents.__delitem__, victims), 0)
+    stored = _fit(nbytes, free_bytes + freed)
+    if stored:
+        chain = keys[:stored] if stored < len(keys) else keys
+        sizes.update(zip(chain, nbytes))
+        parents[chain[0]] = hits[-1] if hits else None
+        parents.update(zip(chain[1:], chain))
+        index.update(zip(reversed(chain), reversed(list(islice(clock, stored)))))
+    if hits:
+        index.update(zip(reversed(hits), reversed(hit_ranks)))
+    return Request(victims, stored, freed)
+
+
+def leave(policy: EvictionPolicy) -> None:
+    """Rebuild what the index stood for: the ranks' dict in rank order and the child sets
+    (the caller drops the index and rebuilds the heaps)."""
+    policy._ranks = dict(sorted(policy._leaf_first.items(), key=itemgetter(1)))
+    children = policy._children
+    for key, parent in policy._parent.items():
+        if parent is not None:
+            kids = children.get(parent)
+            if kids is None:
+                children[parent] = {key}
+            else:
+                kids.add(key)
+
+
+def check_index(policy: EvictionPolicy) -> None:
+    """Raise ``AssertionError`` unless ``policy._leaf_first`` is a leaf-first index: the
+    ranks' dict itself, every tracked key after its children, closed under parent, its
+    leaves in rank order, no child sets or demotions kept."""
+    index, sizes, name = policy._leaf_first, policy._nbytes, policy.name
+    assert index is policy._ranks and not policy._children and not policy._demoted, \
+        f"{name}: the leaf-first index is not the only order kept"
+    assert len(index) == len(sizes) and set(index) == set(sizes), \
+        f"{name}: the leaf-first index and the tracked keys disagree"
+    children: dict = {}
+    for key, parent in policy._parent.items():
+        assert parent is None or parent in sizes, f"{name}: {key!r} stored without its parent"
+        if parent is not None:
+            children.setdefault(parent, []).append(key)
+    seen: set = set()
+    for key in index:
+        assert all(c in seen for c in children.get(key, ())), \
+            f"{name}: {key!r} comes before a child in the leaf-first index"
+        seen.add(key)
+    leaves = [k for k in index if k not in children]
+    assert leaves == sorted(leaves, key=index.__getitem__), \
+        f"{name}: the leaf-first index's leaves are not in rank order"
+
+
+def _fit(nbytes: Sequence[int], room: int) -> int:
+    """How many of ``nbytes``, from the first, fit in ``room`` bytes."""
+    if sum(nbytes) <= room:
+        return len(nbytes)
+    n = 0
+    for size in nbytes:
+        if size > room:
+            break
+        room -= size
+        n += 1
+    return n
