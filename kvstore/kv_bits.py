@@ -1,6 +1,8 @@
 """Bit packing of quantization codes for ``kvstore.kv_grouped`` (the ``kivi`` codec): 8 codes
 of ``bits`` bits (1-8) in ``bits`` bytes, little-endian, vectorized numpy (whole-array shifts
-and masks on uint64 words; no per-element Python)."""
+and masks on uint64 words; no per-element Python). Unpacking loads each group of ``bits``
+bytes as one unaligned little-endian uint64 (a strided view of the packed bytes): no copy of
+the groups into 8-byte rows, which cost more than the shifts."""
 from __future__ import annotations
 
 import numpy as np
@@ -42,15 +44,31 @@ def pack_bits(codes: np.ndarray, bits: int) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(n8, 8)[:, :bits]).reshape(-1)
 
 
+def _words(packed: np.ndarray, bits: int, n8: int) -> np.ndarray:
+    """The ``n8`` groups of ``bits`` bytes of ``packed`` (contiguous uint8) as little-endian
+    uint64 words (a new array), bits above ``8 * bits`` zero: each word is one unaligned
+    8-byte load at a stride of ``bits`` bytes (reading 8 - ``bits`` bytes of the next groups,
+    masked off), but the last few (whose load would pass the end), copied out of their own
+    bytes."""
+    z = np.empty(n8, dtype="<u8")
+    loads = max(0, (n8 * bits - 8) // bits + 1)              # words k with k * bits + 8 <= end
+    if loads:
+        z[:loads] = np.ndarray((loads,), dtype="<u8", buffer=packed, strides=(bits,))
+    last = np.zeros((n8 - loads, 8), dtype=np.uint8)
+    last[:, :bits] = packed[loads * bits:n8 * bits].reshape(-1, bits)
+    z[loads:] = last.view("<u8").reshape(-1)
+    z &= np.uint64((1 << 8 * bits) - 1)
+    return z
+
+
 def unpack_bits(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
     """The ``n`` codes (a new uint8 array) of ``pack_bits`` (the inverse levels)."""
     if bits == 8:
         return np.array(packed[:n], dtype=np.uint8)
     n8 = -(-n // 8)
-    w = np.empty((n8, 8), dtype=np.uint8)
-    w[:, :bits] = packed.reshape(n8, bits)
-    w[:, bits:] = 0
-    z = w.view("<u8").reshape(n8)                            # 8 codes each
+    if n8 == 0:
+        return np.empty(0, dtype=np.uint8)
+    z = _words(np.ascontiguousarray(packed[:n8 * bits]), bits, n8)   # 8 codes each
     hi = np.empty_like(z)
     for width, lane_shift, m in _lane_masks(bits):
         np.right_shift(z, width, out=hi)
@@ -58,4 +76,4 @@ def unpack_bits(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
         hi <<= lane_shift
         z &= m
         z |= hi
-    return w.reshape(-1)[:n]
+    return z.view(np.uint8)[:n]

@@ -1,4 +1,5 @@
-"""Lossy KV codecs for the disk and remote tiers: ``kivi`` (under half the bytes of fp16 KV),
+"""Lossy KV codecs for the disk and remote tiers: ``kivi`` (under half the bytes of fp16 KV;
+the recommended one, README "Lossy codecs"),
 ``int8`` and ``fp8`` (about half), vectorized on the CPU (numpy passes: no per-element
 Python, no torch op; e4m3 and bf16 casts as integer operations on the fp32 bits).
 
@@ -23,20 +24,25 @@ A chunk is ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` (index 0 of d
 * ``kivi`` (``kvstore.kv_grouped``, which states its payload; parameters ``KIVI_PARAMS``,
   recorded in each payload): K at 8 bits per channel over groups of 64 tokens, symmetric (a
   step per group, codes ``[-127, 127]``); V at 7 bits per token over groups of 64 channels,
-  asymmetric (a minimum and a step per group, codes ``[0, 127]``). Chosen by greedy agreement
-  on the real model over two prompt sets, not by mean error: V ranges per channel (lower
-  mean error, but a small token next to a large one loses its precision), K at 6 or 7 bits,
-  or a Hadamard rotation of V changed more answers. Error bound: ``|x - x̂| <= s / 2 * (1 +
-  2**-12)`` per element, ``s`` the stored step of its group (at most ``amax / 127`` for K,
-  ``(max - min) / 127`` for V, times ``2**(1/16)``: steps are stored as 8-bit codes on a log
-  scale), plus the fp32 rounding of ``x̂`` and its rounding to the chunk's dtype (half an
-  ulp of ``x̂`` each). With ``encode(..., sink_tokens=n)`` (``kvstore.codec`` asks for
-  ``SINK_TOKENS`` for the first chunk of a prompt) the chunk's first ``n`` tokens of K and
-  V, a sequence's attention sinks, are stored in fp16 after the codes (fp32 when one
+  symmetric (a step per group, no zero point, codes ``[-63, 63]``); steps in fp16 (fp32 when
+  the chunk's scales are). Payloads of earlier versions record V as asymmetric (a minimum and a
+  step per group, codes ``[0, 127]``) and both parts' steps as 8-bit codes on a log scale in
+  their mode bytes, and decode as they did. Chosen by greedy agreement on the real
+  model, not by mean error: V with a zero point (a lower mean error), steps as 8-bit log
+  codes, V ranges per channel, K at 6 or 7 bits, or a Hadamard rotation of V changed more
+  answers (README "Lossy codecs").
+  Error bound: ``|x - x̂| <= s / 2 * (1 + 2**-12)`` per element, ``s`` the stored step of its
+  group (``amax / 127`` for K, ``amax / 63`` for V, rounded up to fp16: at most 2**-10 above
+  it, coarser for a group below fp16's normal range), plus the fp32 rounding of ``x̂`` and
+  its rounding to the chunk's dtype (half an ulp of ``x̂`` each). With ``encode(...,
+  sink_tokens=n)`` (``kvstore.codec`` asks for ``SINK_TOKENS`` for the first chunk of a
+  prompt) the chunk's first ``n`` tokens of K and V, a sequence's attention sinks, are
+  stored in fp16 after the codes (fp32 when one
   overflows fp16) and decoded as stored: error at most half an fp16 ulp of x plus fp16's
   subnormal half-spacing (``|x| * 2**-11 + 2**-25``; fp32: exact), then the rounding to the
-  chunk's dtype. Fake-quantized K8/V7 with these 4 tokens kept changed no greedy answer on
-  two 20-prompt sets (README "Lossy codecs").
+  chunk's dtype. The sinks are coded as 0, so a large sink does not set its K channel's
+  step. Fake-quantized K8/V7-symmetric with these 4 tokens kept changed no greedy answer on
+  two 20-prompt sets (README "Lossy codecs"), and this format is that one.
 * ``fp8`` (float8_e4m3fn values, one scale per ``(layer, kv, token, head)`` over head_dim,
   ``s = amax / 448`` rounded up to fp16): error bound ``|x - x̂| <= 2**-4 * |x| + 2**-10 * s`` (3 mantissa bits,
   round to nearest; the second term covers e4m3's subnormals), so at most ``amax / 16`` of
@@ -48,7 +54,7 @@ the caller stores it with a lossless codec instead.
 
 Bytes per value vs fp16 (scales counted), for ``chunk_size`` T and ``head_dim`` D:
 ``int8 = 0.5 + (1/T + 1/D) / 2`` (T=256, D=64: 0.510), ``fp8 = 0.5 + 1/D`` (0.516),
-``kivi = (8 + 7 + 8 / 64 + 24 / D) / 32`` for T a multiple of 64 (D=64: 0.484); a chunk
+``kivi = (8 + 7 + 16 / 64 + 16 / D) / 32`` for T a multiple of 64 (D=64: 0.484); a chunk
 with ``n`` sink tokens (the first chunk of a prompt) adds ``n / T`` (fp16 sinks; ``2 n / T``
 when fp32) and one byte: T=64, n=4: 0.547 for that chunk.
 
@@ -75,8 +81,9 @@ from kvstore import kv_casts, kv_grouped
 LOSSY_CODECS = ("int8", "fp8", "kivi")
 #: ``kivi``'s parameters for new payloads (each payload records its own, so changing these
 #: leaves stored chunks readable).
-KIVI_PARAMS = kv_grouped.GroupParams(k=kv_grouped.PartParams(8, 64, "tokens", symmetric=True),
-                                     v=kv_grouped.PartParams(7, 64, "channels"))
+KIVI_PARAMS = kv_grouped.GroupParams(
+    k=kv_grouped.PartParams(8, 64, "tokens", symmetric=True, fp_steps=True),
+    v=kv_grouped.PartParams(7, 64, "channels", symmetric=True, fp_steps=True))
 #: Sink tokens ``kivi`` keeps exact (fp16) in the first chunk of a prompt (``kvstore.codec``).
 SINK_TOKENS = 4
 #: Largest magnitude of each codec's values: int8 uses [-127, 127]; e4m3fn's max finite is 448.
@@ -306,8 +313,8 @@ def error_bound(kv: torch.Tensor, codec: str, sink_tokens: int = 0) -> torch.Ten
     x32 = kv.detach().to("cpu", torch.float32)
     x = x32.numpy()
     if codec == "kivi":
-        out = kv_grouped.steps(x, KIVI_PARAMS) * np.float32(0.5 * (1 + 2 ** -12))
         n = min(sink_tokens, x.shape[2])
+        out = kv_grouped.steps(x, KIVI_PARAMS, n) * np.float32(0.5 * (1 + 2 ** -12))
         if n:                                                # [L, 2, n, H, D]: stored values
             s = x[:, :, :n]
             ulp = 2.0 ** -11 if kv_grouped.sink_dtype(s) is np.float16 else 2.0 ** -24

@@ -1,4 +1,4 @@
-"""Grouped asymmetric KV quantization at 1-8 bits per value (the ``kivi`` codec of
+"""Grouped KV quantization, asymmetric or symmetric, at 1-8 bits per value (the ``kivi`` codec of
 ``kvstore.kv_codec``), vectorized numpy: no per-element Python.
 
 A chunk ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` (fp32 here; K at index 0 of
@@ -21,15 +21,20 @@ Payload (little-endian)::
     K mins | K steps | V mins | V steps | K codes | V codes [| sinks | num_sinks u8]
     | k_bits k_group k_mode v_bits v_group v_mode u8 | scale dtype code u8 (0 = fp16, 1 = fp32)
 
-(mode: bit 0 = along channels, bit 1 = symmetric: no mins; k_mode only: bit 2 = sinks
-present, bit 3 = sinks stored fp32). Optional sink tokens (``encode(..., sink_tokens=n)``):
+(mode: bit 0 = along channels, bit 1 = symmetric: no mins, bit 5 = steps stored in the
+scale dtype; k_mode only: bit 2 = sinks present, bit 3 = sinks stored fp32). Steps are stored
+either as one byte per group, a code on a log scale: ``base * 2**(-code / 16)`` with one fp32
+``base`` per part (a step up to 4.4% above the need), or (``fp_steps``) in the scale dtype,
+rounded up (fp16: at most 0.1% above the need), one or two bytes more per group. Optional sink tokens (``encode(..., sink_tokens=n)``):
 the first ``n`` tokens of K and V, ``x[:, :, :n]`` (``[num_layers, 2, n, num_kv_heads,
 head_dim]``), stored fp16 (fp32 when one of them overflows fp16) after the codes, which are
 unchanged; decoding overwrites those tokens with them (an error of half an fp16 ulp of x
-plus fp16's subnormal half-spacing; none when fp32). A payload without sinks is byte for byte
+plus fp16's subnormal half-spacing; none when fp32). They are ranged and coded as 0, so a
+large sink does not coarsen the step of the other tokens of its K channel. A payload without sinks is byte for byte
 the format before sinks existed. Mins and steps of a part grouped along tokens are ``[num_layers, ceil(chunk_size / group),
 num_kv_heads, head_dim]``, along channels ``[num_layers, chunk_size, num_kv_heads,
-ceil(head_dim / group)]``; codes ``[num_layers, chunk_size, num_kv_heads, head_dim]`` each,
+ceil(head_dim / group)]`` (then the fp32 base of the step codes, unless ``fp_steps``); codes
+``[num_layers, chunk_size, num_kv_heads, head_dim]`` each,
 packed. The parameters travel in the payload: a reader needs only the payload and the shape.
 """
 from __future__ import annotations
@@ -47,18 +52,22 @@ _ALONG = ("tokens", "channels")
 _PER_OCTAVE = 16  # step codes per octave: a step at most 2**(1/16) = 4.4% above the need
 _TAIL = 7  # k_bits, k_group, k_mode, v_bits, v_group, v_mode, scale dtype code
 _SINKS, _SINKS_FP32 = 4, 8  # k_mode bits: sink tokens present, stored fp32
+_FP_STEPS = 32  # mode bit: steps in the scale dtype
+_K_MODE_BITS, _V_MODE_BITS = 1 | 2 | _SINKS | _SINKS_FP32 | _FP_STEPS, 1 | 2 | _FP_STEPS
 
 
 @dataclass(frozen=True)
 class PartParams:
     """How K or V is quantized: ``bits`` per code (1-8; 2-8 when ``symmetric``), ``group``
     length (1-255) along ``along`` (``tokens``: a range per channel; ``channels``: a range
-    per token), ``symmetric`` (a step per group, no minimum)."""
+    per token), ``symmetric`` (a step per group, no minimum), ``fp_steps`` (steps stored in
+    the scale dtype, not as 8-bit codes on a log scale)."""
 
     bits: int
     group: int
     along: str
     symmetric: bool = False
+    fp_steps: bool = False
 
     def __post_init__(self):
         if not 1 + self.symmetric <= self.bits <= 8 or not 1 <= self.group <= 255 \
@@ -69,7 +78,7 @@ class PartParams:
     @property
     def mode(self) -> int:
         """The mode byte of the payload."""
-        return _ALONG.index(self.along) | self.symmetric << 1
+        return _ALONG.index(self.along) | self.symmetric << 1 | self.fp_steps * _FP_STEPS
 
 
     def num_groups(self, shape: tuple[int, ...]) -> int:
@@ -95,8 +104,9 @@ def nbytes(params: GroupParams, shape: tuple[int, ...], scale_itemsize: int = 2,
     L, _, T, H, D = shape
     n8 = -(-(L * T * H * D) // 8)
     n = 0
-    for p in (params.k, params.v):   # (mins,) step codes, base
-        n += p.num_groups(shape) * ((not p.symmetric) * scale_itemsize + 1) + 4
+    for p in (params.k, params.v):   # (mins,) steps, or step codes and their base
+        step = scale_itemsize if p.fp_steps else 1
+        n += p.num_groups(shape) * ((not p.symmetric) * scale_itemsize + step) + 4 * (not p.fp_steps)
     sinks = min(sink_tokens, T)
     if sinks:                        # the sink values and their count byte
         n += L * 2 * sinks * H * D * sink_itemsize + 1
@@ -166,8 +176,9 @@ def _step_codes(need: np.ndarray) -> tuple[np.ndarray, np.float32]:
 
 
 def _ranges(x: np.ndarray, part: PartParams, sdt):
-    """(grouped x, stored mins or None when symmetric, step codes, base, steps, member axis);
-    mins, codes and steps keep the member axis (length 1)."""
+    """(grouped x, stored mins or None when symmetric, stored step arrays (step codes and
+    base, or the steps in ``sdt``), steps (fp32), member axis); mins and steps keep the member
+    axis (length 1)."""
     xg, axis = _grouped(x, part)
     mn = xg.min(axis=axis, keepdims=True)
     mx = xg.max(axis=axis, keepdims=True)
@@ -178,14 +189,17 @@ def _ranges(x: np.ndarray, part: PartParams, sdt):
     else:
         m = _round(mn, sdt, up=False)
         need = (mx - m.astype(np.float32)) / np.float32(2 ** part.bits - 1)
+    if part.fp_steps:
+        s = _round(need, sdt, up=True)
+        return xg, m, [s], s.astype(np.float32), axis
     codes, base = _step_codes(need)
-    return xg, m, codes, base, step_table(base)[codes], axis
+    return xg, m, [codes, np.array([base], "<f4")], step_table(base)[codes], axis
 
 
 def _quantize(x: np.ndarray, part: PartParams, sdt):
     """(stored group arrays, codes ``[L, T, H, D]`` uint8) of one part ``x`` (fp32 ``[L, T,
     H, D]``)."""
-    xg, m, scodes, base, s32, _ = _ranges(x, part, sdt)
+    xg, m, stored_steps, s32, _ = _ranges(x, part, sdt)
     inv = np.zeros_like(s32)
     with np.errstate(over="ignore"):
         np.divide(1.0, s32, out=inv, where=s32 != 0)
@@ -198,7 +212,7 @@ def _quantize(x: np.ndarray, part: PartParams, sdt):
         np.rint(t, out=t)
         t += 2 ** (part.bits - 1) - 1
         np.clip(t, 0, 2 ** part.bits - 2, out=t)
-        stored = [scodes, np.array([base], "<f4")]
+        stored = stored_steps
     else:                                                    # (x - m) / s in [0, 2**bits - 1]
         np.subtract(xg, m.astype(np.float32), out=t, dtype=np.float32)
         if tiny.any():
@@ -208,7 +222,7 @@ def _quantize(x: np.ndarray, part: PartParams, sdt):
             t *= inv
         np.rint(t, out=t)
         np.minimum(t, 2 ** part.bits - 1, out=t)             # x >= m, so t >= 0
-        stored = [m, scodes, np.array([base], "<f4")]
+        stored = [m] + stored_steps
     return stored, _ungrouped(t.astype(np.uint8), part, x.shape)
 
 
@@ -228,9 +242,10 @@ def encode(x: np.ndarray, params: GroupParams, sink_tokens: int = 0) -> np.ndarr
     if not 0 <= sink_tokens <= 255:
         raise ValueError(f"sink_tokens must be 0-255, got {sink_tokens}")
     sdt = scale_dtype(x)                                     # (a NaN: fp32, then refused)
-    kg, kq = _quantize(x[:, 0], params.k, sdt)
-    vg, vq = _quantize(x[:, 1], params.v, sdt)
     n = min(sink_tokens, x.shape[2])
+    xq = _sinks_zeroed(x, n)
+    kg, kq = _quantize(xq[:, 0], params.k, sdt)
+    vg, vq = _quantize(xq[:, 1], params.v, sdt)
     sinks, k_mode = [], params.k.mode
     if n:
         s = x[:, :, :n]                                      # [L, 2, n, H, D]
@@ -246,6 +261,16 @@ def encode(x: np.ndarray, params: GroupParams, sink_tokens: int = 0) -> np.ndarr
     return np.concatenate(parts)
 
 
+def _sinks_zeroed(x: np.ndarray, n: int) -> np.ndarray:
+    """``x`` with its first ``n`` tokens of K and V set to 0 (a copy; ``x`` when ``n`` is 0):
+    what is ranged and coded when they are stored as sinks (decoding overwrites them)."""
+    if not n:
+        return x
+    xq = x.copy()
+    xq[:, :, :n] = 0
+    return xq
+
+
 def read_params(payload: np.ndarray) -> tuple[GroupParams, np.dtype]:
     """The parameters and scale dtype a payload records.
 
@@ -253,13 +278,14 @@ def read_params(payload: np.ndarray) -> tuple[GroupParams, np.dtype]:
         ValueError: a payload too short or with invalid parameters.
     """
     if payload.size < _TAIL or payload[-1] >= len(_SCALE_DTYPES) \
-            or payload[-5] > 15 or payload[-2] > 3 \
+            or int(payload[-5]) & ~_K_MODE_BITS or int(payload[-2]) & ~_V_MODE_BITS \
             or payload[-5] & (_SINKS | _SINKS_FP32) == _SINKS_FP32:
         raise ValueError("kivi payload has no valid parameter block")
     kb, kg, km, vb, vg, vm = (int(v) for v in payload[-_TAIL:-1])
     try:
-        params = GroupParams(PartParams(kb, kg, _ALONG[km & 1], bool(km & 2)),
-                             PartParams(vb, vg, _ALONG[vm & 1], bool(vm & 2)))
+        params = GroupParams(
+            PartParams(kb, kg, _ALONG[km & 1], bool(km & 2), bool(km & _FP_STEPS)),
+            PartParams(vb, vg, _ALONG[vm & 1], bool(vm & 2), bool(vm & _FP_STEPS)))
     except ValueError as e:
         raise ValueError(f"kivi payload has no valid parameter block: {e}") from None
     return params, np.dtype(_SCALE_DTYPES[payload[-1]])
@@ -315,9 +341,13 @@ class Decoder:
             if not part.symmetric:                           # mins
                 arrays.append(payload[pos:pos + g * sdt.itemsize].view(sdt).reshape(lead))
                 pos += g * sdt.itemsize
-            codes = payload[pos:pos + g].reshape(lead)
-            arrays.append((step_table(payload[pos + g:pos + g + 4].view("<f4")[0]), codes))
-            pos += g + 4
+            if part.fp_steps:                                # steps in the scale dtype
+                arrays.append(payload[pos:pos + g * sdt.itemsize].view(sdt).reshape(lead))
+                pos += g * sdt.itemsize
+            else:                                            # step codes, then their base
+                codes = payload[pos:pos + g].reshape(lead)
+                arrays.append((step_table(payload[pos + g:pos + g + 4].view("<f4")[0]), codes))
+                pos += g + 4
             self._ranges.append(arrays)
         for part in self.parts:
             nb = -(-n // 8) * part.bits
@@ -382,12 +412,14 @@ def _grouped_view(x: np.ndarray, part: PartParams) -> np.ndarray | None:
     return v
 
 
-def steps(x: np.ndarray, params: GroupParams) -> np.ndarray:
-    """The stored step ``s`` of each element's group (fp32, the shape of ``x``)."""
+def steps(x: np.ndarray, params: GroupParams, sink_tokens: int = 0) -> np.ndarray:
+    """The stored step ``s`` of each element's group (fp32, the shape of ``x``) in a payload
+    of ``encode(x, params, sink_tokens)``."""
     sdt = scale_dtype(x)
+    xq = _sinks_zeroed(x, min(sink_tokens, x.shape[2]))
     out = np.empty_like(x, dtype=np.float32)
     for i, part in enumerate((params.k, params.v)):
-        xg, _, _, _, s, _ = _ranges(x[:, i], part, sdt)
+        xg, _, _, s, _ = _ranges(xq[:, i], part, sdt)
         full = np.broadcast_to(s, xg.shape)
         out[:, i] = _ungrouped(np.ascontiguousarray(full), part, x.shape[:1] + x.shape[2:])
     return out

@@ -242,17 +242,58 @@ def test_exact_payload_of_a_small_kivi_chunk():
     assert out[0, 1, 1].ravel().tolist() == [0.25, np.float32(0.25) + np.float32(7 * step)]
 
 
+def test_exact_payload_of_symmetric_values():
+    """V symmetric at 3 bits (c = 3): a step per token, codes ``rint(x / s) + 3`` in [0, 6]."""
+    kv = np.zeros((1, 2, 2, 1, 2), dtype=np.float32)     # [L, k/v, T, H, D]
+    kv[0, 1, 0, 0, :] = [3.0, -1.0]                      # V token 0 over 2 channels
+    kv[0, 1, 1, 0, :] = [0.25, -0.75]                    # V token 1
+    params = kv_grouped.GroupParams(P(2, 2, "tokens", True), P(3, 2, "channels", True))
+    payload = kv_grouped.encode(kv, params)
+    assert payload.size == kv_grouped.nbytes(params, kv.shape) == (2 + 4) * 2 + 2 + 3 + 7
+    # K all zero: step codes 0 and base 0; V needs amax / 3 = 1.0 and 0.25: base 1.0, codes 0
+    # and 32 (1.0 * 2**(-32 / 16) = 0.25 exactly)
+    assert payload[:6].tolist() == [0, 0, 0, 0, 0, 0]
+    assert payload[6:8].tolist() == [0, 32] and payload[8:12].view("<f4").tolist() == [1.0]
+    # K codes all c = 1 at 2 bits (0b01 each; 8 codes in 2 bytes, zero-padded); V codes
+    # [[6, 2], [4, 0]] at 3 bits
+    assert payload[12:14].tolist() == [0b01010101, 0]
+    assert payload[14:17].tolist() == list((6 | 2 << 3 | 4 << 6 | 0 << 9).to_bytes(3, "little"))
+    assert payload[17:].tolist() == [2, 2, 2, 3, 2, 3, 0]  # modes 2 (symmetric), 3 (+ channels)
+    out = np.empty_like(kv)
+    kv_grouped.decode(payload, kv.shape, out)
+    assert out[0, 0].ravel().tolist() == [0.0] * 4
+    assert out[0, 1].ravel().tolist() == [3.0, -1.0, 0.25, -0.75]
+    lying = payload.copy()
+    lying[-2] = 1                                          # claims a minimum per V group
+    with pytest.raises(ValueError, match="needs"):
+        kv_grouped.decode(lying, kv.shape, out)
+    # fp_steps (kivi's): the same steps stored as fp16 in place of step codes and base
+    params = kv_grouped.GroupParams(P(2, 2, "tokens", True, True), P(3, 2, "channels", True, True))
+    fp = kv_grouped.encode(kv, params)
+    assert fp.size == kv_grouped.nbytes(params, kv.shape) == 2 * 2 + 2 * 2 + 2 + 3 + 7
+    assert fp[:4].view(np.float16).tolist() == [0.0, 0.0]
+    assert fp[4:8].view(np.float16).tolist() == [1.0, 0.25]
+    assert fp[8:13].tolist() == payload[12:17].tolist()   # the same codes
+    assert fp[13:].tolist() == [2, 2, 2 | 32, 3, 2, 3 | 32, 0]
+    kv_grouped.decode(fp, kv.shape, out)
+    assert out[0, 1].ravel().tolist() == [3.0, -1.0, 0.25, -0.75]
+    for mode_at in (-5, -2):                   # K or V claims step codes: the size differs
+        bad = fp.copy()
+        bad[mode_at] &= ~32 & 0xFF
+        with pytest.raises(ValueError, match="needs"):
+            kv_grouped.decode(bad, kv.shape, out)
+
+
 def test_kivi_bytes_are_under_half_of_fp16_with_scales_and_header():
     n64 = 30 * 2 * 64 * 3 * 64                            # SmolLM2-135M, chunk_size 64
     shape = (30, 2, 64, 3, 64)
-    # K 8 bits + a step code per channel and 64 tokens (symmetric: no minimum); V 7 bits + an
-    # fp16 minimum and a step code per token over 64 channels; an fp32 base step each; 7 bytes
-    # of parameters
+    # K 8 bits + an fp16 step per channel and 64 tokens; V 7 bits + an fp16 step per token
+    # over 64 channels (both symmetric: no minimum); 7 bytes of parameters
     assert kv_codec.payload_nbytes("kivi", shape) == (
-        n64 // 2 * (8 + 7) // 8 + 1 * (30 * 3 * 64) + (2 + 1) * (30 * 64 * 3) + 4 * 2 + 7)
-    assert (kv_codec.payload_nbytes("kivi", shape) + HEADER_BYTES_MAX) / (2 * n64) < 0.485
+        n64 // 2 * (8 + 7) // 8 + 2 * (30 * 3 * 64) + 2 * (30 * 64 * 3) + 7)
+    assert (kv_codec.payload_nbytes("kivi", shape) + HEADER_BYTES_MAX) / (2 * n64) < 0.4845
     big = (30, 2, 256, 3, 64)
-    assert kv_codec.payload_nbytes("kivi", big) / (2 * n64 * 4) < 0.485
+    assert kv_codec.payload_nbytes("kivi", big) / (2 * n64 * 4) < 0.4845
 
 
 def test_kivi_odd_shapes_and_other_parameters_round_trip_within_the_bound():

@@ -1,7 +1,9 @@
 """Lossy payloads stay readable and encoders stay bit-stable: ``data/kv_codec_v1.npz`` holds
 chunks with the payloads the earlier (slower) encoder wrote and the xxh3 of what its decoder
-returned (``data/make_kv_codec_fixture.py``); today's encoder must write the same bytes and
-today's decoder return the same bits. Also the bit-level casts of ``kvstore.kv_casts``
+returned (``data/make_kv_codec_fixture.py``; ``kivi`` with V asymmetric, as it was then),
+``data/kv_codec_v2.npz`` the ``kivi`` payloads with V symmetric (today's parameters);
+today's decoder must return the same bits, and today's encoder, given the parameters a
+payload records, write the same bytes. Also the bit-level casts of ``kvstore.kv_casts``
 against torch's, and decoding in several blocks of layers against one block."""
 import os
 
@@ -13,12 +15,19 @@ from kvstore import kv_casts, kv_codec, kv_grouped
 from kvstore.codec import checksum
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "data", "kv_codec_v1.npz")
+FIXTURE_V2 = os.path.join(os.path.dirname(__file__), "data", "kv_codec_v2.npz")
 CASES = ("real_f32", "odd_f16", "odd_bf16", "special_f32", "big_f32")
 
 
 @pytest.fixture(scope="module")
 def fixture():
     with np.load(FIXTURE) as f:
+        return {k: f[k] for k in f.files}
+
+
+@pytest.fixture(scope="module")
+def fixture_v2():
+    with np.load(FIXTURE_V2) as f:
         return {k: f[k] for k in f.files}
 
 
@@ -33,15 +42,35 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(-1).view(torch.uint8).numpy()
 
 
-@pytest.mark.parametrize("codec", kv_codec.LOSSY_CODECS)
-@pytest.mark.parametrize("name", CASES)
-def test_stored_payloads_decode_bit_identically(fixture, name, codec):
-    kv, dtype, shape = _case(fixture, name)
-    payload = fixture[f"{name}.{codec}.payload"]
+def _check_payload(fx, name, codec, monkeypatch):
+    kv, dtype, shape = _case(fx, name)
+    payload = fx[f"{name}.{codec}.payload"]
     out = kv_codec.decode(payload, codec, dtype, shape)
     assert out.dtype == dtype and tuple(out.shape) == shape
-    assert checksum(_bits(out)) == int(fixture[f"{name}.{codec}.decoded_xxh3"])
+    assert checksum(_bits(out)) == int(fx[f"{name}.{codec}.decoded_xxh3"])
+    if codec == "kivi":                       # encode with the parameters it records
+        monkeypatch.setattr(kv_codec, "KIVI_PARAMS", kv_grouped.read_params(payload)[0])
     assert kv_codec.encode(kv, codec).tobytes() == payload.tobytes()
+
+
+@pytest.mark.parametrize("codec", kv_codec.LOSSY_CODECS)
+@pytest.mark.parametrize("name", CASES)
+def test_stored_payloads_decode_bit_identically(fixture, name, codec, monkeypatch):
+    _check_payload(fixture, name, codec, monkeypatch)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_kivi_payloads_with_symmetric_values_decode_bit_identically(fixture, fixture_v2, name,
+                                                                  monkeypatch):
+    """Today's kivi parameters write the v2 payloads; v1's kivi payloads record V with a zero
+    point and both parts' steps as 8-bit codes (k_mode 2: symmetric; v_mode 1: along
+    channels), v2's V symmetric and fp16/fp32 steps (mode bits 1 symmetric, 5 fp steps)."""
+    v1, v2 = fixture[f"{name}.kivi.payload"], fixture_v2[f"{name}.kivi.payload"]
+    assert kv_grouped.read_params(v2)[0] == kv_codec.KIVI_PARAMS
+    assert v1[-7:-1].tolist() == [8, 64, 2, 7, 64, 1]
+    assert v2[-7:-1].tolist() == [8, 64, 2 | 32, 7, 64, 1 | 2 | 32]
+    assert np.array_equal(fixture_v2[f"{name}.input"], fixture[f"{name}.input"])
+    _check_payload(fixture_v2, name, "kivi", monkeypatch)
 
 
 def test_fixture_covers_the_edge_cases(fixture):

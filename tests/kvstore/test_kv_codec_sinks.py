@@ -1,6 +1,6 @@
 """``kivi`` sink tokens (``kvstore.kv_grouped``, ``kvstore.kv_codec``): the first tokens of a
-prompt's first chunk kept in fp16 (fp32 when they overflow it) after the unchanged codes,
-decoded as stored; exact sizes; the stored value of a chunk with no parent keeps them and one
+prompt's first chunk kept in fp16 (fp32 when they overflow it) after the codes (which code
+them as 0, so they leave the other tokens' K steps alone), decoded as stored; exact sizes; the stored value of a chunk with no parent keeps them and one
 with a parent does not; payloads without sinks are the old bytes; tails that lie are refused."""
 import os
 
@@ -31,11 +31,20 @@ def round_trip(kv, sink_tokens):
     return payload, kv_codec.decode(payload, "kivi", kv.dtype, tuple(kv.shape))
 
 
+def zeroed(kv, n=N):
+    """``kv`` with its first ``n`` tokens of K and V set to 0 (what the codes of a payload
+    with ``n`` sinks encode)."""
+    z = kv.clone()
+    z[:, :, :n] = 0
+    return z
+
+
 def test_sink_bit_count_byte_and_sizes():
-    """K mode bit 2 set, the count before the 7 parameter bytes, the codes unchanged, sizes
-    exactly nbytes's: L * 2 * n * H * D fp16 values + 1 byte more than without sinks."""
+    """K mode bit 2 set, the count before the 7 parameter bytes, the steps and codes those of
+    the chunk with the sinks set to 0, sizes exactly nbytes's: L * 2 * n * H * D fp16 values +
+    1 byte more than without sinks."""
     kv = kv_of()
-    plain, _ = round_trip(kv, 0)
+    plain, _ = round_trip(zeroed(kv), 0)
     payload, _ = round_trip(kv, N)
     L, _, T, H, D = SHAPE
     assert payload.size == plain.size + L * 2 * N * H * D * 2 + 1
@@ -43,7 +52,7 @@ def test_sink_bit_count_byte_and_sizes():
     assert payload.size == kv_grouped.nbytes(kv_codec.KIVI_PARAMS, SHAPE, 2, N, 2)
     assert payload[-5] == plain[-5] | 4 and payload[-8] == N
     assert np.array_equal(np.delete(payload[-7:], 2), np.delete(plain[-7:], 2))
-    body = plain.size - 7                                  # scales and codes: the same bytes
+    body = plain.size - 7                                  # steps and codes: the same bytes
     assert np.array_equal(payload[:body], plain[:body])
     sinks = payload[body:body + L * 2 * N * H * D * 2].view("<f2").reshape(L, 2, N, H, D)
     assert np.array_equal(sinks, kv[:, :, :N].numpy().astype(np.float16))
@@ -62,10 +71,14 @@ def test_sinks_decode_as_stored_and_the_rest_within_the_kivi_bound(dtype):
     _, out = round_trip(kv, N)
     _, plain = round_trip(kv, 0)
     x = kv.float()
-    # the sink tokens: x in fp16, then in the chunk's dtype; the other tokens as without sinks
+    # the sink tokens: x in fp16, then in the chunk's dtype; the other tokens as when the
+    # sinks are 0 (left out of their K channels' ranges)
     assert torch.equal(out[:, :, :N], x[:, :, :N].half().to(dtype))
-    assert torch.equal(out[:, :, N:], plain[:, :, N:])
+    assert torch.equal(out[:, :, N:], round_trip(zeroed(kv), 0)[1][:, :, N:])
     assert not torch.equal(plain[:, :, :N], out[:, :, :N])
+    # the large first tokens no longer set the K steps of the other tokens of their channels
+    k_with, k_without = (kv_codec.error_bound(kv, "kivi", n)[:, 0, N:] for n in (0, N))
+    assert bool((k_without <= k_with).all()) and float(k_without.sum()) < 0.5 * float(k_with.sum())
     half_ulp = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
     bound = kv_codec.error_bound(kv, "kivi", N) + out.float().abs() * half_ulp[dtype] + 1e-12
     err = (out.float() - x).abs()
