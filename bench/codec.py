@@ -15,8 +15,18 @@ with ``--quick``; ``--seed`` draws another set), on engine_min with the embedded
   (prompt + generated chunks are not saved). ``disk_hit_ttft_s`` is its
   TTFT (median; the value's pages are in the OS page cache: the decode, not the device, is
   measured); ``token_agreement`` is the fraction of the generated tokens equal to
-  recompute's at the same position (mean over prompts), ``prompt_exact_rate`` the fraction
+  recompute's at the same position (mean over prompts; per prompt in
+  ``token_agreement_per_prompt``), ``prompt_exact_rate`` the fraction
   of prompts whose generated tokens all equal recompute's.
+
+``--cold``: then, per codec, disk hits timed with the tier's data file out of the page cache
+and in it, the codecs alternated (``--ttft-rounds`` rounds; each round takes every prompt,
+codecs in turn, the order reversed every round): before each cold hit the disk tier's
+``data.mdb`` is evicted from the page cache (``bench.page_cache.drop``; what stayed resident
+is recorded), the hit generates one token (TTFT), and the same hit again is the warm one.
+``disk_hit_ttft_cold_s`` / ``disk_hit_ttft_warm_s``: medians; ``*_runs_s``: every run;
+``cold_resident_bytes_max``: the most of the data file still cached after an eviction (0: it
+worked).
 
 Codec figures over the chunks the raw run stored (the model's real KV, fp32 in engine_min):
 ``bytes_ratio_vs_fp16`` (stored value bytes, header and scales counted, / 2 bytes per
@@ -80,7 +90,7 @@ def _generate(engine, prompt: list[int], max_tokens: int):
 def run_codec(engine, codec: str, prompts, want, args, workdir: str, source=None) -> tuple:
     """Hits from a disk tier of ``codec``; ``source`` = the raw run's (store, namespace), whose
     chunks are put into this codec's store (None: this is the raw run, a first request saves
-    them). Returns (figures, (store, namespace) of this run, opened: close it)."""
+    them). Returns (figures, store, connector): both open, the caller closes them."""
     from connectors.engine_min import EngineMinConnector
     from kvstore.config import StoreConfig
     from kvstore.store import ChunkStore
@@ -92,6 +102,7 @@ def run_codec(engine, codec: str, prompts, want, args, workdir: str, source=None
                               deadline_s_per_chunk=1.0, save_generated=False, owns_store=False,
                               tail_chunk_size=0, lossy_codec="" if codec == "raw" else codec)
     agree, exact, ttft, loaded = [], [], [], 0
+    ok = False
     try:
         for p, w in zip(prompts, want):
             engine.set_connector(conn)
@@ -111,14 +122,48 @@ def run_codec(engine, codec: str, prompts, want, args, workdir: str, source=None
             agree.append(sum(same) / len(w))
             exact.append(got == w)
             ttft.append(t)
-        ns = conn.ns
+        ok = True
     finally:
         engine.set_connector(None)
-        conn.close()
+        if not ok:
+            conn.close()
+            store.close()
     res = {"token_agreement": statistics.mean(agree), "prompt_exact_rate": statistics.mean(exact),
+           "token_agreement_per_prompt": agree,
            "disk_hit_ttft_s": statistics.median(ttft), "disk_hit_ttft_runs_s": ttft,
            "loaded_tokens": loaded}
-    return res, (store, ns)
+    return res, store, conn
+
+
+def ttft_rounds(engine, opened: dict, prompts, rounds: int) -> dict:
+    """Cold and warm disk-hit TTFTs per codec (module docstring, ``--cold``); ``opened``:
+    ``{codec: (store, connector)}`` whose disk tiers hold every prompt's chunks."""
+    from bench import page_cache
+
+    codecs = list(opened)
+    runs = {c: {"cold": [], "warm": []} for c in codecs}
+    resident = {c: 0 for c in codecs}
+    for r in range(rounds):
+        for p in prompts:
+            for codec in (codecs if r % 2 == 0 else codecs[::-1]):
+                store, conn = opened[codec]
+                data = os.path.join(store.tiers[-1].path, "data.mdb")
+                engine.set_connector(conn)
+                try:
+                    page_cache.drop(data)
+                    resident[codec] = max(resident[codec], page_cache.resident_bytes(data)[0])
+                    runs[codec]["cold"].append(_generate(engine, p, 1)[0])
+                    runs[codec]["warm"].append(_generate(engine, p, 1)[0])
+                finally:
+                    engine.set_connector(None)
+    return {c: {"disk_hit_ttft_cold_s": statistics.median(runs[c]["cold"]),
+                "disk_hit_ttft_warm_s": statistics.median(runs[c]["warm"]),
+                "disk_hit_ttft_cold_runs_s": runs[c]["cold"],
+                "disk_hit_ttft_warm_runs_s": runs[c]["warm"],
+                "cold_resident_bytes_max": resident[c],
+                "data_file_bytes": os.path.getsize(os.path.join(opened[c][0].tiers[-1].path,
+                                                                "data.mdb"))}
+            for c in codecs}
 
 
 def _stored_chunks(store, chunk_size: int, limit: int = 48
@@ -228,6 +273,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--codecs", default=",".join(CODECS), help="comma-separated, raw first")
     ap.add_argument("--seed", type=int, default=0,
                     help="workload seed (another prompt set; default %(default)s)")
+    ap.add_argument("--cold", action="store_true",
+                    help="also time disk hits with the data file evicted from the page cache "
+                    "and cached, codecs alternated (module docstring)")
+    ap.add_argument("--ttft-rounds", type=int, default=3,
+                    help="rounds of cold/warm hits with --cold (default %(default)s)")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args(argv)
     codecs = args.codecs.split(",")
@@ -253,19 +303,22 @@ def main(argv: list[str] | None = None) -> dict:
                  "max_tokens": args.max_tokens, "chunk_size": args.chunk_size,
                  "recompute_ttft_s": statistics.median(rec_ttft), "codecs": {}}
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-codec-") as workdir:
-        source = None
+        source, opened = None, {}
         try:
             for codec in codecs:
-                row, opened = run_codec(engine, codec, prompts, want, args, workdir, source)
+                row, store, conn = run_codec(engine, codec, prompts, want, args, workdir, source)
                 res["codecs"][codec] = row
+                opened[codec] = (store, conn)
                 if source is None:
-                    source = opened
-                else:
-                    opened[0].close()
+                    source = (store, conn.ns)
+            if args.cold:
+                for codec, row in ttft_rounds(engine, opened, prompts, args.ttft_rounds).items():
+                    res["codecs"][codec].update(row)
             kvs, first = _stored_chunks(source[0], args.chunk_size)
         finally:
-            if source is not None:
-                source[0].close()
+            for store, conn in opened.values():
+                conn.close()
+                store.close()
     res["kv_dtype"] = str(kvs[0].dtype).removeprefix("torch.")
     for codec in codecs:
         res["codecs"][codec].update(codec_figures(kvs, codec, first))
