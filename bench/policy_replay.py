@@ -129,6 +129,8 @@ class PolicyReplay:
         self._copies: dict[int, int] = {}  # stored key -> tiers holding it
         self._kids: dict[int, int] = {}  # key -> stored keys whose parent it is
         self._one_tier = OneTierRows(self) if len(self.tiers) == 1 else None
+        if self._one_tier is not None:  # ``_row`` for one tier, through the policy's batched
+            self._row_one_tier = self._one_tier.row  # calls (``bench.policy_replay_batched``)
 
     def run(self) -> ReplayResult:
         """Replay every row once; returns the totals."""
@@ -205,11 +207,6 @@ class PolicyReplay:
                         break
                 else:
                     break
-
-    def _row_one_tier(self, a: int, b: int) -> tuple[int, int]:
-        """``_row`` for one tier, through the policy's batched calls (the same decisions;
-        ``bench.policy_replay_batched``)."""
-        return self._one_tier.row(a, b)
 
     # ---- the prefix graph over all tiers --------------------------------------------------
     def _present(self, key: int) -> bool:

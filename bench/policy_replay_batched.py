@@ -1,8 +1,8 @@
 """The one-tier replay's row path (``bench.policy_replay``) through the policies' batched calls.
 
 Without an admission filter a row is one ``on_request`` call (its hit prefix read, its missing
-chunks stored while leaves can make room; LRU and FIFO then pop victims from a leaf-first index,
-``kvstore.eviction.leaf_first``): hits are looked up in the policy's own sizes, and the tier's
+chunks stored while leaves can make room; LRU, FIFO and LFU then pop victims from a leaf-first
+index, ``kvstore.eviction.leaf_first``): hits are looked up in the policy's own sizes, and the tier's
 contents and the replay's copy and child counts, which only the per-chunk placement reads, are
 rebuilt from the policy when that placement runs and at the end (``sync``). With a filter, the hit prefix is read at once (``on_access_many``) and the
 missing chunks that fit in the free bytes are stored as one chain, the rest one at a time, each
@@ -42,13 +42,15 @@ class OneTierRows:
         self.token_bytes, self.parent = replay.token_bytes, replay.parent
         self.copies, self.kids = replay._copies, replay._kids  # (shared: never replaced)
         self.nbytes = [t * self.token_bytes for t in self.tokens]  # bytes of each access
-        self.synced = True  # whether ``copies`` and ``kids`` match the tier
+        self.oversize = max(self.nbytes, default=0) > self.tier.capacity  # some chunk never fits
+        self.stored = self.tier.policy.sizes.__contains__  # (a live view)
+        self.synced = True  # whether the tier's contents and the counts match the policy
+        #: ``row(a, b)``: serve row ``a..b-1`` of the trace (indexes into its chunk arrays);
+        #: returns the hit tokens, twice (all served by the one tier, the top)
+        self.row = self._request if self.admission is None else self._admitted
 
-    def row(self, a: int, b: int) -> tuple[int, int]:
-        """Serve row ``a..b-1`` of the trace (indexes into its chunk arrays); returns the hit
-        tokens, twice (all served by the one tier, the top)."""
-        if self.admission is None:
-            return self._request(a, b)
+    def _admitted(self, a: int, b: int) -> tuple[int, int]:
+        """``row`` with an admission filter."""
         keys, tokens, tier = self.keys, self.tokens, self.tier
         self.admission.record_many(keys[a:b])
         stored, policy = tier.nbytes, tier.policy
@@ -71,14 +73,14 @@ class OneTierRows:
         tier = self.tier
         policy, cap = tier.policy, tier.capacity
         seg = self.keys[a:b]
-        hits = list(takewhile(policy.sizes.__contains__, seg))
+        hits = list(takewhile(self.stored, seg))
         j = a + len(hits)
         hit = sum(self.tokens[a:j]) if hits else 0
         new = seg[len(hits):]
         sizes = self.nbytes[j:b]
         m = len(new)
-        if m and max(sizes) > cap:  # the row stops at a chunk larger than the tier
-            m = next(i for i, n in enumerate(sizes) if n > cap)
+        if self.oversize and m and max(sizes) > cap:  # the row stops at a chunk larger
+            m = next(i for i, n in enumerate(sizes) if n > cap)  # than the tier
             new, sizes = new[:m], sizes[:m]
         try:
             done = policy.on_request(hits, new, sizes, cap - tier.used)

@@ -24,7 +24,6 @@ from typing import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 
 from kvstore.eviction import batched as _batched
 from kvstore.eviction import integrity as _integrity
-from kvstore.eviction import leaf_first as _leaf_first
 from kvstore.eviction.batched import Request
 
 Key = Hashable
@@ -63,7 +62,7 @@ class EvictionPolicy(ABC):
       ``victims_ignore_inserts``, a tier may call ``evict_until`` once for a whole chain
       (sparing the chain's parent) and then ``on_insert_chain``: the victims are those of
       evicting before each key. ``on_request(hits, keys, nbytes, free_bytes)``: a whole
-      prompt of a one-tier prefix cache (its docstring); LRU and FIFO serve it from a
+      prompt of a one-tier prefix cache (its docstring); LRU, FIFO and LFU serve it from a
       leaf-first index, no heap (``kvstore.eviction.leaf_first``). (Their code is in
       ``kvstore.eviction.batched``.)
 
@@ -88,6 +87,8 @@ class EvictionPolicy(ABC):
     #: inserting it and evict what it would evict before each key (LRU, FIFO, LFU: yes;
     #: S3-FIFO and ARC size their queues by what is tracked: no)
     victims_ignore_inserts = True
+    #: the module serving ``on_request`` from a leaf-first index (None: no index)
+    _index_ops = None
 
     def __init__(self) -> None:
         self._nbytes: dict[Key, int] = {}
@@ -100,9 +101,11 @@ class EvictionPolicy(ABC):
         self._demoted: dict[Key, int] = {}  # demoted key -> demotion sequence number
         self._demoted_heap: list[tuple[int, Key]] = []  # (seq, key) of demoted keys, lazily pruned
         self._demote_seq = 0
-        #: LRU's and FIFO's leaf-first index while every event came through ``on_request``
-        #: (``kvstore.eviction.leaf_first``): the heaps are rebuilt when it is dropped
-        self._leaf_first: OrderedDict | None = None
+        #: LRU's, FIFO's and LFU's leaf-first index while every event came through
+        #: ``on_request`` (``kvstore.eviction.leaf_first``); the heaps are rebuilt when it
+        #: is dropped. ``_index_ops``: the module with its ``request``, ``leave`` and
+        #: ``check_index``
+        self._leaf_first: OrderedDict | dict | None = None
         self._sizes_view = MappingProxyType(self._nbytes)
         #: the subclass's ``_remove`` (None when it keeps no order of its own to update)
         self._remove_hook = None if type(self)._remove is EvictionPolicy._remove else self._remove
@@ -234,16 +237,16 @@ class EvictionPolicy(ABC):
         ``free_bytes`` plus the bytes freed, less the bytes stored; the first that does not
         fit (no leaf left) ends the request. Mutates. The same decisions and ranks as
         ``on_access_many(hits)``, then per key ``evict_until(need, lambda v: v != parent,
-        True)`` and ``on_insert``. LRU and FIFO pop victims from a leaf-first index instead
-        of heaps while every event came this way and each request's ``hits`` are a chain from
-        a root (``kvstore.eviction.leaf_first``).
+        True)`` and ``on_insert``. LRU, FIFO and LFU pop victims from a leaf-first index
+        instead of heaps while every event came this way and each request's ``hits`` are a
+        chain from a root (``kvstore.eviction.leaf_first``, ``leaf_first_lfu``).
 
         Raises:
             ValueError: ``keys`` and ``nbytes`` differ in length (nothing changed).
             KeyError: a key of ``keys`` is tracked or repeated (nothing changed).
         """
         if self._leaf_first is not None:
-            done = _leaf_first.request(self, hits, keys, nbytes, free_bytes)
+            done = self._index_ops.request(self, hits, keys, nbytes, free_bytes)
             if done is not None:
                 return done
             self._drop_leaf_first()
@@ -252,7 +255,7 @@ class EvictionPolicy(ABC):
     def _drop_leaf_first(self) -> None:
         """Leave the leaf-first index for good: ranks, child sets and heaps rebuilt."""
         if self._leaf_first is not None:
-            _leaf_first.leave(self)
+            self._index_ops.leave(self)
             self._leaf_first = None
             self._rebuild_heaps()
 

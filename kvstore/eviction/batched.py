@@ -2,7 +2,8 @@
 several per chunk, each making the same decisions and leaving the same state as the per-event
 calls it stands for (tested against them in ``tests/kvstore/test_eviction_batched.py``).
 
-``EvictionPolicy.on_insert_chain`` and ``EvictionPolicy.evict_until`` (the contract, in their
+``EvictionPolicy.on_insert_chain``, ``EvictionPolicy.evict_until`` and, out of LRU's and
+FIFO's leaf-first index (``leaf_first``), ``EvictionPolicy.on_request`` (the contract, in their
 docstrings) call the functions here, which work on the policy's own indexes: the size, parent,
 child, rank and queue dicts and the leaf heaps the base class keeps. Nothing here imports the
 base (it imports this module).

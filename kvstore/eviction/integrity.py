@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvstore.eviction import leaf_first as _leaf_first
 
 if TYPE_CHECKING:
     from kvstore.eviction.base import EvictionPolicy
@@ -31,7 +30,7 @@ def check_policy(policy: EvictionPolicy) -> None:
     assert by_rank == ordered, f"{name}: ranks do not order the keys as the policy does"
     leaves = {k for k in sizes if not policy._children.get(k)}
     if policy._leaf_first is not None:
-        _leaf_first.check_index(policy)
+        policy._index_ops.check_index(policy)
     else:
         live = {k for q, h in enumerate(policy._heaps) for r, k in h
                 if ranks.get(k, _ABSENT) == r and queue.get(k, 0) == q}

@@ -1,4 +1,4 @@
-"""The leaf-first index: LRU's and FIFO's victims popped from the front of one ``OrderedDict``.
+"""The leaf-first index: LRU's and FIFO's victims popped from the front of one ``OrderedDict``
 
 A prefix-aware policy evicts the first key of its order that has no stored child (a leaf);
 in general (``base``) a heap of leaves per queue finds it. A policy that gets every event
@@ -27,12 +27,12 @@ Per stored key a request does a few C-level dict operations (``map``, ``zip``, `
 over the dicts) and no heap push; the child sets are not kept meanwhile. Any other event
 call, a child query, or a request whose stored head is not a chain from a root, makes the
 policy leave the index (``leave``: ranks and child sets rebuilt; ``base`` then rebuilds its
-heaps) for good.
+heaps) for good. LFU keeps one such index per frequency (``leaf_first_lfu``).
 """
 from __future__ import annotations
 
 from collections import deque
-from itertools import accumulate, islice, repeat, takewhile
+from itertools import accumulate, count, islice, takewhile
 from operator import itemgetter
 from typing import TYPE_CHECKING, Hashable, Sequence
 
@@ -54,25 +54,28 @@ def request(policy: EvictionPolicy, hits: Sequence[Key], keys: Sequence[Key],
     Raises:
         ValueError, KeyError: as ``on_request`` (nothing changed).
     """
-    check_chain(policy, keys, nbytes)
-    index, sizes, parents, clock = policy._leaf_first, policy._nbytes, policy._parent, policy._clock
-    if hits:
-        ps = list(map(parents.get, hits, repeat(_ABSENT)))
-        if ps[0] is _ABSENT or ps[0] in sizes or ps[1:] != list(hits[:-1]):
+    index, sizes, parents = policy._leaf_first, policy._nbytes, policy._parent
+    if not keys and free_bytes < 0:
+        return None  # (the general path evicts)
+    if len(keys) != len(nbytes) or len(set(keys)) != len(keys) \
+            or not sizes.keys().isdisjoint(keys):
+        check_chain(policy, keys, nbytes)  # (raises)
+    nh = len(hits)
+    if nh:
+        if parents.get(hits[0], _ABSENT) in sizes or hits[0] not in sizes \
+                or list(map(parents.get, islice(hits, 1, None))) != list(hits[:-1]):
             return None
+        if policy.reads_reorder:  # read head first: ranks from the clock
+            deque(map(index.__delitem__, hits), 0)
+            first = _tick(policy, nh)
+            hit_ranks = range(first + nh - 1, first - 1, -1)
+        elif keys:
+            hit_ranks = list(map(index.pop, hits))[::-1]
     if not keys:
-        if free_bytes < 0:
-            return None
-        if hits and policy.reads_reorder:
-            deque(map(index.__delitem__, hits), 0)
-            index.update(zip(reversed(hits), reversed(list(islice(clock, len(hits))))))
+        if nh and policy.reads_reorder:
+            index.update(zip(reversed(hits), hit_ranks))
         return Request([], 0, 0)
-    if hits:  # out of the index until the new keys are in (the parent is spared)
-        if policy.reads_reorder:
-            deque(map(index.__delitem__, hits), 0)
-            hit_ranks = list(islice(clock, len(hits)))
-        else:
-            hit_ranks = list(map(index.pop, hits))
+    # the stored head is out of the index until the new keys are in (the parent is spared)
     victims: list[Key] = []
     freed = 0
     need = sum(nbytes) - free_bytes
@@ -82,22 +85,36 @@ def request(policy: EvictionPolicy, hits: Sequence[Key], keys: Sequence[Key],
         deque(map(index.__delitem__, victims), 0)
         freed = sum(map(sizes.pop, victims))
         deque(map(parents.__delitem__, victims), 0)
-    stored = _fit(nbytes, free_bytes + freed)
+    stored = len(keys) if freed >= need else _fit(nbytes, free_bytes + freed)
     if stored:
         chain = keys[:stored] if stored < len(keys) else keys
         sizes.update(zip(chain, nbytes))
-        parents[chain[0]] = hits[-1] if hits else None
+        parents[chain[0]] = hits[-1] if nh else None
         parents.update(zip(chain[1:], chain))
-        index.update(zip(reversed(chain), reversed(list(islice(clock, stored)))))
-    if hits:
-        index.update(zip(reversed(hits), reversed(hit_ranks)))
+        first = _tick(policy, stored)
+        index.update(zip(reversed(chain), range(first + stored - 1, first - 1, -1)))
+    if nh:
+        index.update(zip(reversed(hits), hit_ranks))
     return Request(victims, stored, freed)
+
+
+def _tick(policy: EvictionPolicy, n: int) -> int:
+    """Take ``n`` values of ``policy._clock`` (an ``itertools.count``); returns the first."""
+    first = next(policy._clock)
+    if n > 1:
+        policy._clock = count(first + n)
+    return first
 
 
 def leave(policy: EvictionPolicy) -> None:
     """Rebuild what the index stood for: the ranks' dict in rank order and the child sets
     (the caller drops the index and rebuilds the heaps)."""
     policy._ranks = dict(sorted(policy._leaf_first.items(), key=itemgetter(1)))
+    rebuild_children(policy)
+
+
+def rebuild_children(policy: EvictionPolicy) -> None:
+    """Fill ``policy._children`` (empty in index mode) from the parent index."""
     children = policy._children
     for key, parent in policy._parent.items():
         if parent is not None:
@@ -117,11 +134,7 @@ def check_index(policy: EvictionPolicy) -> None:
         f"{name}: the leaf-first index is not the only order kept"
     assert len(index) == len(sizes) and set(index) == set(sizes), \
         f"{name}: the leaf-first index and the tracked keys disagree"
-    children: dict = {}
-    for key, parent in policy._parent.items():
-        assert parent is None or parent in sizes, f"{name}: {key!r} stored without its parent"
-        if parent is not None:
-            children.setdefault(parent, []).append(key)
+    children = children_of(policy)
     seen: set = set()
     for key in index:
         assert all(c in seen for c in children.get(key, ())), \
@@ -130,6 +143,18 @@ def check_index(policy: EvictionPolicy) -> None:
     leaves = [k for k in index if k not in children]
     assert leaves == sorted(leaves, key=index.__getitem__), \
         f"{name}: the leaf-first index's leaves are not in rank order"
+
+
+def children_of(policy: EvictionPolicy) -> dict[Key, list[Key]]:
+    """Parent -> its tracked children, from the parent index, asserting that the tracked
+    keys are closed under parent (for the integrity checks)."""
+    children: dict = {}
+    for key, parent in policy._parent.items():
+        assert parent is None or parent in policy._nbytes, \
+            f"{policy.name}: {key!r} stored without its parent"
+        if parent is not None:
+            children.setdefault(parent, []).append(key)
+    return children
 
 
 def _fit(nbytes: Sequence[int], room: int) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 
+from kvstore.eviction import leaf_first_lfu
 from kvstore.eviction.base import EvictionPolicy
 
 
@@ -11,16 +12,20 @@ class LFUPolicy(EvictionPolicy):
     """Frequency buckets (``freq -> OrderedDict`` in recency order). An insert counts as one use.
 
     O(1) per event; ``_order`` sorts only the distinct frequencies. Rank: (frequency, event
-    clock when the key entered its bucket) as one int, ``frequency << 40 | clock``.
+    clock when the key entered its bucket) as one int, ``frequency << 40 | clock``. Until an
+    event comes other than through ``on_request``, the buckets are a leaf-first index
+    (``kvstore.eviction.leaf_first_lfu``) and ``_order`` sorts the ranks.
     """
 
     name = "lfu"
+    _index_ops = leaf_first_lfu
 
     def __init__(self) -> None:
         super().__init__()
         self._freq: dict = {}
         self._buckets: dict[int, OrderedDict] = {}
         self._clock = itertools.count()
+        self._leaf_first = self._buckets
 
     def _insert(self, key) -> None:
         self._freq[key] = 1
@@ -44,6 +49,7 @@ class LFUPolicy(EvictionPolicy):
             self._push_leaf(keys[-1])
 
     def on_access_many(self, keys) -> None:
+        self._drop_leaf_first()
         sizes, demoted, freq, buckets, ranks, children, clock = (
             self._nbytes, self._demoted, self._freq, self._buckets, self._ranks,
             self._children, self._clock)
@@ -83,6 +89,8 @@ class LFUPolicy(EvictionPolicy):
             del self._buckets[f]
 
     def _order(self):
+        if self._leaf_first is not None:
+            return iter(sorted(self._ranks, key=self._ranks.__getitem__))
         keys = []
         for f in sorted(self._buckets):
             keys.extend(self._buckets[f])
@@ -90,4 +98,5 @@ class LFUPolicy(EvictionPolicy):
 
     def frequency(self, key) -> int:
         """Uses of ``key`` so far (insert = 1), 0 if untracked."""
-        return self._freq.get(key, 0)
+        rank = self._ranks.get(key)
+        return 0 if rank is None else rank >> 40

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 
+from kvstore.eviction import leaf_first
 from kvstore.eviction.base import EvictionPolicy
 
 
@@ -16,6 +17,7 @@ class LRUPolicy(EvictionPolicy):
     name = "lru"
     #: whether a read moves a key in the order (the leaf-first index reads it)
     reads_reorder = True
+    _index_ops = leaf_first
 
     def __init__(self) -> None:
         super().__init__()

@@ -1,5 +1,5 @@
-"""``on_request`` makes the per-event calls' decisions. LRU and FIFO serve it from the
-leaf-first index (victims popped from the front of one ordered dict, no heap); every policy is
+"""``on_request`` makes the per-event calls' decisions. LRU, FIFO and LFU serve it from a
+leaf-first index (victims popped from the front of an ordered dict, no heap); every policy is
 driven through random prefix trees twice, once request by request and once event by event
 (``on_access`` per stored key, head first, then per new key ``evict_until`` sparing its
 parent and ``on_insert``), and must name the same victims in the same order (exact lists),
@@ -88,11 +88,11 @@ def test_requests_name_the_same_victims_as_per_event_calls(name, budget):
     slow.check_integrity()
     assert fast.keys() == slow.keys()
     assert num_victims > (300 if budget > 100 else 1000)  # the evictions did real work
-    if name in ("lru", "fifo"):
+    if name in ("lru", "fifo", "lfu"):
         assert fast._leaf_first is not None  # served by the index all along
 
 
-@pytest.mark.parametrize("name", ["lru", "fifo"])
+@pytest.mark.parametrize("name", ["lru", "fifo", "lfu"])
 def test_the_index_is_left_for_the_heaps_on_any_other_event(name):
     # after any per-event call the policy keeps heaps again, with the same order and victims
     for leave in ("access", "insert", "remove", "next_victim", "children", "demote"):
@@ -169,7 +169,7 @@ def test_a_bad_request_changes_nothing(name):
     p.check_integrity()
 
 
-@pytest.mark.parametrize("name", ["lru", "fifo"])
+@pytest.mark.parametrize("name", ["lru", "fifo", "lfu"])
 def test_a_request_whose_head_is_not_a_root_chain_takes_the_general_path(name):
     # the index relies on each request's stored head being a chain from a root; a head
     # starting mid-chain is served by the heaps instead, with the per-event decisions
@@ -185,12 +185,44 @@ def test_a_request_whose_head_is_not_a_root_chain_takes_the_general_path(name):
     fast.check_integrity()
 
 
-@pytest.mark.parametrize("name", ["lru", "fifo"])
+@pytest.mark.parametrize("name", ["lru", "fifo", "lfu"])
 def test_integrity_check_catches_a_child_placed_after_its_parent(name):
     p = create_policy(name)
     p.on_request([], [1, 2, 3], [10, 10, 10], 100)
     p.on_request([], [4], [10], 70)
     p.check_integrity()
-    p._leaf_first.move_to_end(3)  # 3 (the leaf of 1 2 3) after its parent 2
+    index = p._buckets[1] if name == "lfu" else p._leaf_first
+    index.move_to_end(3)  # 3 (the leaf of 1 2 3) after its parent 2
     with pytest.raises(AssertionError, match="before a child|rank order"):
         p.check_integrity()
+
+
+@pytest.mark.parametrize("name", ["lru", "fifo", "lfu"])
+def test_a_request_over_budget_with_nothing_new_evicts_as_the_per_event_calls(name):
+    # a tier over its budget (free bytes < 0) with a fully stored prompt: the general path
+    # evicts leaves other than the prompt's last key
+    fast, slow = create_policy(name), create_policy(name)
+    for p in (fast, slow):
+        p.on_request([], [1, 2], [10, 10], 40)
+        p.on_request([], [3], [10], 20)
+    got = fast.on_request([1, 2], [], [], -5)
+    slow.on_access_many([1, 2])
+    assert got.victims == slow.evict_until(5, lambda v: v != 2, True) == [3]
+    assert got.freed_bytes == 10 and list(fast._order()) == list(slow._order())
+    fast.check_integrity()
+
+
+def test_lfu_index_evicts_the_least_used_leaf_tail_first():
+    # prompt A = 1 2 3 read twice more (1 2 3 used 3 times), B = 1 4 (4 once, 1 once more),
+    # C = 7 8 (once each): C goes first, tail first, then B's tail, then A's, tail first
+    p = create_policy("lfu")
+    p.on_request([], [1, 2, 3], [10, 10, 10], 200)
+    p.on_request([1, 2, 3], [], [], 170)
+    p.on_request([1, 2, 3], [], [], 170)
+    p.on_request([1], [4], [10], 170)
+    p.on_request([], [7, 8], [10, 10], 160)
+    assert [p.frequency(k) for k in (1, 2, 3, 4, 7, 8)] == [4, 3, 3, 1, 1, 1]
+    assert list(p._buckets[1]) == [4, 8, 7] and list(p._buckets[3]) == [3, 2]
+    got = p.on_request([], [9], [50], 140 - 140)
+    assert got.victims == [4, 8, 7, 3, 2] and got.num_stored == 1
+    p.check_integrity()
