@@ -27,6 +27,19 @@ Per engine step the engine calls, in this order::
     save(sched_out, kv_cache)               after the forward pass; never waits on the store
     request_finished(seq, blocks)           when a request ends, before its blocks are freed
 
+A connector whose ``layerwise_load`` is true loads layer by layer beside the forward pass; the
+engine then calls, in place of the ``wait_for_load()`` before it::
+
+    start_load_kv(sched_out, kv_cache)      before the forward pass (inputs built as if every
+                                            scheduled load lands)
+    wait_for_layer_load(i)                  in layer i, before it writes or reads its KV
+    wait_for_load()                         after the forward pass, also when it raised: the
+                                            loads land as above; the engine runs again the
+                                            tokens of every request whose load fell short
+                                            (their forward read KV that never landed)
+
+Calling ``wait_for_load()`` before the forward pass is always allowed (a whole load).
+
 Method names follow vLLM's (``get_num_new_matched_tokens``, ``update_state_after_alloc``,
 ``request_finished``, ``register_kv_caches``, ``start_load_kv``, ``wait_for_save``) where they
 mean the same thing; ``wait_for_load`` and ``save`` are engine_min's (vLLM splits them per
@@ -75,6 +88,10 @@ class KVConnectorBase(ABC):
     block the engine on the store beyond a deadline: lookups and loads give up (and the engine
     recomputes), saves are queued for a background writer.
     """
+
+    #: loads run layer by layer beside the forward pass (module docstring: the engine calls
+    #: ``wait_for_layer_load`` per layer and ``wait_for_load`` after the forward pass)
+    layerwise_load: bool = False
 
     # ---- scheduler side -------------------------------------------------------------------
     @abstractmethod
@@ -130,6 +147,13 @@ class KVConnectorBase(ABC):
         """Wait (up to the deadline) for the loads started; scatter what arrived into the pool;
         move back ``num_computed_tokens`` (and extend the step's ``num_new_tokens``) of
         sequences whose load fell short."""
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        """Layer-wise loads: block (up to the step's deadline) until this step's loads have
+        written layer ``layer`` of the pool; on CUDA the engine's current stream is ordered
+        after those copies. Called by the forward pass before layer ``layer`` writes or reads
+        its KV. Never raises for a store fault (a stopped load lands nothing; ``wait_for_load``
+        reports it). The default returns at once (nothing loads layer by layer)."""
 
     @abstractmethod
     def save(self, sched_out: Any, kv_cache: torch.Tensor) -> None:

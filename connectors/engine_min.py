@@ -49,6 +49,11 @@ request's blocks there, one chunk at a time; from an in-process ``ChunkStore`` t
 copies straight out of the CPU tier's pages, borrowed under reader pins
 (``ChunkStore.borrow_chunks``: one copy, no intermediate tensor). A deadline that passes stops
 the worker before its next scatter (a lock orders the two), and what landed so far counts.
+With ``layerwise_load`` (default: on CUDA only) the worker reads a step's pieces first and then
+writes them layer after layer while the forward pass runs (``connectors.engine_min_layers``):
+``wait_for_layer_load(i)`` holds layer ``i``'s attention until its layer is written, the pages
+stay borrowed until the last layer is, and a load stopped part-way (an error, the deadline)
+lands nothing of what it read: the model runner computes those tokens again.
 
 Robustness: every lookup and every step's loads run on worker threads and are waited for at
 most ``deadline_s`` (+ ``deadline_s_per_chunk`` per chunk loaded); a late, failed or partial
@@ -103,6 +108,14 @@ def default_tail_size(block_size: int, chunk_size: int) -> int:
     return block_size if ok else 0
 
 
+def auto_layerwise(layerwise_load: bool | None, device: torch.device) -> bool:
+    """Whether loads into a pool on ``device`` run layer by layer: ``layerwise_load`` when
+    given, else (auto) on CUDA only: there the copies run on the copy engine beside the
+    kernels, while on the CPU they take the cores the forward pass computes on (README:
+    the figures)."""
+    return device.type == "cuda" if layerwise_load is None else layerwise_load
+
+
 @dataclass
 class _Request:
     """Connector-side state of one request (kept across preemptions, dropped when it ends)."""
@@ -141,6 +154,11 @@ class EngineMinConnector(KVConnectorBase):
         lossy_codec: the lossy codec (``"int8"``, ``"fp8"``) this engine accepts its chunks to
             be stored with by a disk or remote tier configured for it (``kvstore.kv_codec``):
             goes into the namespace (``Namespace.lossy_codec``); ``""`` (default) = bit-exact.
+        layerwise_load: loads run layer by layer beside the forward pass
+            (``connectors.engine_min_layers``; layer ``i``'s attention waits only for layer
+            ``i``); False: whole loads before it; None (default, "auto"): layer by layer when
+            the pool is on CUDA, whole on the CPU (resolved at ``register_kv_caches``, which
+            sets ``layerwise_load`` to the bool used).
 
     Raises:
         ValueError: a non-positive chunk size or deadline, or a tail chunk size that is
@@ -154,10 +172,16 @@ class EngineMinConnector(KVConnectorBase):
                  hash_algo: str = "sha256", deadline_s: float = 0.5,
                  deadline_s_per_chunk: float = 0.05, save_queue_bytes: int = 512 << 20,
                  save_generated: bool = True, owns_store: bool = True,
-                 tail_chunk_size: int | None = None, lossy_codec: str = ""):
+                 tail_chunk_size: int | None = None, lossy_codec: str = "",
+                 layerwise_load: bool | None = None):
         if lossy_codec and lossy_codec not in LOSSY_CODECS:
             raise ValueError(f"unknown lossy_codec {lossy_codec!r}; choose one of {LOSSY_CODECS}")
         self.lossy_codec = lossy_codec
+        if layerwise_load not in (None, True, False):
+            raise ValueError(f"layerwise_load must be True, False or None (auto), got "
+                             f"{layerwise_load!r}")
+        self._layerwise_arg = layerwise_load
+        self.layerwise_load = bool(layerwise_load)   # resolved when bound
         if not isinstance(chunk_size, int) or chunk_size <= 0:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
         if tail_chunk_size is not None and (
@@ -258,7 +282,8 @@ class EngineMinConnector(KVConnectorBase):
                 layout, chunk_size=self.tail_chunk_size))
         self.kv_cache = kv_cache
         self._lookups.bind(self.ns, self.tail_ns)
-        self._loader.bind(kv_cache, block_size)
+        self.layerwise_load = auto_layerwise(self._layerwise_arg, kv_cache.device)
+        self._loader.bind(kv_cache, block_size, self.layerwise_load)
         self._saver.bind(kv_cache, self.geometry, self.tail_ns)
         self.store.register(self.ns)  # a tier smaller than one chunk fails here, not mid-run
         if self.tail_ns is not None:
@@ -318,6 +343,9 @@ class EngineMinConnector(KVConnectorBase):
 
     def wait_for_load(self) -> list[LoadResult]:
         return self._loader.wait()
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        self._loader.wait_layer(layer)
 
     # ---- worker side: saves -------------------------------------------------------------------
     def save(self, sched_out: Any, kv_cache: torch.Tensor) -> None:

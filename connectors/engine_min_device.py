@@ -17,13 +17,23 @@ borrowed from a ``ChunkStore``) goes to the pool's device before its scatter (``
 ``non_blocking`` only from pinned memory, and ``sync_pool`` before the source may be released
 (borrowed pages go back to the store) or dropped.
 
+Layer-wise loads (``connectors.engine_min_layers``): the worker's copies go to a side stream
+(``side_stream``, ``on_stream``) that first waits for an event recorded on the engine's stream
+when the load started; each written layer records a ``DeviceEvent``, and the engine's stream
+waits for it (``DeviceEvent.order_current_stream``) before that layer's attention, and for the
+whole side stream (``join_stream``) once the step's loads are landed::
+
+    engine stream   [start event] ... qkv 0 | wait ev0 | attn 0 | qkv 1 | wait ev1 | attn 1 ...
+    side stream     wait start | layer 0 copies, ev0 | layer 1 copies, ev1 | ... | sync, release
+
 CPU twin: with the pool on the CPU nothing is copied (the tensors are the gathered ones, as
 before devices existed), events are complete when recorded and ``sync_pool`` returns at once;
 ``stage_for_store(..., host=True)`` on the CPU runs the same copy code into plain memory.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import Any, Sequence
 
 import torch
 
@@ -36,7 +46,7 @@ class DeviceEvent:
     synchronously, so the event is complete at once."""
 
     def __init__(self, device: torch.device) -> None:
-        self._event = None
+        self._event, self._device = None, device
         if device.type == "cuda":
             self._event = torch.cuda.Event()
             self._event.record(torch.cuda.current_stream(device))
@@ -45,6 +55,13 @@ class DeviceEvent:
         """Block the calling thread until the recorded work is done (no-op on the CPU)."""
         if self._event is not None:
             self._event.synchronize()
+
+    def order_current_stream(self) -> None:
+        """Make the calling thread's current stream wait (on the device, without blocking the
+        thread) until the recorded work is done: work queued after this call on that stream
+        runs after it. No-op on the CPU."""
+        if self._event is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._event)
 
 
 class StagedChunks(list):
@@ -91,6 +108,26 @@ def to_pool(kv: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, bool]
         return kv, False
     pinned = device.type == "cuda" and kv.device.type == "cpu" and kv.is_pinned()
     return kv.to(device, non_blocking=pinned), pinned
+
+
+def side_stream(device: torch.device) -> Any:
+    """A stream of its own on ``device`` (a ``torch.cuda.Stream``; None off CUDA), for
+    ``on_stream``: layer-wise loads put their copies there, beside the forward pass."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
+def on_stream(stream: Any) -> Any:
+    """A context manager under which the calling thread's device work goes to ``stream`` (from
+    ``side_stream``; ``DeviceEvent``s recorded inside mark points of it); a no-op context for
+    None (the CPU)."""
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+
+
+def join_stream(stream: Any) -> None:
+    """Order the calling thread's current stream after everything queued so far on
+    ``stream`` (from ``side_stream``), without blocking the thread; no-op for None."""
+    if stream is not None:
+        torch.cuda.current_stream(stream.device).wait_stream(stream)
 
 
 def sync_pool(device: torch.device) -> None:

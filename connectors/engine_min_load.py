@@ -10,6 +10,13 @@ rest. From an in-process ``ChunkStore`` the scatter copies straight out of the C
 (``ChunkStore.borrow_chunks``, reader-pinned while in use). A pool off the CPU receives each
 piece through ``connectors.engine_min_device.to_pool`` (asynchronous only from pinned pages),
 and the worker waits for those copies before borrowed pages go back or it returns.
+
+Layer-wise loads (``bind(..., layerwise=True)``; ``connectors.engine_min_layers``): the worker
+reads every piece first, then writes them layer by layer while the forward pass runs;
+``wait_layer(i)`` (before layer ``i``'s attention) waits for layer ``i`` within the step's
+deadline, and ``wait`` (after the forward pass) lands the loads as above. The borrowed pages
+are held until the last layer is written. A piece lands only with all its layers; a load
+stopped part-way lands none of what it read (the engine runs those tokens again).
 """
 from __future__ import annotations
 
@@ -24,7 +31,9 @@ import torch
 from connectors.base import LoadResult
 from connectors.chunk_plan import RequestChunks
 from connectors.chunk_records import LoadPlan, Piece
-from connectors.engine_min_device import sync_pool, to_pool
+from connectors.engine_min_device import (DeviceEvent, join_stream, on_stream, side_stream,
+                                          sync_pool, to_pool)
+from connectors.engine_min_layers import LayerGate, Move, write_layers
 from connectors.engine_min_stats import ConnectorStats
 from connectors.remote_borrow import borrowing_read
 from kernels import ops
@@ -45,7 +54,13 @@ class _Load:
     future: Future | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     landed: int = 0                 # leading pieces scattered into the blocks
-    cancelled: bool = False         # set under ``lock``: the worker scatters nothing more
+    cancelled: bool = False         # read under ``lock``: set, then the lock taken, nothing
+                                    # more is scattered
+    timed_out: bool = False         # cancelled by the step's deadline while waited for
+    gate: LayerGate | None = None   # layer-wise: the layers written so far
+    moves: list[Move] = field(default_factory=list)   # layer-wise: the pieces read, to write
+    kept: int = 0                   # layer-wise: leading pieces read whole (moves' pieces)
+    held: list = field(default_factory=list)          # layer-wise: borrowed pages in use
 
 
 def _as_chunk(parts: list[torch.Tensor] | None, layout: KVLayout) -> torch.Tensor | None:
@@ -80,19 +95,31 @@ class Loader:
         self._get_takes_parents = caps.get_takes_parents
         self.kv_cache: torch.Tensor | None = None
         self.block_size = 0
+        self.layerwise = False
+        self._stream = None             # layer-wise on CUDA: the copies' side stream
         self._loads: list[_Load] = []
+        self._deadline: float | None = None   # this step's, set by its first wait
+        self._waited_s = 0.0            # this step's time the engine spent waiting
 
-    def bind(self, kv_cache: torch.Tensor, block_size: int) -> None:
+    def bind(self, kv_cache: torch.Tensor, block_size: int, layerwise: bool = False) -> None:
         """Load into ``kv_cache`` ``[num_layers, 2, num_blocks, block_size, num_kv_heads,
-        head_dim]``."""
+        head_dim]``; ``layerwise``: layer by layer beside the forward pass (module docstring)."""
         self.kv_cache, self.block_size = kv_cache, block_size
+        self.layerwise = layerwise
+        self._stream = side_stream(kv_cache.device) if layerwise else None
 
     def start(self, item: Any, plan: LoadPlan, chunks: RequestChunks, block_ids: list[int],
               count_hits: bool) -> None:
         """Begin loading ``plan`` for ``item.seq`` (a scheduled item) into ``block_ids``;
         ``count_hits``: its loaded tokens count as the request's hits."""
         ld = _Load(item.seq, item, plan, chunks, block_ids, count_hits)
-        ld.future = self._pool.submit(self._fetch_and_scatter, ld)
+        if self.layerwise:
+            ld.gate = LayerGate()
+            # the pool's earlier users (this step's block copies...) are queued before this
+            ld.future = self._pool.submit(self._fetch_by_layer, ld, DeviceEvent(
+                self.kv_cache.device))
+        else:
+            ld.future = self._pool.submit(self._fetch_and_scatter, ld)
         self._loads.append(ld)
 
     def _fetch_and_scatter(self, ld: _Load) -> None:
@@ -106,12 +133,47 @@ class Loader:
             whatever the store raises (the caller counts a fallback; what landed stays).
         """
         try:
-            self._fetch_groups(ld)
+            self._fetch_groups(ld, self._scatter)
         finally:
             sync_pool(self.kv_cache.device)    # no copy still reads a chunk we drop
 
-    def _fetch_groups(self, ld: _Load) -> None:
-        """``_fetch_and_scatter``'s reads, one per namespace."""
+    def _fetch_by_layer(self, ld: _Load, ready: DeviceEvent) -> None:
+        """Worker thread, layer-wise: read ``ld``'s pieces (the leading ones that arrived whole
+        become ``ld.moves``; borrowed pages are held), then write them layer by layer
+        (``write_layers``, on the side stream after ``ready``); ``ld.landed`` counts them once
+        every layer is written. Borrowed pages go back after the last copy finished.
+
+        Raises:
+            what the store or a copy raises (the caller counts a fallback), after the pieces
+            read before a failing read were written.
+        """
+        try:
+            with on_stream(self._stream):
+                try:
+                    error = None
+                    try:
+                        self._fetch_groups(ld, self._keep)
+                    except Exception as exc:  # noqa: BLE001 - raised after the writes
+                        error = exc
+                    ready.order_current_stream()
+                    if write_layers(ld.moves, self.kv_cache, ld.lock, ld.gate,
+                                    lambda: ld.cancelled):
+                        with ld.lock:
+                            ld.landed = 0 if ld.cancelled else ld.kept
+                    if error is not None:
+                        raise error
+                finally:
+                    sync_pool(self.kv_cache.device)   # the side stream: every copy done
+                    for borrowed in ld.held:
+                        borrowed.release()
+        finally:
+            ld.gate.finish()
+
+    def _fetch_groups(self, ld: _Load, take) -> None:
+        """Read ``ld``'s pieces, one read per namespace, and hand each that arrived to
+        ``take(ld, piece, kv, want) -> bool`` in order, stopping at the first it refuses.
+        Borrowed pages go back after each read (whole loads) or join ``ld.held``
+        (layer-wise: released after the last layer)."""
         groups: list[list[Piece]] = []
         for p in ld.plan.pieces:
             if groups and groups[-1][0].ns is p.ns:
@@ -124,34 +186,58 @@ class Loader:
             keys = [p.key for p in group]
             if self._borrow is not None:
                 borrowed = self._borrow(ns, keys)
+                if ld.gate is not None:
+                    ld.held.append(borrowed)
                 try:
                     if borrowed.lower:      # chunks only in a lower tier (disk): read them
                         borrowed.read_lower()
                     for p, parts in zip(group, borrowed.parts):
-                        if not self._scatter(ld, p, _as_chunk(parts, ns.layout), want):
+                        if not take(ld, p, _as_chunk(parts, ns.layout), want):
                             return
                 finally:
-                    sync_pool(self.kv_cache.device)   # the pages' copies are done: release
-                    borrowed.release()
+                    if ld.gate is None:
+                        sync_pool(self.kv_cache.device)   # the pages' copies are done
+                        borrowed.release()
                 continue
             if self._get_takes_parents:
                 kvs = self.store.get_chunks(ns, keys, [p.parent for p in group])
             else:
                 kvs = self.store.get_chunks(ns, keys)
             for p, kv in zip(group, kvs):
-                if not self._scatter(ld, p, kv, want):
+                if not take(ld, p, kv, want):
                     return
             if len(kvs) < len(group):
                 return
 
+    def _span(self, ld: _Load, p: Piece, kv: torch.Tensor | None,
+              want: tuple) -> tuple[int, int] | None:
+        """Tokens ``[lo, hi)`` of piece ``p`` to write (``[plan.start, ceil_block(plan.end))``
+        within it), or None when ``kv`` is missing or misshapen."""
+        if kv is None or tuple(kv.shape) != want or kv.dtype != self.kv_cache.dtype:
+            return None
+        bs = self.block_size
+        return max(ld.plan.start, p.start), min(-(-ld.plan.end // bs) * bs, p.end)
+
+    def _keep(self, ld: _Load, p: Piece, kv: torch.Tensor | None, want: tuple) -> bool:
+        """Layer-wise: queue piece ``p``'s tokens as a ``Move`` unless ``kv`` is missing or
+        misshapen; True if kept."""
+        span = self._span(ld, p, kv, want)
+        if span is None:
+            return False
+        lo, hi, bs = *span, self.block_size
+        if hi > lo:
+            ld.moves.append(Move(kv[:, :, lo - p.start:hi - p.start],
+                                 ld.block_ids[lo // bs:hi // bs]))
+        ld.kept += 1
+        return True
+
     def _scatter(self, ld: _Load, p: Piece, kv: torch.Tensor | None, want: tuple) -> bool:
         """Scatter piece ``p``'s tokens in ``[plan.start, ceil_block(plan.end))`` into the
         request's blocks unless cancelled or ``kv`` is missing or misshapen; True if it landed."""
-        if kv is None or tuple(kv.shape) != want or kv.dtype != self.kv_cache.dtype:
+        span = self._span(ld, p, kv, want)
+        if span is None:
             return False
-        bs = self.block_size
-        lo = max(ld.plan.start, p.start)
-        hi = min(-(-ld.plan.end // bs) * bs, p.end)
+        lo, hi, bs = *span, self.block_size
         with ld.lock:
             if ld.cancelled:
                 return False
@@ -161,20 +247,41 @@ class Loader:
             ld.landed += 1
         return True
 
+    def _step_deadline(self) -> float:
+        """This step's deadline (``time.perf_counter()``), fixed by its first wait."""
+        if self._deadline is None:
+            self._deadline = time.perf_counter() + self.deadline_s + \
+                self.deadline_s_per_chunk * sum(len(ld.plan.pieces) for ld in self._loads)
+        return self._deadline
+
+    def wait_layer(self, layer: int) -> None:
+        """Layer-wise: block until every load of this step has written ``layer`` (on CUDA:
+        order the engine's stream after those copies), or the step's deadline passed (the
+        late loads are stopped: they land nothing and count a fallback at ``wait``)."""
+        if not self._loads:
+            return
+        t0 = time.perf_counter()
+        deadline = self._step_deadline()
+        for ld in self._loads:
+            if ld.gate is not None and not ld.timed_out:
+                ld.gate.wait_layer(layer, deadline, lambda ld=ld: _stop(ld))
+        self._waited_s += time.perf_counter() - t0
+
     def wait(self) -> list[LoadResult]:
         """Wait (up to the step's deadline) for the loads started; land each (module
-        docstring)."""
-        loads, self._loads = self._loads, []
-        if not loads:
+        docstring). Layer-wise: called after the forward pass; the engine's stream is then
+        ordered after every copy the loads issued."""
+        if not self._loads:
             return []
         t0 = time.perf_counter()
-        deadline = t0 + self.deadline_s + self.deadline_s_per_chunk * sum(
-            len(ld.plan.pieces) for ld in loads)
+        deadline = self._step_deadline()
+        loads, self._loads, self._deadline = self._loads, [], None
         results = []
         for ld in loads:
             failed = True
             try:  # (wait() first: a store error may itself be a TimeoutError, see lookups)
-                if wait([ld.future], timeout=max(0.0, deadline - time.perf_counter())).done:
+                if not ld.timed_out and wait(
+                        [ld.future], timeout=max(0.0, deadline - time.perf_counter())).done:
                     ld.future.result()
                     failed = False
                 else:
@@ -184,10 +291,13 @@ class Loader:
             except Exception as exc:  # noqa: BLE001
                 self.stats.fallback("load", "load failed (%s: %s); recomputing",
                                     type(exc).__name__, exc)
-            with ld.lock:          # nothing is scattered after this
-                ld.cancelled = True
+            ld.cancelled = True    # checked before each write, under the lock:
+            with ld.lock:          # once we hold it, nothing is or will be scattered
+                pass
             results.append(self._land(ld, failed))
-        self.stats.observe("load", time.perf_counter() - t0)
+        join_stream(self._stream)  # CUDA: what a stopped load issued is done before reuse
+        waited, self._waited_s = self._waited_s + time.perf_counter() - t0, 0.0
+        self.stats.observe("load", waited)
         return results
 
     def _land(self, ld: _Load, failed: bool) -> LoadResult:
@@ -211,3 +321,9 @@ class Loader:
                        loaded_tail_chunks=got.tail_pieces, loaded_bytes=got.nbytes,
                        load_failed_tokens=got.short, **hits)
         return LoadResult(ld.seq.request_id, plan.num_tokens, loaded, got.short == 0)
+
+
+def _stop(ld: _Load) -> None:
+    """The step's deadline passed while the engine waited for ``ld``: no layer is written
+    after the one being written (``wait`` later takes the lock: that one is done too)."""
+    ld.cancelled = ld.timed_out = True

@@ -91,6 +91,11 @@ def add_store_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    "the daemon stores the decoded values. Must name the --kvstore-lossy-codec "
                    "(the daemon refuses a lossy codec for a namespace that does not accept "
                    "it). Default: bit-exact payloads")
+    s.add_argument("--kvstore-layerwise-load", default="auto", choices=("auto", "on", "off"),
+                   help="on: a step's loads are written layer by layer while the forward pass "
+                   "runs (layer i's attention waits only for layer i); off: every layer is "
+                   "written before it; auto (default): on when the engine runs on CUDA, off on "
+                   "the CPU (where the copies take the cores the forward pass needs)")
     s.add_argument("--kvstore-remote-url", default=None, metavar="URL",
                    help="in-process store: a remote tier in Redis below its tiers, shared by "
                    "every engine pointing at it: redis://HOST:PORT (standalone or a cluster "
@@ -113,13 +118,15 @@ def connector_from_args(args: argparse.Namespace) -> EngineMinConnector | None:
     ``kvstore_disk_bytes``, ``kvstore_url``, ``kvstore_remote_*``, ``kvstore_chunk_size``,
     optional ``kvstore_deadline_s``, ``kvstore_auth_token`` and ``kvstore_tail_chunk_size``:
     None or absent = pieces of the engine's block size, 0 = off; ``kvstore_lossy_codec``,
-    ``kvstore_wire_codec``), or None when no store flag is set.
+    ``kvstore_wire_codec``, ``kvstore_layerwise_load``: ``auto``/``on``/``off``), or None when
+    no store flag is set.
 
     The store is in-process tiers (cpu bytes, disk path and bytes, a remote tier in Redis), a
     remote daemon (url), or both (local tiers in front of the daemon).
 
     Raises:
-        StoreFlagError: a tail chunk size or remote-tier setting without a store, disk bytes
+        StoreFlagError: a tail chunk size, layer-wise setting (``on``/``off``) or remote-tier
+            setting without a store, disk bytes
             without a disk path, a wire codec without a daemon or other than the lossy
             codec, a remote URL with only a daemon, a remote URL that does not parse.
         ValueError: as ``connectors.factory.create_connector`` (a bad URL, size or chunk size;
@@ -131,8 +138,8 @@ def connector_from_args(args: argparse.Namespace) -> EngineMinConnector | None:
             for k in ("cpu_bytes", "disk_path", "disk_bytes", "url")}
     remote = remote_options(args)
     if all(v is None for v in opts.values()) and not remote:
-        for flag in ("tail_chunk_size", "lossy_codec", "wire_codec"):  # else ignored silently
-            if getattr(args, f"kvstore_{flag}", None):
+        for flag in ("tail_chunk_size", "lossy_codec", "wire_codec", "layerwise_load"):
+            if getattr(args, f"kvstore_{flag}", None) not in (None, 0, "", "auto"):  # not ignored
                 raise StoreFlagError(f"--kvstore-{flag.replace('_', '-')} needs a store: "
                                      "--kvstore-cpu-bytes, --kvstore-disk-path, --kvstore-url "
                                      "or --kvstore-remote-url")
@@ -152,6 +159,9 @@ def connector_from_args(args: argparse.Namespace) -> EngineMinConnector | None:
         v = getattr(args, f"kvstore_{k}", None)
         if v is not None:
             extra[k] = v
+    layerwise = getattr(args, "kvstore_layerwise_load", None) or "auto"
+    if layerwise != "auto":
+        extra["layerwise_load"] = layerwise == "on"
     from connectors.factory import create_connector
     return create_connector(**opts, **extra)
 

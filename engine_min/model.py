@@ -4,10 +4,15 @@ One forward pass takes every token scheduled this step, ``[num_tokens]`` in the 
 ``[decode tokens (one per decoding sequence) | prefill chunk of seq a | chunk of seq b | ...]``,
 so every linear layer runs once per step for the whole batch; only attention is split into one
 batched decode call and one call per prefill chunk (see ``AttentionMetadata``).
+
+``forward(..., layer_ready=f)`` calls ``f(i)`` in layer ``i`` after its q/k/v projection and
+before the layer writes or reads its KV cache: the hook of KV loaded layer by layer while the
+pass runs (the caller passes a KV connector's wait; the model knows nothing of it).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -91,14 +96,19 @@ class DecoderLayer(nn.Module):
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """``x [num_tokens, hidden]`` -> ``[num_tokens, hidden]``; writes K/V into ``kv_layer``."""
+                kv_layer: torch.Tensor, meta: AttentionMetadata,
+                layer_ready: Callable[[int], None] | None = None) -> torch.Tensor:
+        """``x [num_tokens, hidden]`` -> ``[num_tokens, hidden]``; writes K/V into ``kv_layer``.
+        ``layer_ready(layer_idx)``, when given, runs before ``kv_layer`` is first touched (a
+        loaded block's slots past the load are overwritten by this step's K/V only after it)."""
         c = self.cfg
         t, hq, hkv, d = x.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
         qkv = F.linear(rms_norm(x, self.attn_norm, c.rms_norm_eps), self.qkv, self.qkv_bias)
         q = apply_rotary(qkv[:, :hq * d].view(t, hq, d), cos, sin)              # [T, Hq, D]
         k = apply_rotary(qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d), cos, sin)  # [T, Hkv, D]
         v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)                              # [T, Hkv, D]
+        if layer_ready is not None:
+            layer_ready(self.layer_idx)
         ops.reshape_and_cache(k, v, kv_layer, meta.slot_mapping)
         out = torch.empty_like(q)                                                # [T, Hq, D]
         nd = meta.num_decode
@@ -138,7 +148,8 @@ class LlamaModel(nn.Module):
         self.rotary = Rotary(cfg, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata,
+                layer_ready: Callable[[int], None] | None = None) -> torch.Tensor:
         """Hidden states after the final norm.
 
         Args:
@@ -146,6 +157,8 @@ class LlamaModel(nn.Module):
             positions: ``[num_tokens]`` int64 position of each token in its sequence.
             kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
             meta: slots and attention spans of this step.
+            layer_ready: called with each layer's index before that layer writes or reads
+                ``kv_cache[i]`` (module docstring); None = no wait.
 
         Returns:
             ``[num_tokens, hidden]``.
@@ -153,7 +166,7 @@ class LlamaModel(nn.Module):
         x = F.embedding(input_ids, self.embed)                  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, self.dtype)   # [T, 1, D] each
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[i], meta)
+            x = layer(x, cos, sin, kv_cache[i], meta, layer_ready)
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,14 @@ the forward pass:
   ``connector.start_load_kv(sched_out, kv_cache)`` then ``connector.wait_for_load()`` before it
   (and before the inputs are built: a load that falls short moves ``num_computed_tokens`` back),
   ``connector.save(sched_out, kv_cache)`` after it (full blocks now computed may be stored).
+A connector whose ``layerwise_load`` is true loads beside the forward pass instead: the inputs
+are built as if every load lands, the model calls ``connector.wait_for_layer_load(i)`` in layer
+``i`` before it touches its KV, and ``wait_for_load()`` runs after the pass (also when it
+raises, so no copy outlives the step); the sequences whose load fell short (moved back to
+what landed) are run again alone, their logits replacing the first pass's rows::
+
+    start_load_kv | prepare | forward (wait 0, attn 0, ... wait L-1, attn L-1) | wait_for_load
+                  | [forward again: the short loads' sequences, from what landed] | save
 
 Device: every input tensor is built on the host (numpy / lists) and moved once to the KV pool's
 device (``kv_cache.device``); the logits stay there (the sampler brings back token ids).
@@ -101,12 +109,41 @@ class ModelRunner:
         """
         ops.copy_blocks(self.kv_cache, [s for s, _ in sched_out.blocks_to_copy],
                         [d for _, d in sched_out.blocks_to_copy])
-        if self.connector is not None:
-            self.connector.start_load_kv(sched_out, self.kv_cache)
-            self.connector.wait_for_load()
-        ordered, input_ids, positions, meta, sample_idx = self.prepare(sched_out.scheduled)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
-        logits = self.model.compute_logits(hidden[sample_idx])           # [n_sample, vocab]
-        if self.connector is not None:
-            self.connector.save(sched_out, self.kv_cache)
+        conn = self.connector
+        if conn is not None and conn.layerwise_load:
+            ordered, logits = self._forward_layerwise(sched_out, conn)
+        else:
+            if conn is not None:
+                conn.start_load_kv(sched_out, self.kv_cache)
+                conn.wait_for_load()
+            ordered, logits = self._forward(sched_out.scheduled)
+        if conn is not None:
+            conn.save(sched_out, self.kv_cache)
+        return ordered, logits
+
+    def _forward(self, items: list[ScheduledSeq], layer_ready=None
+                 ) -> tuple[list[ScheduledSeq], torch.Tensor]:
+        """One forward pass of ``items``: (items in execution order, their sampling rows'
+        float32 logits ``[n_sample, vocab]``); ``layer_ready`` as ``LlamaModel.forward``."""
+        ordered, input_ids, positions, meta, sample_idx = self.prepare(items)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, layer_ready)  # [T, hidden]
+        return ordered, self.model.compute_logits(hidden[sample_idx])      # [n_sample, vocab]
+
+    def _forward_layerwise(self, sched_out: SchedulerOutput, conn: KVConnectorBase
+                           ) -> tuple[list[ScheduledSeq], torch.Tensor]:
+        """The forward pass beside the connector's layer-wise loads (module docstring)."""
+        conn.start_load_kv(sched_out, self.kv_cache)
+        try:
+            ordered, logits = self._forward(sched_out.scheduled, conn.wait_for_layer_load)
+        finally:
+            results = conn.wait_for_load()
+        short = {r.request_id for r in results if not r.ok}
+        redo = [it for it in ordered if it.seq.request_id in short]
+        if not redo:
+            return ordered, logits
+        # the short loads' sequences now start at what landed: compute the rest again
+        rows = {id(it): k for k, it in enumerate(x for x in ordered if x.samples)}
+        again, again_logits = self._forward(redo)
+        for it, row in zip((x for x in again if x.samples), again_logits):
+            logits[rows[id(it)]] = row
         return ordered, logits
