@@ -1,8 +1,11 @@
-"""Borrowed gets of the same-host client (``ShmKVStoreClient.get_borrowed``): the chunks of one
-get as read-only views of the daemon's arena, held by the daemon's reader pins until the
-caller releases them, so that a connector scatters straight out of the arena (one copy in
-all, as from an in-process ``ChunkStore.borrow_chunks``) instead of copying each chunk into a
-tensor first.
+"""The get exchanges of the same-host client (``kvstore.daemon.shm_client``): ``copy_on``
+(``get_chunks``: each chunk copied out of the arena, then the pins released at once) and
+``borrow_on`` (``get_borrowed``).
+
+A borrowed get hands out the chunks of one get as read-only views of the daemon's arena, held
+by the daemon's reader pins until the caller releases them, so that a connector scatters
+straight out of the arena (one copy in all, as from an in-process ``ChunkStore.borrow_chunks``)
+instead of copying each chunk into a tensor first.
 
 The pins belong to the get's connection (``kvstore.daemon.shm_protocol``): the borrow keeps
 that connection out of the client's pool until ``release`` sends ``release`` on it and hands it
@@ -142,10 +145,48 @@ def borrow_on(conn, deadline: float, frame: bytes, ns: Namespace, keys: Sequence
     return ArenaBorrow(keys, parts, conn, borrow, give, timeout_s)
 
 
+def copy_on(conn, deadline: float, frame: bytes, ns: Namespace, keys: Sequence[ChunkKey],
+            out: Sequence[torch.Tensor] | None,
+            take: Callable[[Any], torch.Tensor]) -> list[torch.Tensor | None]:
+    """One get exchange: copy each found chunk's arena runs (or read its inline bytes) into
+    its destination (``out[i]``, else ``take(layout)``), then release the borrow. Raises as
+    ``Conn.request``."""
+    reply = conn.request(frame, deadline)
+    chunks, borrow = reply.get("chunks"), reply.get("borrow")
+    if not isinstance(chunks, list) or len(chunks) != len(keys):
+        raise P.ProtocolError(f"get reply lists {str(chunks)[:40]} for {len(keys)} keys")
+    lay, arena = ns.layout, conn.hello.arena
+    got: list[torch.Tensor | None] = []
+    inline = 0
+    for i, c in enumerate(chunks):
+        if c is None:
+            got.append(None)
+            continue
+        kv = out[i] if out is not None else take(lay)
+        dst = kv.view(torch.uint8).reshape(-1).numpy()  # [chunk_bytes]
+        if not isinstance(c, dict):
+            raise P.ProtocolError(f"bad get reply entry {str(c)[:60]}")
+        if "runs" in c:
+            arena.copy_runs(c["runs"], dst)
+        elif c.get("inline") == lay.chunk_bytes:
+            conn.recv_into(memoryview(dst), deadline)
+            inline += lay.chunk_bytes
+        else:
+            raise P.ProtocolError(f"bad get reply entry {str(c)[:60]}: want runs or "
+                                  f"inline={lay.chunk_bytes}")
+        got.append(kv)
+    if inline != reply["payload_bytes"]:
+        raise P.ProtocolError(f"get reply carries {reply['payload_bytes']} payload bytes; "
+                              f"its inline chunks {inline}")
+    if borrow is not None:
+        conn.send([release_frame(borrow)], deadline)
+    return got
+
+
 def release_frame(borrow: Any) -> bytes:
     """The frame of ``release`` for borrow id ``borrow`` (no reply follows)."""
     blob = json.dumps({"op": "release", "borrow": borrow}, separators=(",", ":")).encode()
     return P.PREAMBLE.pack(P.MAGIC, len(blob)) + blob
 
 
-__all__ = ["ArenaBorrow", "CopiedBorrow", "borrow_on", "release_frame"]
+__all__ = ["ArenaBorrow", "CopiedBorrow", "borrow_on", "copy_on", "release_frame"]

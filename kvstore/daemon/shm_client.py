@@ -5,10 +5,12 @@ daemon's CPU arena mapped read-only (``kvstore.daemon.shm_protocol``).
 A get moves no chunk bytes through the socket when the chunks are in the daemon's CPU tier:
 the daemon pins them and answers with their page runs in the arena; the client copies the
 runs straight into the destination (a new tensor, or the caller's ``out`` buffers), then
-sends ``release``. Chunks of lower tiers come inline in the reply. A put copies the chunks
-into the connection's staging area (a memfd of the client's that the daemon maps read-only),
-pipelined over requests; the daemon copies them into reserved arena pages and checks each
-xxh3 before committing (``kvstore.daemon.shm_put``).
+sends ``release``; ``get_borrowed`` instead hands out read-only views of the runs, pinned until
+the caller releases them (``kvstore.daemon.shm_borrow``). Chunks of lower tiers come inline in
+the reply. A put copies the chunks into the connection's staging area (a memfd of the client's
+that the daemon maps read-only), pipelined over requests; the daemon copies them into reserved
+arena pages (protocol version 2: unhashed; version 1: checking each xxh3) before committing
+(``kvstore.daemon.shm_put``).
 
 Deadlines and errors as ``kvstore.daemon.client.KVStoreClient``: every call ends within its
 deadline (``timeout_s``) with a result, ``StoreUnavailable`` (daemon gone, refused, hung),
@@ -28,7 +30,7 @@ import torch
 
 from kvstore.api import KVStoreBase, LookupResult, StoreCapabilities
 from kvstore.daemon import protocol as P
-from kvstore.daemon.shm_borrow import ArenaBorrow, borrow_on, release_frame
+from kvstore.daemon.shm_borrow import ArenaBorrow, borrow_on, copy_on
 from kvstore.daemon.shm_conn import Conn, key_frame, unix_path
 from kvstore.daemon.shm_protocol import SHM_VERSION, hashes_frame
 from kvstore.daemon.shm_put import STAGING_BYTES, put_on
@@ -276,7 +278,7 @@ class ShmKVStoreClient(KVStoreBase):
             return []
         frame = _key_request_frame("get", ns, keys)
         take = self.results.take
-        return self._call("get", lambda c, d: _get(c, d, frame, ns, keys, out, take),
+        return self._call("get", lambda c, d: copy_on(c, d, frame, ns, keys, out, take),
                           idempotent=True, timeout_s=timeout_s)
 
     def get_borrowed(self, ns: Namespace, keys: Sequence[ChunkKey], *,
@@ -361,42 +363,4 @@ def check_out(ns: Namespace, keys: Sequence[ChunkKey], out: Sequence[torch.Tenso
             raise ValueError(f"get_chunks: each out tensor must be a contiguous CPU "
                              f"{lay.dtype} tensor of shape {list(lay.shape())}, got "
                              f"{t.dtype} {list(t.shape)} on {t.device}")
-
-
-def _get(conn: Conn, deadline: float, frame: bytes, ns: Namespace, keys: Sequence[ChunkKey],
-         out: Sequence[torch.Tensor] | None,
-         take: Callable[[Any], torch.Tensor]) -> list[torch.Tensor | None]:
-    """One get exchange: copy each found chunk's arena runs (or read its inline bytes) into
-    its destination (``out[i]``, else ``take(layout)``), then release the borrow. Raises as
-    ``Conn.request``."""
-    reply = conn.request(frame, deadline)
-    chunks, borrow = reply.get("chunks"), reply.get("borrow")
-    if not isinstance(chunks, list) or len(chunks) != len(keys):
-        raise P.ProtocolError(f"get reply lists {str(chunks)[:40]} for {len(keys)} keys")
-    lay, arena = ns.layout, conn.hello.arena
-    got: list[torch.Tensor | None] = []
-    inline = 0
-    for i, c in enumerate(chunks):
-        if c is None:
-            got.append(None)
-            continue
-        kv = out[i] if out is not None else take(lay)
-        dst = kv.view(torch.uint8).reshape(-1).numpy()  # [chunk_bytes]
-        if not isinstance(c, dict):
-            raise P.ProtocolError(f"bad get reply entry {str(c)[:60]}")
-        if "runs" in c:
-            arena.copy_runs(c["runs"], dst)
-        elif c.get("inline") == lay.chunk_bytes:
-            conn.recv_into(memoryview(dst), deadline)
-            inline += lay.chunk_bytes
-        else:
-            raise P.ProtocolError(f"bad get reply entry {str(c)[:60]}: want runs or "
-                                  f"inline={lay.chunk_bytes}")
-        got.append(kv)
-    if inline != reply["payload_bytes"]:
-        raise P.ProtocolError(f"get reply carries {reply['payload_bytes']} payload bytes; "
-                              f"its inline chunks {inline}")
-    if borrow is not None:
-        conn.send([release_frame(borrow)], deadline)
-    return got
 
