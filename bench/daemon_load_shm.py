@@ -11,6 +11,9 @@ pool, each with its own connections):
   into its KV pool); ``shm_get_alloc_gbps``: into new tensors.
 * ``shm_put_gbps``: ``put_chunks`` of ``batch`` chunks per call.
 * ``unix_lookup32_ms``: median (and p99) round trip of a lookup of a 32-chunk prompt.
+* ``shm_load8_borrow_ms`` / ``shm_load8_copy_ms``: median milliseconds to load 8 chunks into a
+  paged KV pool (16-token blocks) as the engine's connector does: scattered straight from
+  borrowed views of the arena (``get_borrowed``), or ``get_chunks`` into new tensors first.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import numpy as np
 import torch
 
 from bench.daemon_load_common import CHUNK_BYTES, LAYOUT
+from kernels import ops
 from kvstore.daemon.shm_client import ShmKVStoreClient
 from kvstore.keys import Namespace
 
@@ -123,6 +127,41 @@ def bench_unix_lookup32(path: str, tensors: list[torch.Tensor], reps: int) -> di
             "unix_lookup32_p99_ms": 1e3 * times[int(len(times) * 0.99)]}
 
 
+def bench_shm_load(path: str, tensors: list[torch.Tensor], reps: int) -> dict:
+    """Median ms of a load of 8 chunks into a paged pool, borrowed vs copied (alternated)."""
+    ns = Namespace("bench-shm-load", LAYOUT)
+    keys = ns.chunk_keys(list(range(8 * LAYOUT.chunk_size)))
+    bs, per = 16, LAYOUT.chunk_size // 16
+    pool = torch.zeros(LAYOUT.num_layers, 2, 8 * per, bs, LAYOUT.num_kv_heads,
+                       LAYOUT.head_dim, dtype=LAYOUT.torch_dtype)  # [L, 2, blocks, 16, H, D]
+
+    def scatter(i: int, kv: torch.Tensor) -> None:
+        ops.scatter_chunk(pool, list(range(i * per, (i + 1) * per)), kv)
+
+    with ShmKVStoreClient(path, timeout_s=60) as c:
+        c.put_chunks(ns, keys, [tensors[j % len(tensors)] for j in range(8)])
+
+        def borrowed() -> None:
+            with c.get_borrowed(ns, keys) as b:
+                for i, parts in enumerate(b.parts):
+                    flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+                    scatter(i, flat.view(LAYOUT.torch_dtype).view(LAYOUT.shape()))
+
+        def copied() -> None:
+            for i, kv in enumerate(c.get_chunks(ns, keys)):
+                scatter(i, kv)
+        times: dict = {"borrow": [], "copy": []}
+        for _ in range(reps):
+            for name, fn in (("borrow", borrowed), ("copy", copied)):
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+        got = pool[:, :, :per].reshape(LAYOUT.shape())  # chunk 0's blocks, token order
+        assert torch.equal(got, tensors[0])  # bit-exact, as a benchmark that moves bytes must
+        c.clear(ns)
+    return {f"shm_load8_{k}_ms": 1e3 * statistics.median(v) for k, v in times.items()}
+
+
 def shm_phase(path: str, args, tensors: list[torch.Tensor], out: dict) -> None:
     """Fill ``out`` with the figures of the module docstring: memcpy and shm alternate
     ``args.reps`` times per client count (medians; ratios are medians of per-repetition
@@ -148,9 +187,12 @@ def shm_phase(path: str, args, tensors: list[torch.Tensor], out: dict) -> None:
         out[f"shm_put_vs_memcpy{sfx}"] = statistics.median(r["put"] / r["memcpy"] for r in rs)
     out["memcpy_gbps"] = statistics.median(r["memcpy"] for rs in runs.values() for r in rs)
     out.update(bench_unix_lookup32(path, tensors, 300 if not args.quick else 100))
+    out.update(bench_shm_load(path, tensors, 10 if not args.quick else 3))
     print(f"shm (median of {args.reps}): put {out['shm_put_gbps']:.2f} get "
           f"{out['shm_get_gbps']:.2f} GB/s, 8 clients put {out['shm_put_gbps_8c']:.2f} get "
           f"{out['shm_get_gbps_8c']:.2f} GB/s; memcpy {out['memcpy_gbps']:.2f} GB/s; get "
           f"{out['shm_get_vs_memcpy']:.2f}x, put {out['shm_put_vs_memcpy']:.2f}x memcpy")
     print(f"lookup of a 32-chunk prompt over the unix socket: median "
           f"{out['unix_lookup32_ms']:.3f} ms, p99 {out['unix_lookup32_p99_ms']:.3f} ms")
+    print(f"load of 8 chunks into a paged pool: borrowed {out['shm_load8_borrow_ms']:.1f} ms, "
+          f"copied first {out['shm_load8_copy_ms']:.1f} ms (medians)")

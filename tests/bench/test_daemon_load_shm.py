@@ -28,4 +28,5 @@ def test_shm_phase_fills_every_figure(tmp_path, capsys):
                      "shm_get_vs_memcpy", "shm_put_vs_memcpy"):
             assert out[name + sfx] > 0, name + sfx
     assert out["memcpy_gbps"] > 0 and 0 < out["unix_lookup32_ms"] <= out["unix_lookup32_p99_ms"]
+    assert out["shm_load8_borrow_ms"] > 0 and out["shm_load8_copy_ms"] > 0
     assert "lookup of a 32-chunk prompt over the unix socket" in capsys.readouterr().out
