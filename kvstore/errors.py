@@ -19,3 +19,18 @@ class RemoteError(RuntimeError):
         super().__init__(f"kvstore server error {status}: {message}")
         self.status = status
         self.message = message
+
+
+class NotADaemon(RemoteError):
+    """Something answered at the daemon's URL, but not a kvstore daemon: an answer below 500
+    without the daemon's protocol header (``X-KVStore-Protocol``), e.g. another web server's
+    404 page, or an engine's port given for the daemon's. Not retried; the message names the
+    URL, the route, the status and the content type.
+    """
+
+    def __init__(self, status: int, message: str):
+        super().__init__(status, message)
+        self.args = (message,)
+
+    def __str__(self) -> str:
+        return self.message

@@ -89,6 +89,8 @@ async def _middleware(request: web.Request, handler) -> web.StreamResponse:
         state.conns.end(conn)
         state.in_flight.dec()
         state.active -= 1
+    if not resp.prepared:  # every answer names the protocol: clients tell us from other servers
+        resp.headers.setdefault(P.VERSION_HEADER, str(P.PROTOCOL_VERSION))
     state.requests.labels(route, str(resp.status)).inc()
     state.latency.labels(route).observe(time.perf_counter() - t0)
     return resp

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from kvstore.daemon import protocol as P
-from kvstore.errors import RemoteError, StoreUnavailable
+from kvstore.errors import NotADaemon, RemoteError, StoreUnavailable
 
 
 _CONNECT_ERRORS = (aiohttp.ClientConnectorError,)
@@ -109,6 +109,8 @@ class Transport:
             StoreUnavailable: no answer within the deadline, refused connections, or a
                 non-idempotent call that failed after sending.
             RemoteError: an error status other than 404 (and 503 for idempotent calls).
+            NotADaemon: an answer below 500 without the daemon's protocol header (another
+                server listens at the URL); never retried.
         """
         timeout = self.timeout_s if timeout_s is None else timeout_s
         loop = asyncio.get_running_loop()
@@ -124,6 +126,8 @@ class Transport:
                     data = body() if callable(body) else body
                     async with self._sess().request(method, self.url + path, data=data,
                                                     headers=headers) as resp:
+                        if resp.status < 500 and P.VERSION_HEADER not in resp.headers:
+                            raise not_a_daemon(self.url, method, path, resp)
                         if resp.status == 503 and idempotent:
                             raise _Retry(await resp.text())
                         if resp.status >= 400 and resp.status != 404:
@@ -172,3 +176,11 @@ async def error_text(resp: aiohttp.ClientResponse) -> str:
         return json.loads(text)["error"]
     except (ValueError, KeyError, TypeError):
         return text[:500]
+
+
+def not_a_daemon(url: str, method: str, path: str, resp: aiohttp.ClientResponse) -> NotADaemon:
+    """The error for an answer that did not come from a kvstore daemon (see ``NotADaemon``)."""
+    ctype = resp.headers.get("Content-Type") or "no content type"
+    return NotADaemon(resp.status, f"{url} is not a kvstore daemon: {method} {path} answered "
+                                   f"{resp.status} ({ctype}) without the {P.VERSION_HEADER} "
+                                   f"header; check the URL and port")
