@@ -58,3 +58,29 @@ def test_kvstore_serve_exits_2_with_one_error_line(monkeypatch, capsys, env, lin
     assert cli.main(["serve", "--port", "0"]) == 2
     out = capsys.readouterr()
     assert out.err.splitlines() == [line] and out.out == ""
+
+
+def test_a_config_value_that_is_not_a_number_names_its_setting():
+    from kvstore.daemon.config import ServeConfig
+    for field, value, want in (("port", "abc", "port 'abc' is not an int"),
+                               ("max_batch_keys", 1.5, "max_batch_keys 1.5 is not an int"),
+                               ("request_timeout_s", "soon", "request_timeout_s 'soon' is not a number"),
+                               ("max_connections", "many", "max_connections 'many' is not an int")):
+        with pytest.raises(ValueError) as e:
+            ServeConfig(**{field: value})
+        assert str(e.value) == want
+
+
+def test_start_warnings_name_a_tier_smaller_than_a_real_chunk_and_a_disk_beyond_free_space(tmp_path):
+    import shutil
+    from kvstore.daemon.config import SMALLEST_REAL_CHUNK_BYTES, ServeConfig, tier_warnings
+    assert SMALLEST_REAL_CHUNK_BYTES == 5_898_240
+    assert tier_warnings(ServeConfig(cpu_bytes="64MiB")) == []
+    w = tier_warnings(ServeConfig(cpu_bytes="64MiB", disk_path=str(tmp_path / "d"),
+                                  disk_bytes="1KiB"))
+    assert len(w) == 1 and w[0].startswith("the disk tier (1KiB, --disk-bytes) is smaller")
+    free = shutil.disk_usage(tmp_path).free
+    w = tier_warnings(ServeConfig(cpu_bytes="4MiB", disk_path=str(tmp_path / "new" / "d"),
+                                  disk_bytes=free + (1 << 30)))
+    assert len(w) == 2 and w[0].startswith("the cpu tier (4MiB")
+    assert "larger than the" in w[1] and "free at" in w[1]
