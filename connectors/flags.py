@@ -54,6 +54,25 @@ def parse_size(value: str | int) -> int:
         raise SizeError(str(e)) from None
 
 
+def _seconds(value: str) -> float:
+    """A finite number of seconds >= 0, as an ``argparse`` type (else ``ArgumentTypeError``)."""
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+    if not 0 <= x < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value!r}: give a finite number of seconds >= 0")
+    return x
+
+
+def _positive_seconds(value: str) -> float:
+    """As ``_seconds``, but > 0."""
+    x = _seconds(value)
+    if x == 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: give a number of seconds > 0")
+    return x
+
+
 def add_store_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """Add the ``--kvstore-*`` flags to ``parser`` as one argument group; returns the group.
 
@@ -96,6 +115,14 @@ def add_store_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    "runs (layer i's attention waits only for layer i); off: every layer is "
                    "written before it; auto (default): on when the engine runs on CUDA, off on "
                    "the CPU (where the copies take the cores the forward pass needs)")
+    s.add_argument("--kvstore-deadline-s", type=_positive_seconds, default=None,
+                   metavar="SECONDS", help="longest wait of a prefix lookup, and base wait of a "
+                   "step's loads; a later answer is a miss and the prefix is recomputed "
+                   "(default 0.5)")
+    s.add_argument("--kvstore-deadline-s-per-chunk", type=_seconds, default=None,
+                   metavar="SECONDS", help="extra load wait per chunk loaded in a step (default "
+                   "0.05); raise both on a slow or loaded host, where a late load is thrown "
+                   "away and recomputed")
     s.add_argument("--kvstore-remote-url", default=None, metavar="URL",
                    help="in-process store: a remote tier in Redis below its tiers, shared by "
                    "every engine pointing at it: redis://HOST:PORT (standalone or a cluster "
@@ -116,7 +143,7 @@ def add_store_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 def connector_from_args(args: argparse.Namespace) -> EngineMinConnector | None:
     """The connector of the store flags (``kvstore_cpu_bytes``, ``kvstore_disk_path``,
     ``kvstore_disk_bytes``, ``kvstore_url``, ``kvstore_remote_*``, ``kvstore_chunk_size``,
-    optional ``kvstore_deadline_s``, ``kvstore_auth_token`` and ``kvstore_tail_chunk_size``:
+    optional ``kvstore_deadline_s`` and ``kvstore_deadline_s_per_chunk``, ``kvstore_auth_token`` and ``kvstore_tail_chunk_size``:
     None or absent = pieces of the engine's block size, 0 = off; ``kvstore_lossy_codec``,
     ``kvstore_wire_codec``, ``kvstore_layerwise_load``: ``auto``/``on``/``off``), or None when
     no store flag is set.
@@ -138,7 +165,8 @@ def connector_from_args(args: argparse.Namespace) -> EngineMinConnector | None:
             for k in ("cpu_bytes", "disk_path", "disk_bytes", "url")}
     remote = remote_options(args)
     if all(v is None for v in opts.values()) and not remote:
-        for flag in ("tail_chunk_size", "lossy_codec", "wire_codec", "layerwise_load"):
+        for flag in ("tail_chunk_size", "lossy_codec", "wire_codec", "layerwise_load",
+                     "deadline_s", "deadline_s_per_chunk"):
             if getattr(args, f"kvstore_{flag}", None) not in (None, 0, "", "auto"):  # not ignored
                 raise StoreFlagError(f"--kvstore-{flag.replace('_', '-')} needs a store: "
                                      "--kvstore-cpu-bytes, --kvstore-disk-path, --kvstore-url "
@@ -154,8 +182,8 @@ def connector_from_args(args: argparse.Namespace) -> EngineMinConnector | None:
     if remote:
         opts["remote"] = remote
     extra = {}
-    for k in ("chunk_size", "deadline_s", "auth_token", "tail_chunk_size", "lossy_codec",
-              "wire_codec"):
+    for k in ("chunk_size", "deadline_s", "deadline_s_per_chunk", "auth_token",
+              "tail_chunk_size", "lossy_codec", "wire_codec"):
         v = getattr(args, f"kvstore_{k}", None)
         if v is not None:
             extra[k] = v

@@ -77,3 +77,27 @@ def test_a_bad_size_names_the_flag_and_the_reason(capsys, value, reason):
     with pytest.raises(SystemExit):
         parse("--kvstore-cpu-bytes", value)
     assert f"argument --kvstore-cpu-bytes: {reason}" in capsys.readouterr().err
+
+
+def test_load_deadlines_are_flags_that_reach_the_connector_and_refuse_bad_values(capsys):
+    c = connector_from_args(parse("--kvstore-cpu-bytes", "8MiB", "--kvstore-deadline-s", "2.5",
+                                  "--kvstore-deadline-s-per-chunk", "0.2"))
+    try:
+        assert (c.deadline_s, c.deadline_s_per_chunk) == (2.5, 0.2)
+        assert (c._loader.deadline_s, c._loader.deadline_s_per_chunk) == (2.5, 0.2)
+    finally:
+        c.close()
+    c = connector_from_args(parse("--kvstore-cpu-bytes", "8MiB"))
+    try:
+        assert (c.deadline_s, c.deadline_s_per_chunk) == (0.5, 0.05)  # the documented defaults
+    finally:
+        c.close()
+    for argv, msg in ((("--kvstore-deadline-s", "0"), "seconds > 0"),
+                      (("--kvstore-deadline-s", "-1"), "finite number of seconds >= 0"),
+                      (("--kvstore-deadline-s-per-chunk", "soon"), "is not a number of seconds"),
+                      (("--kvstore-deadline-s", "inf"), "finite number")):
+        with pytest.raises(SystemExit):
+            parse("--kvstore-cpu-bytes", "8MiB", *argv)
+        assert msg in capsys.readouterr().err
+    with pytest.raises(StoreFlagError, match="--kvstore-deadline-s needs a store"):
+        connector_from_args(parse("--kvstore-deadline-s", "2"))
