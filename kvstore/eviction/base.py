@@ -24,7 +24,7 @@ from typing import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 
 from kvstore.eviction import batched as _batched
 from kvstore.eviction import integrity as _integrity
-from kvstore.eviction.batched import Request
+from kvstore.eviction.batched import Admit, Request
 
 Key = Hashable
 _ABSENT = object()
@@ -229,15 +229,17 @@ class EvictionPolicy(ABC):
         return _batched.evict_until(self, nbytes, can_evict, leaves_only)[0]
 
     def on_request(self, hits: Sequence[Key], keys: Sequence[Key], nbytes: Sequence[int],
-                   free_bytes: int) -> Request:
+                   free_bytes: int, admit: Admit | None = None) -> Request:
         """One prompt served by a one-tier prefix cache, at once: ``hits`` (its stored head,
         head first) are read, then new ``keys`` (``nbytes`` each; each the parent of the next,
         ``keys[0]`` under ``hits[-1]``, or a root without hits) are stored in order while they
         fit: before each, leaves other than its parent are evicted until it fits in
         ``free_bytes`` plus the bytes freed, less the bytes stored; the first that does not
-        fit (no leaf left) ends the request. Mutates. The same decisions and ranks as
-        ``on_access_many(hits)``, then per key ``evict_until(need, lambda v: v != parent,
-        True)`` and ``on_insert``. LRU, FIFO and LFU pop victims from a leaf-first index
+        fit (no leaf left) ends the request, as does ``admit(key, victim, num_keys)``
+        (an admission filter, optional) refusing a key that needs room the first victim
+        ``next_victim`` names (``num_keys``: the keys tracked then). Mutates. The same
+        decisions and ranks as ``on_access_many(hits)``, then per key ``evict_until(need,
+        lambda v: v != parent, True)`` and ``on_insert``. LRU, FIFO and LFU pop victims from a leaf-first index
         instead of heaps while every event came this way and each request's ``hits`` are a
         chain from a root (``kvstore.eviction.leaf_first``, ``leaf_first_lfu``).
 
@@ -246,11 +248,11 @@ class EvictionPolicy(ABC):
             KeyError: a key of ``keys`` is tracked or repeated (nothing changed).
         """
         if self._leaf_first is not None:
-            done = self._index_ops.request(self, hits, keys, nbytes, free_bytes)
+            done = self._index_ops.request(self, hits, keys, nbytes, free_bytes, admit)
             if done is not None:
                 return done
             self._drop_leaf_first()
-        return _batched.request(self, hits, keys, nbytes, free_bytes)
+        return _batched.request(self, hits, keys, nbytes, free_bytes, admit)
 
     def _drop_leaf_first(self) -> None:
         """Leave the leaf-first index for good: ranks, child sets and heaps rebuilt."""
@@ -375,12 +377,13 @@ class EvictionPolicy(ABC):
 
     def children(self, key: Key) -> set[Key]:
         """Tracked keys whose recorded parent is ``key`` (a new set; ``key`` need not be
-        tracked)."""
+        tracked). Leaves the leaf-first index (it keeps no child sets)."""
         self._drop_leaf_first()
         return set(self._children.get(key, ()))
 
     def has_children(self, key: Key) -> bool:
-        """Whether some tracked key records ``key`` as its parent (O(1), no copy)."""
+        """Whether some tracked key records ``key`` as its parent (O(1), no copy; leaves the
+        leaf-first index, O(n) once)."""
         self._drop_leaf_first()
         return key in self._children
 

@@ -21,6 +21,11 @@ _ABSENT = object()
 _heappush, _heappop = heapq.heappush, heapq.heappop
 
 
+#: ``admit(key, victim, num_keys)``: whether ``key`` may evict ``victim`` from a tier that
+#: tracks ``num_keys`` keys (an admission filter; ``EvictionPolicy.on_request``)
+Admit = Callable[[Key, Key, int], bool]
+
+
 class Request(NamedTuple):
     """What ``EvictionPolicy.on_request`` did: the victims in eviction order, how many of the
     new keys it stored (the first ones), and the bytes the victims freed."""
@@ -145,18 +150,18 @@ def evict_until(policy: EvictionPolicy, nbytes: int, can_evict: Callable[[Key], 
 
 
 def request(policy: EvictionPolicy, hits: Sequence[Key], keys: Sequence[Key],
-            nbytes: Sequence[int], free_bytes: int) -> Request:
+            nbytes: Sequence[int], free_bytes: int, admit: Admit | None = None) -> Request:
     """``EvictionPolicy.on_request`` through the policy's other calls (its contract, in its
     docstring): ``on_access_many(hits)``, then per key of ``keys``: ``evict_until`` (leaves
     only, sparing the key's parent) until it fits, ``on_insert``; room is made once for the
-    whole chain when the policy's victims ignore inserts (the same victims). ``keys`` and
-    ``nbytes`` are checked first."""
+    whole chain when the policy's victims ignore inserts and there is no ``admit`` (the
+    same victims). ``keys`` and ``nbytes`` are checked first."""
     check_chain(policy, keys, nbytes)
     policy.on_access_many(hits)
     parent = hits[-1] if hits else None
     room, stored, freed = free_bytes, 0, 0
     victims: list[Key] = []
-    if policy.victims_ignore_inserts:
+    if policy.victims_ignore_inserts and admit is None:
         need = sum(nbytes) - room
         if need > 0:
             victims, freed = evict_until(policy, need, _sparing(parent), True)
@@ -171,6 +176,10 @@ def request(policy: EvictionPolicy, hits: Sequence[Key], keys: Sequence[Key],
         return Request(victims, stored, freed)
     for key, n in zip(keys, nbytes):
         if n > room:
+            if admit is not None:
+                victim = policy.next_victim(_sparing(parent), True)
+                if victim is None or not admit(key, victim, len(policy._nbytes)):
+                    break
             more, more_bytes = evict_until(policy, n - room, _sparing(parent), True)
             victims += more
             freed += more_bytes

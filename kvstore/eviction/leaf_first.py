@@ -34,9 +34,9 @@ from __future__ import annotations
 from collections import deque
 from itertools import accumulate, count, islice, takewhile
 from operator import itemgetter
-from typing import TYPE_CHECKING, Hashable, Sequence
+from typing import TYPE_CHECKING, Callable, Hashable, Sequence
 
-from kvstore.eviction.batched import Request, check_chain
+from kvstore.eviction.batched import Admit, Request, check_chain
 
 if TYPE_CHECKING:
     from kvstore.eviction.base import EvictionPolicy
@@ -46,7 +46,7 @@ _ABSENT = object()
 
 
 def request(policy: EvictionPolicy, hits: Sequence[Key], keys: Sequence[Key],
-            nbytes: Sequence[int], free_bytes: int) -> Request | None:
+            nbytes: Sequence[int], free_bytes: int, admit: Admit | None = None) -> Request | None:
     """``EvictionPolicy.on_request`` through the leaf-first index ``policy._leaf_first``;
     None (nothing changed) when ``hits`` is not a tracked chain from a root, or when
     ``keys`` is empty and ``free_bytes`` negative (the general path evicts then).
@@ -70,22 +70,28 @@ def request(policy: EvictionPolicy, hits: Sequence[Key], keys: Sequence[Key],
             first = _tick(policy, nh)
             hit_ranks = range(first + nh - 1, first - 1, -1)
         elif keys:
+            if admit is not None and nbytes[0] > free_bytes:  # FIFO's stored head keeps
+                seen = set(hits)  # its place when nothing is stored under it: ask first
+                victim = next((k for k in index if k not in seen), None)
+                if victim is None or not admit(keys[0], victim, len(sizes)):
+                    return Request([], 0, 0)
+                admit = _admitted_first(admit, keys[0])
             hit_ranks = list(map(index.pop, hits))[::-1]
     if not keys:
         if nh and policy.reads_reorder:
             index.update(zip(reversed(hits), hit_ranks))
         return Request([], 0, 0)
     # the stored head is out of the index until the new keys are in (the parent is spared)
-    victims: list[Key] = []
-    freed = 0
-    need = sum(nbytes) - free_bytes
-    if need > 0:  # the index's first keys, until they free ``need`` bytes
+
+    def evict(need: int) -> tuple[list[Key], int]:  # the index's first keys
         n = len(list(takewhile(need.__gt__, accumulate(map(sizes.__getitem__, index))))) + 1
-        victims = list(islice(index, n))
-        deque(map(index.__delitem__, victims), 0)
-        freed = sum(map(sizes.pop, victims))
-        deque(map(parents.__delitem__, victims), 0)
-    stored = len(keys) if freed >= need else _fit(nbytes, free_bytes + freed)
+        some = list(islice(index, n))
+        deque(map(index.__delitem__, some), 0)
+        deque(map(parents.__delitem__, some), 0)
+        return some, sum(map(sizes.pop, some))
+
+    victims, freed, stored = make_room(keys, nbytes, free_bytes, evict,
+                                       lambda: next(iter(index), None), len(sizes), admit)
     if stored:
         chain = keys[:stored] if stored < len(keys) else keys
         sizes.update(zip(chain, nbytes))
@@ -96,6 +102,41 @@ def request(policy: EvictionPolicy, hits: Sequence[Key], keys: Sequence[Key],
     if nh:
         index.update(zip(reversed(hits), hit_ranks))
     return Request(victims, stored, freed)
+
+
+def make_room(keys: Sequence[Key], nbytes: Sequence[int], free_bytes: int,
+              evict: Callable[[int], tuple[list[Key], int]],
+              first_victim: Callable[[], Key | None], num_keys: int,
+              admit: Admit | None) -> tuple[list[Key], int, int]:
+    """Evict (``evict(nbytes)``: victims, bytes freed) for new ``keys`` as ``on_request``
+    does, the keys themselves stored later by the caller; returns the victims, the bytes
+    they freed and how many keys fit. Without ``admit`` room is made once for the whole
+    chain (the same victims); with it, before each key that needs room, ``admit(key,
+    first_victim(), keys tracked then)`` must agree, else the request ends there."""
+    if admit is None:
+        need = sum(nbytes) - free_bytes
+        victims, freed = evict(need) if need > 0 else ([], 0)
+        return victims, freed, (len(keys) if freed >= need else _fit(nbytes, free_bytes + freed))
+    victims, freed, room, stored = [], 0, free_bytes, 0
+    for key, n in zip(keys, nbytes):
+        if n > room:
+            victim = first_victim()
+            if victim is None or not admit(key, victim, num_keys - len(victims) + stored):
+                break
+            more, more_bytes = evict(n - room)
+            victims += more
+            freed += more_bytes
+            room += more_bytes
+            if n > room:
+                break
+        room -= n
+        stored += 1
+    return victims, freed, stored
+
+
+def _admitted_first(admit: Admit, first: Key) -> Admit:
+    """``admit``, save that ``first`` (already admitted) is let through."""
+    return lambda key, victim, num_keys: key == first or admit(key, victim, num_keys)
 
 
 def _tick(policy: EvictionPolicy, n: int) -> int:

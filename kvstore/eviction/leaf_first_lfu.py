@@ -22,7 +22,7 @@ from itertools import accumulate, islice, repeat, takewhile
 from typing import TYPE_CHECKING, Hashable, Sequence
 
 from kvstore.eviction import leaf_first
-from kvstore.eviction.batched import Request, check_chain
+from kvstore.eviction.batched import Admit, Request, check_chain
 
 if TYPE_CHECKING:
     from kvstore.eviction.lfu import LFUPolicy
@@ -33,7 +33,7 @@ _ONE = 1 << 40  # frequency 1, clock 0
 
 
 def request(policy: LFUPolicy, hits: Sequence[Key], keys: Sequence[Key],
-            nbytes: Sequence[int], free_bytes: int) -> Request | None:
+            nbytes: Sequence[int], free_bytes: int, admit: Admit | None = None) -> Request | None:
     """``EvictionPolicy.on_request`` through LFU's leaf-first buckets; None (nothing
     changed) as ``leaf_first.request``.
 
@@ -61,24 +61,30 @@ def request(policy: LFUPolicy, hits: Sequence[Key], keys: Sequence[Key],
                 del buckets[f]
             hit_ranks.append((f + 1) << 40 | (first + i))
         ranks.update(zip(hits, hit_ranks))
-    victims: list[Key] = []
-    freed = 0
-    need = sum(nbytes) - free_bytes
-    while freed < need and buckets:  # the lowest bucket's first keys
-        f = min(buckets)
-        bucket = buckets[f]
-        rest = need - freed
-        n = len(list(takewhile(rest.__gt__, accumulate(map(sizes.__getitem__, bucket))))) + 1
-        some = list(islice(bucket, n))
-        deque(map(bucket.__delitem__, some), 0)
-        if not bucket:
-            del buckets[f]
-        freed += sum(map(sizes.pop, some))
-        victims += some
-    if victims:
+
+    def evict(need: int) -> tuple[list[Key], int]:  # the lowest buckets' first keys
+        victims: list[Key] = []
+        freed = 0
+        while freed < need and buckets:
+            f = min(buckets)
+            bucket = buckets[f]
+            rest = need - freed
+            n = len(list(takewhile(rest.__gt__, accumulate(map(sizes.__getitem__, bucket)))))
+            some = list(islice(bucket, n + 1))
+            deque(map(bucket.__delitem__, some), 0)
+            if not bucket:
+                del buckets[f]
+            freed += sum(map(sizes.pop, some))
+            victims += some
         deque(map(parents.__delitem__, victims), 0)
         deque(map(ranks.__delitem__, victims), 0)
-    stored = len(keys) if freed >= need else leaf_first._fit(nbytes, free_bytes + freed)
+        return victims, freed
+
+    def first_victim() -> Key | None:
+        return next(iter(buckets[min(buckets)])) if buckets else None
+
+    victims, freed, stored = leaf_first.make_room(keys, nbytes, free_bytes, evict,
+                                                  first_victim, len(sizes), admit)
     if stored:
         chain = keys[:stored] if stored < len(keys) else keys
         sizes.update(zip(chain, nbytes))

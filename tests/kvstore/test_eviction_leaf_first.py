@@ -11,7 +11,7 @@ import pytest
 from kvstore.eviction import POLICIES, create_policy
 
 
-def per_event_request(policy, hits, keys, sizes, free):
+def per_event_request(policy, hits, keys, sizes, free, admit=None):
     """What ``on_request`` stands for, through the per-event calls."""
     for k in hits:
         policy.on_access(k)
@@ -19,6 +19,10 @@ def per_event_request(policy, hits, keys, sizes, free):
     victims, stored = [], 0
     for k, n in zip(keys, sizes):
         if n > free:
+            if admit is not None:
+                victim = policy.next_victim(lambda v, p=parent: v != p, True)
+                if victim is None or not admit(k, victim, len(policy)):
+                    break
             before = policy.tracked_bytes
             victims += policy.evict_until(n - free, lambda v, p=parent: v != p, True)
             free += before - policy.tracked_bytes
@@ -61,10 +65,23 @@ def _stored_head(policy, prompt):
     return out
 
 
+def _admission(log):
+    """A deterministic admission verdict that refuses about a third of the inserts, logging
+    what it was asked."""
+    def admit(key, victim, num_keys):
+        log.append((key, victim, num_keys))
+        return (key * 7 + victim * 13) % 3 != 0
+    return admit
+
+
+@pytest.mark.parametrize("admission", [False, True])
 @pytest.mark.parametrize("budget", [60, 400])
 @pytest.mark.parametrize("name", sorted(POLICIES))
-def test_requests_name_the_same_victims_as_per_event_calls(name, budget):
+def test_requests_name_the_same_victims_as_per_event_calls(name, budget, admission):
     fast, slow = create_policy(name), create_policy(name)
+    asked_fast, asked_slow = [], []
+    admit_fast = _admission(asked_fast) if admission else None
+    admit_slow = _admission(asked_slow) if admission else None
     used = {"fast": 0, "slow": 0}
     num_victims = 0
     for step, (head, new, sizes) in enumerate(random_requests(seed=7, steps=2500)):
@@ -72,9 +89,10 @@ def test_requests_name_the_same_victims_as_per_event_calls(name, budget):
         assert hits == _stored_head(slow, head)
         if len(hits) < len(head):  # the prompt's head is partly gone: store from there
             new, sizes = [], []
-        got = fast.on_request(hits, new, sizes, budget - used["fast"])
+        got = fast.on_request(hits, new, sizes, budget - used["fast"], admit_fast)
         want_victims, want_stored = per_event_request(slow, hits, new, sizes,
-                                                      budget - used["slow"])
+                                                      budget - used["slow"], admit_slow)
+        assert asked_fast == asked_slow, f"step {step}"
         assert got.victims == want_victims, f"step {step}"
         assert got.num_stored == want_stored, f"step {step}"
         used["fast"] += sum(sizes[:got.num_stored]) - got.freed_bytes
@@ -87,7 +105,10 @@ def test_requests_name_the_same_victims_as_per_event_calls(name, budget):
     fast.check_integrity()
     slow.check_integrity()
     assert fast.keys() == slow.keys()
-    assert num_victims > (300 if budget > 100 else 1000)  # the evictions did real work
+    assert num_victims > (300 if budget > 100 else 1000) // (1 + admission)  # real work
+    if admission:  # the filter was asked often and said no often
+        assert len(asked_fast) > 300
+        assert sum(1 for k, v, _ in asked_fast if (7 * k + 13 * v) % 3 == 0) > 60
     if name in ("lru", "fifo", "lfu"):
         assert fast._leaf_first is not None  # served by the index all along
 
