@@ -265,3 +265,28 @@ def test_the_flag_without_a_store_is_refused_and_bad_values_are_named():
     with pytest.raises(ValueError, match="layerwise_load must be True, False or None"):
         EngineMinConnector(store, layerwise_load="yes")
     store.close()
+
+
+@pytest.mark.gpu
+def test_cuda_pool_auto_is_layerwise_and_a_hit_answers_as_whole_loads():
+    """On CUDA (skipped elsewhere): ``auto`` resolves to layer-wise, whose copies run on a side
+    stream with one event per layer; a hit answers the tokens of whole loads and of no store,
+    with the same hit, and leaves no reader pin."""
+    eng = LLMEngine(EngineConfig(device="cuda", dtype="float32", block_size=BS,
+                                 kv_cache_bytes=32 * 2**20, enable_prefix_caching=False))
+    ids = eng.tokenizer.encode(TEXT)[:PROMPT_TOKENS]
+    want = run(eng, ids)[0]
+    for layerwise, want_resolved in ((False, False), (None, True)):
+        store = ChunkStore(StoreConfig(cpu_bytes="64MiB"))
+        conn = EngineMinConnector(store, chunk_size=C, tail_chunk_size=F, deadline_s=60.0,
+                                  layerwise_load=layerwise)
+        eng.set_connector(conn)
+        try:
+            assert conn.layerwise_load is want_resolved
+            assert run(eng, ids) == (want, 0)
+            assert conn.wait_for_save(60)
+            assert run(eng, ids) == (want, HIT), f"layerwise_load={layerwise}"
+            assert no_pins_left(store) and conn.get_stats()["kvstore_fallbacks"] == 0
+        finally:
+            eng.set_connector(None)
+            conn.close()
