@@ -18,6 +18,13 @@ check                    what                                                   
 ``long_doc_ttft``        long-document TTFT on a store hit vs recompute               skipped
 ``spill_roundtrip``      chunks spilled GPU tier -> CPU tier and promoted back,       n = 200
                          read back at once, bit-exact (``--spill-n``, 1,000)
+``layerwise_ttft``       long-document hit TTFT with layer-wise loads (layer i's      skipped
+                         copy on the copy stream while layers < i compute) vs
+                         whole loads (``bench.long_doc_qa_layerwise``); outputs
+                         equal to the engine without a store, no fallback
+``gpu_tests``            ``pytest -m gpu`` (the CUDA twins of the CPU tests:          skipped
+                         engine on CUDA, store hits from a CUDA pool, layer-wise
+                         loads on the copy stream); ok when pytest exits 0
 =======================  ==========================================================  =========
 
 JSON: ``{"cuda", "device", "torch", "triton", "ok", "checks": {name: {"ok", ...figures,
@@ -90,6 +97,15 @@ def plan(device: torch.device, args) -> tuple[dict[str, Callable[[], dict]], dic
     if engine_here and "long_doc_ttft" not in skip:
         run["long_doc_ttft"] = lambda: eng.long_doc_ttft_check(str(device), args.doc_tokens,
                                                            model=args.model)
+    if engine_here and "long_doc_ttft" not in skip:
+        run["layerwise_ttft"] = lambda: layerwise_ttft_check(str(device), args.doc_tokens)
+    else:
+        skip["layerwise_ttft"] = ("no CUDA (the CPU figure is bench.long_doc_qa_layerwise's; "
+                                  "layer-wise loads are off by default on the CPU)")
+    if cuda:
+        run["gpu_tests"] = gpu_tests_check
+    else:
+        skip["gpu_tests"] = "no CUDA: the gpu-marked tests skip"
     spill = _spill_check()
     if spill is None:
         skip["spill_roundtrip"] = "kvstore.spill_check is not in this store"
@@ -97,6 +113,38 @@ def plan(device: torch.device, args) -> tuple[dict[str, Callable[[], dict]], dic
         n = args.spill_n if args.spill_n is not None else (1000 if cuda else 200)
         run["spill_roundtrip"] = lambda: spill(str(device), n)
     return run, skip
+
+
+def layerwise_ttft_check(device: str, doc_tokens: int, rounds: int = 6) -> dict:
+    """``bench.long_doc_qa_layerwise`` on ``device``: hit TTFT with whole vs layer-wise loads
+    (seconds, medians over ``rounds``); ok when every output equals the engine's without a
+    store and no load fell back to recompute."""
+    from bench import long_doc_qa_layerwise as lw
+    res = lw.main(["--device", device, "--doc-tokens", str(doc_tokens),
+                   "--rounds", str(rounds)], echo=False)
+    res["ok"] = bool(res["outputs_identical"]) and all(
+        res[m]["fallbacks"] == 0 for m in lw.MODES)
+    return res
+
+
+#: longest run of ``pytest -m gpu`` (seconds)
+GPU_TESTS_TIMEOUT_S = 240
+
+
+def gpu_tests_check() -> dict:
+    """``pytest -m gpu tests/`` in a subprocess: its exit status, the summary line and the
+    tail of its output when it failed."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p",
+                           "no:cacheprovider", "tests"], cwd=root, capture_output=True,
+                          text=True, timeout=GPU_TESTS_TIMEOUT_S)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    res = {"ok": proc.returncode == 0, "returncode": proc.returncode,
+           "summary": lines[-1] if lines else ""}
+    if proc.returncode != 0:
+        res["tail"] = (proc.stdout + proc.stderr)[-3000:]
+    return res
 
 
 def targets(checks: dict, cuda: bool) -> dict:

@@ -67,7 +67,9 @@ def run_rounds(engine, conns: dict, doc: list[int], questions: list[list[int]],
     return {**ttft, "same": same}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, echo: bool = True) -> dict:
+    """Run the comparison (``argv``: the command line); the figures (see the module
+    docstring), printed when ``echo`` and written to ``--json``."""
     args = build_parser().parse_args(argv)
     if args.rounds < 2:
         raise SystemExit("--rounds must be >= 2")
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
         a / b for a, b in zip(runs["layerwise"], runs["whole"]))
     store.close()
     res["load_average"] = [load_start, os.getloadavg()[0]]
-    return emit_json(res, args.json)
+    return emit_json(res, args.json, echo=echo)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ def test_cpu_run_exits_0_with_its_figures(tmp_path):
     res = json.loads(out.read_text())
     assert json.loads(proc.stdout) == res
     assert res["cuda"] is False and res["device"] == "cpu" and res["ok"] is True
-    assert set(res["skipped"]) >= {"kernels", "model_logits", "long_doc_ttft"}
+    assert set(res["skipped"]) >= {"kernels", "model_logits", "long_doc_ttft",
+                                   "layerwise_ttft", "gpu_tests"}
     assert "test_kernels_triton_cache.py" in res["skipped"]["kernels"]
     checks = res["checks"]
     bw = checks["chunk_copy_bandwidth"]
@@ -104,3 +105,14 @@ def test_host_copy_says_when_only_plain_copies_were_timed(monkeypatch):
     assert "ratio" not in res and res["plain_d2h_GBps"] > 0 and res["plain_h2d_GBps"] > 0
     assert gpu_check.targets({"host_copy_bandwidth": res}, cuda=True)["host_copy_bandwidth"] == \
         {"target": 0.90, "value": None, "met": None}
+
+
+def test_layerwise_check_runs_the_comparison_on_the_real_model():
+    """The check gpu_check runs on CUDA, here on the CPU on a short document: both modes hit,
+    outputs equal the engine's without a store, nothing falls back."""
+    res = gpu_check.layerwise_ttft_check("cpu", 320, rounds=2)
+    assert res["ok"] is True and res["outputs_identical"] is True
+    for mode in ("whole", "layerwise"):
+        assert res[mode]["fallbacks"] == 0 and len(res[mode]["ttft_hit_runs_s"]) == 2
+        assert res[mode]["loaded_tokens"] >= 2 * 256   # the document's full chunk, each hit
+    assert res["layerwise_over_whole"] > 0
