@@ -195,7 +195,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for warning in serve_config.tier_warnings(cfg):
+    from kvstore.daemon.start_checks import tier_warnings
+    for warning in tier_warnings(cfg):
         log.warning("%s", warning)
     choose_http_parser(cfg.http_parser)
     return_freed_buffers_to_os()

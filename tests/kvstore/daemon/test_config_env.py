@@ -73,7 +73,8 @@ def test_a_config_value_that_is_not_a_number_names_its_setting():
 
 def test_start_warnings_name_a_tier_smaller_than_a_real_chunk_and_a_disk_beyond_free_space(tmp_path):
     import shutil
-    from kvstore.daemon.config import SMALLEST_REAL_CHUNK_BYTES, ServeConfig, tier_warnings
+    from kvstore.daemon.config import ServeConfig
+    from kvstore.daemon.start_checks import SMALLEST_REAL_CHUNK_BYTES, tier_warnings
     assert SMALLEST_REAL_CHUNK_BYTES == 5_898_240
     assert tier_warnings(ServeConfig(cpu_bytes="64MiB")) == []
     w = tier_warnings(ServeConfig(cpu_bytes="64MiB", disk_path=str(tmp_path / "d"),

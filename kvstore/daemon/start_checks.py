@@ -1,0 +1,46 @@
+"""Warnings a daemon prints at start about its configuration (``kvstore serve``): settings that
+parse and are allowed, yet will not work as the user likely means (a tier too small for any real
+model's chunk, a disk tier larger than its filesystem's free space)."""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import TYPE_CHECKING
+
+from kvstore.units import format_size
+
+if TYPE_CHECKING:
+    from kvstore.daemon.config import ServeConfig
+
+#: Bytes of one 256-token fp16 chunk of SmolLM2-135M (30 layers x 2 x 256 x 3 x 64 x 2), the
+#: smallest real model the project ships: a tier below it holds no default-size (256-token)
+#: chunk of any real model.
+SMALLEST_REAL_CHUNK_BYTES = 30 * 2 * 256 * 3 * 64 * 2
+
+
+def tier_warnings(cfg: ServeConfig) -> list[str]:
+    """What a daemon started with ``cfg`` should warn about at start (one line each): a tier
+    smaller than ``SMALLEST_REAL_CHUNK_BYTES`` (every namespace whose chunk does not fit each
+    tier is refused with 400 at first use), and a disk tier larger than the free space of its
+    filesystem (lmdb's map is sparse, so it starts, but puts fail once the disk is full)."""
+    out = []
+    for tier in ("gpu", "cpu", "disk"):
+        n = getattr(cfg, f"{tier}_bytes")
+        if 0 < n < SMALLEST_REAL_CHUNK_BYTES:
+            out.append(f"the {tier} tier ({format_size(n)}, --{tier}-bytes) is smaller than one "
+                       f"256-token fp16 chunk of SmolLM2-135M "
+                       f"({format_size(SMALLEST_REAL_CHUNK_BYTES)}): a namespace whose chunk does "
+                       f"not fit every tier is refused (400) when first used")
+    if cfg.disk_path is not None and cfg.disk_bytes > 0:
+        probe = cfg.disk_path
+        while probe and not os.path.exists(probe):
+            probe = os.path.dirname(probe.rstrip("/"))
+        try:
+            free = shutil.disk_usage(probe or ".").free
+        except OSError:
+            free = None
+        if free is not None and cfg.disk_bytes > free:
+            out.append(f"the disk tier ({format_size(cfg.disk_bytes)}, --disk-bytes) is larger "
+                       f"than the {format_size(free)} free at {cfg.disk_path!r}: puts fail once "
+                       f"the filesystem is full")
+    return out
