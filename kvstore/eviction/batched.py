@@ -174,7 +174,13 @@ def request(policy: EvictionPolicy, hits: Sequence[Key], keys: Sequence[Key],
         if stored:
             policy.on_insert_chain(keys[:stored], nbytes[:stored], parent)
         return Request(victims, stored, freed)
-    for key, n in zip(keys, nbytes):
+    while stored < len(keys) and nbytes[stored] <= room:  # what fits as it is: one chain
+        room -= nbytes[stored]  # (nothing is evicted between these inserts)
+        stored += 1
+    if stored:
+        policy.on_insert_chain(keys[:stored], nbytes[:stored], parent)
+        parent = keys[stored - 1]
+    for key, n in zip(keys[stored:], nbytes[stored:]):
         if n > room:
             if admit is not None:
                 victim = policy.next_victim(_sparing(parent), True)
