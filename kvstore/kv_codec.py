@@ -75,7 +75,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvstore import kv_casts, kv_grouped
+from kvstore import kv_casts, kv_grouped, kv_grouped_decode
 
 #: Lossy codec names (their codes in ``kvstore.codec.CODECS`` come after the lossless ones;
 #: append only).
@@ -289,7 +289,7 @@ def _decode_kivi(payload: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]
     if len(shape) != 5 or shape[1] != 2:
         raise ValueError(f"shape must be [num_layers, 2, chunk_size, num_kv_heads, head_dim], "
                          f"got {list(shape)}")
-    dec = kv_grouped.Decoder(payload, shape)
+    dec = kv_grouped_decode.Decoder(payload, shape)
     out = torch.empty(shape, dtype=dtype)                    # [L, 2, T, H, D]
     if not dec.blockable:                                    # one block of every layer
         o = out.numpy() if dtype == torch.float32 else np.empty(shape, dtype=np.float32)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore import kv_codec, kv_grouped
+from kvstore import kv_codec, kv_grouped, kv_grouped_decode
 from kvstore.codec import CODECS, HEADER_BYTES_MAX, CorruptChunkError, _FIXED, _TRAILER, \
     checksum, pack_value, unpack_header, unpack_value
 from kvstore.keys import Namespace
@@ -236,7 +236,7 @@ def test_exact_payload_of_a_small_kivi_chunk():
     assert payload[22:25].tolist() == list((7 | 7 << 9).to_bytes(3, "little"))
     assert payload[25:].tolist() == [2, 2, 0, 3, 2, 1, 0]  # params (mode 1: along channels)
     out = np.empty_like(kv)
-    kv_grouped.decode(payload, kv.shape, out)
+    kv_grouped_decode.decode(payload, kv.shape, out)
     assert out[0, 0].ravel().tolist() == [1.0, 0.0, -0.5, 0.0]
     assert out[0, 1, 0].ravel().tolist() == [2.5, -1.0]
     assert out[0, 1, 1].ravel().tolist() == [0.25, np.float32(0.25) + np.float32(7 * step)]
@@ -260,13 +260,13 @@ def test_exact_payload_of_symmetric_values():
     assert payload[14:17].tolist() == list((6 | 2 << 3 | 4 << 6 | 0 << 9).to_bytes(3, "little"))
     assert payload[17:].tolist() == [2, 2, 2, 3, 2, 3, 0]  # modes 2 (symmetric), 3 (+ channels)
     out = np.empty_like(kv)
-    kv_grouped.decode(payload, kv.shape, out)
+    kv_grouped_decode.decode(payload, kv.shape, out)
     assert out[0, 0].ravel().tolist() == [0.0] * 4
     assert out[0, 1].ravel().tolist() == [3.0, -1.0, 0.25, -0.75]
     lying = payload.copy()
     lying[-2] = 1                                          # claims a minimum per V group
     with pytest.raises(ValueError, match="needs"):
-        kv_grouped.decode(lying, kv.shape, out)
+        kv_grouped_decode.decode(lying, kv.shape, out)
     # fp_steps (kivi's): the same steps stored as fp16 in place of step codes and base
     params = kv_grouped.GroupParams(P(2, 2, "tokens", True, True), P(3, 2, "channels", True, True))
     fp = kv_grouped.encode(kv, params)
@@ -275,13 +275,13 @@ def test_exact_payload_of_symmetric_values():
     assert fp[4:8].view(np.float16).tolist() == [1.0, 0.25]
     assert fp[8:13].tolist() == payload[12:17].tolist()   # the same codes
     assert fp[13:].tolist() == [2, 2, 2 | 32, 3, 2, 3 | 32, 0]
-    kv_grouped.decode(fp, kv.shape, out)
+    kv_grouped_decode.decode(fp, kv.shape, out)
     assert out[0, 1].ravel().tolist() == [3.0, -1.0, 0.25, -0.75]
     for mode_at in (-5, -2):                   # K or V claims step codes: the size differs
         bad = fp.copy()
         bad[mode_at] &= ~32 & 0xFF
         with pytest.raises(ValueError, match="needs"):
-            kv_grouped.decode(bad, kv.shape, out)
+            kv_grouped_decode.decode(bad, kv.shape, out)
 
 
 def test_kivi_bytes_are_under_half_of_fp16_with_scales_and_header():
@@ -304,7 +304,7 @@ def test_kivi_odd_shapes_and_other_parameters_round_trip_within_the_bound():
                    kv_grouped.GroupParams(P(8, 64, "tokens", True), P(2, 9, "channels", True))):
         payload = kv_grouped.encode(x, params)
         out = np.empty_like(x)
-        kv_grouped.decode(payload, x.shape, out)
+        kv_grouped_decode.decode(payload, x.shape, out)
         err = np.abs(out - x)
         assert (err <= kv_grouped.steps(x, params) / 2 * (1 + 2 ** -12) + np.abs(out) * 2 ** -24).all()
         assert err.max() > 0

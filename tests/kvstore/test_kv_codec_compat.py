@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore import kv_casts, kv_codec, kv_grouped
+from kvstore import kv_casts, kv_codec, kv_grouped, kv_grouped_decode
 from kvstore.codec import checksum
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "data", "kv_codec_v1.npz")
@@ -96,7 +96,7 @@ def test_blocks_of_layers_change_nothing(monkeypatch, codec, dtype):
         assert len(kv_casts.layer_blocks(5, kv[0].numel())) == -(-5 // per_block)
         assert kv_codec.encode(kv, codec).tobytes() == whole.tobytes()
         assert np.array_equal(_bits(kv_codec.decode(whole, codec, dtype, shape)), _bits(dec))
-    assert kv_grouped.Decoder(kv_codec.encode(kv, "kivi"), shape).blockable
+    assert kv_grouped_decode.Decoder(kv_codec.encode(kv, "kivi"), shape).blockable
 
 
 def _e4m3_inputs() -> np.ndarray:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore import kv_casts, kv_codec, kv_grouped
+from kvstore import kv_casts, kv_codec, kv_grouped, kv_grouped_decode
 from kvstore.codec import _TRAILER, pack_value, unpack_value
 
 SHAPE = (2, 2, 16, 2, 8)  # [num_layers, k/v, chunk_size, num_kv_heads, head_dim]
@@ -115,7 +115,7 @@ def test_a_sink_beyond_fp16_is_stored_fp32_exactly():
 def test_decoding_in_blocks_of_layers_keeps_the_sinks(monkeypatch):
     kv = kv_of(shape=(5, 2, 64, 2, 16))
     payload, whole = round_trip(kv, N)
-    assert kv_grouped.Decoder(payload, tuple(kv.shape)).blockable
+    assert kv_grouped_decode.Decoder(payload, tuple(kv.shape)).blockable
     monkeypatch.setattr(kv_casts, "BLOCK_ELEMS", kv[0].numel())
     assert len(kv_casts.layer_blocks(5, kv[0].numel())) == 5
     out = kv_codec.decode(payload, "kivi", torch.float32, tuple(kv.shape))
