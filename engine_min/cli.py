@@ -78,7 +78,8 @@ def export_tokenizer_main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the process exit code (2 on bad input, with the reason on stderr)."""
+    """Entry point; returns the process exit code (2 on bad input, with the reason on stderr;
+    130 when ``generate`` is interrupted by Ctrl-C, with one line on stderr)."""
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         from engine_min.serve.cli import run_serve
@@ -88,6 +89,16 @@ def main(argv: list[str] | None = None) -> int:
         return route_main(args)
     if args.command == "export-tokenizer":
         return export_tokenizer_main(args)
+    try:
+        return generate_main(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def generate_main(args: argparse.Namespace) -> int:
+    """``generate``: load the model, complete ``--prompt`` and print the completion. Returns 2
+    (reason on stderr) on a bad flag or a model that cannot be loaded."""
     from engine_min.config import EngineConfig
     from engine_min.engine import LLMEngine
     from engine_min.sampler import SamplingParams

@@ -9,8 +9,7 @@ import socket
 import sys
 from typing import Any
 
-from aiohttp import web
-
+from engine_min.serve.run import DEFAULT_SHUTDOWN_TIMEOUT_S, run_server
 from engine_min.serve.server import SERVING_KEY, create_app
 
 logger = logging.getLogger("engine_min.serve.server")
@@ -29,6 +28,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="model name(s) in the API, as vLLM's: responses report the first, "
                    "requests may name any (default: the model's id, from its metadata or "
                    "--model-id)")
+    g.add_argument("--shutdown-timeout-s", type=_non_negative_s,
+                   default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="S",
+                   help="on Ctrl-C / SIGTERM, how long requests in flight may run on before "
+                   "they are aborted (streams end with finish_reason \"abort\", an error "
+                   "event and [DONE]); a second Ctrl-C exits at once "
+                   f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
     e = parser.add_argument_group("engine")
     e.add_argument("--model", default=None,
                    help="GGUF file or safetensors folder (default: embedded SmolLM2-135M)")
@@ -52,7 +57,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="token budget of one engine step")
     e.add_argument("--max-num-seqs", type=int, default=None, help="most running requests")
     e.add_argument("--max-model-len", type=int, default=None,
-                   help="prompt + completion limit (default: the model's context)")
+                   help="prompt + completion limit in tokens (default: the model's context "
+                   "or what the KV pool holds, whichever is smaller: 5808 for the embedded "
+                   "model with the default 256MiB pool); a value above either is refused")
     e.add_argument("--no-prefix-caching", action="store_true",
                    help="disable the engine's own prefix cache")
     e.add_argument("--no-kv-events", action="store_true",
@@ -64,6 +71,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_store_args(parser)
     parser.add_argument("--log-level", default="info", help="logging level (default info)")
     return parser
+
+
+def _non_negative_s(text: str) -> float:
+    """argparse type: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return value
 
 
 def build_connector(args: argparse.Namespace) -> Any | None:
@@ -126,6 +144,24 @@ def build_engine(args: argparse.Namespace, connector: Any | None = None) -> Any:
     """An ``LLMEngine`` from the engine flags (``engine_config``)."""
     from engine_min.engine import LLMEngine
     return LLMEngine(engine_config(args), connector=connector)
+
+
+def check_max_model_len(requested: int | None, engine: Any) -> None:
+    """Refuse ``--max-model-len`` above what the built engine can serve (as vLLM refuses one
+    above the model's context): the model's context length or the tokens its KV pool holds.
+
+    Raises:
+        ValueError: the requested length is larger, naming both limits.
+    """
+    if requested is None or requested <= engine.max_model_len:
+        return
+    context = int(engine.model_config.max_position)
+    pool_tokens = (int(engine.kv_cache.shape[2]) - 1) * int(engine.kv_cache.shape[3])
+    why = (f"the model's context is {context} tokens" if requested > context else
+           f"the KV pool ({engine.kv_cache.nbytes / 2**20:.1f} MiB, --kv-cache-bytes) holds "
+           f"{pool_tokens} tokens; raise --kv-cache-bytes or lower --max-model-len")
+    raise ValueError(f"--max-model-len {requested} is more than this engine can serve: {why} "
+                     f"(largest allowed: {engine.max_model_len})")
 
 
 def served_model_names(args: argparse.Namespace, engine: Any) -> list[str]:
@@ -198,31 +234,36 @@ def serve_main(args: argparse.Namespace) -> None:
     connector = build_connector(args)
     try:
         engine = build_engine(args, connector)
+        check_max_model_len(args.max_model_len, engine)
         names = served_model_names(args, engine)
     except ValueError as exc:  # ModelLoadError is a ValueError; so are bad engine sizes
+        if connector is not None:
+            connector.close()
         raise SystemExit(f"error: {exc}") from exc
     log_identity(engine, names)
     name = names[0]
     app = create_app(engine, names)
     max_len = app[SERVING_KEY].max_model_len
 
-    def started(text: str) -> None:  # aiohttp's banner, with the bound port (also for --port 0)
-        where = text.splitlines()[0].strip("= ").removeprefix("Running on ")
-        logger.info("serving %s on %s (max_model_len %d)", name, where, max_len)
-    try:
-        web.run_app(app, host=args.host, port=args.port, handler_cancellation=True,
-                    access_log=None, print=started)
-    finally:
+    def started(url: str) -> None:  # the bound address (also for --port 0)
+        logger.info("serving %s on %s (max_model_len %d)", name, url, max_len)
+
+    def close_connector() -> None:
         if connector is not None:
             connector.close()  # flush queued saves to the store
+    run_server(app, args.host, args.port, shutdown_timeout_s=args.shutdown_timeout_s,
+               started=started, after=close_connector)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     """``serve_main`` as a command: returns its exit code, 2 for bad flags, a model that cannot
     be loaded or an address that cannot be bound (the reason on stderr, as argparse's own
-    usage errors)."""
+    usage errors); 130 when interrupted before it listens (Ctrl-C during the model load)."""
     try:
         serve_main(args)
+    except KeyboardInterrupt:  # Ctrl-C before the server listens (model load)
+        print("interrupted", file=sys.stderr)
+        return 130
     except SystemExit as exc:
         if not isinstance(exc.code, str):
             raise

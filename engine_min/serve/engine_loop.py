@@ -51,9 +51,11 @@ class _Add:
 
 @dataclass(frozen=True)
 class _Abort:
-    """Command: abort a request (no-op if it already finished)."""
+    """Command: abort a request (no-op if it already finished); ``error``, when given, is
+    delivered to the request's queue first (its handler answers with it)."""
 
     request_id: str
+    error: Exception | None = None
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,16 @@ class _Stop:
 
 
 _Command = _Add | _Abort | _Stop
+
+
+class ShuttingDown(proto.ApiError):
+    """The request was aborted because the server is shutting down (HTTP 503,
+    ``server_error``, code ``server_shutting_down``); a stream ends with finish reason
+    ``"abort"``, this error event and ``[DONE]``."""
+
+    def __init__(self, message: str = "The server is shutting down; the request was "
+                 "aborted.") -> None:
+        super().__init__(message, status=503, type="server_error", code="server_shutting_down")
 
 
 def request_failed(error: str) -> proto.ApiError:
@@ -118,9 +130,10 @@ class EngineLoop:
         self._commands.put(_Add(request_id, prompt_token_ids, sampling, sink))
         return sink.queue
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request (no-op if it already finished); its blocks are freed."""
-        self._commands.put(_Abort(request_id))
+    def abort(self, request_id: str, error: Exception | None = None) -> None:
+        """Abort a request (no-op if it already finished); its blocks are freed. ``error``,
+        when given, is put on the request's queue first (e.g. ``shutting_down()``)."""
+        self._commands.put(_Abort(request_id, error))
 
     # ---- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -157,8 +170,11 @@ class EngineLoop:
 
     def _apply(self, cmd: _Add | _Abort) -> None:
         if isinstance(cmd, _Abort):
-            if self._sinks.pop(cmd.request_id, None) is not None:
+            sink = self._sinks.pop(cmd.request_id, None)
+            if sink is not None:
                 self.metrics.request_success.labels("abort").inc()
+                if cmd.error is not None:
+                    self._deliver(sink, cmd.error)
             self.engine.abort(cmd.request_id)
             return
         try:
@@ -231,7 +247,7 @@ class EngineLoop:
 
     def _shutdown(self) -> None:
         for request_id, sink in list(self._sinks.items()):
-            self._deliver(sink, RuntimeError("server shutting down"))
+            self._deliver(sink, ShuttingDown())
             self._safe_abort(request_id)
         self._sinks.clear()
         self._refresh_stats()

@@ -42,9 +42,10 @@ from jinja2 import TemplateError
 
 from engine_min.serve import protocol as proto
 from engine_min.serve import responses as wire
-from engine_min.serve.engine_loop import EngineLoop
+from engine_min.serve.engine_loop import EngineLoop, ShuttingDown
 from engine_min.serve.errors import error_response, openai_error_middleware
 from engine_min.serve.metrics import ServerMetrics
+from engine_min.serve.run import ServerThread  # noqa: F401  (re-exported: tests, benches)
 from engine_min.serve.kv_event_routes import add_kv_event_routes
 from engine_min.serve.tokenize_routes import add_tokenize_routes
 
@@ -100,6 +101,20 @@ class OpenAIServing:
         self.max_model_len = max_model_len
         self.vocab_size = self.engine.model_config.vocab_size
         self.created = int(time.time())
+        #: set at shutdown (``engine_min.serve.run.drain``): new requests get 503
+        self.draining = False
+        self._inflight: set[str] = set()   # request ids submitted and not yet answered
+
+    @property
+    def num_inflight(self) -> int:
+        """Generation requests submitted to the engine and not yet answered."""
+        return len(self._inflight)
+
+    def abort_inflight(self) -> None:
+        """Abort every request in flight as shutting down (``ShuttingDown``: a stream ends
+        with finish reason ``"abort"``, an error event and ``[DONE]``; others get 503)."""
+        for request_id in list(self._inflight):
+            self.engine_loop.abort(request_id, ShuttingDown())
 
     # ---- request preparation ---------------------------------------------------------------
     def _prepare(self, raw: bytes, kind: str) -> _Prepared:
@@ -186,11 +201,14 @@ class OpenAIServing:
             p = await asyncio.get_running_loop().run_in_executor(None, self._prepare, raw, kind)
         except proto.ApiError as exc:
             return _json_error(exc)
+        if self.draining:
+            return _json_error(ShuttingDown("The server is shutting down."))
         if not self.engine_loop.alive:
             return _json_error(proto.ApiError("The engine is not running.", status=503,
                                               type="server_error"))
         outputs = self.engine_loop.submit(p.request_id, p.prompt_token_ids, p.sampling,
                                          arrival_s)
+        self._inflight.add(p.request_id)
         done = False
         try:
             if p.req.stream:
@@ -200,6 +218,7 @@ class OpenAIServing:
                 done = True
             return resp
         finally:
+            self._inflight.discard(p.request_id)
             if not done:  # client gone (cancelled / write failed) or error: free the blocks
                 self.engine_loop.abort(p.request_id)
 
@@ -260,6 +279,9 @@ class OpenAIServing:
             if isinstance(out, Exception):
                 err = out if isinstance(out, proto.ApiError) else proto.ApiError(
                     str(out), status=500, type="server_error")
+                if isinstance(out, ShuttingDown):  # cut by shutdown: say so in the choices too
+                    await resp.write(self._chunk(p, None if p.req.kind == "chat" else "",
+                                                 "abort"))
                 await resp.write(wire.sse(proto.error_body(err.message, err.type, err.param,
                                                             err.code)))
                 break
@@ -292,6 +314,8 @@ class OpenAIServing:
             "max_model_len": self.max_model_len} for name in self.model_names]})
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.draining:
+            return web.json_response({"status": "shutting down"}, status=503)
         if not self.engine_loop.alive:
             return web.json_response({"status": "engine thread stopped"}, status=503)
         return web.json_response({"status": "ok"})
@@ -306,7 +330,7 @@ class OpenAIServing:
         return web.json_response(self.engine_loop.stats, dumps=_dumps_lenient)
 
 
-# ---- app, background runner, CLI ----------------------------------------------------------
+# ---- app ---------------------------------------------------------------------------------
 
 def model_max_len(engine: Any) -> int:
     """The engine's prompt + completion limit in tokens (``LLMEngine.max_model_len``: model
@@ -348,48 +372,6 @@ def create_app(engine: Any, model_name: str | Sequence[str],
     app.on_startup.append(_start)
     app.on_cleanup.append(_stop)
     return app
-
-
-class ServerThread:
-    """Runs an app on its own event loop thread (tests, notebooks, benchmarks in-process).
-
-    Usage: ``with ServerThread(app) as srv: openai.OpenAI(base_url=srv.url + "/v1", ...)``.
-
-    Attributes:
-        url: ``http://host:port`` once started (``port=0`` picks a free port).
-    """
-
-    def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0):
-        self.app, self.host, self.port = app, host, port
-        self.url = ""
-        self._loop = asyncio.new_event_loop()
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-        self._thread = threading.Thread(target=self._loop.run_forever, name="http-server",
-                                        daemon=True)
-
-    def start(self) -> "ServerThread":
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result(timeout=60)
-        return self
-
-    async def _serve(self) -> None:
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        self.port = self._runner.addresses[0][1]
-        self.url = f"http://{self.host}:{self.port}"
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=60)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
-
-    def __enter__(self) -> "ServerThread":
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
 
 
 if __name__ == "__main__":
