@@ -25,25 +25,45 @@ from urllib.parse import urlsplit
 logger = logging.getLogger("engine_min.router")
 
 
+def _number(kind: type, low: float, high: float = float("inf"), low_open: bool = False,
+            what: str = ""):
+    """An argparse type: a finite ``kind`` (int or float) in ``[low, high]`` (``(low, high]``
+    with ``low_open``); anything else is refused with ``what`` the flag expects."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+        if not (value > low if low_open else value >= low) or not value <= high \
+                or value != value or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return value
+    return parse
+
+
+_POSITIVE_S = _number(float, 0, low_open=True, what="a number of seconds > 0")
+
+
 def add_route_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``route`` flags to ``parser``."""
     parser.add_argument("--engines", required=True, metavar="URL,URL,...",
                         help="engine base URLs, comma-separated (http://host:port)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8100, help="TCP port (default 8100)")
+    parser.add_argument("--port", type=_number(int, 0, 65535, what="a port in 0..65535"), default=8100, help="TCP port (default 8100)")
     parser.add_argument("--policy", default="cache-aware", choices=("cache-aware", "round-robin"),
                         help="routing policy (default cache-aware)")
     parser.add_argument("--model", default=None, help="GGUF file or HF folder whose tokenizer "
                         "and chat template the engines use (default: embedded SmolLM2-135M)")
-    parser.add_argument("--max-load-gap", type=int, default=8, metavar="N",
+    parser.add_argument("--max-load-gap", type=_number(int, 0, what="an integer >= 0"), default=8, metavar="N",
                         help="in-flight requests an engine may have beyond the least loaded "
                         "and still win on cached prefix (default 8)")
-    parser.add_argument("--min-hit-fraction", type=float, default=0.5, metavar="F",
+    parser.add_argument("--min-hit-fraction",
+                        type=_number(float, 0, 1, what="a fraction in [0, 1]"), default=0.5, metavar="F",
                         help="least fraction of a prompt an engine must hold to win on cached "
                         "prefix (default 0.5)")
-    parser.add_argument("--health-interval-s", type=float, default=1.0,
+    parser.add_argument("--health-interval-s", type=_POSITIVE_S, default=1.0,
                         help="seconds between health checks of each engine (default 1)")
-    parser.add_argument("--startup-timeout-s", type=float, default=60.0,
+    parser.add_argument("--startup-timeout-s", type=_POSITIVE_S, default=60.0,
                         help="seconds to wait for every engine to answer /health at start "
                         "(default 60)")
     parser.add_argument("--kvstore-url", default=None, metavar="URL",
@@ -52,7 +72,8 @@ def add_route_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--kvstore-auth-token", default=os.environ.get("KVSTORE_AUTH_TOKEN"),
                         metavar="TOKEN", help="bearer token of that daemon (default "
                         "$KVSTORE_AUTH_TOKEN)")
-    parser.add_argument("--kvstore-lookup-timeout-ms", type=float, default=5.0, metavar="MS",
+    parser.add_argument("--kvstore-lookup-timeout-ms",
+                        type=_number(float, 0, low_open=True, what="a number of ms > 0"), default=5.0, metavar="MS",
                         help="deadline of a request's store lookup; past it the request is "
                         "scored without the store (default 5)")
     parser.add_argument("--log-level", default="info", help="logging level (default info)")

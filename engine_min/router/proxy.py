@@ -39,6 +39,7 @@ from aiohttp import web
 
 from engine_min.router.metrics import RouterMetrics
 from engine_min.router.policy import RETRY, Candidate, Decision
+from engine_min.router.reasons import describe_error
 from engine_min.router.prompt import (PreparedPrompt, PromptEncoder, prepare_source,
                                       prompt_source)
 from engine_min.router.store_lookup import StoreLookup, choose_with_store, store_can_change_pick
@@ -256,7 +257,7 @@ class Router:
             try:
                 cm = await session.post(e.url + request.path, data=raw, headers=headers)
             except aiohttp.ClientConnectorError as exc:  # could not connect: nothing stale
-                raise UpstreamFailed(repr(exc)) from exc
+                raise UpstreamFailed(describe_error(exc)) from exc
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 raise StaleConnection(repr(exc)) from exc
             async with cm as up:
@@ -265,7 +266,7 @@ class Router:
                 try:
                     body = await up.read()
                 except aiohttp.ClientError as exc:
-                    raise UpstreamFailed(repr(exc)) from exc
+                    raise UpstreamFailed(describe_error(exc)) from exc
                 resp = web.Response(body=body, status=up.status, headers=_headers(up))
                 await resp.prepare(request)
                 await resp.write_eof()
@@ -273,7 +274,7 @@ class Router:
                     self._count_cached(e, _json_or_none(body))
                 return resp
         except (aiohttp.ClientConnectionError, ConnectionRefusedError) as exc:
-            raise UpstreamFailed(repr(exc)) from exc
+            raise UpstreamFailed(describe_error(exc)) from exc
         finally:
             e.inflight -= 1
 
@@ -290,10 +291,10 @@ class Router:
                 scanner.feed(chunk)
         except aiohttp.ClientError as exc:
             if resp is None:
-                raise UpstreamFailed(repr(exc)) from exc
+                raise UpstreamFailed(describe_error(exc)) from exc
             self.metrics.failed_requests.inc()
-            e.mark_down(f"stream cut: {exc!r}")
-            raise StreamCut(f"{e.url} failed mid-stream: {exc!r}") from exc
+            e.mark_down(f"stream cut: {describe_error(exc)}")
+            raise StreamCut(f"{e.url} failed mid-stream: {describe_error(exc)}") from exc
         if resp is None:
             resp = web.StreamResponse(status=up.status, headers=_headers(up))
             await resp.prepare(request)
@@ -318,7 +319,7 @@ class Router:
                     body = await up.read()
                     return web.Response(body=body, status=up.status, headers=_headers(up))
             except aiohttp.ClientError as exc:
-                e.mark_down(f"/v1/models: {exc!r}")
+                e.mark_down(f"/v1/models: {describe_error(exc)}")
         return _no_engine(False)
 
     async def health(self, request: web.Request) -> web.Response:

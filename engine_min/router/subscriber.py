@@ -29,10 +29,13 @@ import asyncio
 import json
 import logging
 
+from urllib.parse import urlsplit
+
 import aiohttp
 
 from engine_min.router.index import EngineIndex, ResyncNeeded
 from engine_min.router.metrics import RouterMetrics
+from engine_min.router.reasons import describe_error
 
 logger = logging.getLogger("engine_min.router")
 
@@ -77,7 +80,7 @@ class Engine:
     def mark_down(self, reason: str) -> None:
         """Take the engine out of service and drop its index (no-op when already down)."""
         if self.healthy:
-            logger.warning("engine %s taken out: %s", self.url, reason)
+            logger.warning("engine %s taken out: %s", urlsplit(self.url).netloc, reason)
         self.healthy = False
         self.generation += 1
         self.reported_load = 0
@@ -161,7 +164,7 @@ class EngineSubscriber:
             hard = (isinstance(exc, (aiohttp.ClientConnectionError, ConnectionError))
                     and not isinstance(exc, asyncio.TimeoutError))
             if hard:  # refused or reset: it is not there
-                e.mark_down(f"/health: {exc!r}")
+                e.mark_down(f"/health: {describe_error(exc)}")
                 return False
             ok = False
         if ok:
