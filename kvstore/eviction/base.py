@@ -24,11 +24,11 @@ from typing import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 
 from kvstore.eviction import batched as _batched
 from kvstore.eviction import integrity as _integrity
+from kvstore.eviction import victims as _victims
 from kvstore.eviction.batched import Admit, Request
 
 Key = Hashable
-_ABSENT = object()
-_heappush, _heappop = heapq.heappush, heapq.heappop
+_heappush = heapq.heappush
 
 
 def _always(key: Key) -> bool:
@@ -322,58 +322,16 @@ class EvictionPolicy(ABC):
         return None if leaves_only else self._first_with_children(can_evict)
 
     def _first_with_children(self, can_evict: Callable[[Key], bool]) -> Key | None:
-        """``next_victim``'s second choice: the first evictable key (demoted first)."""
-        for key in sorted(self._demoted, key=self._demoted.__getitem__):
-            if can_evict(key):  # (all have a stored child: the leaves were tried first)
-                return key
-        for key in self._order():
-            if self._children.get(key) and can_evict(key):
-                return key
-        return None
+        """``next_victim``'s second choice (``kvstore.eviction.victims``)."""
+        return _victims.first_with_children(self, can_evict)
 
     def _first_demoted(self, can_evict: Callable[[Key], bool]) -> Key | None:
-        """The oldest-demoted key with no stored child that ``can_evict`` accepts."""
-        heap, demoted, children = self._demoted_heap, self._demoted, self._children
-        held: list = []
-        found = None
-        while heap:
-            seq, key = heap[0]
-            if demoted.get(key) != seq or key in children:
-                _heappop(heap)  # stale: un-demoted, removed, or got a child (pushed again later)
-                continue
-            if can_evict(key):
-                found = key
-                break
-            held.append(_heappop(heap))
-        for entry in held:
-            _heappush(heap, entry)
-        return found
+        """The oldest-demoted evictable leaf (``kvstore.eviction.victims``)."""
+        return _victims.first_demoted(self, can_evict)
 
     def _first_leaf(self, q: int, can_evict: Callable[[Key], bool]) -> Key | None:
-        """The smallest-ranked key of queue ``q`` with no stored child that ``can_evict``
-        accepts."""
-        heap, ranks, children, queue = self._heaps[q], self._ranks, self._children, self._queue
-        held: list | None = None
-        seen: set | None = None
-        found = None
-        while heap:
-            rank, key = heap[0]
-            if ranks.get(key, _ABSENT) != rank or key in children or queue.get(key, 0) != q \
-                    or (seen is not None and key in seen):
-                _heappop(heap)  # stale: removed, re-ranked, got a child, moved, or a duplicate
-                self._heap_entries -= 1
-                continue
-            if can_evict(key):
-                found = key
-                break
-            if held is None:
-                held, seen = [], set()
-            seen.add(key)
-            held.append(_heappop(heap))
-        if held:
-            for entry in held:
-                _heappush(heap, entry)
-        return found
+        """Queue ``q``'s first evictable leaf (``kvstore.eviction.victims``)."""
+        return _victims.first_leaf(self, q, can_evict)
 
     def children(self, key: Key) -> set[Key]:
         """Tracked keys whose recorded parent is ``key`` (a new set; ``key`` need not be
