@@ -17,6 +17,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -122,3 +124,46 @@ def test_second_ctrl_c_exits_at_once_without_abort_and_the_disk_tier_reopens(tmp
         tier.check_integrity()
     finally:
         tier.close()
+
+
+def test_drain_answers_new_requests_503_and_cuts_a_non_streamed_request_with_503():
+    """In process: a non-streamed request in flight when the grace period ends gets 503
+    ``server_shutting_down``; once draining, a new request and ``/health`` get 503 too."""
+    import asyncio
+    import urllib.error
+
+    from engine_min.config import EngineConfig
+    from engine_min.engine import LLMEngine
+    from engine_min.serve.run import drain
+    from engine_min.serve.server import SERVING_KEY, ServerThread, create_app
+    engine = LLMEngine(EngineConfig(kv_cache_bytes=32 * 2**20, max_model_len=256))
+    app = create_app(engine, "m")
+    serving = app[SERVING_KEY]
+
+    def post(body: dict) -> tuple[int, dict]:
+        req = urllib.request.Request(srv.url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+    with ServerThread(app) as srv:
+        answers: list = []
+        client = threading.Thread(target=lambda: answers.append(post(
+            {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True})))
+        client.start()
+        deadline = time.monotonic() + 30
+        while serving.num_inflight == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        asyncio.run_coroutine_threadsafe(drain(serving, 0.1), srv._loop).result(30)
+        client.join(30)
+        status, body = answers[0]
+        assert status == 503 and body["error"]["code"] == "server_shutting_down"
+        assert serving.num_inflight == 0
+        status, body = post({"prompt": "hi", "max_tokens": 2})
+        assert status == 503 and body["error"]["code"] == "server_shutting_down"
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(srv.url + "/health", timeout=10)
+        assert health.value.code == 503
