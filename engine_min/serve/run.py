@@ -79,8 +79,9 @@ class Interrupts:
                    f"requests or queued KV saves")
 
 
-def force_exit(message: str) -> None:
-    """Log ``message`` (WARNING), flush the log handlers and stderr, and ``os._exit(130)``."""
+def force_exit(message: str, status: int = FORCED_EXIT_STATUS) -> None:
+    """Log ``message`` (WARNING), flush the log handlers and stderr, and ``os._exit(status)``
+    (default 130)."""
     logger.warning(message)
     for handler in logging.getLogger().handlers:
         try:
@@ -88,7 +89,7 @@ def force_exit(message: str) -> None:
         except Exception:
             pass
     sys.stderr.flush()
-    os._exit(FORCED_EXIT_STATUS)
+    os._exit(status)
 
 
 async def drain(serving: Any, timeout_s: float) -> None:
@@ -123,7 +124,9 @@ async def drain(serving: Any, timeout_s: float) -> None:
 
 
 async def _serve(app: web.Application, host: str, port: int, interrupts: Interrupts,
-                 shutdown_timeout_s: float, started: Callable[[str], None]) -> None:
+                 shutdown_timeout_s: float, started: Callable[[str], None]) -> bool:
+    """Serve until the first signal, drain, clean up; returns whether the engine thread
+    stopped (False: it is still inside a step after the app's cleanup waited for it)."""
     from engine_min.serve.server import SERVING_KEY
     runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True,
                            access_log=None, shutdown_timeout=1.0)
@@ -145,6 +148,7 @@ async def _serve(app: web.Application, host: str, port: int, interrupts: Interru
         await drain(app[SERVING_KEY], shutdown_timeout_s)
     finally:
         await runner.cleanup()    # the app's cleanup stops the engine thread
+    return not app[SERVING_KEY].engine_loop.alive
 
 
 def run_server(app: web.Application, host: str, port: int, *,
@@ -152,7 +156,8 @@ def run_server(app: web.Application, host: str, port: int, *,
                started: Callable[[str], None] = lambda url: None,
                after: Callable[[], None] = lambda: None) -> None:
     """Serve ``app`` on ``host:port`` until SIGINT/SIGTERM, then shut down as the module says;
-    ``after`` (closing the connector) runs last, still under the second-signal handler.
+    ``after`` (closing the connector) runs last, still under the second-signal handler, once
+    the engine thread has stopped (if it has not, the process exits with status 1 instead).
 
     Args:
         started: called with the bound ``http://host:port`` once listening.
@@ -164,9 +169,15 @@ def run_server(app: web.Application, host: str, port: int, *,
     interrupts.install()
     try:
         try:
-            asyncio.run(_serve(app, host, port, interrupts, shutdown_timeout_s, started))
-        finally:
+            stopped = asyncio.run(_serve(app, host, port, interrupts, shutdown_timeout_s,
+                                         started))
+        except BaseException:   # could not listen: the engine thread never started
             after()
+            raise
+        if not stopped:   # finalizing the interpreter under a running torch op aborts
+            force_exit("the engine thread did not stop; exiting without closing the KV "
+                       "store connector", status=1)
+        after()
         logger.info("shut down")
     finally:
         interrupts.restore()
