@@ -79,8 +79,17 @@ def export_tokenizer_main(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 on bad input, with the reason on stderr;
-    130 when ``generate`` is interrupted by Ctrl-C, with one line on stderr)."""
+    130 when interrupted by Ctrl-C (``generate``, ``route`` before it listens), with one line
+    on stderr)."""
     args = build_parser().parse_args(argv)
+    try:
+        return _run_command(args)
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback (serve handles its own)
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _run_command(args: argparse.Namespace) -> int:
     if args.command == "serve":
         from engine_min.serve.cli import run_serve
         return run_serve(args)
@@ -89,11 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         return route_main(args)
     if args.command == "export-tokenizer":
         return export_tokenizer_main(args)
-    try:
-        return generate_main(args)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return generate_main(args)
 
 
 def generate_main(args: argparse.Namespace) -> int:

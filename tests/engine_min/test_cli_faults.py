@@ -27,11 +27,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _default_sigint() -> None:
+    """In the child: SIGINT as a terminal delivers it (a test run in a background job would
+    hand the child an ignored SIGINT)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_during_generate_is_one_line_and_exit_130():
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine_min", "generate", "--prompt", "Once upon a time",
          "--max-tokens", "3000", "--device", "cpu"], cwd=ROOT, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE)
+        stderr=subprocess.PIPE, preexec_fn=_default_sigint)
     time.sleep(6)      # loading the model or generating: either is interrupted the same way
     assert proc.poll() is None
     proc.send_signal(signal.SIGINT)
@@ -39,6 +45,20 @@ def test_ctrl_c_during_generate_is_one_line_and_exit_130():
     assert proc.returncode == 130
     assert err.decode() == "interrupted\n"
     assert out == b""
+
+
+def test_ctrl_c_while_the_router_waits_for_its_engines_is_one_line_and_exit_130():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine_min", "route", "--engines",
+         f"http://127.0.0.1:{_free_port()}", "--startup-timeout-s", "60", "--log-level",
+         "warning"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        preexec_fn=_default_sigint)
+    time.sleep(3)      # loading the tokenizer or waiting for the engine
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert err.decode() == "interrupted\n"
 
 
 def test_serve_refuses_max_model_len_above_the_models_context_or_the_pool(capsys):

@@ -36,7 +36,8 @@ class _Served:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "engine_min", "serve", "--port", str(self.port), "--device",
              "cpu", "--kv-cache-bytes", "48MiB", "--max-model-len", "512", *flags],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal
         self.lines: list[str] = []
         self.stream: list[str] = []
         threading.Thread(target=self._read_stderr, daemon=True).start()
