@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from connectors.engine_min import EngineMinConnector
 
 __all__ = ["REMOTE_FLAGS", "STORE_FLAGS", "SizeError", "StoreFlagError", "add_store_args",
-           "connector_from_args", "parse_size", "remote_options"]
+           "connector_from_args", "parse_size", "positive_seconds", "remote_options", "seconds"]
 
 #: The flags (as ``argparse`` attribute names) that each name a store; none set = no store.
 STORE_FLAGS = ("kvstore_cpu_bytes", "kvstore_disk_path", "kvstore_disk_bytes", "kvstore_url",
@@ -54,7 +54,7 @@ def parse_size(value: str | int) -> int:
         raise SizeError(str(e)) from None
 
 
-def _seconds(value: str) -> float:
+def seconds(value: str) -> float:
     """A finite number of seconds >= 0, as an ``argparse`` type (else ``ArgumentTypeError``)."""
     try:
         x = float(value)
@@ -65,9 +65,9 @@ def _seconds(value: str) -> float:
     return x
 
 
-def _positive_seconds(value: str) -> float:
-    """As ``_seconds``, but > 0."""
-    x = _seconds(value)
+def positive_seconds(value: str) -> float:
+    """As ``seconds``, but > 0."""
+    x = seconds(value)
     if x == 0:
         raise argparse.ArgumentTypeError(f"{value!r}: give a number of seconds > 0")
     return x
@@ -115,11 +115,11 @@ def add_store_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    "runs (layer i's attention waits only for layer i); off: every layer is "
                    "written before it; auto (default): on when the engine runs on CUDA, off on "
                    "the CPU (where the copies take the cores the forward pass needs)")
-    s.add_argument("--kvstore-deadline-s", type=_positive_seconds, default=None,
+    s.add_argument("--kvstore-deadline-s", type=positive_seconds, default=None,
                    metavar="SECONDS", help="longest wait of a prefix lookup, and base wait of a "
                    "step's loads; a later answer is a miss and the prefix is recomputed "
                    "(default 0.5)")
-    s.add_argument("--kvstore-deadline-s-per-chunk", type=_seconds, default=None,
+    s.add_argument("--kvstore-deadline-s-per-chunk", type=seconds, default=None,
                    metavar="SECONDS", help="extra load wait per chunk loaded in a step (default "
                    "0.05); raise both on a slow or loaded host, where a late load is thrown "
                    "away and recomputed")

@@ -19,7 +19,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``serve`` flags to ``parser``: server, engine, and the KV store's
     ``--kvstore-*`` (``connectors.flags.add_store_args``). Sizes accept ``512MiB``, ``2GiB``,
     bytes."""
-    from connectors.flags import add_store_args, parse_size
+    from connectors.flags import add_store_args, parse_size, seconds
 
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
@@ -28,7 +28,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="model name(s) in the API, as vLLM's: responses report the first, "
                    "requests may name any (default: the model's id, from its metadata or "
                    "--model-id)")
-    g.add_argument("--shutdown-timeout-s", type=_non_negative_s,
+    g.add_argument("--shutdown-timeout-s", type=seconds,
                    default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="S",
                    help="on Ctrl-C / SIGTERM, how long requests in flight may run on before "
                    "they are aborted (streams end with finish_reason \"abort\", an error "
@@ -71,17 +71,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_store_args(parser)
     parser.add_argument("--log-level", default="info", help="logging level (default info)")
     return parser
-
-
-def _non_negative_s(text: str) -> float:
-    """argparse type: a finite number of seconds >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
-    return value
 
 
 def build_connector(args: argparse.Namespace) -> Any | None:

@@ -45,6 +45,25 @@ Key = Hashable
 _ABSENT = object()
 
 
+def servable(policy: EvictionPolicy, hits: Sequence[Key], keys: Sequence[Key],
+             nbytes: Sequence[int], free_bytes: int) -> bool:
+    """Whether a leaf-first index can serve this ``on_request``: ``hits`` a tracked chain
+    from a root, and not (no ``keys`` and a negative ``free_bytes``: the general path evicts).
+
+    Raises:
+        ValueError, KeyError: bad ``keys``/``nbytes`` (``batched.check_chain``), before any
+            change.
+    """
+    sizes, parents = policy._nbytes, policy._parent
+    if not keys and free_bytes < 0:
+        return False
+    if len(keys) != len(nbytes) or len(set(keys)) != len(keys) \
+            or not sizes.keys().isdisjoint(keys):
+        check_chain(policy, keys, nbytes)  # (raises)
+    return not hits or (parents.get(hits[0], _ABSENT) not in sizes and hits[0] in sizes
+                        and list(map(parents.get, islice(hits, 1, None))) == list(hits[:-1]))
+
+
 def request(policy: EvictionPolicy, hits: Sequence[Key], keys: Sequence[Key],
             nbytes: Sequence[int], free_bytes: int, admit: Admit | None = None) -> Request | None:
     """``EvictionPolicy.on_request`` through the leaf-first index ``policy._leaf_first``;
@@ -55,16 +74,10 @@ def request(policy: EvictionPolicy, hits: Sequence[Key], keys: Sequence[Key],
         ValueError, KeyError: as ``on_request`` (nothing changed).
     """
     index, sizes, parents = policy._leaf_first, policy._nbytes, policy._parent
-    if not keys and free_bytes < 0:
-        return None  # (the general path evicts)
-    if len(keys) != len(nbytes) or len(set(keys)) != len(keys) \
-            or not sizes.keys().isdisjoint(keys):
-        check_chain(policy, keys, nbytes)  # (raises)
+    if not servable(policy, hits, keys, nbytes, free_bytes):
+        return None
     nh = len(hits)
     if nh:
-        if parents.get(hits[0], _ABSENT) in sizes or hits[0] not in sizes \
-                or list(map(parents.get, islice(hits, 1, None))) != list(hits[:-1]):
-            return None
         if policy.reads_reorder:  # read head first: ranks from the clock
             deque(map(index.__delitem__, hits), 0)
             first = _tick(policy, nh)

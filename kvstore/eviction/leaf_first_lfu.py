@@ -22,13 +22,12 @@ from itertools import accumulate, islice, repeat, takewhile
 from typing import TYPE_CHECKING, Hashable, Sequence
 
 from kvstore.eviction import leaf_first
-from kvstore.eviction.batched import Admit, Request, check_chain
+from kvstore.eviction.batched import Admit, Request
 
 if TYPE_CHECKING:
     from kvstore.eviction.lfu import LFUPolicy
 
 Key = Hashable
-_ABSENT = object()
 _ONE = 1 << 40  # frequency 1, clock 0
 
 
@@ -41,16 +40,10 @@ def request(policy: LFUPolicy, hits: Sequence[Key], keys: Sequence[Key],
         ValueError, KeyError: as ``on_request`` (nothing changed).
     """
     buckets, ranks, sizes, parents = policy._buckets, policy._ranks, policy._nbytes, policy._parent
-    if not keys and free_bytes < 0:
+    if not leaf_first.servable(policy, hits, keys, nbytes, free_bytes):
         return None
-    if len(keys) != len(nbytes) or len(set(keys)) != len(keys) \
-            or not sizes.keys().isdisjoint(keys):
-        check_chain(policy, keys, nbytes)  # (raises)
     nh = len(hits)
     if nh:
-        if parents.get(hits[0], _ABSENT) in sizes or hits[0] not in sizes \
-                or list(map(parents.get, islice(hits, 1, None))) != list(hits[:-1]):
-            return None
         first = leaf_first._tick(policy, nh)
         hit_ranks = []
         for i, key in enumerate(hits):  # read head first: one more use each
