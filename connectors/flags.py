@@ -66,10 +66,13 @@ def seconds(value: str) -> float:
 
 
 def positive_seconds(value: str) -> float:
-    """As ``seconds``, but > 0."""
-    x = seconds(value)
-    if x == 0:
-        raise argparse.ArgumentTypeError(f"{value!r}: give a number of seconds > 0")
+    """A finite number of seconds > 0, as an ``argparse`` type (else ``ArgumentTypeError``)."""
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value!r}: give a finite number of seconds > 0")
     return x
 
 

@@ -271,6 +271,7 @@ def daemon_tenant_salt(client: Any, timeout_s: float, token: bool = True) -> str
     refused (403), so it recomputes; it never reads another tenant's chunks.
     """
     from kvstore.daemon.client import RemoteError, StoreUnavailable
+    from kvstore.errors import NotADaemon
     try:
         salt = client.whoami(timeout_s=timeout_s).get("cache_salt")
     except StoreUnavailable as e:
@@ -278,6 +279,9 @@ def daemon_tenant_salt(client: Any, timeout_s: float, token: bool = True) -> str
                     "does%s", client.url, e,
                     "; this token's tenant salt is then unknown until the engine restarts"
                     if token else "")
+        return None
+    except NotADaemon as e:
+        log.warning("%s: requests recompute (check --kvstore-url)", e)
         return None
     except RemoteError as e:
         if e.status in (401, 403):

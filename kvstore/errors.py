@@ -22,9 +22,9 @@ class RemoteError(RuntimeError):
 
 
 class NotADaemon(RemoteError):
-    """Something answered at the daemon's URL, but not a kvstore daemon: an answer below 500
-    without the daemon's protocol header (``X-KVStore-Protocol``), e.g. another web server's
-    404 page, or an engine's port given for the daemon's. Not retried; the message names the
+    """Something answered at the daemon's URL, but not a kvstore daemon: an answer without the
+    daemon's protocol header (``X-KVStore-Protocol``), other than a gateway's 502/503/504, e.g.
+    another web server's 404 or 501 page, or an engine's port given for the daemon's. Not retried; the message names the
     URL, the route, the status and the content type.
     """
 

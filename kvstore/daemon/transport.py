@@ -47,6 +47,11 @@ def check_url(url: str) -> str:
     return url
 
 
+#: statuses a proxy in front of a daemon answers for it (the daemon down or restarting): an
+#: answer of these without the daemon's header is not taken for another server's
+_GATEWAY_STATUSES = (502, 503, 504)
+
+
 class _Retry(Exception):
     """Internal: a 503 answer to an idempotent call."""
 
@@ -109,8 +114,8 @@ class Transport:
             StoreUnavailable: no answer within the deadline, refused connections, or a
                 non-idempotent call that failed after sending.
             RemoteError: an error status other than 404 (and 503 for idempotent calls).
-            NotADaemon: an answer below 500 without the daemon's protocol header (another
-                server listens at the URL); never retried.
+            NotADaemon: an answer without the daemon's protocol header (another server
+                listens at the URL), other than a gateway's 502/503/504; never retried.
         """
         timeout = self.timeout_s if timeout_s is None else timeout_s
         loop = asyncio.get_running_loop()
@@ -126,7 +131,8 @@ class Transport:
                     data = body() if callable(body) else body
                     async with self._sess().request(method, self.url + path, data=data,
                                                     headers=headers) as resp:
-                        if resp.status < 500 and P.VERSION_HEADER not in resp.headers:
+                        if P.VERSION_HEADER not in resp.headers \
+                                and resp.status not in _GATEWAY_STATUSES:
                             raise not_a_daemon(self.url, method, path, resp)
                         if resp.status == 503 and idempotent:
                             raise _Retry(await resp.text())
@@ -170,11 +176,16 @@ class Transport:
 
 
 async def error_text(resp: aiohttp.ClientResponse) -> str:
-    """The ``"error"`` text of a JSON error answer (else its first 500 characters)."""
+    """The ``"error"`` text of a JSON error answer (else, from a proxy, its status line and
+    content type: never an HTML page)."""
     text = await resp.text()
     try:
         return json.loads(text)["error"]
     except (ValueError, KeyError, TypeError):
+        if P.VERSION_HEADER not in resp.headers:
+            ctype = resp.headers.get("Content-Type") or "no content type"
+            return (f"{resp.reason or 'error'} ({ctype}, without the {P.VERSION_HEADER} "
+                    f"header: a proxy's answer)")
         return text[:500]
 
 

@@ -93,7 +93,8 @@ def test_load_deadlines_are_flags_that_reach_the_connector_and_refuse_bad_values
     finally:
         c.close()
     for argv, msg in ((("--kvstore-deadline-s", "0"), "seconds > 0"),
-                      (("--kvstore-deadline-s", "-1"), "finite number of seconds >= 0"),
+                      (("--kvstore-deadline-s", "-1"), "finite number of seconds > 0"),
+                      (("--kvstore-deadline-s-per-chunk", "-1"), "finite number of seconds >= 0"),
                       (("--kvstore-deadline-s-per-chunk", "soon"), "is not a number of seconds"),
                       (("--kvstore-deadline-s", "inf"), "finite number")):
         with pytest.raises(SystemExit):

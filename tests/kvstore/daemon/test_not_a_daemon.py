@@ -24,6 +24,9 @@ def _foreign_app(calls: dict) -> web.Application:
         calls[request.path] = calls.get(request.path, 0) + 1
         if request.path == "/v1/stats":
             return web.json_response({"object": "list", "data": []})
+        if request.path == "/v1/clear":  # as python -m http.server answers a POST
+            return web.Response(status=501, text="<html>Unsupported method</html>",
+                                content_type="text/html")
         return web.Response(status=404, text="<html>Not Found</html>", content_type="text/html")
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", any_path)
@@ -74,6 +77,7 @@ def test_every_call_to_a_foreign_server_raises_not_a_daemon_naming_the_url(forei
             assert url in str(e.value) and P.VERSION_HEADER in str(e.value)
         assert "200 (application/json" in _message(c.stats)  # a 200 without the header too
         assert "404 (text/html" in _message(lambda: c.exists(NS, KEYS[:1]))
+        assert "501 (text/html" in _message(lambda: c.clear())
         assert c.healthy() is False
     assert foreign.calls["/v1/exists"] == 2  # never retried: one request per call
 
@@ -132,5 +136,24 @@ def test_a_proxys_503_without_the_header_is_still_retried():
         with KVStoreClient(f"http://{srv.host}:{srv.port}", timeout_s=5.0) as c:
             assert c.stats() == {"status": "ok"}
         assert hits["n"] >= 3  # two 503s retried (the socket discovery may ask stats once more)
+    finally:
+        srv.stop()
+
+
+def test_a_gateways_502_without_the_header_is_a_remote_error_without_its_page():
+    """A proxy's 502 is not taken for another server (the daemon behind it may be down), and
+    its HTML page is not pasted into the error."""
+    async def gateway(request):
+        return web.Response(status=502, text="<html>" + "x" * 2000 + "</html>",
+                            content_type="text/html")
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", gateway)
+    srv = _AppThread(app)
+    try:
+        with KVStoreClient(f"http://{srv.host}:{srv.port}", timeout_s=3.0) as c:
+            with pytest.raises(RemoteError) as e:
+                c.remove(NS, KEYS[:1])
+            assert not isinstance(e.value, NotADaemon) and e.value.status == 502
+            assert "<html>" not in str(e.value) and "a proxy's answer" in str(e.value)
     finally:
         srv.stop()
