@@ -147,7 +147,7 @@ class ServeConfig:
             object.__setattr__(self, "disk_bytes",
                                DEFAULT_DISK_BYTES if self.disk_path is not None else 0)
         for name in ("cpu_bytes", "gpu_bytes", "disk_bytes", "max_body_bytes", "page_bytes"):
-            object.__setattr__(self, name, parse_size(getattr(self, name)))
+            object.__setattr__(self, name, _size(name, getattr(self, name)))
         if self.disk_path is not None and self.disk_bytes <= 0:
             raise ValueError(f"disk_path {self.disk_path!r} with disk_bytes "
                              f"{self.disk_bytes}: give the disk tier a capacity (or leave "
@@ -160,7 +160,8 @@ class ServeConfig:
             object.__setattr__(self, "max_inflight_bytes",
                                max(32 << 20, (self.cpu_bytes + self.gpu_bytes) // 16))
         else:
-            object.__setattr__(self, "max_inflight_bytes", parse_size(self.max_inflight_bytes))
+            object.__setattr__(self, "max_inflight_bytes",
+                               _size("max_inflight_bytes", self.max_inflight_bytes))
         for name, typ in (("port", int), ("max_batch_keys", int), ("request_timeout_s", float),
                           ("max_lease_s", float), ("shutdown_timeout_s", float),
                           ("idle_timeout_s", float), ("max_namespaces", int)):
@@ -288,6 +289,15 @@ def is_loopback(host: str) -> bool:
 
 
 FIELDS = tuple(f.name for f in fields(ServeConfig))
+
+
+def _size(name: str, value: Any) -> int:
+    """``parse_size(value)``, or ``ValueError`` naming the setting (``cpu_bytes: not a byte
+    size: 'lots' ...``)."""
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
 
 
 def _as(name: str, typ: type, value: Any) -> Any:

@@ -74,7 +74,8 @@ async def serve_until_signal(app: web.Application, host: str, port: int, *,
     shm = None
     if unix_socket is not None:
         shm = await _start_shm(app, unix_socket, runner, guard.max_connections)
-    log.info("connection cap %d, idle timeout %s s", guard.max_connections, idle_timeout_s)
+    log.info("connection cap %s, idle timeout %s s",
+             guard.max_connections or "none (0)", idle_timeout_s)
     if on_listen is not None:
         on_listen(bound)
     stop = asyncio.Event()

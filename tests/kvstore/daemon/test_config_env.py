@@ -85,3 +85,12 @@ def test_start_warnings_name_a_tier_smaller_than_a_real_chunk_and_a_disk_beyond_
                                   disk_bytes=free + (1 << 30)))
     assert len(w) == 2 and w[0].startswith("the cpu tier (4MiB")
     assert "larger than the" in w[1] and "free at" in w[1]
+
+
+def test_a_size_that_does_not_parse_names_its_setting():
+    from kvstore.daemon.config import ServeConfig
+    with pytest.raises(ValueError) as e:
+        ServeConfig(cpu_bytes="lots")
+    assert str(e.value).startswith("cpu_bytes: not a byte size: 'lots'")
+    with pytest.raises(ValueError, match="^max_inflight_bytes: "):
+        ServeConfig(max_inflight_bytes="-1")
