@@ -148,8 +148,10 @@ class ShmKVStoreClient(KVStoreBase):
             except (FileNotFoundError, ConnectionRefusedError) as e:
                 refused, last = refused + 1, e
                 if self.refused_tries is not None and refused >= self.refused_tries:
-                    raise StoreUnavailable(f"{what} {self.url}: connection refused ({refused} "
-                                           "tries); is the kvstore daemon running?") from None
+                    why = ("no such socket file" if isinstance(e, FileNotFoundError)
+                           else "connection refused")
+                    raise StoreUnavailable(f"{what} {self.url}: {why} ({refused} tries); is the "
+                                           "kvstore daemon running?") from None
                 time.sleep(max(0.0, min(self.refused_backoff_s, deadline - time.monotonic())))
                 continue
             except TimeoutError:

@@ -157,3 +157,11 @@ def test_a_gateways_502_without_the_header_is_a_remote_error_without_its_page():
             assert "<html>" not in str(e.value) and "a proxy's answer" in str(e.value)
     finally:
         srv.stop()
+
+
+def test_a_unix_url_naming_no_socket_file_says_so(tmp_path):
+    from kvstore.errors import StoreUnavailable
+    with KVStoreClient(f"unix://{tmp_path / 'missing.sock'}", timeout_s=3.0) as c:
+        with pytest.raises(StoreUnavailable, match=r"no such socket file \(2 tries\); is the "
+                                                   "kvstore daemon running"):
+            c.stats()
