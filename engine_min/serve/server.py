@@ -274,6 +274,7 @@ class OpenAIServing:
         time instead of the prefill."""
         streamer = wire.TextStreamer(p.req.sampling.get("stop", ()))
         role_sent = p.req.kind != "chat"
+        last = None  # the latest output (its usage ends a stream cut by shutdown)
         while True:
             out = await outputs.get()
             if isinstance(out, Exception):
@@ -282,6 +283,8 @@ class OpenAIServing:
                 if isinstance(out, ShuttingDown):  # cut by shutdown: say so in the choices too
                     await resp.write(self._chunk(p, None if p.req.kind == "chat" else "",
                                                  "abort"))
+                    if p.req.include_usage:
+                        await resp.write(self._usage_chunk(p, last))
                 await resp.write(wire.sse(proto.error_body(err.message, err.type, err.param,
                                                             err.code)))
                 break
@@ -297,15 +300,22 @@ class OpenAIServing:
             elif delta or out.finished:
                 await resp.write(self._chunk(p, delta, out.finish_reason if out.finished
                                              else None))
+            last = out
             if out.finished:
                 if p.req.include_usage:
-                    usage = wire.usage(out.num_prompt_tokens, len(out.output_token_ids),
-                                        out.num_cached_tokens)
-                    await resp.write(wire.sse(wire.usage_chunk(
-                        p.request_id, self.model_name, p.created, p.req.kind, usage)))
+                    await resp.write(self._usage_chunk(p, out))
                 break
         await resp.write(wire.SSE_DONE)
         await resp.write_eof()
+
+    def _usage_chunk(self, p: _Prepared, out: Any) -> bytes:
+        """The SSE chunk of ``stream_options.include_usage``: ``out``'s token counts (None:
+        nothing generated yet, the prompt's length and no cached tokens)."""
+        usage = (wire.usage(len(p.prompt_token_ids), 0, 0) if out is None else
+                 wire.usage(out.num_prompt_tokens, len(out.output_token_ids),
+                            out.num_cached_tokens))
+        return wire.sse(wire.usage_chunk(p.request_id, self.model_name, p.created, p.req.kind,
+                                         usage))
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{

@@ -51,10 +51,13 @@ class _Served:
         for raw in self.proc.stderr:
             self.lines.append(raw.decode(errors="replace").rstrip())
 
-    def start_stream(self, num_events: int = 3) -> None:
+    def start_stream(self, num_events: int = 3, include_usage: bool = False) -> None:
         """Stream a completion that runs far longer than the test; wait for its first events."""
-        body = json.dumps({"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
-                           "stream": True}).encode()
+        req = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
+               "stream": True}
+        if include_usage:
+            req["stream_options"] = {"include_usage": True}
+        body = json.dumps(req).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", body,
                                      {"Content-Type": "application/json"})
 
@@ -168,3 +171,18 @@ def test_drain_answers_new_requests_503_and_cuts_a_non_streamed_request_with_503
         with pytest.raises(urllib.error.HTTPError) as health:
             urllib.request.urlopen(srv.url + "/health", timeout=10)
         assert health.value.code == 503
+
+
+def test_a_stream_cut_by_shutdown_still_sends_its_usage_when_asked():
+    srv = _Served("--shutdown-timeout-s", "0.3")
+    srv.start_stream(num_events=4, include_usage=True)
+    srv.proc.send_signal(signal.SIGINT)
+    assert srv.wait(20) == 0
+    time.sleep(0.2)
+    assert srv.stream[-1] == "data: [DONE]"
+    abort, usage, error = (json.loads(x.removeprefix("data: ")) for x in srv.stream[-4:-1])
+    assert abort["choices"][0]["finish_reason"] == "abort"
+    assert usage["choices"] == [] and usage["usage"]["prompt_tokens"] == 4
+    generated = len(srv.stream) - 4          # one token per event before the cut
+    assert usage["usage"]["completion_tokens"] >= generated >= 4
+    assert error["error"]["code"] == "server_shutting_down"
