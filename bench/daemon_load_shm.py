@@ -9,7 +9,12 @@ pool, each with its own connections):
   thread (the ceiling of any copy path; targets: get >= 0.8x, put >= 0.5x).
 * ``shm_get_gbps``: ``get_chunks(..., out=)`` into preallocated buffers (an engine copying
   into its KV pool); ``shm_get_alloc_gbps``: into new tensors.
-* ``shm_put_gbps``: ``put_chunks`` of ``batch`` chunks per call.
+* ``shm_put_gbps``: ``put_chunks`` of ``batch`` chunks per call, by the client's default path:
+  read by the daemon from the tensors' memory when the kernel lets it (``shm_put_path``:
+  ``"vm"``; ``kvstore.daemon.shm_vm``), else through the staging area (``"staging"``);
+  ``shm_put_staged_gbps``: the same puts through the staging area (``vm_put=False``), in the
+  same repetition; ``shm_put_client_cpu_ms`` / ``shm_put_staged_client_cpu_ms``: the client
+  process's CPU time per chunk put (1 client), what a put takes from the engine.
 * ``unix_lookup32_ms``: median (and p99) round trip of a lookup of a 32-chunk prompt.
 * ``shm_load8_borrow_ms`` / ``shm_load8_copy_ms``: median milliseconds to load 8 chunks into a
   paged KV pool (16-token blocks) as the engine's connector does: scattered straight from
@@ -71,6 +76,7 @@ def bench_shm(path: str, clients: int, rounds: int, batch: int,
     ns = Namespace(f"bench-shm-{tag}-{clients}", LAYOUT)
     keys = ns.chunk_keys(list(range(clients * rounds * batch * LAYOUT.chunk_size)))
     c = ShmKVStoreClient(path, timeout_s=120, pool_size=max(clients, 8))
+    staged = ShmKVStoreClient(path, timeout_s=120, pool_size=max(clients, 8), vm_put=False)
     outs = [[torch.empty(LAYOUT.shape(), dtype=LAYOUT.torch_dtype) for _ in range(batch)]
             for _ in range(clients)]  # [30, 2, 256, 3, 64] each
     for bufs in outs:
@@ -81,10 +87,10 @@ def bench_shm(path: str, clients: int, rounds: int, batch: int,
         i = (ci * rounds + r) * batch
         return keys[i:i + batch], [tensors[(i + j) % len(tensors)] for j in range(batch)]
 
-    def put(ci: int) -> None:
+    def put(ci: int, client=c) -> None:
         for r in range(rounds):
             ks, kvs = batch_of(ci, r)
-            assert c.put_chunks(ns, ks, kvs) == batch
+            assert client.put_chunks(ns, ks, kvs) == batch
 
     def get(ci: int, out: bool = True) -> None:
         for r in range(rounds):
@@ -96,16 +102,30 @@ def bench_shm(path: str, clients: int, rounds: int, batch: int,
         _run_threads(clients, put)  # warm-up: first touch of the arena's pages
         _run_threads(clients, get)
         c.clear(ns)
+        _run_threads(clients, lambda ci: put(ci, staged))  # the staged client's warm-up
+        c.clear(ns)
+        cpu0 = time.process_time()
         t_put = _run_threads(clients, put)
+        cpu_put = time.process_time() - cpu0
         t_get = _run_threads(clients, get)
         t_alloc = _run_threads(clients, lambda ci: get(ci, out=False))
         ks, kvs = batch_of(0, 0)  # bit-exact, as a benchmark that moves bytes must check
         assert all(torch.equal(g, kv) for g, kv in zip(c.get_chunks(ns, ks), kvs))
         c.clear(ns)
+        cpu0 = time.process_time()
+        t_staged = _run_threads(clients, lambda ci: put(ci, staged))
+        cpu_staged = time.process_time() - cpu0
+        assert all(torch.equal(g, kv) for g, kv in zip(c.get_chunks(ns, ks), kvs))
+        path_used = "vm" if c._idle and c._idle[0].hello.vm_read else "staging"
+        c.clear(ns)
     finally:
         c.close()
+        staged.close()
+    n = clients * rounds * batch
     return {"put": total / t_put / 1e9, "get": total / t_get / 1e9,
-            "get_alloc": total / t_alloc / 1e9}
+            "get_alloc": total / t_alloc / 1e9, "put_staged": total / t_staged / 1e9,
+            "put_cpu_ms": 1e3 * cpu_put / n, "put_staged_cpu_ms": 1e3 * cpu_staged / n,
+            "put_path": path_used}
 
 
 def bench_unix_lookup32(path: str, tensors: list[torch.Tensor], reps: int) -> dict:
@@ -175,7 +195,8 @@ def shm_phase(path: str, args, tensors: list[torch.Tensor], out: dict) -> None:
             r = bench_shm(path, clients, rounds, args.batch, tensors, f"r{rep}")
             r["memcpy"] = mc
             runs.setdefault(clients, []).append(r)
-            print(f"rep {rep}  {clients} client(s): shm put {r['put']:.2f} get {r['get']:.2f} "
+            print(f"rep {rep}  {clients} client(s): shm put {r['put']:.2f} ({r['put_path']}; "
+                  f"staged {r['put_staged']:.2f}) get {r['get']:.2f} "
                   f"(new tensors {r['get_alloc']:.2f}) GB/s | memcpy {mc:.2f} GB/s")
     for clients in (1, 8):
         sfx = "" if clients == 1 else "_8c"
@@ -185,6 +206,12 @@ def shm_phase(path: str, args, tensors: list[torch.Tensor], out: dict) -> None:
         out[f"shm_get_alloc_gbps{sfx}"] = statistics.median(r["get_alloc"] for r in rs)
         out[f"shm_get_vs_memcpy{sfx}"] = statistics.median(r["get"] / r["memcpy"] for r in rs)
         out[f"shm_put_vs_memcpy{sfx}"] = statistics.median(r["put"] / r["memcpy"] for r in rs)
+        out[f"shm_put_staged_gbps{sfx}"] = statistics.median(r["put_staged"] for r in rs)
+        out[f"shm_put_vs_staged{sfx}"] = statistics.median(r["put"] / r["put_staged"] for r in rs)
+    out["shm_put_path"] = runs[1][0]["put_path"]
+    out["shm_put_client_cpu_ms"] = statistics.median(r["put_cpu_ms"] for r in runs[1])
+    out["shm_put_staged_client_cpu_ms"] = statistics.median(r["put_staged_cpu_ms"]
+                                                            for r in runs[1])
     out["memcpy_gbps"] = statistics.median(r["memcpy"] for rs in runs.values() for r in rs)
     out.update(bench_unix_lookup32(path, tensors, 300 if not args.quick else 100))
     out.update(bench_shm_load(path, tensors, 10 if not args.quick else 3))
@@ -192,6 +219,9 @@ def shm_phase(path: str, args, tensors: list[torch.Tensor], out: dict) -> None:
           f"{out['shm_get_gbps']:.2f} GB/s, 8 clients put {out['shm_put_gbps_8c']:.2f} get "
           f"{out['shm_get_gbps_8c']:.2f} GB/s; memcpy {out['memcpy_gbps']:.2f} GB/s; get "
           f"{out['shm_get_vs_memcpy']:.2f}x, put {out['shm_put_vs_memcpy']:.2f}x memcpy")
+    print(f"put by path {out['shm_put_path']}: {out['shm_put_vs_staged']:.2f}x the staging "
+          f"area's {out['shm_put_staged_gbps']:.2f} GB/s; client CPU per chunk "
+          f"{out['shm_put_client_cpu_ms']:.2f} ms vs {out['shm_put_staged_client_cpu_ms']:.2f} ms")
     print(f"lookup of a 32-chunk prompt over the unix socket: median "
           f"{out['unix_lookup32_ms']:.3f} ms, p99 {out['unix_lookup32_p99_ms']:.3f} ms")
     print(f"load of 8 chunks into a paged pool: borrowed {out['shm_load8_borrow_ms']:.1f} ms, "

@@ -7,9 +7,12 @@ the daemon pins them and answers with their page runs in the arena; the client c
 runs straight into the destination (a new tensor, or the caller's ``out`` buffers), then
 sends ``release``; ``get_borrowed`` instead hands out read-only views of the runs, pinned until
 the caller releases them (``kvstore.daemon.shm_borrow``). Chunks of lower tiers come inline in
-the reply. A put copies the chunks into the connection's staging area (a memfd of the client's
-that the daemon maps read-only), pipelined over requests; the daemon copies them into reserved
-arena pages (protocol version 2: unhashed; version 1: checking each xxh3) before committing
+the reply. A put of CPU tensors is read by the daemon straight from the tensors' memory into
+reserved arena pages (``process_vm_readv``; protocol version 3, when ``hello`` showed that the
+kernel lets the daemon read this process: ``kvstore.daemon.shm_vm``); otherwise the client
+copies the chunks into the connection's staging area (a memfd of the client's that the daemon
+maps read-only), pipelined over requests, and the daemon copies them into reserved arena pages
+(protocol version 2: unhashed; version 1: checking each xxh3) before committing
 (``kvstore.daemon.shm_put``).
 
 Deadlines and errors as ``kvstore.daemon.client.KVStoreClient``: every call ends within its
@@ -22,6 +25,7 @@ retried once sent. A connection that failed mid-call is closed, which releases i
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -67,6 +71,10 @@ class ShmKVStoreClient(KVStoreBase):
         staging_bytes: bytes of each connection's put staging area (a sealed memfd the
             daemon copies chunks out of; ``kvstore.daemon.shm_put``); 0: puts send their bytes
             over the socket.
+        vm_put: let the daemon read puts straight from the tensors' memory when the kernel
+            allows it (one copy instead of two; under Yama ``ptrace_scope`` 1 this process
+            then names the daemon its ptracer: ``kvstore.daemon.shm_vm``); False: always
+            through the staging area.
 
     Raises:
         ValueError: a malformed path or ``refused_tries``.
@@ -77,7 +85,7 @@ class ShmKVStoreClient(KVStoreBase):
     def __init__(self, path: str, *, auth_token: str | None = None, timeout_s: float = 10.0,
                  durable: bool = False, pool_size: int = 32, retry_backoff_s: float = 0.02,
                  refused_tries: int | None = 2, refused_backoff_s: float = 0.05,
-                 staging_bytes: int = STAGING_BYTES):
+                 staging_bytes: int = STAGING_BYTES, vm_put: bool = True):
         if refused_tries is not None and (type(refused_tries) is not int or refused_tries < 1):
             raise ValueError(f"refused_tries must be a positive int or None, got "
                              f"{refused_tries!r}")
@@ -87,12 +95,12 @@ class ShmKVStoreClient(KVStoreBase):
         self.retry_backoff_s = retry_backoff_s
         if type(staging_bytes) is not int or staging_bytes < 0:
             raise ValueError(f"staging_bytes must be an int >= 0, got {staging_bytes!r}")
-        self.staging_bytes = staging_bytes
+        self.staging_bytes, self.vm_put = staging_bytes, bool(vm_put)
         self.refused_tries, self.refused_backoff_s = refused_tries, refused_backoff_s
         self._token = auth_token or None
         self._lock = threading.Lock()
         self._idle: list[Conn] = []
-        self._version = SHM_VERSION  # 1 once a daemon refused 2 (``_connect``)
+        self._version = SHM_VERSION  # lower once an older daemon refused it (``_connect``)
         self._arenas: dict = {}  # "current": the Arena of the last daemon start greeted
         #: destinations of gets without ``out``, recycled (``kvstore.daemon.shm_results``)
         self.results = ResultBuffers()
@@ -113,16 +121,18 @@ class ShmKVStoreClient(KVStoreBase):
             conn.close()
 
     def _connect(self, deadline: float) -> Conn:
-        """A new connection; hello in this client's protocol version, else (a daemon that
-        serves only version 1: 400) in version 1 from then on."""
+        """A new connection; hello in this client's protocol version, else (an older daemon
+        answers 400 with the versions it serves) in the highest of those from then on."""
         try:
-            return Conn(self.path, self._token, deadline, self._arenas, self._version)
+            return Conn(self.path, self._token, deadline, self._arenas, self._version,
+                        self.vm_put)
         except RemoteError as e:
             if (e.status != 400 or self._version == 1
                     or "unsupported shm protocol version" not in str(e)):
                 raise
-        self._version = 1
-        return Conn(self.path, self._token, deadline, self._arenas, 1)
+            served = [int(v) for v in re.findall(r"\d+", str(e).rpartition("supported:")[2])]
+        self._version = max([v for v in served if v < self._version] or [1])
+        return Conn(self.path, self._token, deadline, self._arenas, self._version, self.vm_put)
 
     def _give(self, conn: Conn) -> None:
         with self._lock:

@@ -17,6 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from kvstore.daemon import shm_protocol as S
+from kvstore.daemon import shm_vm
 from kvstore.daemon.protocol import (MAGIC, MAX_HEADER_BYTES, PREAMBLE, PREAMBLE_BYTES,
                                      ProtocolError, decode_preamble)
 from kvstore.errors import RemoteError
@@ -122,6 +123,8 @@ class Hello:
     arena: Arena
     page_bytes: int
     version: int = 1
+    #: the daemon reads this client's puts from its memory (``kvstore.daemon.shm_vm``)
+    vm_read: bool = False
 
 
 class Conn:
@@ -135,12 +138,16 @@ class Conn:
     """
 
     def __init__(self, path: str, token: str | None, deadline: float, arenas: dict,
-                 version: int = S.SHM_VERSION):
+                 version: int = S.SHM_VERSION, vm_put: bool = True):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         #: the put staging area passed to the daemon (``kvstore.daemon.shm_put``), if any
         self.staging = None
         #: True once the daemon (or this system) refused a staging area: put over the socket
         self.staging_refused = False
+        #: True once the daemon refused to read a put from this process (403): staging then
+        self.vm_refused = False
+        #: the process that connected (a forked child must not have its puts read from here)
+        self.pid = os.getpid()
         # read-ahead of reply frames: [_rpos, _rend) of _rbuf are received, not yet consumed
         self._rbuf, self._rpos, self._rend = bytearray(READ_AHEAD_BYTES), 0, 0
         try:
@@ -158,14 +165,20 @@ class Conn:
             self._poll_in, self._poll_out = select.poll(), select.poll()
             self._poll_in.register(fd, select.POLLIN)
             self._poll_out.register(fd, select.POLLOUT)
-            self.hello = self._hello(token, deadline, arenas, version)
+            self.hello = self._hello(token, deadline, arenas, version, vm_put)
         except BaseException:
             self.sock.close()
             raise
 
-    def _hello(self, token: str | None, deadline: float, arenas: dict, version: int) -> Hello:
-        self.send([S.encode_frame({"op": "hello", "version": version, "token": token})],
-                  deadline)
+    def _hello(self, token: str | None, deadline: float, arenas: dict, version: int,
+               vm_put: bool) -> Hello:
+        head: dict = {"op": "hello", "version": version, "token": token}
+        probe = None
+        if vm_put and version >= 3 and shm_vm.available():
+            shm_vm.allow_daemon_to_read(self.sock)
+            probe = bytearray(os.urandom(32))  # read back by the daemon (kept alive till then)
+            head["vm_probe"] = {"address": shm_vm.address_of(probe), "hex": probe.hex()}
+        self.send([S.encode_frame(head)], deadline)
         fds: list[int] = []
         try:
             while True:  # the arena's descriptor rides on the reply's first bytes
@@ -191,7 +204,8 @@ class Conn:
         agreed = reply.get("version", 1)
         if agreed not in S.SHM_VERSIONS or agreed > version:
             raise ProtocolError(f"hello answered version {agreed!r} to a client of {version}")
-        return Hello(instance, tenant, arena, int(reply.get("page_bytes") or 0), agreed)
+        return Hello(instance, tenant, arena, int(reply.get("page_bytes") or 0), agreed,
+                     probe is not None and reply.get("vm_read") is True)
 
     @staticmethod
     def _wait(poller, deadline: float) -> None:

@@ -19,6 +19,7 @@ import xxhash
 
 from kvstore.daemon import protocol as P
 from kvstore.daemon import shm_protocol as S
+from kvstore.daemon import shm_vm as V
 from kvstore.daemon.payload import DROP_SCRATCH, can_persist, persist
 from kvstore.daemon.shm_staging import copy_entries, map_client_staging, put_staged_direct
 from kvstore.daemon.state import _check_fits, _shaped
@@ -145,11 +146,19 @@ async def put(c: "Connection", h: dict) -> dict:
     if durable and not can_persist(store):
         raise P.ProtocolError("durable put needs a disk tier (serve with --disk-path and "
                               "--disk-bytes)")
-    staged = _staged_source(c, h, entries)
-    if staged is None and c.payload_left != P.payload_total(entries):
+    vm = h.get("vm") is not None  # read from the client's memory (``shm_vm``)
+    staged = None if vm else _staged_source(c, h, entries)
+    if vm:
+        ranges = V.put_ranges(c.peer, h, entries, c.payload_left, state.limits.max_body_bytes)
+        if state.direct and not durable:  # reserve, read, commit in one store-pool call
+            done = await state.call_shielded(V.put_vm_direct, store, ns, entries, c.peer, ranges)
+            if done is not None:
+                return _stored(state, entries, *done, False)
+        staged = await state.call_shielded(V.read_all, c.peer, ranges)
+    elif staged is None and c.payload_left != P.payload_total(entries):
         raise P.ProtocolError(f"payload is {c.payload_left} bytes but the chunks declare "
                               f"{P.payload_total(entries)}")
-    if staged is not None and state.direct and not durable:
+    if staged is not None and not vm and state.direct and not durable:
         # the common case in one store-pool call (reserve, copy + hash, commit): no hops
         done = await state.call_shielded(put_staged_direct, store, ns, entries, staged)
         if done is not None:
@@ -158,9 +167,7 @@ async def put(c: "Connection", h: dict) -> dict:
                 state.rejected.labels("checksum").inc()
                 raise P.ProtocolError(f"checksum mismatch for key {bad.key.hex()[:16]}...; "
                                       "nothing stored")
-            state.bytes_in.inc(P.payload_total(entries))
-            return _ok(stored=int(stored), num_chunks=len(entries), durable=False,
-                       rejected={"no_room": dropped} if dropped else {})
+            return _stored(state, entries, stored, dropped, False)
     budget, bufs, items, handed, copying = [0], [], [None] * len(entries), False, []
     try:
         if staged is None:
@@ -185,6 +192,11 @@ async def put(c: "Connection", h: dict) -> dict:
         if not handed or state.reuse_put_buffers:
             state.buffers.give(bufs)
         state.budget.release(budget[0])
+    return _stored(state, entries, stored, dropped, durable)
+
+
+def _stored(state, entries, stored: int, dropped: int, durable: bool) -> dict:
+    """A put's reply (its bytes counted in)."""
     state.bytes_in.inc(P.payload_total(entries))
     return _ok(stored=int(stored), num_chunks=len(entries), durable=durable,
                rejected={"no_room": dropped} if dropped else {})
@@ -195,7 +207,8 @@ def _parse_put(c: "Connection", h: dict):
     entries of a put from staging may leave out ``xxh3`` (they get ``xxh3=""``: copied
     unhashed, ``kvstore.daemon.shm_protocol``)."""
     chunks, unhashed = h.get("chunks"), set()
-    if c.version >= 2 and h.get("staging_offset") is not None and isinstance(chunks, list):
+    if (c.version >= 2 and (h.get("staging_offset") is not None or h.get("vm") is not None)
+            and isinstance(chunks, list)):
         unhashed = {i for i, ch in enumerate(chunks) if isinstance(ch, dict) and "xxh3" not in ch}
         if unhashed:
             h = {**h, "chunks": [{**ch, "xxh3": "0" * 16} if i in unhashed else ch

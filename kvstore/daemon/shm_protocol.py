@@ -26,10 +26,11 @@ earlier replies; they are served and answered in order; ``release`` has no reply
 =========  =====================================================  ==================================
 op         request fields                                         reply fields
 =========  =====================================================  ==================================
-hello      ``version`` (2 or 1), ``token`` (str/null)             ``version``, ``instance`` (the
-                                                                  daemon's id, as in ``/v1/stats``),
-                                                                  ``arena_bytes``, ``page_bytes``,
+hello      ``version`` (3, 2 or 1), ``token`` (str/null);         ``version``, ``instance`` (the
+           version 3: optional ``vm_probe``                       daemon's id, as in ``/v1/stats``),
+           ({address, hex}: ``kvstore.daemon.shm_vm``)            ``arena_bytes``, ``page_bytes``,
                                                                   ``tenant`` ({name, role, salt});
+                                                                  version 3: ``vm_read`` (bool);
                                                                   the arena's file descriptor rides
                                                                   on this reply (``SCM_RIGHTS``)
                                                                   when ``arena_bytes`` > 0
@@ -45,7 +46,9 @@ get        ``namespace``, ``keys``                                ``borrow`` (in
 release    ``borrow``                                             (none: no reply)
 put        the put header of ``kvstore.daemon.protocol``          ``stored`` (int), ``rejected``
            (``namespace``, ``chunks`` with ``xxh3``, ...),        ({reason: count})
-           payload = the chunks' bytes in order
+           payload = the chunks' bytes in order; or
+           ``staging_offset`` (below); or version 3:
+           ``vm`` [[address, nbytes], ...] and ``pid``
 remove     ``namespace``, ``keys``                                ``removed``
 demote     ``namespace``, ``keys``                                ``demoted``
 clear      ``namespace`` (or null: admin only)                    ``removed``
@@ -69,6 +72,12 @@ copy with the client's intent; a client that rewrites its staging bytes before t
 store only what it could have put anyway (into its own namespaces), and the store keeps no
 checksum of a put (its disk and remote tiers checksum the stored bytes when they write
 them). A put whose bytes follow on the socket still carries ``xxh3`` for every entry.
+
+From version 3 on, a client whose ``hello`` carried a ``vm_probe`` that the daemon read back
+(``vm_read: true``) may put chunks without copying them anywhere: ``vm`` names each chunk's
+bytes in the client's own memory and the daemon reads them into reserved arena pages with
+``process_vm_readv``, from the process that connected only (``kvstore.daemon.shm_vm`` gives the
+rules; entries may leave out ``xxh3`` as from staging).
 
 Pins of a get (``borrow``) belong to the connection: ``release`` drops them, and so does the
 connection's end (a client that dies releases everything it held). A pinned chunk's pages are
@@ -96,9 +105,10 @@ from kvstore.keys import ChunkKey, Namespace
 
 #: Version of this path's messages a client sends in ``hello`` (the daemon answers it back).
 #: 2: a put from staging may leave out its entries' ``xxh3`` (module docstring).
-SHM_VERSION = 2
+#: 3: ``hello``'s ``vm_probe`` and a put's ``vm`` ranges (``kvstore.daemon.shm_vm``).
+SHM_VERSION = 3
 #: Versions the daemon serves.
-SHM_VERSIONS = (1, 2)
+SHM_VERSIONS = (1, 2, 3)
 #: ops with a reply (``release`` has none)
 OPS = ("hello", "lookup", "exists", "get", "release", "put", "remove", "demote", "clear", "pin",
        "unpin", "stats", "stage")

@@ -1,5 +1,6 @@
-"""Puts of the same-host client (``kvstore.daemon.shm_client``) on one connection: through the
-connection's staging area when the daemon offers it, else over the socket.
+"""Puts of the same-host client (``kvstore.daemon.shm_client``) on one connection: read by the
+daemon from the tensors' memory when ``hello`` established it (``kvstore.daemon.shm_vm``),
+else through the connection's staging area when the daemon offers it, else over the socket.
 
 Staged (``kvstore.daemon.shm_staging``): the chunks are split into requests of about
 ``GROUP_BYTES`` (whole chunks, at least one); request ``g`` is copied into half ``g % 2`` of
@@ -15,12 +16,14 @@ no join copy); the daemon reads it into reserved arena pages and checks each xxh
 """
 from __future__ import annotations
 
+import os
 from collections import deque
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from kvstore.daemon import protocol as P
+from kvstore.daemon import shm_vm
 from kvstore.daemon.shm_protocol import encode_frame
 from kvstore.daemon.shm_staging import ClientStaging
 from kvstore.errors import RemoteError
@@ -30,6 +33,8 @@ from kvstore.keys import ChunkKey, Namespace
 STAGING_BYTES = 64 << 20
 #: Chunk bytes per put request from staging (whole chunks, at least one per request).
 GROUP_BYTES = 16 << 20
+#: Chunk bytes per put request read from the client's memory (whole chunks, at least one).
+VM_GROUP_BYTES = 64 << 20
 
 
 def put_on(conn, deadline: float, ns: Namespace, keys: Sequence[ChunkKey],
@@ -44,11 +49,41 @@ def put_on(conn, deadline: float, ns: Namespace, keys: Sequence[ChunkKey],
         TimeoutError, ConnectionError, ProtocolError: as ``Conn.request``.
     """
     views = [P.tensor_bytes(kv) for kv in kvs]
+    done = 0
+    if conn.hello.vm_read and not conn.vm_refused and conn.pid == os.getpid():
+        done, error = _put_vm(conn, deadline, ns, keys, kvs, views, parents, durable)
+        if error is None:
+            return done
+        if error.status not in (403, 413):  # 403: the kernel refused the read; 413: too big
+            raise error
+        conn.vm_refused = True  # this connection puts from staging from now on
     staging = _staging(conn, deadline, max(staging_bytes, 2 * views[0].nbytes)) \
         if staging_bytes else None
     if staging is None:
-        return _put_socket(conn, deadline, ns, keys, kvs, views, parents, durable)
-    return _put_staged(conn, deadline, ns, keys, kvs, views, parents, durable, staging)
+        return done + _put_socket(conn, deadline, ns, keys, kvs, views, parents, durable)
+    return done + _put_staged(conn, deadline, ns, keys, kvs, views, parents, durable, staging)
+
+
+def _put_vm(conn, deadline, ns, keys, kvs, views, parents, durable) -> tuple[int, Any]:
+    """Puts whose bytes the daemon reads from ``views``' memory (``kvstore.daemon.shm_vm``):
+    requests of about ``VM_GROUP_BYTES`` (whole chunks), all sent, then every reply read.
+    Returns ``(chunks newly stored, the first RemoteError or None)``; the caller's tensors
+    stay alive and unchanged meanwhile (this call holds them until every reply is in)."""
+    cb = views[0].nbytes
+    per = max(1, VM_GROUP_BYTES // cb)
+    sent = 0
+    for start in range(0, len(keys), per):
+        idx = range(start, min(start + per, len(keys)))
+        entries = [_entry(keys[i], kvs[i], cb, "", i, keys, parents, j == 0)
+                   for j, i in enumerate(idx)]
+        vm = [[shm_vm.address_of(views[i]), cb] for i in idx]
+        conn.send([encode_frame(_head(ns, durable, entries, vm=vm, pid=conn.pid))], deadline)
+        sent += 1
+    stored, error = 0, None
+    pending = deque(range(sent))
+    while pending:
+        stored, error = _take(conn, deadline, pending, stored, error)
+    return stored, error
 
 
 def _staging(conn, deadline: float, nbytes: int) -> ClientStaging | None:
@@ -159,4 +194,4 @@ def _take(conn, deadline, pending: deque, stored: int, error):
     return stored, error
 
 
-__all__ = ["GROUP_BYTES", "STAGING_BYTES", "put_on"]
+__all__ = ["GROUP_BYTES", "STAGING_BYTES", "VM_GROUP_BYTES", "put_on"]

@@ -18,7 +18,7 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvstore.daemon import shm_ops
+from kvstore.daemon import shm_ops, shm_vm
 from kvstore.daemon import shm_protocol as S
 from kvstore.daemon.protocol import PREAMBLE_BYTES, ProtocolError, decode_preamble
 from kvstore.daemon.tenants import OPEN, Forbidden, Tenant
@@ -48,6 +48,8 @@ class Connection:
         self._next_borrow = 1
         #: the client's put staging area (``stage``), ``np.uint8`` read-only, or None
         self.staging = None
+        #: the client process a put may read from (``kvstore.daemon.shm_vm``), or None
+        self.peer = None
         sock.setblocking(False)
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             try:
@@ -169,6 +171,9 @@ class Connection:
             self._release_soon(b)
         self.borrows.clear()
         self.staging = None
+        if self.peer is not None:
+            self.peer.close()
+            self.peer = None
         self.sock.close()
 
     # ---- protocol ------------------------------------------------------------------------------
@@ -200,10 +205,14 @@ class Connection:
         self.tenant = tenant
         srv = self.server
         self.version = version
+        vm = {}
+        if version >= 3:
+            self.peer = _readable_peer(self.sock, h.get("vm_probe"))
+            vm = {"vm_read": self.peer is not None}
         await self.reply({"ok": True, "version": version, "instance": self.state.instance,
                           "arena_bytes": srv.arena_bytes, "page_bytes": srv.page_bytes,
                           "tenant": {"name": tenant.name, "role": tenant.role,
-                                     "salt": tenant.salt}},
+                                     "salt": tenant.salt}, **vm},
                          fds=[srv.arena_fd] if srv.arena_bytes else [])
         return True
 
@@ -327,6 +336,26 @@ class Connection:
                     pass
         except OSError:
             pass
+
+
+def _readable_peer(sock: socket.socket, probe: Any) -> "shm_vm.PeerMemory | None":
+    """The connection's peer when hello's ``vm_probe`` reads back as given (puts may then
+    be read from the client's memory), else None."""
+    if probe is None or not shm_vm.available():
+        return None
+    try:
+        peer = shm_vm.PeerMemory.of_socket(sock)
+    except OSError:
+        return None
+    if peer.probe(probe):
+        return peer
+    log.debug("vm_probe of pid %d did not read back: puts go through staging", peer.pid)
+    peer.close()
+    return None
+
+
+#: op -> its route label in the server's metrics
+_ROUTES = {op: f"shm_{op}" for op in S.OPS}
 
 
 def _fd_bytes(fds: list[int]) -> bytes:

@@ -44,10 +44,11 @@ def test_a_version_2_staged_put_goes_unhashed_on_both_sides_bit_exact(tmp_path, 
     client_hashes = spy(monkeypatch, ClientStaging, "write_hashed")
     daemon_hashes = spy(monkeypatch, shm_staging, "copy_hashed")
     with shm_daemon(tmp_path) as d, \
-            ShmKVStoreClient(d.sock_path, timeout_s=5, staging_bytes=4 * CB) as c:
+            ShmKVStoreClient(d.sock_path, timeout_s=5, staging_bytes=4 * CB,
+                             vm_put=False) as c:
         kvs = [chunk(i) for i in range(5)]
         assert c.put_chunks(NS, KEYS[:5], kvs) == 5
-        assert c.hello() and c._idle[0].hello.version == 2
+        assert c.hello() and c._idle[0].hello.version == 3
         assert [len(h["chunks"]) for h in sent] == [2, 2, 1]
         assert all("xxh3" not in e and "staging_offset" in h for h in sent for e in h["chunks"])
         assert client_hashes == [] and daemon_hashes == []

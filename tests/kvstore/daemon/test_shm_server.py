@@ -38,9 +38,10 @@ def test_hello_hands_over_a_sealed_arena_that_maps_only_read_only(tmp_path):
         c = RawClient(srv.sock_path)
         reply = c.hello()
         stats = http_json(srv, "/v1/stats")
-        assert reply == {"ok": True, "version": 2, "instance": stats["instance"],
+        assert reply == {"ok": True, "version": 3, "instance": stats["instance"],
                          "arena_bytes": 16 * CB, "page_bytes": 256,
-                         "tenant": {"name": "anonymous", "role": "admin", "salt": None}}
+                         "tenant": {"name": "anonymous", "role": "admin", "salt": None},
+                         "vm_read": False}  # no vm_probe in this hello
         assert stats["unix_socket"] == srv.sock_path and srv.unix_url == f"unix://{srv.sock_path}"
         assert fcntl.fcntl(c.arena_fd, fcntl.F_GET_SEALS) == ARENA_SEALS
         with pytest.raises(TypeError):

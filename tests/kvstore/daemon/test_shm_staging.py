@@ -133,7 +133,8 @@ def test_the_client_pipelines_staged_puts_bit_exact(tmp_path, monkeypatch):
         return orig(header, payload_bytes)
     monkeypatch.setattr(shm_put, "encode_frame", spy)
     with shm_daemon(tmp_path) as d, \
-            ShmKVStoreClient(d.sock_path, timeout_s=5, staging_bytes=4 * CB) as c:
+            ShmKVStoreClient(d.sock_path, timeout_s=5, vm_put=False,
+                             staging_bytes=4 * CB) as c:
         kvs = [chunk(i) for i in range(7)]
         assert c.put_chunks(NS, KEYS[:7], kvs) == 7
         assert sent == [(0, 2, False), (2 * CB, 2, True), (0, 2, True), (2 * CB, 1, True)]
@@ -157,7 +158,8 @@ def test_an_error_mid_pipeline_is_raised_after_every_reply_is_read(tmp_path, mon
         return "0" * 16 if len(calls) == 2 else h  # the 2nd request's checksum is wrong
     monkeypatch.setattr(ClientStaging, "write_hashed", bad_second)
     with shm_daemon(tmp_path) as d, \
-            ShmKVStoreClient(d.sock_path, timeout_s=5, staging_bytes=2 * CB) as c:
+            ShmKVStoreClient(d.sock_path, timeout_s=5, vm_put=False,
+                             staging_bytes=2 * CB) as c:
         c._version = 1  # staged entries carry checksums on protocol version 1 only
         with pytest.raises(RemoteError) as e:
             c.put_chunks(NS, KEYS[:4], [chunk(i) for i in range(4)])
@@ -174,14 +176,16 @@ def test_the_client_puts_over_the_socket_when_staging_is_refused(tmp_path):
     """A daemon whose body limit is below the staging size refuses it (413): the client
     remembers that for the connection and sends the bytes over the socket."""
     with shm_daemon(tmp_path, max_body_bytes=16 * CB) as d, \
-            ShmKVStoreClient(d.sock_path, timeout_s=5, staging_bytes=32 * CB) as c:
+            ShmKVStoreClient(d.sock_path, timeout_s=5, vm_put=False,
+                             staging_bytes=32 * CB) as c:
         kvs = [chunk(i) for i in range(3)]
         assert c.put_chunks(NS, KEYS[:3], kvs) == 3
         conn = c._idle[0]
         assert conn.staging is None and conn.staging_refused
         assert all(torch.equal(g, kv) for g, kv in zip(c.get_chunks(NS, KEYS[:3]), kvs))
     with shm_daemon(_sub(tmp_path)) as d, \
-            ShmKVStoreClient(d.sock_path, timeout_s=5, staging_bytes=0) as c:
+            ShmKVStoreClient(d.sock_path, timeout_s=5, vm_put=False,
+                             staging_bytes=0) as c:
         assert c.put_chunks(NS, KEYS[:2], kvs[:2]) == 2
         assert c._idle[0].staging is None and not c._idle[0].staging_refused
 
@@ -235,7 +239,8 @@ def test_a_larger_chunk_gets_a_larger_staging_area(tmp_path):
     big = Namespace("tiny-model", KVLayout(num_layers=2, num_kv_heads=1, head_dim=8,
                                            dtype="float16", chunk_size=16))  # 1 KiB chunks
     with shm_daemon(tmp_path) as d, \
-            ShmKVStoreClient(d.sock_path, timeout_s=5, staging_bytes=2 * CB) as c:
+            ShmKVStoreClient(d.sock_path, timeout_s=5, vm_put=False,
+                             staging_bytes=2 * CB) as c:
         assert c.put_chunks(NS, KEYS[:2], [chunk(0), chunk(1)]) == 2
         assert c._idle[0].staging.nbytes == 2 * CB
         g = torch.Generator().manual_seed(3)
