@@ -12,7 +12,8 @@ placement (``PolicyReplay._place``).
 """
 from __future__ import annotations
 
-from itertools import takewhile
+from collections import Counter
+from itertools import accumulate, takewhile
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -36,6 +37,8 @@ class OneTierRows:
         self.token_bytes, self.parent = replay.token_bytes, replay.parent
         self.copies, self.kids = replay._copies, replay._kids  # (shared: never replaced)
         self.nbytes = [t * self.token_bytes for t in self.tokens]  # bytes of each access
+        self.cum_tokens = [0, *accumulate(self.tokens)]  # tokens of accesses before each
+        self.cum_bytes = [0, *accumulate(self.nbytes)]  # bytes of accesses before each
         self.oversize = max(self.nbytes, default=0) > self.tier.capacity  # some chunk never fits
         self.stored = self.tier.policy.sizes.__contains__  # (a live view)
         self.synced = True  # whether the tier's contents and the counts match the policy
@@ -46,31 +49,34 @@ class OneTierRows:
         ``on_request`` (the filter, if any, records the row's chunks first and is asked by
         ``_admit``); returns the hit tokens, twice (all served by the one tier, the top)."""
         tier, adm = self.tier, self.admission
-        policy, cap = tier.policy, tier.capacity
         seg = self.keys[a:b]
         if adm is not None:
             adm.record_many(seg)
             self.refusal = False
         hits = list(takewhile(self.stored, seg))
-        j = a + len(hits)
-        hit = sum(self.tokens[a:j]) if hits else 0
-        new = seg[len(hits):]
+        nh = len(hits)
+        j = a + nh
+        cum = self.cum_tokens
+        hit = cum[j] - cum[a]
+        new = seg[nh:] if nh else seg
         sizes = self.nbytes[j:b]
-        m = len(new)
+        m = b - j
+        cap = tier.capacity
         if self.oversize and m and max(sizes) > cap:  # the row stops at a chunk larger
             m = next(i for i, n in enumerate(sizes) if n > cap)  # than the tier
             new, sizes = new[:m], sizes[:m]
         try:
-            done = policy.on_request(hits, new, sizes, cap - tier.used,
-                                     None if adm is None else self._admit)
+            victims, num_stored, freed = tier.policy.on_request(
+                hits, new, sizes, cap - tier.used, None if adm is None else self._admit)
         except KeyError:  # a chunk repeated within the row (not a chained trace): one at
-            policy.on_access_many(hits)  # a time
+            tier.policy.on_access_many(hits)  # a time
             self._store_from(a, j, b)
             return hit, hit
         self.synced = False
-        tier.used += sum(sizes[:done.num_stored]) - done.freed_bytes
-        if done.num_stored < m and not self.refusal:  # leaves ran out: the per-chunk
-            self._store_from(a, j + done.num_stored, b)  # path (lineage fallback)
+        cb = self.cum_bytes
+        tier.used += cb[j + num_stored] - cb[j] - freed
+        if num_stored < m and not self.refusal:  # leaves ran out: the per-chunk
+            self._store_from(a, j + num_stored, b)  # path (lineage fallback)
         return hit, hit
 
     def _admit(self, key: int, victim: int, num_keys: int) -> bool:
@@ -95,10 +101,8 @@ class OneTierRows:
         copies.clear()
         copies.update(dict.fromkeys(stored, 1))
         kids.clear()
-        for k in stored:
-            p = parent.get(k)
-            if p is not None:
-                kids[p] = kids.get(p, 0) + 1
+        kids.update(Counter(map(parent.get, stored)))  # (C-level counting)
+        kids.pop(None, None)  # (the roots' "parent")
         self.synced = True
 
     def _store_from(self, a: int, j: int, b: int) -> None:

@@ -20,6 +20,10 @@ import itertools
 from collections import OrderedDict
 
 from kvstore.eviction.base import EvictionPolicy
+from kvstore.eviction.batched import Request, check_chain
+from kvstore.eviction.queued import pop_leaf, unlink
+
+_T1_FIRST, _T2_FIRST = (0, 1), (1, 0)
 
 
 class ARCPolicy(EvictionPolicy):
@@ -81,6 +85,90 @@ class ARCPolicy(EvictionPolicy):
             del self._t2[key]
             self._b2[key] = None
         self._trim_ghosts()
+
+    def on_request(self, hits, keys, nbytes, free_bytes, admit=None) -> Request:
+        """``EvictionPolicy.on_request`` with the per-event hooks inline (the same decisions,
+        ranks, lists and target ``p`` as ``on_access`` per hit, then per new key
+        ``evict_until`` sparing its parent, leaves only, and ``on_insert``); the general path
+        with ``admit`` or a demoted key. Raises as ``on_request``."""
+        if admit is not None or self._demoted:
+            return super().on_request(hits, keys, nbytes, free_bytes, admit)
+        check_chain(self, keys, nbytes)
+        sizes, parents, children, ranks, queue = (self._nbytes, self._parent, self._children,
+                                                  self._ranks, self._queue)
+        t1, t2, b1, b2, clock = self._t1, self._t2, self._b1, self._b2, self._clock
+        t1_bytes, total, p = self._t1_bytes, self._total_bytes, self.p
+        for key in hits:  # ``_access``: to T2's MRU end
+            if key in sizes:
+                if key in t1:
+                    del t1[key]
+                    t1_bytes -= sizes[key]
+                    t2[key] = None
+                else:
+                    t2.move_to_end(key)
+                ranks[key] = next(clock)
+                queue[key] = 1
+                if key not in children:
+                    self._push_leaf(key)
+        parent = hits[-1] if hits else None
+        victims: list = []
+        room, freed, stored = free_bytes, 0, 0
+        for key, n in zip(keys, nbytes):
+            while n > room:
+                victim = pop_leaf(self, _T1_FIRST if t1 and (t1_bytes > p or not t2)
+                                  else _T2_FIRST, parent)
+                if victim is None:
+                    break
+                size = sizes[victim]  # ``_remove`` and ``_trim_ghosts``
+                total -= size
+                if victim in t1:
+                    del t1[victim]
+                    t1_bytes -= size
+                    b1[victim] = None
+                else:
+                    del t2[victim]
+                    b2[victim] = None
+                c = max(len(sizes) - 1, 1)
+                while b1 and len(t1) + len(b1) > c:
+                    b1.popitem(last=False)
+                while len(b1) + len(b2) > c:
+                    (b2 or b1).popitem(last=False)
+                unlink(self, victim)
+                victims.append(victim)
+                freed += size
+                room += size
+            if n > room:
+                break
+            sizes[key] = n  # ``on_insert``; the leaf-heap entry of the last key only (the
+            parents[key] = parent  # others get a child next, the new key being spared)
+            if parent is not None:
+                kids = children.get(parent)
+                if kids is None:
+                    children[parent] = {key}
+                else:
+                    kids.add(key)
+            total += n
+            ranks[key] = next(clock)
+            if key in b1:
+                p = min(float(total), p + max(len(b2) / len(b1), 1.0) * n)
+                del b1[key]
+                t2[key] = None
+                queue[key] = 1
+            elif key in b2:
+                p = max(0.0, p - max(len(b1) / len(b2), 1.0) * n)
+                del b2[key]
+                t2[key] = None
+                queue[key] = 1
+            else:
+                t1[key] = None
+                t1_bytes += n
+            room -= n
+            stored += 1
+            parent = key
+        self._t1_bytes, self._total_bytes, self.p = t1_bytes, total, p
+        if stored and parent not in children:
+            self._push_leaf(parent)
+        return Request(victims, stored, freed)
 
     def _trim_ghosts(self) -> None:
         c = max(len(self._nbytes) - 1, 1)  # (the removed key is still counted here)

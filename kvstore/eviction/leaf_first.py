@@ -77,11 +77,10 @@ def request(policy: EvictionPolicy, hits: Sequence[Key], keys: Sequence[Key],
     if not servable(policy, hits, keys, nbytes, free_bytes):
         return None
     nh = len(hits)
+    reorder = policy.reads_reorder
     if nh:
-        if policy.reads_reorder:  # read head first: ranks from the clock
+        if reorder:  # read head first: ranks from the clock, taken below
             deque(map(index.__delitem__, hits), 0)
-            first = _tick(policy, nh)
-            hit_ranks = range(first + nh - 1, first - 1, -1)
         elif keys:
             if admit is not None and nbytes[0] > free_bytes:  # FIFO's stored head keeps
                 seen = set(hits)  # its place when nothing is stored under it: ask first
@@ -91,28 +90,45 @@ def request(policy: EvictionPolicy, hits: Sequence[Key], keys: Sequence[Key],
                 admit = _admitted_first(admit, keys[0])
             hit_ranks = list(map(index.pop, hits))[::-1]
     if not keys:
-        if nh and policy.reads_reorder:
-            index.update(zip(reversed(hits), hit_ranks))
+        if nh and reorder:
+            first = _tick(policy, nh)
+            index.update(zip(reversed(hits), range(first + nh - 1, first - 1, -1)))
         return Request([], 0, 0)
     # the stored head is out of the index until the new keys are in (the parent is spared)
+    if admit is None:  # room for the whole chain at once (the same victims)
+        need = sum(nbytes) - free_bytes
+        if need > 0:
+            n = len(list(takewhile(need.__gt__, accumulate(map(sizes.__getitem__, index))))) + 1
+            victims = list(islice(index, n))
+            deque(map(index.__delitem__, victims), 0)
+            deque(map(parents.__delitem__, victims), 0)
+            freed = sum(map(sizes.pop, victims))
+            stored = len(keys) if freed >= need else _fit(nbytes, free_bytes + freed)
+        else:
+            victims, freed, stored = [], 0, len(keys)
+    else:
+        def evict(need: int) -> tuple[list[Key], int]:  # the index's first keys
+            n = len(list(takewhile(need.__gt__, accumulate(map(sizes.__getitem__, index))))) + 1
+            some = list(islice(index, n))
+            deque(map(index.__delitem__, some), 0)
+            deque(map(parents.__delitem__, some), 0)
+            return some, sum(map(sizes.pop, some))
 
-    def evict(need: int) -> tuple[list[Key], int]:  # the index's first keys
-        n = len(list(takewhile(need.__gt__, accumulate(map(sizes.__getitem__, index))))) + 1
-        some = list(islice(index, n))
-        deque(map(index.__delitem__, some), 0)
-        deque(map(parents.__delitem__, some), 0)
-        return some, sum(map(sizes.pop, some))
-
-    victims, freed, stored = make_room(keys, nbytes, free_bytes, evict,
-                                       lambda: next(iter(index), None), len(sizes), admit)
-    if stored:
-        chain = keys[:stored] if stored < len(keys) else keys
-        sizes.update(zip(chain, nbytes))
-        parents[chain[0]] = hits[-1] if nh else None
-        parents.update(zip(chain[1:], chain))
-        first = _tick(policy, stored)
-        index.update(zip(reversed(chain), range(first + stored - 1, first - 1, -1)))
-    if nh:
+        victims, freed, stored = make_room(keys, nbytes, free_bytes, evict,
+                                           lambda: next(iter(index), None), len(sizes), admit)
+    # one tick for the read head (if it reorders) and the stored keys, in that order
+    nr = nh if reorder else 0
+    if nr or stored:
+        first = _tick(policy, nr + stored)
+        if stored:
+            chain = keys[:stored] if stored < len(keys) else keys
+            sizes.update(zip(chain, nbytes))
+            parents[chain[0]] = hits[-1] if nh else None
+            parents.update(zip(chain[1:], chain))
+            index.update(zip(reversed(chain), range(first + nr + stored - 1, first + nr - 1, -1)))
+        if nr:
+            index.update(zip(reversed(hits), range(first + nh - 1, first - 1, -1)))
+    if nh and not reorder and keys:
         index.update(zip(reversed(hits), hit_ranks))
     return Request(victims, stored, freed)
 

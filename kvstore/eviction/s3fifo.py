@@ -14,6 +14,10 @@ import itertools
 from collections import OrderedDict
 
 from kvstore.eviction.base import EvictionPolicy
+from kvstore.eviction.batched import Request, check_chain
+from kvstore.eviction.queued import pop_leaf, unlink
+
+_S_FIRST, _M_FIRST = (0, 1), (1, 0)
 
 
 class S3FIFOPolicy(EvictionPolicy):
@@ -88,6 +92,97 @@ class S3FIFOPolicy(EvictionPolicy):
             freq[head] -= 1
             main.move_to_end(head)
             self._rank(head, next(self._clock), 1)
+
+    def on_request(self, hits, keys, nbytes, free_bytes, admit=None) -> Request:
+        """``EvictionPolicy.on_request`` with the per-event hooks inline (the same decisions,
+        ranks and queues as ``on_access`` per hit, then per new key ``evict_until`` sparing
+        its parent, leaves only, and ``on_insert``); the general path with ``admit`` or a
+        demoted key. Raises as ``on_request``."""
+        if admit is not None or self._demoted:
+            return super().on_request(hits, keys, nbytes, free_bytes, admit)
+        check_chain(self, keys, nbytes)
+        freq = self._freq
+        for key in hits:  # (reads only bump the 2-bit frequency)
+            f = freq.get(key)
+            if f is not None and f < 3:
+                freq[key] = f + 1
+        if not keys:
+            return Request([], 0, 0)
+        sizes, parents, children, ranks, queue = (self._nbytes, self._parent, self._children,
+                                                  self._ranks, self._queue)
+        small, main, ghost, clock, ratio = (self._small, self._main, self._ghost, self._clock,
+                                            self.small_ratio)
+        small_bytes, total = self._small_bytes, self._total_bytes
+        parent = hits[-1] if hits else None
+        victims: list = []
+        room, freed, stored = free_bytes, 0, 0
+        for key, n in zip(keys, nbytes):
+            while n > room:  # ``_settle`` and ``_queues``, then one victim
+                tot = total or 1
+                while small and (small_bytes > ratio * tot or not main):
+                    head = next(iter(small))
+                    if freq[head] == 0:
+                        break
+                    del small[head]
+                    small_bytes -= sizes[head]
+                    freq[head] = 0
+                    main[head] = None
+                    self._rank(head, next(clock), 1)
+                if main and freq[next(iter(main))]:
+                    for _ in range(len(main)):
+                        head = next(iter(main))
+                        if freq[head] == 0:
+                            break
+                        freq[head] -= 1
+                        main.move_to_end(head)
+                        self._rank(head, next(clock), 1)
+                victim = pop_leaf(self, _S_FIRST if small_bytes > ratio * tot or not main
+                                  else _M_FIRST, parent)
+                if victim is None:
+                    break
+                size = sizes[victim]  # ``_remove``
+                total -= size
+                if victim in small:
+                    del small[victim]
+                    small_bytes -= size
+                    if freq[victim] == 0:  # evicted from S unread: remember it
+                        ghost[victim] = None
+                        while len(ghost) > max(len(main), 1):
+                            ghost.popitem(last=False)
+                else:
+                    del main[victim]
+                del freq[victim]
+                unlink(self, victim)
+                victims.append(victim)
+                freed += size
+                room += size
+            if n > room:
+                break
+            sizes[key] = n  # ``on_insert``; the leaf-heap entry of the last key only (the
+            parents[key] = parent  # others get a child next, the new key being spared)
+            if parent is not None:
+                kids = children.get(parent)
+                if kids is None:
+                    children[parent] = {key}
+                else:
+                    kids.add(key)
+            freq[key] = 0
+            total += n
+            ranks[key] = next(clock)
+            if key in ghost:
+                del ghost[key]
+                main[key] = None
+                queue[key] = 1
+            else:
+                small[key] = None
+                small_bytes += n
+            room -= n
+            stored += 1
+            parent = key
+        self._small_bytes, self._total_bytes = small_bytes, total
+        if stored and parent not in children:
+            self._push_leaf(parent)
+        return Request(victims, stored, freed)
 
     def _queues(self) -> list[int]:
         self._settle()
