@@ -66,6 +66,10 @@ def add_route_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--startup-timeout-s", type=_POSITIVE_S, default=60.0,
                         help="seconds to wait for every engine to answer /health at start "
                         "(default 60)")
+    parser.add_argument("--shutdown-timeout-s", type=_number(float, 0, what="a number of "
+                        "seconds >= 0"), default=5.0, metavar="S",
+                        help="at Ctrl-C / SIGTERM, seconds the requests in flight (streams "
+                        "being relayed) may still run before they are cut (default 5)")
     parser.add_argument("--kvstore-url", default=None, metavar="URL",
                         help="the kvstore daemon the engines share (http://host:port): an "
                         "engine then wins on its cache only by what it holds beyond the store")
@@ -253,7 +257,7 @@ def route_main(args: argparse.Namespace) -> int:
                     f"; shared store {args.kvstore_url}" if store is not None else "")
     try:
         web.run_app(app, host=args.host, port=args.port, handler_cancellation=True,
-                    access_log=None, print=started)
+                    access_log=None, print=started, shutdown_timeout=args.shutdown_timeout_s)
     except OSError as exc:
         print(f"error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
