@@ -125,7 +125,7 @@ class Transport:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise StoreUnavailable(f"{method} {self.url}{path}: no answer within {timeout} s "
-                                       f"(last error: {last!r})")
+                                       f"({_last_error(last)})")
             try:
                 async with asyncio.timeout(remaining):
                     data = body() if callable(body) else body
@@ -141,7 +141,13 @@ class Transport:
                         return await handle(resp)
             except TimeoutError:
                 raise StoreUnavailable(f"{method} {self.url}{path}: no answer within "
-                                       f"{timeout} s (last error: {last!r})") from None
+                                       f"{timeout} s ({_last_error(last)})") from None
+            except (aiohttp.ClientConnectorSSLError, aiohttp.ClientConnectorCertificateError,
+                    aiohttp.ClientSSLError) as e:  # not transient: no retry
+                raise StoreUnavailable(
+                    f"{method} {self.url}{path}: TLS handshake failed ({_ssl_reason(e)}); "
+                    f"`kvstore serve` speaks plain HTTP: use http://, or check the TLS proxy "
+                    f"in front of it") from None
             except _CONNECT_ERRORS as e:
                 last = e
                 if isinstance(e.os_error, ConnectionRefusedError):
@@ -173,6 +179,20 @@ class Transport:
             return await resp.json()
         return await self.call("POST", path, handle, idempotent=idempotent, timeout_s=timeout_s,
                                body=payload, headers={"Content-Type": "application/json"})
+
+
+def _last_error(e: BaseException | None) -> str:
+    """The last failed attempt's error for a deadline message, in words."""
+    if e is None:
+        return "nothing answered: the host dropped the connection attempt, or whatever " \
+               "listens there (a hung daemon, a server that is not HTTP) never replied"
+    return f"last error: {type(e).__name__}: {e}"
+
+
+def _ssl_reason(e: BaseException) -> str:
+    """The SSL library's reason of a TLS failure (e.g. ``WRONG_VERSION_NUMBER``)."""
+    inner = getattr(e, "os_error", None) or getattr(e, "certificate_error", None) or e
+    return getattr(inner, "reason", None) or str(inner)
 
 
 async def error_text(resp: aiohttp.ClientResponse) -> str:

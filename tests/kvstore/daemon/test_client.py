@@ -163,6 +163,23 @@ def test_hung_server_gives_a_timeout_error_within_the_deadline():
                 assert time.monotonic() - t0 < 1.5
             with pytest.raises(TimeoutError):  # StoreUnavailable is a TimeoutError
                 c.exists(NS, KEYS[:1], timeout_s=0.2)
+            with pytest.raises(StoreUnavailable, match=r"no answer within 0.2 s \(nothing "
+                               r"answered: .* never replied\)"):
+                c.lookup_keys(NS, KEYS, timeout_s=0.2)
+
+
+def test_an_https_url_to_the_plain_http_daemon_fails_at_once_saying_so(server):
+    """A TLS handshake with a plain HTTP server is not retried until the deadline; the error
+    names the TLS failure and what to do, not aiohttp's object dump."""
+    url = server.url.replace("http://", "https://")
+    with KVStoreClient(url, auth_token="tok", timeout_s=5.0, same_host=False) as c:
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailable) as e:
+            c.lookup_keys(NS, KEYS)
+        assert time.monotonic() - t0 < 1.0
+        msg = str(e.value)
+        assert "TLS handshake failed (WRONG_VERSION_NUMBER)" in msg and "use http://" in msg
+        assert "ConnectionKey" not in msg
 
 
 def test_a_restarting_server_is_reached_by_retries_inside_the_deadline():
