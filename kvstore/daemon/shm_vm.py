@@ -18,10 +18,13 @@ Contract (``kvstore.daemon.shm_protocol``):
   Entries may leave out ``xxh3`` (no byte crosses a socket, as from staging). The daemon
   reads only from the connection's peer and only the ranges named, reserves the pages, copies,
   checks that the peer is still the same process (its pidfd has not signalled an exit: a pid
-  reused mid-read would name another process) and commits; a read that fails or falls short
-  stores nothing and is answered 400 (a bad range) or 403 (the kernel refused the read; the
-  client then puts from staging for the rest of the connection).
-* The client must not change or free those bytes before the put's reply (the call blocks).
+  reused mid-read would name another process) and still holds the connection open, and
+  commits; a read that fails or falls short stores nothing and is answered 400 (a bad range),
+  403 (the kernel refused the read; the client then puts from staging for the rest of the
+  connection) or 410 (the client exited or closed the connection meanwhile).
+* The client must not change or free those bytes before the put's reply (the call blocks); a
+  call that gives up (a timeout) closes the connection first, so a read that ends after that
+  is dropped, not committed.
 """
 from __future__ import annotations
 
@@ -130,27 +133,39 @@ class PeerMemory:
 
     Args:
         pid: the peer's pid (``SO_PEERCRED`` of the accepted socket).
+        sock_fd: the connection's socket, watched for the peer closing it: a client closes
+            its connection before its put call returns on an error (a timeout), after which
+            its tensors may be freed, so a read the daemon finishes after that close is
+            dropped.
 
     Raises:
         OSError: the process is gone (``pidfd_open``).
     """
 
-    def __init__(self, pid: int):
+    def __init__(self, pid: int, sock_fd: int | None = None):
         self.pid = pid
         self._pidfd = os.pidfd_open(pid)
         self._poll = select.poll()
         self._poll.register(self._pidfd, select.POLLIN)
+        self._hup = None
+        if sock_fd is not None:
+            self._hup = select.poll()
+            self._hup.register(sock_fd, getattr(select, "POLLRDHUP", 0x2000))
 
     @classmethod
     def of_socket(cls, sock: socket.socket) -> "PeerMemory":
         """The peer of a connected Unix socket."""
         raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        return cls(struct.unpack("3i", raw)[0])
+        return cls(struct.unpack("3i", raw)[0], sock.fileno())
 
     def alive(self) -> bool:
         """True while the process this object was made for has not exited (its pid cannot
         name another process then)."""
         return not self._poll.poll(0)
+
+    def connected(self) -> bool:
+        """True while the peer has not closed (or shut down) the connection."""
+        return self._hup is None or not self._hup.poll(0)
 
     def probe(self, probe: Any) -> bool:
         """Whether ``probe`` (hello's ``vm_probe``) names bytes this daemon reads as given."""
@@ -179,7 +194,8 @@ class PeerMemory:
         Raises:
             ProtocolError: 403 when the kernel refuses the read (the connection stops using
                 reads then), 400 when a range is not the client's readable memory, 410 when
-                the client exited during the read.
+                the client exited or closed the connection during the read (what was read
+                may be memory it freed: nothing is stored).
         """
         local: list[tuple[int, int]] = []
         for d in dsts:  # adjacent pages as one range: the kernel's cost is per range
@@ -201,6 +217,9 @@ class PeerMemory:
                                 f"({e})") from None
         if not self.alive():
             raise ProtocolError("the client exited during its put", 410)
+        if not self.connected():  # its call returned meanwhile: the bytes may be stale
+            raise ProtocolError("the client closed the connection during its put; nothing "
+                                "stored", 410)
         if got != total:
             raise ProtocolError(f"put: read {got} of {total} bytes from the client's memory "
                                 "(a vm range runs into unmapped memory)")

@@ -223,3 +223,33 @@ def test_peer_memory_sees_its_process_exit():
         peer.close()
     finally:
         p.kill()
+
+
+def test_a_read_finishing_after_the_client_closed_its_connection_stores_nothing(tmp_path,
+                                                                             monkeypatch):
+    """A client whose put call gave up (a timeout) closes the connection before returning;
+    its tensors may be freed after that, so a read the daemon ends later is not committed."""
+    with shm_daemon(tmp_path) as d:
+        c = RawClient(d.sock_path)
+        assert vm_hello(c)["vm_read"]
+        real = shm_vm.vm_read
+
+        def slow(pid, local, remote):  # the client gives up while the daemon reads
+            n = real(pid, local, remote)
+            c.sock.shutdown(2)
+            time.sleep(0.2)
+            return n
+        monkeypatch.setattr(shm_vm, "vm_read", slow)
+        kv = chunk(0)
+        views = [P.tensor_bytes(kv)]
+        c.send({"op": "put", "namespace": NS.to_dict(), "pid": os.getpid(),
+                "chunks": [{"key": KEYS[0].hex(), "nbytes": CB, "dtype": "float16",
+                            "shape": list(kv.shape)}],
+                "vm": [[shm_vm.address_of(views[0]), CB]]})
+        deadline = time.monotonic() + 5
+        while d.store.stats()["tiers"]["cpu"]["used_bytes"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # (reserved while the read runs)
+        time.sleep(0.5)
+        assert d.store.exists(NS, KEYS[:1]) == [False]
+        assert d.store.stats()["tiers"]["cpu"]["used_bytes"] == 0  # reservation given back
+        c.close()
