@@ -253,3 +253,28 @@ def test_a_read_finishing_after_the_client_closed_its_connection_stores_nothing(
         assert d.store.exists(NS, KEYS[:1]) == [False]
         assert d.store.stats()["tiers"]["cpu"]["used_bytes"] == 0  # reservation given back
         c.close()
+
+
+def test_under_yama_scope_1_the_client_names_the_daemon_its_ptracer(tmp_path, monkeypatch):
+    import socket as socketmod
+    calls = []
+
+    class Libc:
+        def prctl(self, option, arg, *rest):
+            calls.append((option, arg.value))
+    monkeypatch.setattr(shm_vm, "_LIBC", Libc())
+    a, b = socketmod.socketpair(socketmod.AF_UNIX)
+    try:
+        for scope, want in (("1\n", [(0x59616D61, os.getpid())]), ("0\n", []), ("2\n", []),
+                            ("3\n", [])):
+            calls.clear()
+            (tmp_path / "scope").write_text(scope)
+            monkeypatch.setattr(shm_vm, "_YAMA", str(tmp_path / "scope"))
+            shm_vm.allow_daemon_to_read(a)  # the peer of a socketpair is this process
+            assert calls == want, scope
+        monkeypatch.setattr(shm_vm, "_YAMA", str(tmp_path / "absent"))  # no Yama: nothing
+        shm_vm.allow_daemon_to_read(a)
+        assert calls == []
+    finally:
+        a.close()
+        b.close()
