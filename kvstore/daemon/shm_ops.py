@@ -153,7 +153,7 @@ async def put(c: "Connection", h: dict) -> dict:
         if state.direct and not durable:  # reserve, read, commit in one store-pool call
             done = await state.call_shielded(V.put_vm_direct, store, ns, entries, c.peer, ranges)
             if done is not None:
-                return _stored(state, entries, *done, False)
+                return _stored(state, entries, done[0], done[1], False)
         staged = await state.call_shielded(V.read_all, c.peer, ranges)
     elif staged is None and c.payload_left != P.payload_total(entries):
         raise P.ProtocolError(f"payload is {c.payload_left} bytes but the chunks declare "

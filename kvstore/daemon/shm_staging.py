@@ -25,7 +25,7 @@ import fcntl
 import mmap
 import os
 import stat
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -147,23 +147,29 @@ def map_client_staging(fd: int, nbytes: int, max_bytes: int) -> np.ndarray:
     return np.frombuffer(mm, dtype=np.uint8)  # [nbytes], read-only; the mapping lives with it
 
 
-__all__ = ["ClientStaging", "COPY_SLICE", "copy_hashed", "map_client_staging"]
+__all__ = ["ClientStaging", "COPY_SLICE", "copy_hashed", "map_client_staging", "put_direct"]
 
 
 def put_staged_direct(store, ns, entries, src: np.ndarray):
     """A staged put into the top tier in one call on the store pool: reserve every chunk's
-    pages, copy and hash each from ``src``, commit the batch. Returns ``(stored, dropped,
-    None)``, ``(0, 0, entry)`` for the first entry whose bytes do not match its xxh3
-    (nothing is committed), or None when a chunk found no room in the top tier but a lower
-    tier could take it (nothing is kept; the caller takes the general path, which stages it
-    in a buffer)."""
+    pages, copy and hash each from ``src``, commit the batch. Returns as ``put_direct``
+    (``bad``: the first entry whose bytes do not match its xxh3)."""
+    return put_direct(store, ns, entries, lambda items: copy_entries(src, entries, items))
+
+
+def put_direct(store, ns, entries, fill: Callable[[list], Any]):
+    """Reserve every chunk's pages in the top tier, ``fill(items)`` them (it returns None, or
+    an entry whose bytes were refused), commit the batch. Returns ``(stored, dropped, None)``,
+    ``(0, 0, entry)`` for a refused entry (nothing is committed), or None when a chunk found
+    no room in the top tier but a lower tier could take it (nothing is kept; the caller takes
+    the general path, which stages it in a buffer). ``fill`` raising keeps nothing either."""
     keys, parents = [e.key for e in entries], P.put_parents(entries)
     items = store.reserve_chunks(ns, keys, parents)
     try:
         if any(it is None for it in items) and store.capabilities.has_lower_tiers:
             store.release_reservations(items)
             return None
-        bad = copy_entries(src, entries, items)
+        bad = fill(items)
         if bad is not None:
             store.release_reservations(items)
             return 0, 0, bad

@@ -40,8 +40,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from kvstore.daemon import protocol as P
 from kvstore.daemon.protocol import ProtocolError
+from kvstore.daemon.shm_staging import put_direct
 from kvstore.direct import Reservation
 
 #: Most iovecs one ``process_vm_readv`` call takes (``IOV_MAX`` on Linux).
@@ -275,16 +275,10 @@ def put_ranges(peer: PeerMemory | None, h: dict, entries, payload_left: int,
 
 def put_vm_direct(store, ns, entries, peer: PeerMemory, ranges: list[tuple[int, int]]):
     """A vm put into the top tier in one call on the store pool: reserve every chunk's pages,
-    read each chunk from the client into them, commit the batch. Returns ``(stored,
-    dropped)``, or None when a chunk found no room in the top tier but a lower tier could take
-    it (nothing is kept; the caller reads the batch with ``read_all`` and takes the general
-    path). Raises as ``PeerMemory.read_into`` (nothing is kept)."""
-    keys, parents = [e.key for e in entries], P.put_parents(entries)
-    items = store.reserve_chunks(ns, keys, parents)
-    try:
-        if any(it is None for it in items) and store.capabilities.has_lower_tiers:
-            store.release_reservations(items)
-            return None
+    read each chunk from the client into them, commit the batch. Returns as
+    ``shm_staging.put_direct`` (never a refused entry); raises as ``PeerMemory.read_into``
+    (nothing is kept)."""
+    def fill(items) -> None:
         dsts, remote = [], []
         for it, r in zip(items, ranges):
             if isinstance(it, Reservation):
@@ -296,11 +290,7 @@ def put_vm_direct(store, ns, entries, peer: PeerMemory, ranges: list[tuple[int, 
             remote.append(r)
         if remote:
             peer.read_into(dsts, remote)
-    except BaseException:
-        store.release_reservations(items)
-        raise
-    stored = store.commit_chunks(ns, keys, items, parents)
-    return stored, sum(it is None for it in items)
+    return put_direct(store, ns, entries, fill)
 
 
 def read_all(peer: PeerMemory, ranges: list[tuple[int, int]]) -> np.ndarray:
