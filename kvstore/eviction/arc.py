@@ -21,7 +21,7 @@ from collections import OrderedDict
 
 from kvstore.eviction.base import EvictionPolicy
 from kvstore.eviction.batched import Request, check_chain
-from kvstore.eviction.queued import pop_leaf, unlink
+from kvstore.eviction.queued import flush, pop_leaf, unlink
 
 _T1_FIRST, _T2_FIRST = (0, 1), (1, 0)
 
@@ -113,10 +113,11 @@ class ARCPolicy(EvictionPolicy):
         parent = hits[-1] if hits else None
         victims: list = []
         room, freed, stored = free_bytes, 0, 0
+        pending = None  # a leaf-heap entry not pushed yet (``queued.pop_leaf``)
         for key, n in zip(keys, nbytes):
             while n > room:
-                victim = pop_leaf(self, _T1_FIRST if t1 and (t1_bytes > p or not t2)
-                                  else _T2_FIRST, parent)
+                queues = _T1_FIRST if t1 and (t1_bytes > p or not t2) else _T2_FIRST
+                victim, pending = pop_leaf(self, queues, parent, pending)
                 if victim is None:
                     break
                 size = sizes[victim]  # ``_remove`` and ``_trim_ghosts``
@@ -133,7 +134,11 @@ class ARCPolicy(EvictionPolicy):
                     b1.popitem(last=False)
                 while len(b1) + len(b2) > c:
                     (b2 or b1).popitem(last=False)
-                unlink(self, victim)
+                leaf = unlink(self, victim)  # (its parent, when a leaf now: taken as
+                if leaf is not None:  # part of its heap, pushed only when not next)
+                    if pending is not None:
+                        flush(self, pending)
+                    pending = leaf
                 victims.append(victim)
                 freed += size
                 room += size
@@ -166,6 +171,7 @@ class ARCPolicy(EvictionPolicy):
             stored += 1
             parent = key
         self._t1_bytes, self._total_bytes, self.p = t1_bytes, total, p
+        flush(self, pending)
         if stored and parent not in children:
             self._push_leaf(parent)
         return Request(victims, stored, freed)

@@ -2,9 +2,13 @@
 
 Those policies size their queues by what they track, so a request makes room before each new
 key, choosing from the queues' leaf heaps (``base``) in the order the policy names then. Their
-``on_request`` runs its hooks inline, with these two steps shared: ``pop_leaf`` (the leaf-heap
-pass of ``next_victim``, sparing the new key's parent) and ``unlink`` (the base's part of
-``on_remove``). Both assume no key is demoted (the fast paths take the general path then).
+``on_request`` runs its hooks inline, with these steps shared: ``pop_leaf`` (the leaf-heap
+pass of ``next_victim``, sparing the new key's parent), ``unlink`` (the base's part of
+``on_remove``) and ``flush``. All assume no key is demoted (the fast paths take the general
+path then). A victim's parent that becomes a leaf is usually the next victim (a prompt goes
+tail first), so ``unlink`` hands its heap entry back instead of pushing it, and ``pop_leaf``
+takes it when it comes first in its queue: no push and pop for it (``flush`` pushes it when
+the request ends with it pending).
 """
 from __future__ import annotations
 
@@ -16,15 +20,25 @@ if TYPE_CHECKING:
 
 Key = Hashable
 _ABSENT = object()
-_heappop, _heappush = heapq.heappop, heapq.heappush
+_heappop = heapq.heappop
 
 
-def pop_leaf(policy: EvictionPolicy, queues: Sequence[int], spare: Key | None) -> Key | None:
+def pop_leaf(policy: EvictionPolicy, queues: Sequence[int], spare: Key | None,
+             pending: tuple | None = None) -> tuple[Key | None, tuple | None]:
     """``policy.next_victim(lambda k: k != spare, leaves_only=True)`` with no key demoted and
     ``queues`` the order ``_queues()`` gives: the first key with no stored child, other than
     ``spare``, of the first queue that has one (None: no such key). Drops the stale heap
-    entries it meets and the victim's own; the caller removes the victim."""
+    entries it meets and the victim's own; the caller removes the victim.
+
+    ``pending``: a leaf-heap entry not pushed yet, ``(rank, key, queue)`` (``unlink``'s
+    answer: a victim's parent, a leaf since), taken as part of its queue's heap: the victim
+    when it comes first there, else pushed (dropped if stale). Returns the victim and the
+    entry still pending (None once taken, pushed or dropped)."""
     heaps, ranks, children, queue = policy._heaps, policy._ranks, policy._children, policy._queue
+    if pending is not None:
+        rank, key, q = pending
+        if ranks.get(key, _ABSENT) != rank or key in children or queue.get(key, 0) != q:
+            pending = None  # stale: re-ranked (and pushed then), or got a child
     for q in queues:
         heap = heaps[q]
         while heap:
@@ -33,25 +47,46 @@ def pop_leaf(policy: EvictionPolicy, queues: Sequence[int], spare: Key | None) -
                 _heappop(heap)  # stale: removed, re-ranked, got a child or moved
                 policy._heap_entries -= 1
                 continue
+            break
+        if pending is not None and pending[2] == q:
+            rank, key, _ = pending
+            if key != spare and (not heap or rank < heap[0][0]):
+                return key, None  # first in its queue: never pushed
+            policy._push_leaf(key)
+            pending = None
+            heaps = policy._heaps  # (a rebuild replaces them)
+            heap = heaps[q]
+        if heap:
+            key = heap[0][1]
             if key != spare:
                 _heappop(heap)
                 policy._heap_entries -= 1
-                return key
+                return key, pending
             key = policy._first_leaf(q, spare.__ne__)  # the spared parent on top: look past it
             if key is not None:
-                return key
-            break
-    return None
+                return key, pending
+    return None, pending
 
 
-def unlink(policy: EvictionPolicy, key: Key) -> int:
+def flush(policy: EvictionPolicy, pending: tuple | None) -> None:
+    """Push ``pending`` (``pop_leaf``'s) into its leaf heap unless it went stale."""
+    if pending is not None:
+        rank, key, q = pending
+        if policy._ranks.get(key, _ABSENT) == rank and key not in policy._children \
+                and policy._queue.get(key, 0) == q:
+            policy._push_leaf(key)
+
+
+def unlink(policy: EvictionPolicy, key: Key) -> tuple | None:
     """The base's part of ``on_remove(key)`` for a tracked, undemoted ``key`` (after the
-    policy's own hook): its size, rank, queue and parent dropped, its parent a leaf again
-    when this was its last stored child. Returns the key's bytes."""
+    policy's own hook): its size, rank, queue and parent dropped. Returns the parent's
+    leaf-heap entry ``(rank, parent, queue)`` when this was its last stored child (a leaf
+    now; for ``pop_leaf`` or ``flush`` to push), else None."""
     sizes = policy._nbytes
-    nbytes = sizes.pop(key)
+    del sizes[key]
     del policy._ranks[key]
-    policy._queue.pop(key, None)
+    queue = policy._queue
+    queue.pop(key, None)
     parent = policy._parent.pop(key)
     if parent is not None:
         children = policy._children
@@ -60,12 +95,6 @@ def unlink(policy: EvictionPolicy, key: Key) -> int:
             kids.discard(key)
             if not kids:
                 del children[parent]
-                if parent in sizes:  # (``_push_leaf`` inlined)
-                    policy._heap_entries += 1
-                    if policy._heap_entries > 2 * len(sizes) + 64:
-                        policy._rebuild_heaps()
-                    else:
-                        _heappush(policy._heaps[policy._queue.get(parent, 0)],
-                                  (policy._ranks[parent], parent))
-    return nbytes
-
+                if parent in sizes:
+                    return policy._ranks[parent], parent, queue.get(parent, 0)
+    return None

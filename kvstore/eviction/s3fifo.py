@@ -15,7 +15,7 @@ from collections import OrderedDict
 
 from kvstore.eviction.base import EvictionPolicy
 from kvstore.eviction.batched import Request, check_chain
-from kvstore.eviction.queued import pop_leaf, unlink
+from kvstore.eviction.queued import flush, pop_leaf, unlink
 
 _S_FIRST, _M_FIRST = (0, 1), (1, 0)
 
@@ -116,6 +116,7 @@ class S3FIFOPolicy(EvictionPolicy):
         parent = hits[-1] if hits else None
         victims: list = []
         room, freed, stored = free_bytes, 0, 0
+        pending = None  # a leaf-heap entry not pushed yet (``queued.pop_leaf``)
         for key, n in zip(keys, nbytes):
             while n > room:  # ``_settle`` and ``_queues``, then one victim
                 tot = total or 1
@@ -136,8 +137,8 @@ class S3FIFOPolicy(EvictionPolicy):
                         freq[head] -= 1
                         main.move_to_end(head)
                         self._rank(head, next(clock), 1)
-                victim = pop_leaf(self, _S_FIRST if small_bytes > ratio * tot or not main
-                                  else _M_FIRST, parent)
+                queues = _S_FIRST if small_bytes > ratio * tot or not main else _M_FIRST
+                victim, pending = pop_leaf(self, queues, parent, pending)
                 if victim is None:
                     break
                 size = sizes[victim]  # ``_remove``
@@ -152,7 +153,11 @@ class S3FIFOPolicy(EvictionPolicy):
                 else:
                     del main[victim]
                 del freq[victim]
-                unlink(self, victim)
+                leaf = unlink(self, victim)  # (its parent, when a leaf now: taken as
+                if leaf is not None:  # part of its heap, pushed only when not next)
+                    if pending is not None:
+                        flush(self, pending)
+                    pending = leaf
                 victims.append(victim)
                 freed += size
                 room += size
@@ -180,6 +185,7 @@ class S3FIFOPolicy(EvictionPolicy):
             stored += 1
             parent = key
         self._small_bytes, self._total_bytes = small_bytes, total
+        flush(self, pending)
         if stored and parent not in children:
             self._push_leaf(parent)
         return Request(victims, stored, freed)
