@@ -119,26 +119,33 @@ def test_bad_vm_puts_get_clear_errors_and_store_nothing(tmp_path):
         c.close()
 
 
-def test_a_range_running_into_unmapped_memory_stores_nothing(tmp_path):
+def test_a_range_running_into_unreadable_memory_stores_nothing(tmp_path):
     """The read falls short (the kernel copies what it can): refused whole, no chunk of the
-    batch stored, the reservations given back."""
+    batch stored, the reservations given back. The second range starts 16 bytes before a page
+    made unreadable (``PROT_NONE``, kept mapped so that nothing else lands there)."""
+    import ctypes
     import mmap
     page = os.sysconf("SC_PAGE_SIZE")
     mm = mmap.mmap(-1, 2 * page)
     mm.write(b"\1" * (2 * page))
     base = shm_vm.address_of(mm)
-    with shm_daemon(tmp_path) as d:
-        c = RawClient(d.sock_path)
-        assert vm_hello(c)["vm_read"]
-        mm.close()  # unmapped now: the first range still reads, the second does not
-        keep = chunk(0)
-        good = [shm_vm.address_of(P.tensor_bytes(keep)), CB]
-        r = vm_put(c, KEYS[:2], [keep, chunk(1)], ranges=[good, [base + page - 16, CB]])
-        assert r["status"] == 400 and f"read {CB} of {2 * CB} bytes" in r["error"], r
-        assert d.store.exists(NS, KEYS[:2]) == [False, False]
-        assert d.store.stats()["tiers"]["cpu"]["used_bytes"] == 0  # reservations given back
-        d.store.check_integrity()
-        c.close()
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mprotect(ctypes.c_void_p(base + page), ctypes.c_size_t(page), 0) == 0
+    try:
+        with shm_daemon(tmp_path) as d:
+            c = RawClient(d.sock_path)
+            assert vm_hello(c)["vm_read"]
+            keep = chunk(0)
+            good = [shm_vm.address_of(P.tensor_bytes(keep)), CB]
+            r = vm_put(c, KEYS[:2], [keep, chunk(1)], ranges=[good, [base + page - 16, CB]])
+            assert r["status"] == 400 and f"read {CB + 16} of {2 * CB} bytes" in r["error"], r
+            assert d.store.exists(NS, KEYS[:2]) == [False, False]
+            assert d.store.stats()["tiers"]["cpu"]["used_bytes"] == 0  # reservations given back
+            d.store.check_integrity()
+            c.close()
+    finally:
+        libc.mprotect(ctypes.c_void_p(base + page), ctypes.c_size_t(page), 3)
+        mm.close()
 
 
 def test_the_client_puts_from_staging_when_the_kernel_refuses_the_read(tmp_path, monkeypatch):
