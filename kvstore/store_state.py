@@ -12,6 +12,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from itertools import repeat, takewhile
+from operator import eq
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -32,6 +34,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvstore.tiers.remote import RemoteTier
 
 log = logging.getLogger("kvstore.store")
+
+_KEY_TYPE = {ChunkKey}
+_NS_ID = ChunkKey.ns_id.fget  # a key's ns_id
 
 
 class StoreState:
@@ -114,6 +119,9 @@ class StoreState:
             raise RuntimeError("store is closed")
         self.register(ns)
         ns_id = ns.ns_id
+        # the usual case in two C-level passes: every key a ChunkKey of ``ns``
+        if set(map(type, keys)) <= _KEY_TYPE and all(map(eq, repeat(ns_id), map(_NS_ID, keys))):
+            return
         for k in keys:
             if k.__class__ is not ChunkKey and not isinstance(k, ChunkKey):
                 raise ValueError(f"expected ChunkKey, got {type(k).__name__}")
@@ -176,6 +184,32 @@ class StoreState:
             if t.contains(key):
                 return t
         return None
+
+    def locate_leading(self, keys: Sequence[ChunkKey]) -> list[Tier]:
+        """The fastest tier holding each of ``keys``' leading located keys, as ``locate``
+        gives them, up to the first key none holds (so ``len(result)`` is the number of
+        leading keys found). Under the lock."""
+        if self.doomed:
+            out = []
+            for k in keys:
+                t = self.locate(k)
+                if t is None:
+                    break
+                out.append(t)
+            return out
+        tiers = self.tiers
+        if len(tiers) == 1:  # one tier: count the leading keys it holds in one C-level pass
+            return [tiers[0]] * len(list(takewhile(tiers[0].contains, keys)))
+        probes = [(t, t.contains) for t in tiers]
+        out = []
+        for k in keys:
+            for t, has in probes:
+                if has(k):
+                    out.append(t)
+                    break
+            else:
+                break
+        return out
 
     def expire_leases(self) -> None:
         """Drop the leased pins whose time is up (freeing chunks removed meanwhile)."""
