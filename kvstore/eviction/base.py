@@ -63,7 +63,8 @@ class EvictionPolicy(ABC):
       (sparing the chain's parent) and then ``on_insert_chain``: the victims are those of
       evicting before each key. ``on_request(hits, keys, nbytes, free_bytes)``: a whole
       prompt of a one-tier prefix cache (its docstring); LRU, FIFO and LFU serve it from a
-      leaf-first index, no heap (``kvstore.eviction.leaf_first``). (Their code is in
+      leaf-first index, no heap (``kvstore.eviction.leaf_first``); S3-FIFO and ARC run their
+      hooks inline (``kvstore.eviction.queued``). (Their code is in
       ``kvstore.eviction.batched``.)
 
     Ranks and queues: a policy's order is one or more queues (LRU, FIFO, LFU: one; S3-FIFO:

@@ -18,8 +18,7 @@ dict and the child sets are not, and are rebuilt when the policy leaves the inde
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from itertools import accumulate, groupby, islice, repeat, takewhile
-from operator import rshift
+from itertools import accumulate, islice, repeat, takewhile
 from typing import TYPE_CHECKING, Hashable, Sequence
 
 from kvstore.eviction import leaf_first
@@ -44,21 +43,17 @@ def request(policy: LFUPolicy, hits: Sequence[Key], keys: Sequence[Key],
     if not leaf_first.servable(policy, hits, keys, nbytes, free_bytes):
         return None
     nh = len(hits)
-    runs = []  # (frequency before the read, the run of hits using it): runs of equal use
     if nh:
         first = leaf_first._tick(policy, nh)
-        i = 0
-        for f, run in groupby(map(rshift, map(ranks.__getitem__, hits), repeat(40))):
-            n = len(list(run))
-            some = hits[i:i + n] if n < nh else hits
-            bucket = buckets[f]  # read head first: one more use each
-            deque(map(bucket.__delitem__, some), 0)
+        hit_ranks = []
+        for i, key in enumerate(hits):  # read head first: one more use each
+            f = ranks[key] >> 40
+            bucket = buckets[f]
+            del bucket[key]
             if not bucket:
                 del buckets[f]
-            base = ((f + 1) << 40) + first + i
-            ranks.update(zip(some, range(base, base + n)))
-            runs.append((f + 1, some))
-            i += n
+            hit_ranks.append((f + 1) << 40 | (first + i))
+        ranks.update(zip(hits, hit_ranks))
 
     def evict(need: int) -> tuple[list[Key], int]:  # the lowest buckets' first keys
         victims: list[Key] = []
@@ -94,11 +89,12 @@ def request(policy: LFUPolicy, hits: Sequence[Key], keys: Sequence[Key],
         if bucket is None:
             bucket = buckets[1] = OrderedDict()
         bucket.update(zip(reversed(chain), repeat(None)))
-    for f, some in reversed(runs):
+    for key in reversed(hits):
+        f = ranks[key] >> 40
         bucket = buckets.get(f)
         if bucket is None:
             bucket = buckets[f] = OrderedDict()
-        bucket.update(zip(reversed(some), repeat(None)))
+        bucket[key] = None
     return Request(victims, stored, freed)
 
 
