@@ -242,17 +242,25 @@ class Conn:
             RemoteError: an error reply. TimeoutError, ConnectionError, ProtocolError.
         """
         frame = header if isinstance(header, bytes) else S.encode_frame(header)
-        self.send([frame, *payload] if payload else [frame], deadline)
+        if payload:
+            self.send([frame, *payload], deadline)
+        else:  # a request's frame usually fits the socket buffer: one call
+            try:
+                sent = self.sock.send(frame)
+            except BlockingIOError:
+                sent = 0
+            if sent < len(frame):
+                self.send([memoryview(frame)[sent:]], deadline)
         return self.reply(deadline)
 
     def reply(self, deadline: float) -> dict:
         """Read the next reply's header (after requests sent with ``send``); raises as
         ``request``."""
         self._fill(PREAMBLE_BYTES, deadline)
-        n = decode_preamble(bytes(self._rbuf[self._rpos:self._rpos + PREAMBLE_BYTES]))
+        n = decode_preamble(self._rbuf[self._rpos:self._rpos + PREAMBLE_BYTES])
         self._fill(PREAMBLE_BYTES + n, deadline)  # (may move the bytes to the front)
         start = self._rpos
-        blob = bytes(self._rbuf[start + PREAMBLE_BYTES:start + PREAMBLE_BYTES + n])
+        blob = self._rbuf[start + PREAMBLE_BYTES:start + PREAMBLE_BYTES + n]
         self._rpos = start + PREAMBLE_BYTES + n
         reply, payload_bytes = S.decode_header(blob)
         return self.check(reply, payload_bytes, deadline)

@@ -96,12 +96,13 @@ import asyncio
 import json
 import socket
 import struct
+from itertools import repeat
+from operator import eq
 from typing import Any, Sequence
 
 from kvstore.daemon.protocol import (MAGIC, MAX_HEADER_BYTES, PREAMBLE, PREAMBLE_BYTES,
-                                     PREFIX_HASH_BYTES, ProtocolError, decode_preamble,
-                                     encode_preamble_and_header)
-from kvstore.keys import ChunkKey, Namespace
+                                     PREFIX_HASH_BYTES, ProtocolError, decode_preamble)
+from kvstore.keys import ChunkKey, Namespace, trusted_keys
 
 #: Version of this path's messages a client sends in ``hello`` (the daemon answers it back).
 #: 2: a put from staging may leave out its entries' ``xxh3`` (module docstring).
@@ -125,7 +126,10 @@ def encode_frame(header: dict, payload_bytes: int = 0) -> bytes:
     """
     if payload_bytes:
         header = {**header, "payload_bytes": payload_bytes}
-    return encode_preamble_and_header(header)
+    blob = _encode_json(header).encode()  # (encode_preamble_and_header's form, one encoder)
+    if len(blob) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(blob)} bytes exceeds {MAX_HEADER_BYTES}")
+    return PREAMBLE.pack(MAGIC, len(blob)) + blob
 
 
 def decode_header(blob: bytes) -> tuple[dict, int]:
@@ -135,7 +139,10 @@ def decode_header(blob: bytes) -> tuple[dict, int]:
         ProtocolError: not a JSON object, or a bad ``payload_bytes``.
     """
     try:
-        header = json.loads(blob)
+        try:  # UTF-8 (every client's): the decoder without json.loads' encoding detection
+            header = _decode_json(blob.decode())
+        except ValueError:  # (UnicodeDecodeError too) another encoding, a BOM, or not JSON
+            header = json.loads(blob)
     except (ValueError, UnicodeDecodeError) as e:
         raise ProtocolError(f"frame header is not JSON: {e}") from None
     if not isinstance(header, dict):
@@ -144,6 +151,12 @@ def decode_header(blob: bytes) -> tuple[dict, int]:
     if type(n) is not int or n < 0:
         raise ProtocolError(f"payload_bytes must be an int >= 0, got {n!r}")
     return header, n
+
+
+_KEY_TYPE = {ChunkKey}
+_NS_ID, _PREFIX_HASH = ChunkKey.ns_id.fget, ChunkKey.prefix_hash.fget
+_encode_json = json.JSONEncoder(separators=(",", ":")).encode
+_decode_json = json.JSONDecoder().decode
 
 
 def hashes_frame(op: str, ns: Namespace, keys: Sequence[ChunkKey]) -> bytes:
@@ -156,11 +169,14 @@ def hashes_frame(op: str, ns: Namespace, keys: Sequence[ChunkKey]) -> bytes:
             sent). ProtocolError: a header larger than ``MAX_HEADER_BYTES``.
     """
     ns_id = ns.ns_id
-    for k in keys:
-        if k.ns_id != ns_id:
-            raise ValueError(f"key {bytes(k).hex()[:16]}... is not of namespace "
-                             f"{ns_id.hex()[:16]}...")
-    raw = b"".join([k.prefix_hash for k in keys])
+    if set(map(type, keys)) <= _KEY_TYPE and all(map(eq, repeat(ns_id), map(_NS_ID, keys))):
+        raw = b"".join(map(_PREFIX_HASH, keys))  # (the usual case, in C-level passes)
+    else:
+        for k in keys:
+            if k.ns_id != ns_id:
+                raise ValueError(f"key {bytes(k).hex()[:16]}... is not of namespace "
+                                 f"{ns_id.hex()[:16]}...")
+        raw = b"".join([k.prefix_hash for k in keys])
     if keys and len(raw) != len(keys) * len(keys[0].prefix_hash):
         raise ValueError("keys of one request must have prefix hashes of one size")
     blob = b"".join((b'{"op":"', op.encode(), b'","namespace":', _ns_json(ns), b',"hashes":"',
@@ -171,16 +187,22 @@ def hashes_frame(op: str, ns: Namespace, keys: Sequence[ChunkKey]) -> bytes:
 
 
 def _ns_json(ns: Namespace) -> bytes:
-    """``ns.to_dict()`` as compact JSON bytes (the last 64 namespaces' kept)."""
+    """``ns.to_dict()`` as compact JSON bytes (the last 64 namespaces' kept; the very last
+    by identity, without hashing its 12 fields)."""
+    last = _NS_LAST[0]
+    if last[0] is ns:
+        return last[1]
     blob = _NS_JSON.get(ns)
     if blob is None:
         if len(_NS_JSON) >= 64:
             _NS_JSON.clear()
         blob = _NS_JSON[ns] = json.dumps(ns.to_dict(), separators=(",", ":")).encode()
+    _NS_LAST[0] = (ns, blob)
     return blob
 
 
 _NS_JSON: dict[Namespace, bytes] = {}
+_NS_LAST: list[tuple[Namespace | None, bytes]] = [(None, b"")]
 
 
 def parse_hashes(ns: Namespace, hashes: Any, max_keys: int) -> list[ChunkKey]:
@@ -203,8 +225,10 @@ def parse_hashes(ns: Namespace, hashes: Any, max_keys: int) -> list[ChunkKey]:
         raw = bytes.fromhex(hashes)
     except ValueError:
         raise ProtocolError(f"'hashes' is not hex: {hashes[:64]!r}") from None
-    ns_id, trusted = ns.ns_id, ChunkKey.trusted  # lengths checked together above
-    return [trusted(ns_id, raw[i:i + size]) for i in range(0, len(raw), size)]
+    # lengths checked together above; the hashes sliced and keyed in C-level passes
+    n = len(raw)
+    return trusted_keys(ns.ns_id, map(raw.__getitem__, map(slice, range(0, n, size),
+                                                           range(size, n + size, size))))
 
 
 def error_reply(status: int, message: str) -> dict:

@@ -13,14 +13,14 @@ from __future__ import annotations
 import array
 import asyncio
 import logging
-import os
 import socket
 import time
 from typing import TYPE_CHECKING, Any
 
 from kvstore.daemon import shm_ops, shm_vm
 from kvstore.daemon import shm_protocol as S
-from kvstore.daemon.protocol import PREAMBLE_BYTES, ProtocolError, decode_preamble
+from kvstore.daemon.protocol import ProtocolError
+from kvstore.daemon.shm_reader import SocketReader
 from kvstore.daemon.tenants import OPEN, Forbidden, Tenant
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -50,6 +50,8 @@ class Connection:
         self.staging = None
         #: the client process a put may read from (``kvstore.daemon.shm_vm``), or None
         self.peer = None
+        #: the request stream, read ahead (``kvstore.daemon.shm_reader``)
+        self.reader = SocketReader(self.loop, sock)
         sock.setblocking(False)
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             try:
@@ -57,24 +59,21 @@ class Connection:
             except OSError:
                 pass
 
-    # ---- I/O ----------------------------------------------------------------------------------
+    # ---- I/O (reads: ``kvstore.daemon.shm_reader``) -------------------------------------------
     async def recv_some(self, view: memoryview) -> int:
-        """Read at least one byte into ``view``; returns how many.
+        """Read at least one byte into ``view`` (read-ahead bytes first); returns how many.
 
         Raises:
             ConnectionError: the client closed the connection.
         """
-        n = await self.loop.sock_recv_into(self.sock, view)
-        if n == 0:
-            raise ConnectionError("client closed the connection")
-        return n
+        return await self.reader.recv_some(view)
 
     async def recv_payload(self, view: memoryview) -> int:
         """``recv_some`` of the request's payload (at most ``payload_left`` bytes)."""
         if len(view) > self.payload_left:
             raise ProtocolError(f"payload ends {len(view) - self.payload_left} bytes short of "
                                 "what its header declares")
-        n = await self.recv_some(view)
+        n = await self.reader.recv_some(view)
         self.payload_left -= n
         return n
 
@@ -85,35 +84,12 @@ class Connection:
         Raises:
             ConnectionError: the client closed the connection.
         """
-        fd, room = self.sock.fileno(), socket.CMSG_SPACE(4 * array.array("i").itemsize)
-        while True:
-            try:
-                msg, anc, _flags, _addr = self.sock.recvmsg(1, room)
-                break
-            except (BlockingIOError, InterruptedError):
-                ready = self.loop.create_future()
-                self.loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
-                try:
-                    await ready
-                finally:
-                    self.loop.remove_reader(fd)
-        fds = array.array("i")
-        for level, kind, data in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
-        if not msg:
-            for f in fds:
-                os.close(f)
-            raise ConnectionError("client closed the connection")
-        self.payload_left -= len(msg)
-        return list(fds)
+        fds = await self.reader.recv_fds()
+        self.payload_left -= 1
+        return fds
 
     async def recv_exact(self, n: int) -> bytes:
-        buf = bytearray(n)
-        view, pos = memoryview(buf), 0
-        while pos < n:
-            pos += await self.recv_some(view[pos:])
-        return bytes(buf)
+        return await self.reader.recv_exact(n)
 
     async def reply(self, header: dict, payload: list | tuple = (), fds: list[int] = ()) -> None:
         """Send one reply frame (``payload``: memoryviews of ``payload_bytes`` in all)."""
@@ -122,6 +98,11 @@ class Connection:
             sent = self.sock.sendmsg([head], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
                                                _fd_bytes(fds))])
             head = head[sent:]
+        else:  # a reply's header usually fits the socket buffer: sent in this call
+            try:
+                head = head[self.sock.send(head):]
+            except (BlockingIOError, InterruptedError):
+                pass
         if head:
             await self.loop.sock_sendall(self.sock, head)
         for view in payload:
@@ -129,12 +110,7 @@ class Connection:
 
     async def read_frame(self) -> tuple[dict, int] | None:
         """The next request's ``(header, payload bytes)``, or None at a clean end."""
-        try:
-            pre = await self.recv_exact(PREAMBLE_BYTES)
-        except ConnectionError:
-            return None
-        header = await self.recv_exact(decode_preamble(pre))
-        return S.decode_header(header)
+        return await self.reader.read_frame()
 
     async def drain_payload(self) -> None:
         """Read and drop the rest of the request's payload."""
@@ -174,6 +150,7 @@ class Connection:
         if self.peer is not None:
             self.peer.close()
             self.peer = None
+        self.reader.close()
         self.sock.close()
 
     # ---- protocol ------------------------------------------------------------------------------
@@ -244,7 +221,7 @@ class Connection:
             self.payload_left = payload_bytes
             await self.drain_payload()
             return True
-        route = f"shm_{op}" if op in S.OPS else "shm_unknown"
+        route = _ROUTES.get(op, "shm_unknown") if op.__class__ is str else "shm_unknown"
         limits, state = self.state.limits, self.state
         t0, status, keep = time.perf_counter(), 200, True
         state.active += 1
@@ -327,6 +304,7 @@ class Connection:
         """Answer an error after which the stream cannot go on, then end the connection: at
         once when nothing is borrowed, else once the client closes its end (it may still be
         copying borrowed pages)."""
+        self.reader.unwatch()  # (the reads below are the loop's own)
         try:
             await self.reply(S.error_reply(status, message))
             if self.borrows:
