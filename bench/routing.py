@@ -12,8 +12,9 @@ through the router's URL. Per run it reports (seconds, tokens):
                              engine_prefix_cache_queries_total (increases over the replay):
                              the engines' own caches only, store hits not counted
     requests_per_engine      requests each engine served (engine_request_success_total
-                             increase, in --engines order; the router's
-                             router_requests_total{engine} where an engine lacks it)
+                             increase without finished_reason="abort", in --engines order;
+                             the router's router_requests_total{engine} where an engine
+                             lacks it)
     router_overhead_ms       router_overhead_seconds sum / count over the replay, in ms
 
 (computed by ``bench.routing_figures``) and, beyond the four the report is keyed on:

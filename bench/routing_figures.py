@@ -69,12 +69,15 @@ def _same_url(a: str, b: str) -> bool:
 def requests_per_engine(engines: Sequence[dict[str, float]], router: dict[str, float],
                         engine_urls: Sequence[str]) -> list[int]:
     """Requests each engine served over the run, in ``engine_urls`` order: the increase of its
-    ``engine_request_success_total``, or, for an engine whose increases lack that series, the
-    router's ``router_requests_total{engine=URL}``."""
+    ``engine_request_success_total`` without ``finished_reason="abort"`` (an attempt the
+    client or the router gave up, e.g. a request the router sent again elsewhere, is not a
+    request served), or, for an engine whose increases lack that series, the router's
+    ``router_requests_total{engine=URL}``."""
     by_router = labelled(router, "router_requests_total", "engine")
     out = []
     for url, d in zip(engine_urls, engines):
-        served = _sum(d, "engine_request_success_total")
+        served = sum(v for reason, v in labelled(d, "engine_request_success_total",
+                                                 "finished_reason").items() if reason != "abort")
         if not served and not any(_name(k) == "engine_request_success_total" for k in d):
             served = sum(v for lab, v in by_router.items() if _same_url(lab, url))
         out.append(int(round(served)))

@@ -63,7 +63,9 @@ def test_figures_from_counter_increases():
         "engine0": {"engine_prefix_cache_queries_total": 1000.0,
                     "engine_prefix_cache_hits_total": 600.0,
                     "engine_external_prefix_cache_hits_total": 100.0,
-                    'engine_request_success_total{finished_reason="length"}': 3.0},
+                    'engine_request_success_total{finished_reason="length"}': 3.0,
+                    # an attempt given up (the router sent the request again elsewhere)
+                    'engine_request_success_total{finished_reason="abort"}': 1.0},
         "engine1": {"engine_prefix_cache_queries_total": 500.0,
                     "engine_prefix_cache_hits_total": 150.0},
         "router": {f'router_requests_total{{engine="{E0}",reason="hit"}}': 2.0,
@@ -82,7 +84,8 @@ def test_figures_from_counter_increases():
     assert f["ttft_p50_s"] == pytest.approx(0.25) and f["ttft_p95_s"] == pytest.approx(0.385)
     assert f["engine_hit_rate"] == pytest.approx(750 / 1500)
     assert f["store_hit_rate"] == pytest.approx(100 / 1500)
-    # engine0 counts its own successes; engine1 has no such counter: the router's count
+    # engine0 counts its own successes (not its aborted attempt); engine1 has no such
+    # counter: the router's count
     assert f["requests_per_engine"] == [3, 1]
     assert f["router_overhead_ms"] == pytest.approx(1.5)
     assert f["router_overhead_p50_ms"] == pytest.approx(1.5)   # rank 2 of (1, 3] in (1, 2] ms
