@@ -32,7 +32,6 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 from kvstore.api import KVStoreBase
 # the disk tier size when only disk_path is given (re-exported: factory and tests name it here)
@@ -52,7 +51,7 @@ def http_url(url: str) -> str:
 
     Raises:
         ValueError: not ``http(s)://HOST:PORT`` / ``tcp://HOST:PORT`` / ``unix:///PATH``, a
-            bad port, no host, a relative socket path.
+            bad port, no host, a path (``/v1``), a relative socket path.
     """
     if url.startswith("unix://"):
         from kvstore.daemon.shm_conn import unix_path
@@ -60,17 +59,8 @@ def http_url(url: str) -> str:
         return url
     if url.startswith("tcp://"):
         url = "http://" + url[len("tcp://"):]
-    if not url.startswith(("http://", "https://")):
-        raise ValueError(f"kvstore url must look like http://HOST:PORT, got {url!r}")
-    try:
-        parts = urlsplit(url)
-        host, _ = parts.hostname, parts.port  # .port raises on a bad port
-    except ValueError as e:  # a port out of range or not a number
-        raise ValueError(f"kvstore url must look like http://HOST:PORT, got {url!r}: {e}") \
-            from None
-    if not host:
-        raise ValueError(f"kvstore url must look like http://HOST:PORT, got {url!r}: no host")
-    return url
+    from kvstore.daemon.transport import check_url
+    return check_url(url)
 
 
 @dataclass(frozen=True)

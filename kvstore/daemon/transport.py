@@ -31,8 +31,8 @@ def check_url(url: str) -> str:
     """``url`` unchanged if it is a usable server URL (``http[s]://HOST[:PORT][/]``).
 
     Raises:
-        ValueError: anything else (no scheme, another scheme, no host, a bad port), naming the
-            URL and the expected form.
+        ValueError: anything else (no scheme, another scheme, no host, a bad port, a path such
+            as ``/v1``, a query), naming the URL and the expected form.
     """
     want = f"malformed kvstore URL {url!r}: expected http://HOST:PORT"
     if not isinstance(url, str):
@@ -44,6 +44,10 @@ def check_url(url: str) -> str:
         raise ValueError(f"{want} ({e})") from None
     if parts.scheme not in ("http", "https") or not host:
         raise ValueError(want)
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(f"{want}: no path, query or fragment (got "
+                         f"{parts.path + ('?' + parts.query if parts.query else '')!r}); the "
+                         f"client adds the routes (/v1/...) itself")
     return url
 
 

@@ -50,7 +50,7 @@ def test_a_url_opens_the_client_bare_or_behind_a_breaker_and_layers_local_tiers(
 @pytest.mark.parametrize("spec, message", [
     (StoreSpec(), "no store: give cpu_bytes, disk_path or url"),
     (StoreSpec(cpu_bytes="1MiB", disk_bytes="1GiB"), "disk_bytes needs disk_path"),
-    (StoreSpec(url="ftp://h:1"), "kvstore url must look like http://HOST:PORT, got 'ftp://h:1'"),
+    (StoreSpec(url="ftp://h:1"), "malformed kvstore URL 'ftp://h:1': expected http://HOST:PORT"),
 ])
 def test_bad_specs_are_refused_before_anything_opens(spec, message):
     with pytest.raises(ValueError) as e:

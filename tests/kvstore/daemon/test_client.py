@@ -202,3 +202,16 @@ def test_a_restarting_server_is_reached_by_retries_inside_the_deadline():
         t.join()
         started["srv"].stop()
         store.close()
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8571/v1", "http://127.0.0.1:8571/v1/stats",
+                                 "http://127.0.0.1:8571?x=1", "http://127.0.0.1:8571/#a"])
+def test_a_url_with_a_path_is_refused_before_any_call(url):
+    """``/v1`` in the URL made every route ``/v1/v1/...``: the daemon's 404s then read as
+    answers (a put's missing ``stored``), so the store was off without a word."""
+    with pytest.raises(ValueError, match=r"no path, query or fragment .*adds the routes"):
+        KVStoreClient(url)
+    from connectors.stores import StoreSpec
+    with pytest.raises(ValueError, match="no path"):
+        StoreSpec(url=url).check()
+    assert KVStoreClient("http://127.0.0.1:8571/").url == "http://127.0.0.1:8571"
