@@ -32,7 +32,11 @@ _COUNTERS = {
     "demoted_chunks": ("Stored chunks demoted to first eviction candidates (tail pieces "
                        "whose full chunk is stored), counted once per demote call", False),
     "corruptions": ("Stored chunks that failed a check on read or open (served as misses)", True),
-    "dropped_writes": ("Disk writes dropped because lmdb's map was full", True),
+    "dropped_writes": ("Disk writes dropped (lmdb's map full with nothing evictable, or the "
+                       "write failed: a full disk, an I/O error)", True),
+    "stranded_removals": ("Stored chunks removed because an ancestor was lost by its tier (a "
+                          "dropped disk write, a corrupt chunk): no lookup could reach them",
+                          False),
     "errors": ("Internal errors survived (eviction policy failures, writer failures)", True),
     "rejected_chunks": ("Chunks not stored: no tier could take them (all pinned, too large, or "
                         "room only by evicting their own prefix) or their parent chunk is "

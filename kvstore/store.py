@@ -13,9 +13,10 @@ This is the only module that knows there is more than one tier. It decides
 * that stored prefixes stay reachable: each chunk records its parent (the previous chunk of
   its prompt, as the put says: ``parents``), a chunk whose parent is stored nowhere is not
   stored, room is never made by evicting a chunk's own ancestors, and a chunk that leaves the
-  store takes its stored descendants with it (``kvstore.movement``). Only ``remove`` (and a
-  restart, which loses the memory tiers) can leave a chunk without its parent; such chunks
-  are counted in ``unreachable_bytes``;
+  store takes its stored descendants with it (``kvstore.movement``), also when a tier loses
+  it on its own (a disk write that fails, a corrupt chunk: ``StoreState.drop_stranded``). Only
+  ``remove`` (and a restart, which loses the memory tiers) can leave a chunk without its
+  parent; such chunks are counted in ``unreachable_bytes``;
 * what a read that cannot serve an indexed chunk means: a stale index entry, dropped and
   counted (``stale_index_entries``).
 
@@ -113,6 +114,7 @@ class ChunkStore(AdminMethods, DirectMethods, KVStoreBase):
         self._direct = DirectIO(st, self._place)
         for i, t in enumerate(self.tiers):
             t.listener = self._on_tier_event
+            t.lost = st.tier_lost  # (its stored descendants leave at the next operation)
             # a tier evicting on its own (the disk tier when lmdb's map is full) may take only
             # an unpinned chunk whose going strands no stored chunk
             t.evictable = (lambda k, i=i: st.pins.evictable(k)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from itertools import repeat, takewhile
 from operator import eq
 from typing import TYPE_CHECKING, Sequence
@@ -74,6 +74,10 @@ class StoreState:
         #: ``config.max_namespaces``)
         self._namespaces: OrderedDict[bytes, Namespace] = OrderedDict()
         self._namespaces_lock = threading.Lock()
+        #: keys a tier lost on its own (a disk write that failed, a corrupt chunk deleted),
+        #: appended from any thread without the store lock (``tier_lost``); their stored
+        #: descendants leave at the next operation under the lock (``expire_leases``)
+        self.lost: deque[ChunkKey] = deque()
 
     # ---- namespaces and argument checks -------------------------------------------------------
     def register(self, ns: Namespace) -> None:
@@ -212,9 +216,37 @@ class StoreState:
         return out
 
     def expire_leases(self) -> None:
-        """Drop the leased pins whose time is up (freeing chunks removed meanwhile)."""
+        """Drop the leased pins whose time is up (freeing chunks removed meanwhile), and the
+        stored descendants of chunks a tier lost (``tier_lost``). Under the store lock."""
         for key in self.pins.expire(time.monotonic()):
             self.maybe_free(key)
+        while self.lost:
+            self.drop_stranded(self.lost.popleft())
+
+    def tier_lost(self, key: ChunkKey) -> None:
+        """A tier dropped ``key`` on its own (its disk write failed, it was corrupt): queue
+        it for ``drop_stranded``. Any thread; never blocks (a disk writer calls it while the
+        store's thread may wait, under the store lock, for that writer's queue to drain)."""
+        self.lost.append(key)
+
+    def drop_stranded(self, key: ChunkKey) -> int:
+        """Remove the stored descendants of ``key`` when ``key`` is stored nowhere any more
+        (a lookup can never reach them: they would fill the tiers as ``unreachable_bytes``),
+        deepest first; pinned ones are removed as ``remove`` does (at their last unpin).
+        Returns how many went. Under the store lock."""
+        if self.locate(key) is not None:
+            return 0
+        gone = list(reversed(self.mover.descendants(key)))
+        for d in gone:
+            if self.pins.count(d):
+                self.doomed.add(d)
+            else:
+                self.delete_everywhere(d)
+        if gone:
+            log.warning("chunk %r was lost by its tier; removed its %d stored descendants "
+                        "(unreachable without it)", key, len(gone))
+            self.metrics.inc("stranded_removals", len(gone))
+        return len(gone)
 
     def maybe_free(self, key: ChunkKey) -> None:
         """Delete ``key`` everywhere if it was removed while pinned and has no pin left."""
@@ -256,6 +288,7 @@ class StoreState:
                     tier.name, key)
         with self.lock:
             tier.delete(key)
+        self.tier_lost(key)  # (its stored descendants go at the next operation)
         self.metrics.inc("stale_index_entries", tier=tier.name)
 
     def read_remote(self, layout: KVLayout, keys: Sequence[ChunkKey],

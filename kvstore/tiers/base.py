@@ -52,6 +52,10 @@ class Tier(ABC):
         #: Set by the store: may this key be evicted now (not pinned)? Used by tiers that evict
         #: on their own (the disk tier when lmdb's map is full).
         self.evictable: Callable[[ChunkKey], bool] = lambda key: True
+        #: Set by the store: this tier dropped ``key`` on its own (a disk write that failed, a
+        #: corrupt chunk deleted); the store then removes its stored descendants. Any thread;
+        #: must not block.
+        self.lost: Callable[[ChunkKey], None] = lambda key: None
         #: Set by the store: is this key demoted in another tier (``demote``)? A chunk spilled
         #: here from a tier where it was demoted stays demoted here.
         self.demoted_elsewhere: Callable[[ChunkKey], bool] = lambda key: False

@@ -243,8 +243,9 @@ class DiskTier(Tier):
         log.warning("disk tier %s: chunk %r is corrupt (%s); deleted", self.path, key, why)
         self.listener("corruption", self.name, 1)
         with self._lock:
-            if key in self._index and key not in self._pending:
-                self.delete(key)
+            gone = key in self._index and key not in self._pending and self.delete(key)
+        if gone:
+            self.lost(key)
 
     # ---- writer thread ----------------------------------------------------------------------
     def _writer_loop(self) -> None:
@@ -258,12 +259,17 @@ class DiskTier(Tier):
                 self._inflight += 1
             try:
                 self._write_batch(batch)
-            except Exception:
-                log.exception("disk tier %s: writer failed on a batch; dropping its puts", self.path)
+            except Exception as e:
+                if isinstance(e, (lmdb.Error, OSError)):  # a full disk, an I/O error: one line
+                    log.error("disk tier %s: writing a batch of %d failed (%s: %s); dropping "
+                              "its puts", self.path, len(batch), type(e).__name__, e)
+                else:
+                    log.exception("disk tier %s: writer failed on a batch; dropping its puts",
+                                  self.path)
                 self.listener("error", self.name, 1)
                 for op in batch:
                     if isinstance(op, _PutOp):
-                        self._drop(op, "writer error")
+                        self._drop(op, "writer error", quiet=True)
             finally:
                 with self._cond:
                     self._inflight -= 1
@@ -324,23 +330,30 @@ class DiskTier(Tier):
             except lmdb.MapFullError:
                 with self._lock:
                     victim = self.next_victim(lambda k: k not in self._pending and self.evictable(k))
-                    if victim is None:
-                        self._drop(op, "lmdb map full and nothing evictable")
-                        return False
-                    self.delete(victim)
-                    self._queue.remove(("del", victim))
+                    if victim is not None:
+                        self.delete(victim)
+                        self._queue.remove(("del", victim))
+                if victim is None:  # (the store lock may be taken by ``lost``: not under ours)
+                    self._drop(op, "lmdb map full and nothing evictable")
+                    return False
                 with self.env.begin(write=True) as txn:
                     txn.delete(bytes(victim))
                 log.info("disk tier %s: lmdb map full; evicted %r", self.path, victim)
                 self.listener("eviction", self.name, 1)
 
-    def _drop(self, op: _PutOp, why: str) -> None:
+    def _drop(self, op: _PutOp, why: str, quiet: bool = False) -> None:
+        """Forget a queued write that will not be made; the store learns the chunk is lost
+        (``lost``: its stored descendants go). ``quiet``: the cause was logged already."""
         with self._lock:
-            if self._pending.get(op.key) is op:
+            dropped = self._pending.get(op.key) is op
+            if dropped:
                 self.delete(op.key)
                 self._queue.remove(("del", op.key))
-        log.warning("disk tier %s: %s; dropped the write of %r", self.path, why, op.key)
+        if not quiet:
+            log.warning("disk tier %s: %s; dropped the write of %r", self.path, why, op.key)
         self.listener("dropped_write", self.name, 1)
+        if dropped:
+            self.lost(op.key)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:

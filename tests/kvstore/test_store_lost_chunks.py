@@ -1,0 +1,123 @@
+"""A chunk its tier loses on its own (a disk write that fails, a full disk, a corrupt chunk)
+takes its stored descendants with it, as an eviction does: otherwise they fill the CPU tier
+while no lookup can reach them (``unreachable_bytes``)."""
+import logging
+import os
+import subprocess
+import uuid
+
+import lmdb
+import pytest
+import torch
+
+from kvstore.config import StoreConfig
+from kvstore.keys import Namespace
+from kvstore.layout import KVLayout
+from kvstore.store import ChunkStore
+from kvstore.tiers.disk import DiskTier
+
+LAY = KVLayout(2, 2, 16, "float32", 64)  # 64-token chunks of 32 KiB
+NS = Namespace("lost", LAY)
+KEYS = NS.chunk_keys(list(range(64 * 48)))
+
+
+def chunk(i: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(LAY.shape(), generator=g)
+
+
+def settle(store: ChunkStore) -> None:
+    """Wait for the disk writer, then make the store take in what its tiers lost."""
+    store.flush(30)
+    store.lookup_keys(NS, KEYS[:1])
+
+
+def test_a_failed_spill_takes_the_chunks_descendants_out_of_the_cpu_tier(tmp_path, monkeypatch,
+                                                                         caplog):
+    def fail(self, batch):
+        raise lmdb.Error("mdb_txn_commit: Input/output error")
+    monkeypatch.setattr(DiskTier, "_write_batch", fail)
+    store = ChunkStore(StoreConfig(cpu_bytes=4 * LAY.chunk_bytes, disk_path=str(tmp_path / "d"),
+                                   disk_bytes="8MiB"))
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert store.put_chunks(NS, KEYS[:8], [chunk(i) for i in range(8)]) == 8
+            settle(store)
+        st = store.stats()
+        assert st["dropped_writes"] >= 4 and st["unreachable_bytes"] == 0
+        # the spilled head (chunks 0-3) is lost, so 4-7 could never be reached: gone too
+        assert store.exists(NS, KEYS[:8]) == [False] * 8
+        assert st["stranded_removals"] == 4 and st["tiers"]["cpu"]["used_bytes"] == 0
+        store.check_integrity()
+        # the writer's failure is one line, not a traceback per batch
+        fails = [r for r in caplog.records if "writing a batch" in r.getMessage()]
+        assert fails and all(r.exc_info is None for r in fails)
+        assert "Input/output error" in fails[0].getMessage()
+        monkeypatch.undo()  # the disk works again: the store is usable
+        assert store.put_chunks(NS, KEYS[:3], [chunk(i) for i in range(3)]) == 3
+        assert store.lookup_keys(NS, KEYS[:3]).num_hit_chunks == 3
+    finally:
+        store.close()
+
+
+def test_a_pinned_descendant_of_a_lost_chunk_goes_at_its_last_unpin(tmp_path, monkeypatch):
+    def fail(self, batch):
+        raise lmdb.Error("mdb_txn_commit: Input/output error")
+    monkeypatch.setattr(DiskTier, "_write_batch", fail)
+    store = ChunkStore(StoreConfig(cpu_bytes=4 * LAY.chunk_bytes, disk_path=str(tmp_path / "d"),
+                                   disk_bytes="8MiB"))
+    try:
+        assert store.put_chunks(NS, KEYS[:4], [chunk(i) for i in range(4)]) == 4
+        assert store.pin(NS, KEYS[3:4]) == 1
+        assert store.put_chunks(NS, KEYS[4:6], [chunk(i) for i in range(4, 6)], parents=[
+            KEYS[3], KEYS[4]]) == 2   # spills 0 and 1, whose writes fail
+        settle(store)
+        assert store.exists(NS, KEYS[:6]) == [False] * 6  # the pinned one no longer counts
+        assert store.pin_count(KEYS[3]) == 1
+        store.unpin(NS, KEYS[3:4])
+        assert store.stats()["tiers"]["cpu"]["used_bytes"] == 0
+        store.check_integrity()
+    finally:
+        store.close()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 512 KiB tmpfs (skips where this process may not mount one)."""
+    where = tmp_path / f"full-{uuid.uuid4().hex[:6]}"
+    where.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(where)],
+                       capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def test_a_full_disk_strands_nothing_in_the_cpu_tier(small_tmpfs, caplog):
+    """A real full disk (a 512 KiB tmpfs under an 8 MiB disk tier): spills fail with ENOSPC
+    or an I/O error; what the store still holds is reachable, and lookups agree with gets."""
+    store = ChunkStore(StoreConfig(cpu_bytes=4 * LAY.chunk_bytes,
+                                   disk_path=str(small_tmpfs / "kv"), disk_bytes="8MiB"))
+    try:
+        with caplog.at_level(logging.WARNING):
+            for start in range(0, 48, 4):
+                store.put_chunks(NS, KEYS[start:start + 4],
+                                 [chunk(i) for i in range(start, start + 4)],
+                                 parents=[KEYS[start - 1] if start else None] +
+                                 KEYS[start:start + 3])
+            settle(store)
+        st = store.stats()
+        assert st["dropped_writes"] > 0  # the disk did fill
+        assert st["unreachable_bytes"] == 0
+        hit = store.lookup_keys(NS, KEYS).num_hit_chunks
+        got = store.get_chunks(NS, KEYS[:hit])
+        assert all(g is not None and torch.equal(g, chunk(i)) for i, g in enumerate(got))
+        store.check_integrity()
+        assert not any(r.exc_info for r in caplog.records if "disk tier" in r.getMessage())
+    finally:
+        store.close()
