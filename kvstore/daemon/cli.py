@@ -1,7 +1,8 @@
 """``kvstore`` command line: ``serve``, ``stats URL``, ``clear URL``, ``inspect DISK_PATH``.
 
 Exit codes: 0 success, 1 runtime failure (server unreachable, error answer), 2 bad usage or
-configuration, 141 stdout closed by its reader (``| head``; quiet, no traceback).
+configuration, 130 interrupted (Ctrl-C; one line, no traceback), 141 stdout closed by its reader
+(``| head``; quiet, no traceback).
 """
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import sys
 from typing import Any, Sequence
 
 from kvstore.config import DISK_CODECS
+from kvstore.daemon.cli_client import (STAT_NOTES, UsageError,  # noqa: F401 (re-exported)
+                                       add_client_parsers, cmd_clear, cmd_stats)
+from kvstore.daemon.cli_table import flatten, format_table  # noqa: F401 (re-exported)
 from kvstore.defaults import DEFAULT_DISK_BYTES
 from kvstore.disk_inspect import inspect_disk  # noqa: F401 (the inspect command; re-exported)
-from kvstore.units import format_size
 
 log = logging.getLogger("kvstore.daemon.cli")
 
@@ -116,18 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvstore", description="Tiered, shared KV-cache store.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     _serve_parser(sub)
-    for name, text in (("stats", "print a running server's statistics as a table"),
-                       ("clear", "delete chunks on a running server")):
-        p = sub.add_parser(name, help=text)
-        p.add_argument("url", help="server URL, e.g. http://127.0.0.1:8500")
-        p.add_argument("--auth-token", default=os.environ.get("KVSTORE_AUTH_TOKEN"),
-                       help="the server's bearer token (default $KVSTORE_AUTH_TOKEN)")
-        p.add_argument("--timeout-s", type=float, default=5.0)
-        if name == "stats":
-            p.add_argument("--json", action="store_true", help="raw JSON instead of a table")
-        else:
-            p.add_argument("--namespace", help="clear only this namespace (JSON of "
-                                               "Namespace.to_dict(), or @FILE); default: all")
+    add_client_parsers(sub)
     p = sub.add_parser("inspect", help="what a disk tier holds (offline, read-only)")
     p.add_argument("disk_path")
     p.add_argument("--json", action="store_true", help="JSON instead of a table")
@@ -146,10 +138,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return rc
     except BrokenPipeError:
         return _stdout_closed()
+    except KeyboardInterrupt:  # Ctrl-C while waiting on a daemon or reading a disk tier
+        print(f"kvstore {args.cmd}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except UsageError as e:
+        print(f"kvstore {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
     except ValueError as e:
         print(f"kvstore {args.cmd}: {e}", file=sys.stderr)
         return 2
 
+
+#: exit status after Ctrl-C: 128 + SIGINT, what a shell reports for a command SIGINT ended.
+EXIT_INTERRUPTED = 130
 
 #: exit status when the reader of stdout went away (``kvstore inspect DIR | head``): 128 +
 #: SIGPIPE, what a shell reports for a command that SIGPIPE ended.
@@ -195,8 +196,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from kvstore.daemon.start_checks import tier_warnings
-    for warning in tier_warnings(cfg):
+    from kvstore.daemon.start_checks import start_warnings
+    for warning in start_warnings(cfg):
         log.warning("%s", warning)
     choose_http_parser(cfg.http_parser)
     return_freed_buffers_to_os()
@@ -284,115 +285,10 @@ async def _serve(cfg, store, tenants=None) -> None:
                              idle_timeout_s=cfg.idle_timeout_s, unix_socket=cfg.unix_socket)
 
 
-def _client(args):
-    from kvstore.daemon.client import KVStoreClient
-    return KVStoreClient(args.url, auth_token=args.auth_token, timeout_s=args.timeout_s)
-
-
-def cmd_stats(args: argparse.Namespace) -> int:
-    from kvstore.daemon.client import RemoteError, StoreUnavailable
-    try:
-        with _client(args) as c:
-            st = c.stats()
-    except (StoreUnavailable, RemoteError) as e:
-        print(f"kvstore stats: {e}", file=sys.stderr)
-        return 1
-    print(json.dumps(st, indent=2, sort_keys=True) if args.json
-          else format_table(st, notes=STAT_NOTES))
-    return 0
-
-
-#: what a ``/v1/stats`` counter counts, shown after its name in ``kvstore stats``'s table:
-#: ``lookups`` count prefix lookups and their tokens, while ``hits``/``misses`` count the chunks
-#: of get calls (``kvstore.metrics``, ``kvstore.tiers.remote_metrics``); ``*_by_tier.<tier>``
-#: rows take their counter's note
-STAT_NOTES = {
-    "lookups": "prefix lookups",
-    "requested_tokens": "lookup: tokens asked",
-    "hit_tokens": "lookup: leading tokens found",
-    "hits": "get: chunks returned",
-    "misses": "get: chunks not returned",
-    "remote.lookups": "lookup: chunks probed",
-    "remote.lookup_hits": "lookup: chunks found",
-    "remote.reads": "get: chunks asked",
-    "remote.hits": "get: chunks read",
-    "remote.misses": "get: chunks not served",
-}
-
-
-def cmd_clear(args: argparse.Namespace) -> int:
-    from kvstore.daemon.client import RemoteError, StoreUnavailable
-    from kvstore.keys import Namespace
-    ns = None
-    if args.namespace:
-        text = args.namespace
-        if text.startswith("@"):
-            with open(text[1:]) as f:
-                text = f.read()
-        try:
-            ns = Namespace.from_dict(json.loads(text))
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"bad --namespace: {e!r}") from None
-    try:
-        with _client(args) as c:
-            n = c.clear(ns)
-    except (StoreUnavailable, RemoteError) as e:
-        print(f"kvstore clear: {e}", file=sys.stderr)
-        return 1
-    print(f"removed {n} chunks" + ("" if ns else " (all namespaces)"))
-    return 0
-
-
 def cmd_inspect(args: argparse.Namespace) -> int:
     report = inspect_disk(args.disk_path, limit=args.limit, verify=args.verify)
     print(json.dumps(report, indent=2, sort_keys=True) if args.json else format_table(report))
     return 0
-
-
-def flatten(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    """``{"a": {"b": 1}}`` -> ``[("a.b", 1)]`` (lists of scalars stay whole)."""
-    if isinstance(obj, dict):
-        rows = []
-        for k in obj:
-            rows += flatten(obj[k], f"{prefix}.{k}" if prefix else str(k))
-        return rows
-    if isinstance(obj, list) and obj and all(isinstance(x, dict) for x in obj):
-        rows = []
-        for i, x in enumerate(obj):
-            rows += flatten(x, f"{prefix}[{i}]")
-        return rows
-    return [(prefix, obj)]
-
-
-def _fmt(name: str, value: Any) -> str:
-    if isinstance(value, bool) or value is None:
-        return str(value)
-    if name.endswith("bytes") and isinstance(value, int):
-        return f"{value:,} ({format_size(value)})" if value >= 1024 else f"{value}"
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    if isinstance(value, int) and not name.endswith("pid"):  # a pid is an id: kill/grep it
-        return f"{value:,}"
-    return str(value)
-
-
-def _label(name: str, notes: dict[str, str]) -> str:
-    """``name`` with its note: ``hits (get: chunks returned)``; ``hits_by_tier.cpu`` takes the
-    note of ``hits``."""
-    head = name.rpartition(".")[0]
-    note = notes.get(name)
-    if note is None and head.endswith("_by_tier"):
-        note = notes.get(head.removesuffix("_by_tier"))
-    return f"{name} ({note})" if note else name
-
-
-def format_table(obj: dict, notes: dict[str, str] | None = None) -> str:
-    """Two-column text table of a nested dict (keys flattened to ``a.b``); byte fields also
-    shown as ``8GiB``; a key in ``notes`` (or a ``<counter>_by_tier.<tier>`` key whose
-    counter is) gets its note after it, in parentheses."""
-    rows = [(_label(k, notes or {}), _fmt(k, v)) for k, v in flatten(obj)]
-    width = max((len(k) for k, _ in rows), default=0)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
 if __name__ == "__main__":

@@ -122,6 +122,9 @@ class KVStoreClient(KVStoreBase):
                 raise
             fut.cancel()
             raise StoreUnavailable(f"{self.url}: no answer within {wait} s") from None
+        except KeyboardInterrupt:  # Ctrl-C while waiting: the call stops with it
+            fut.cancel()
+            raise
 
     def lookup_keys(self, ns, keys, *, timeout_s=None) -> LookupResult:
         return self._call("lookup_keys", timeout_s, ns, keys)

@@ -97,8 +97,8 @@ class ServeConfig:
         ValueError: a bad size (``page_bytes`` not a positive multiple of 64), port, log level
             or timeout (not a positive number of seconds), a non-loopback bind without
             ``auth_token``, ``tenants_file`` or ``insecure``, or a bad remote URL, TTL, timeout
-            or queue size (messages never hold the password), or a Unix socket path longer
-            than 107 bytes.
+            or queue size (messages never hold the password), a Unix socket path longer
+            than 107 bytes, or no tier at all (cpu, gpu and disk bytes all 0).
     """
 
     host: str = "127.0.0.1"
@@ -156,6 +156,9 @@ class ServeConfig:
             raise ValueError(f"disk_bytes {self.disk_bytes} without disk_path: say where the "
                              "disk tier lives (--disk-path, $KVSTORE_DISK_PATH or 'disk_path' "
                              "in the config file)")
+        if self.cpu_bytes + self.gpu_bytes + self.disk_bytes <= 0:
+            raise ValueError("no tier to store chunks in: give --cpu-bytes or --gpu-bytes a size "
+                             "> 0, or a disk tier with --disk-path (and --disk-bytes)")
         if self.max_inflight_bytes is None or str(self.max_inflight_bytes).lower() == "auto":
             object.__setattr__(self, "max_inflight_bytes",
                                max(32 << 20, (self.cpu_bytes + self.gpu_bytes) // 16))

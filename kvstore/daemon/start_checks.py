@@ -1,6 +1,7 @@
 """Warnings a daemon prints at start about its configuration (``kvstore serve``): settings that
 parse and are allowed, yet will not work as the user likely means (a tier too small for any real
-model's chunk, a disk tier larger than its filesystem's free space)."""
+model's chunk, a disk tier larger than its filesystem's free space, a setting that has no effect
+with the others)."""
 from __future__ import annotations
 
 import os
@@ -43,4 +44,29 @@ def tier_warnings(cfg: ServeConfig) -> list[str]:
             out.append(f"the disk tier ({format_size(cfg.disk_bytes)}, --disk-bytes) is larger "
                        f"than the {format_size(free)} free at {cfg.disk_path!r}: puts fail once "
                        f"the filesystem is full")
+    return out
+
+
+def start_warnings(cfg: ServeConfig) -> list[str]:
+    """Every warning of ``kvstore serve`` at start: ``tier_warnings`` then
+    ``unused_setting_warnings``, one line each."""
+    return tier_warnings(cfg) + unused_setting_warnings(cfg)
+
+
+def unused_setting_warnings(cfg: ServeConfig) -> list[str]:
+    """Settings that take no effect with the others (one line each): a disk codec without a
+    disk tier, a remote codec without a remote tier, and ``--auth-token`` beside
+    ``--tenants-file``, where both are accepted (the token is one more admin tenant named
+    ``admin``, ``kvstore.daemon.state.tenant_table``), which a user may not expect."""
+    out = []
+    if cfg.disk_codec != "auto" and cfg.disk_path is None:
+        out.append(f"--disk-codec {cfg.disk_codec} has no effect without a disk tier "
+                   f"(--disk-path)")
+    if cfg.remote_codec != "raw" and cfg.remote_url is None:
+        out.append(f"--remote-codec {cfg.remote_codec} has no effect without a remote tier "
+                   f"(--remote-url)")
+    if cfg.auth_token and cfg.tenants_file:
+        out.append("--auth-token and --tenants-file are both set: neither replaces the other; "
+                   "the token is one more admin (tenant 'admin', every namespace) beside the "
+                   "file's tenants")
     return out

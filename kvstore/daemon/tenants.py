@@ -179,11 +179,13 @@ class TenantTable:
                 spaces or non-ASCII, a salt with ``/`` or not
                 a string, duplicate tokens; the message names the tenant, never a token.
         """
-        if isinstance(data, Mapping) and isinstance(data.get("tenants"), Mapping):
+        if isinstance(data, Mapping) and "tenants" in data:
             data = data["tenants"]
         if not isinstance(data, Mapping) or not data:
+            got = "an empty mapping" if isinstance(data, Mapping) else type(data).__name__
             raise ValueError(f"{where}: expected a non-empty mapping 'tenants: {{name: {{token, "
-                             f"role, salt}}}}'")
+                             f"role, salt}}}}' (e.g. 'tenants:' then '  alice: {{token: ..., "
+                             f"role: tenant}}' on the next line), got {got}")
         return cls([_tenant(name, spec, where) for name, spec in data.items()])
 
     @classmethod
@@ -208,8 +210,22 @@ class TenantTable:
                 import yaml
                 data = yaml.safe_load(text)
         except Exception as e:  # noqa: BLE001 - tomllib/json/yaml each raise their own error
-            raise ValueError(f"malformed tenants file {p}: {type(e).__name__}") from None
+            raise ValueError(f"malformed tenants file {p}: {_parse_error(e)}") from None
         return cls.from_mapping(data, str(p))
+
+
+def _parse_error(e: Exception) -> str:
+    """The kind and position of a YAML/JSON/TOML parse error, without the file's text (the
+    error's own message may quote a line holding a token; tomllib's names at most a key or one
+    character)."""
+    mark = getattr(e, "problem_mark", None)  # yaml.MarkedYAMLError
+    if mark is not None:
+        return f"{type(e).__name__} at line {mark.line + 1}, column {mark.column + 1}: {e.problem}"
+    if isinstance(e, json.JSONDecodeError):
+        return f"{type(e).__name__} at line {e.lineno}, column {e.colno}: {e.msg}"
+    if type(e).__name__ == "TOMLDecodeError":  # "Invalid value (at line 2, column 5)"
+        return f"{type(e).__name__}: {e}"
+    return type(e).__name__
 
 
 def bind_salt(tenant_salt: str | None, salt: str = "") -> str:

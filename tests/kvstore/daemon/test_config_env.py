@@ -87,6 +87,30 @@ def test_start_warnings_name_a_tier_smaller_than_a_real_chunk_and_a_disk_beyond_
     assert "larger than the" in w[1] and "free at" in w[1]
 
 
+def test_start_warnings_name_settings_that_have_no_effect(tmp_path, capsys):
+    from kvstore.daemon.config import ServeConfig
+    from kvstore.daemon.start_checks import start_warnings, unused_setting_warnings
+    assert unused_setting_warnings(ServeConfig(cpu_bytes="64MiB")) == []
+    assert unused_setting_warnings(ServeConfig(
+        cpu_bytes="64MiB", disk_path=str(tmp_path / "d"), disk_codec="int8",
+        remote_url="redis://127.0.0.1:1", remote_codec="kivi")) == []  # each has its tier
+    cfg = ServeConfig(cpu_bytes="64MiB", disk_codec="int8", remote_codec="kivi",
+                      auth_token="t" * 20, tenants_file=str(tmp_path / "tenants.yaml"))
+    assert start_warnings(cfg) == [
+        "--disk-codec int8 has no effect without a disk tier (--disk-path)",
+        "--remote-codec kivi has no effect without a remote tier (--remote-url)",
+        "--auth-token and --tenants-file are both set: neither replaces the other; the token "
+        "is one more admin (tenant 'admin', every namespace) beside the file's tenants"]
+    # what the last one says: both authenticate, the token as the admin 'admin'
+    from kvstore.daemon.state import ServerLimits, tenant_table
+    from kvstore.daemon.tenants import TenantTable
+    file_tenants = TenantTable.from_mapping({"alice": {"token": "a" * 20, "role": "tenant"}})
+    both = tenant_table(ServerLimits(auth_token="t" * 20, tenants=file_tenants))
+    assert both.authenticate("Bearer " + "a" * 20).name == "alice"
+    who = both.authenticate("Bearer " + "t" * 20)
+    assert (who.name, who.role, who.salt) == ("admin", "admin", None)
+
+
 def test_a_size_that_does_not_parse_names_its_setting():
     from kvstore.daemon.config import ServeConfig
     with pytest.raises(ValueError) as e:

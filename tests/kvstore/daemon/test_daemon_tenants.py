@@ -7,6 +7,7 @@ Tenants (``kvstore.daemon.tenants``): alice and bob (role tenant, salts "alice" 
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 
@@ -127,6 +128,14 @@ def test_tenants_file_in_yaml_toml_and_json_reads_the_same(tmp_path):
     ("tenants:\n  a: {token: aaaaaaaaaaaaaaaaaaaa}\n  b: {token: aaaaaaaaaaaaaaaaaaaa}",
      "two tenants share a token"),
     ("tenants: [a, b", "malformed tenants file"),
+    # a list where the mapping goes was read as a tenant named 'tenants'
+    ("tenants: []", "expected a non-empty mapping 'tenants: {name: {token, role, salt}}' "
+                    "(e.g. 'tenants:' then '  alice: {token: ..., role: tenant}' on the next "
+                    "line), got list"),
+    ("tenants:", "got NoneType"),
+    # where the YAML breaks, not just 'ParserError'; never the line's text (it holds a token)
+    ("tenants:\n  a: {token: aaaaaaaaaaaaaaaaaaaa, role: tenant\n  b: x",
+     "ParserError at line 3, column 4: expected ',' or '}', but got ':'"),
     # a token no HTTP header line can carry (aiohttp: 8190 bytes) could never authenticate
     (f"tenants:\n  a: {{token: {'a' * 4097}}}", "tenant 'a' needs a token of 16 to 4096"),
     # YAML reads unquoted true/null as a bool/None: the tenant was named (and salted) 'True'
@@ -136,9 +145,23 @@ def test_tenants_file_in_yaml_toml_and_json_reads_the_same(tmp_path):
 def test_bad_tenants_files_are_clear_errors_that_never_show_a_token(tmp_path, text, msg):
     p = tmp_path / "t.yaml"
     p.write_text(text)
-    with pytest.raises(ValueError, match=msg.replace("[", r"\[").replace("]", r"\]")) as e:
+    with pytest.raises(ValueError, match=re.escape(msg)) as e:
         TenantTable.from_file(p)
     assert "aaaaaaaaaaaaaaaa" not in str(e.value) and "0123456789" not in str(e.value)
+
+
+@pytest.mark.parametrize("name, text, msg", [
+    ("t.json", '{"tenants": {"a": {"token": "aaaaaaaaaaaaaaaaaaaa",}}}',
+     "JSONDecodeError at line 1, column 52: Expecting property name enclosed in double quotes"),
+    ("t.toml", '[tenants.a]\ntoken = aaaaaaaaaaaaaaaaaaaa\n',
+     "TOMLDecodeError: Invalid value (at line 2, column 9)"),
+])
+def test_json_and_toml_tenants_errors_give_their_position(tmp_path, name, text, msg):
+    p = tmp_path / name
+    p.write_text(text)
+    with pytest.raises(ValueError) as e:
+        TenantTable.from_file(p)
+    assert str(e.value) == f"malformed tenants file {p}: {msg}"
 
 
 def test_the_longest_token_allowed_authenticates_through_the_server():
