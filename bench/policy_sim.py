@@ -33,6 +33,7 @@ from pathlib import Path
 from bench.policy_belady import belady_hit_tokens, next_uses
 from bench.policy_replay import PolicyReplay
 from bench.policy_trace import TRACES, ChunkTrace, load_chunk_trace, prefix_reuse_tokens
+from bench.trace_files import DEFAULT_TRACES_DIR, exit_if_missing
 from kvstore.config import StoreConfig
 from kvstore.eviction import ADMISSIONS, POLICIES
 from kvstore.layout import KVLayout
@@ -44,7 +45,6 @@ LAYOUTS = {
     "llama8b": KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16"),
 }
 FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0)
-DEFAULT_TRACES_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
 
 
 def _frac_key(f: float) -> str:
@@ -177,7 +177,9 @@ def table(doc: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.policy_sim", description=__doc__.split("\n")[0])
     ap.add_argument("--trace", required=True, choices=sorted(TRACES))
-    ap.add_argument("--traces-dir", default=str(DEFAULT_TRACES_DIR))
+    ap.add_argument("--traces-dir", default=str(DEFAULT_TRACES_DIR),
+                    help="folder of the trace files (default: the repository's sibling "
+                         "shared/data/traces)")
     ap.add_argument("--policy", action="append", choices=sorted(POLICIES),
                     help="a policy to replay (repeat; default all)")
     ap.add_argument("--admission", action="append", choices=list(ADMISSIONS),
@@ -204,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.cpu_share < 1:
         ap.error(f"--cpu-share must be in (0, 1), got {args.cpu_share}")
     layout = LAYOUTS[args.layout]
+    exit_if_missing(ap.prog, Path(args.traces_dir) / TRACES[args.trace][0], args.traces_dir)
     trace = load_chunk_trace(args.trace, args.traces_dir, args.limit)
     doc = simulate(trace, args.policy or sorted(POLICIES), fractions, layout.token_bytes,
                    two_tier=not args.one_tier_only, cpu_share=args.cpu_share,

@@ -17,9 +17,10 @@ from pathlib import Path
 
 from bench.replay import add_common_args, finish, run_configs
 from bench.servers import install_cleanup_handlers
+from bench.trace_files import DEFAULT_TRACES_DIR, exit_if_missing
 from bench.traces import AzureReplay, MooncakeReplay, ideal_hit_tokens, scaled_lengths
 
-TRACE_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+TRACE_DIR = DEFAULT_TRACES_DIR
 TRACES = {"mooncake": "mooncake_conversation_trace.jsonl",
           "mooncake-synthetic": "mooncake_synthetic_trace.jsonl",
           "azure-conv": "azure_llm_2023_conv.csv", "azure-code": "azure_llm_2023_code.csv"}
@@ -30,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     w = p.add_argument_group("trace")
     w.add_argument("--trace", default="mooncake", help=f"one of {', '.join(TRACES)} or a path")
-    w.add_argument("--trace-dir", default=str(TRACE_DIR))
+    w.add_argument("--traces-dir", "--trace-dir", dest="trace_dir", default=str(TRACE_DIR),
+                   help="folder of the trace files (default: the repository's sibling "
+                        "shared/data/traces)")
     w.add_argument("--sessions", type=int, default=12, help="Mooncake: replay every row of "
                    "this many conversations sampled with --seed (0 = all rows)")
     w.add_argument("--limit", type=int, default=100, help="at most the first N rows")
@@ -56,8 +59,10 @@ def trace_path(args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    install_cleanup_handlers()
     path = trace_path(args)
+    exit_if_missing("python -m bench.trace_replay", path,
+                    args.trace_dir if args.trace in TRACES else None)
+    install_cleanup_handlers()
     params = {"workload": "trace_replay", "trace": path, "limit": args.limit,
               "time_scale": args.time_scale}
     if path.endswith(".jsonl"):
