@@ -140,10 +140,16 @@ class DiskTier(Tier):
                     txn.delete(k)
             log.warning("disk tier %s: dropped %d values with a bad header at open", self.path, len(bad))
             self.listener("corruption", self.name, len(bad))
+        shrunk, before = 0, self._used
         while self._used > self.capacity_bytes:  # capacity shrank since last run
             victim = self.policy.next_victim()
             self.delete(victim)
             self.listener("eviction", self.name, 1)
+            shrunk += 1
+        if shrunk:
+            log.warning("disk tier %s: holds %d bytes, more than its capacity of %d bytes: "
+                        "evicted %d chunks (%d bytes) at open", self.path, before,
+                        self.capacity_bytes, shrunk, before - self._used)
         self.num_bad_at_open = len(bad)
 
     @property

@@ -121,3 +121,22 @@ def test_a_full_disk_strands_nothing_in_the_cpu_tier(small_tmpfs, caplog):
         assert not any(r.exc_info for r in caplog.records if "disk tier" in r.getMessage())
     finally:
         store.close()
+
+
+def test_a_restart_with_a_smaller_disk_says_what_it_evicted(tmp_path, caplog):
+    path = str(tmp_path / "d")
+    store = ChunkStore(StoreConfig(cpu_bytes=0, disk_path=path, disk_bytes="8MiB"))
+    assert store.put_chunks(NS, KEYS[:6], [chunk(i) for i in range(6)]) == 6
+    store.flush(30)
+    store.close()
+    with caplog.at_level(logging.WARNING):
+        store = ChunkStore(StoreConfig(cpu_bytes=0, disk_path=path,
+                                       disk_bytes=3 * LAY.chunk_bytes + 4096))
+    try:
+        kept = sum(store.exists(NS, KEYS[:6]))
+        msgs = [r.getMessage() for r in caplog.records if "at open" in r.getMessage()]
+        assert len(msgs) == 1 and f"evicted {6 - kept} chunks" in msgs[0], msgs
+        assert f"capacity of {3 * LAY.chunk_bytes + 4096} bytes" in msgs[0]
+        assert 0 < kept < 6
+    finally:
+        store.close()
