@@ -20,8 +20,8 @@ import itertools
 from collections import OrderedDict
 
 from kvstore.eviction.base import EvictionPolicy
-from kvstore.eviction.batched import Request, check_chain
-from kvstore.eviction.queued import flush, pop_leaf, unlink
+from kvstore.eviction.batched import Request, add_child, check_chain
+from kvstore.eviction.queued import drop, flush, pop_leaf
 
 _T1_FIRST, _T2_FIRST = (0, 1), (1, 0)
 
@@ -134,24 +134,14 @@ class ARCPolicy(EvictionPolicy):
                     b1.popitem(last=False)
                 while len(b1) + len(b2) > c:
                     (b2 or b1).popitem(last=False)
-                leaf = unlink(self, victim)  # (its parent, when a leaf now: taken as
-                if leaf is not None:  # part of its heap, pushed only when not next)
-                    if pending is not None:
-                        flush(self, pending)
-                    pending = leaf
-                victims.append(victim)
+                pending = drop(self, victim, pending, victims)  # (its parent's heap entry)
                 freed += size
                 room += size
             if n > room:
                 break
-            sizes[key] = n  # ``on_insert``; the leaf-heap entry of the last key only (the
-            parents[key] = parent  # others get a child next, the new key being spared)
-            if parent is not None:
-                kids = children.get(parent)
-                if kids is None:
-                    children[parent] = {key}
-                else:
-                    kids.add(key)
+            sizes[key], parents[key] = n, parent  # ``on_insert``; the leaf-heap entry of
+            if parent is not None:  # the last key only (the others get a child next)
+                add_child(children, parent, key)
             total += n
             ranks[key] = next(clock)
             if key in b1:

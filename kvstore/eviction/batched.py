@@ -52,12 +52,17 @@ def link_chain(policy: EvictionPolicy, keys: Sequence[Key], nbytes: Sequence[int
         tracked[key] = size
         parents[key] = prev
         if prev is not None:
-            kids = children.get(prev)
-            if kids is None:
-                children[prev] = {key}
-            else:
-                kids.add(key)
+            add_child(children, prev, key)
         prev = key
+
+
+def add_child(children: dict, parent: Hashable, key: Hashable) -> None:
+    """Record ``key`` among ``parent``'s stored children (``children``: parent -> set)."""
+    kids = children.get(parent)
+    if kids is None:
+        children[parent] = {key}
+    else:
+        kids.add(key)
 
 
 def check_chain(policy: EvictionPolicy, keys: Sequence[Key], nbytes: Sequence[int]) -> None:

@@ -36,7 +36,7 @@ from itertools import accumulate, count, islice, takewhile
 from operator import itemgetter
 from typing import TYPE_CHECKING, Callable, Hashable, Sequence
 
-from kvstore.eviction.batched import Admit, Request, check_chain
+from kvstore.eviction.batched import Admit, Request, add_child, check_chain
 
 if TYPE_CHECKING:
     from kvstore.eviction.base import EvictionPolicy
@@ -188,11 +188,7 @@ def rebuild_children(policy: EvictionPolicy) -> None:
     children = policy._children
     for key, parent in policy._parent.items():
         if parent is not None:
-            kids = children.get(parent)
-            if kids is None:
-                children[parent] = {key}
-            else:
-                kids.add(key)
+            add_child(children, parent, key)
 
 
 def check_index(policy: EvictionPolicy) -> None:

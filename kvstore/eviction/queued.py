@@ -77,6 +77,19 @@ def flush(policy: EvictionPolicy, pending: tuple | None) -> None:
             policy._push_leaf(key)
 
 
+def drop(policy: EvictionPolicy, victim: Key, pending: tuple | None, victims: list
+         ) -> tuple | None:
+    """``unlink`` ``victim`` (after the policy's own hook) and append it to ``victims``.
+    Returns the leaf-heap entry left pending: its parent's when that is a leaf now (then the
+    previous ``pending`` is pushed, ``flush``), else ``pending``."""
+    leaf = unlink(policy, victim)
+    victims.append(victim)
+    if leaf is None:
+        return pending
+    flush(policy, pending)
+    return leaf
+
+
 def unlink(policy: EvictionPolicy, key: Key) -> tuple | None:
     """The base's part of ``on_remove(key)`` for a tracked, undemoted ``key`` (after the
     policy's own hook): its size, rank, queue and parent dropped. Returns the parent's

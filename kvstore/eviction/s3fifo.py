@@ -14,8 +14,8 @@ import itertools
 from collections import OrderedDict
 
 from kvstore.eviction.base import EvictionPolicy
-from kvstore.eviction.batched import Request, check_chain
-from kvstore.eviction.queued import flush, pop_leaf, unlink
+from kvstore.eviction.batched import Request, add_child, check_chain
+from kvstore.eviction.queued import drop, flush, pop_leaf
 
 _S_FIRST, _M_FIRST = (0, 1), (1, 0)
 
@@ -85,6 +85,12 @@ class S3FIFOPolicy(EvictionPolicy):
             freq[head] = 0
             main[head] = None
             self._rank(head, next(self._clock), 1)
+        self._rotate_main()
+
+    def _rotate_main(self) -> None:
+        """Main's heads that were read since they came round go to its tail one count lower,
+        until a head that was not (S3-FIFO's reinsertion in the main queue)."""
+        main, freq = self._main, self._freq
         for _ in range(len(main)):
             head = next(iter(main))
             if freq[head] == 0:
@@ -130,13 +136,7 @@ class S3FIFOPolicy(EvictionPolicy):
                     main[head] = None
                     self._rank(head, next(clock), 1)
                 if main and freq[next(iter(main))]:
-                    for _ in range(len(main)):
-                        head = next(iter(main))
-                        if freq[head] == 0:
-                            break
-                        freq[head] -= 1
-                        main.move_to_end(head)
-                        self._rank(head, next(clock), 1)
+                    self._rotate_main()
                 queues = _S_FIRST if small_bytes > ratio * tot or not main else _M_FIRST
                 victim, pending = pop_leaf(self, queues, parent, pending)
                 if victim is None:
@@ -153,12 +153,7 @@ class S3FIFOPolicy(EvictionPolicy):
                 else:
                     del main[victim]
                 del freq[victim]
-                leaf = unlink(self, victim)  # (its parent, when a leaf now: taken as
-                if leaf is not None:  # part of its heap, pushed only when not next)
-                    if pending is not None:
-                        flush(self, pending)
-                    pending = leaf
-                victims.append(victim)
+                pending = drop(self, victim, pending, victims)  # (its parent's heap entry)
                 freed += size
                 room += size
             if n > room:
@@ -166,11 +161,7 @@ class S3FIFOPolicy(EvictionPolicy):
             sizes[key] = n  # ``on_insert``; the leaf-heap entry of the last key only (the
             parents[key] = parent  # others get a child next, the new key being spared)
             if parent is not None:
-                kids = children.get(parent)
-                if kids is None:
-                    children[parent] = {key}
-                else:
-                    kids.add(key)
+                add_child(children, parent, key)
             freq[key] = 0
             total += n
             ranks[key] = next(clock)

@@ -32,13 +32,18 @@ def settle(store: ChunkStore) -> None:
     store.lookup_keys(NS, KEYS[:1])
 
 
-def test_a_failed_spill_takes_the_chunks_descendants_out_of_the_cpu_tier(tmp_path, monkeypatch,
-                                                                         caplog):
+def failing_disk_store(tmp_path, monkeypatch) -> ChunkStore:
+    """A store of a 4-chunk CPU tier over a disk tier whose every write fails (EIO)."""
     def fail(self, batch):
         raise lmdb.Error("mdb_txn_commit: Input/output error")
     monkeypatch.setattr(DiskTier, "_write_batch", fail)
-    store = ChunkStore(StoreConfig(cpu_bytes=4 * LAY.chunk_bytes, disk_path=str(tmp_path / "d"),
-                                   disk_bytes="8MiB"))
+    return ChunkStore(StoreConfig(cpu_bytes=4 * LAY.chunk_bytes, disk_path=str(tmp_path / "d"),
+                                  disk_bytes="8MiB"))
+
+
+def test_a_failed_spill_takes_the_chunks_descendants_out_of_the_cpu_tier(tmp_path, monkeypatch,
+                                                                         caplog):
+    store = failing_disk_store(tmp_path, monkeypatch)
     try:
         with caplog.at_level(logging.WARNING):
             assert store.put_chunks(NS, KEYS[:8], [chunk(i) for i in range(8)]) == 8
@@ -61,11 +66,7 @@ def test_a_failed_spill_takes_the_chunks_descendants_out_of_the_cpu_tier(tmp_pat
 
 
 def test_a_pinned_descendant_of_a_lost_chunk_goes_at_its_last_unpin(tmp_path, monkeypatch):
-    def fail(self, batch):
-        raise lmdb.Error("mdb_txn_commit: Input/output error")
-    monkeypatch.setattr(DiskTier, "_write_batch", fail)
-    store = ChunkStore(StoreConfig(cpu_bytes=4 * LAY.chunk_bytes, disk_path=str(tmp_path / "d"),
-                                   disk_bytes="8MiB"))
+    store = failing_disk_store(tmp_path, monkeypatch)
     try:
         assert store.put_chunks(NS, KEYS[:4], [chunk(i) for i in range(4)]) == 4
         assert store.pin(NS, KEYS[3:4]) == 1
