@@ -231,6 +231,7 @@ def route_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine_min.router.policy import make_policy
+    from engine_min.serve.cli import check_listen
     from engine_min.weights import ModelLoadError
     try:
         urls = parse_engine_urls(args.engines)
@@ -240,9 +241,13 @@ def route_main(args: argparse.Namespace) -> int:
             from engine_min.router.store_lookup import StoreLookup
             store = StoreLookup(args.kvstore_url, args.kvstore_lookup_timeout_ms / 1e3,
                                 args.kvstore_auth_token)
+        check_listen(args.host, args.port)  # before the tokenizer loads (tens of seconds)
         tokenizer = load_while_waiting(args.model, urls, args.startup_timeout_s)
     except (ModelLoadError, OSError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # (check_listen's: the message says it all)
+        print(exc, file=sys.stderr)
         return 2
     for warning in check_tokenizer(urls, tokenizer):
         logger.warning("%s", warning)

@@ -95,8 +95,9 @@ def _remote_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--remote-url",
                    help="redis://host:port (standalone or a cluster seed), "
                         "redis://h1:7000,h2:7000,h3:7000 (cluster startup nodes) or rediss:// "
-                        "(TLS); the password comes from $KVSTORE_REMOTE_PASSWORD or the config "
-                        "file (remote_password), not from a flag. Default: no remote tier")
+                        "(TLS); the password comes from the URL (redis://:PASSWORD@host:port), "
+                        "$KVSTORE_REMOTE_PASSWORD or the config file (remote_password), not "
+                        "from a flag of its own. Default: no remote tier")
     g.add_argument("--remote-key-prefix",
                    help="deployment prefix of every Redis key, <prefix>:<namespace>:<hash> "
                         "(default kvstore)")

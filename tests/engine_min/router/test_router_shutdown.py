@@ -58,3 +58,20 @@ def test_ctrl_c_cuts_a_relayed_stream_after_the_shutdown_timeout(engines):
             proc.kill()
         proc.wait(30)
         proc.stderr.close()
+
+
+def test_a_port_in_use_is_refused_before_the_tokenizer_loads(monkeypatch, capsys):
+    from engine_min.cli import main as cli_main
+    from engine_min.router import cli as router_cli
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the tokenizer loaded before the port was checked")
+    monkeypatch.setattr(router_cli, "load_while_waiting", no_load)
+    import socket
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        t0 = time.monotonic()
+        assert cli_main(["route", "--engines", "http://127.0.0.1:1", "--port", str(port)]) == 2
+        assert time.monotonic() - t0 < 5
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "Address already in use" in err
