@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -30,6 +31,24 @@ from kvstore.daemon.wire_codec import WIRE_CODECS
 from kvstore.errors import RemoteError, StoreUnavailable
 
 __all__ = ["AsyncKVStoreClient", "KVStoreClient", "RemoteError", "StoreUnavailable", "check_url"]
+
+
+def _stop_loop(loop: asyncio.AbstractEventLoop, client: AsyncKVStoreClient,
+               thread: threading.Thread) -> None:
+    """Close ``client``'s pooled connections on ``loop``, then stop the loop and its thread."""
+    if loop.is_closed():
+        return
+    if threading.current_thread() is thread:  # (collected on the loop thread itself)
+        loop.call_soon(loop.stop)
+        return
+    try:
+        asyncio.run_coroutine_threadsafe(client.close(), loop).result(5)
+    except Exception:  # noqa: BLE001 - best effort (at exit the loop may be gone already)
+        pass
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+    if not loop.is_running():
+        loop.close()
 
 
 class KVStoreClient(KVStoreBase):
@@ -75,6 +94,8 @@ class KVStoreClient(KVStoreBase):
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-client",
                                         daemon=True)
         self._thread.start()
+        # ``close``, or a client dropped or still open at exit: no "Unclosed client session"
+        self._stop = weakref.finalize(self, _stop_loop, self._loop, self._async, self._thread)
 
     #: Every call crosses to the daemon (blocks up to its deadline); the daemon pins; its
     #: tiers are one ``"remote"`` tier here; ``get_chunks`` takes ``out=`` on both paths.
@@ -196,7 +217,4 @@ class KVStoreClient(KVStoreBase):
         if self._shm is not None:
             self._shm.close()
         if self._async is not None:
-            asyncio.run_coroutine_threadsafe(self._async.close(), self._loop).result(5)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(5)
-            self._loop.close()
+            self._stop()

@@ -3,8 +3,11 @@
 against dead, hung and restarting servers, retries only where safe."""
 import asyncio
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +21,8 @@ from kvstore.layout import KVLayout
 from kvstore.daemon.server import ServerLimits, ThreadedServer, create_app
 from kvstore.store import ChunkStore
 from tests.kvstore.daemon.server_helpers import LAYOUT, NS, OTHER, chunk, make_store
+
+ROOT = Path(__file__).resolve().parents[3]
 
 KEYS = NS.chunk_keys(list(range(4 * 6)))
 
@@ -215,3 +220,18 @@ def test_a_url_with_a_path_is_refused_before_any_call(url):
     with pytest.raises(ValueError, match="no path"):
         StoreSpec(url=url).check()
     assert KVStoreClient("http://127.0.0.1:8571/").url == "http://127.0.0.1:8571"
+
+
+def test_a_client_left_open_exits_without_aiohttp_warnings(server):
+    """A script that never closes its client (or drops it) exits quietly: no "Unclosed
+    client session" / "Unclosed connector" noise on stderr."""
+    script = (f"from kvstore.daemon.client import KVStoreClient\n"
+              f"c = KVStoreClient({server.url!r}, auth_token='tok', same_host=False)\n"
+              f"assert c.stats()['tiers']\n"
+              f"d = KVStoreClient({server.url!r}, auth_token='tok', same_host=False)\n"
+              f"d.stats(); del d\n"
+              f"print('done')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, cwd=str(ROOT))
+    assert proc.returncode == 0 and proc.stdout.strip() == "done", proc.stderr[-2000:]
+    assert "Unclosed" not in proc.stderr, proc.stderr[-2000:]
