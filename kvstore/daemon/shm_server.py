@@ -19,8 +19,12 @@ Lifetime of one connection::
   connection's end drops the rest. The daemon never drops a borrow on its own while the
   client may still copy from it: after a fatal error (malformed frame, timeout) it answers,
   then waits for the client to close before releasing.
-* Payloads move with ``loop.sock_recv_into`` / ``loop.sock_sendall`` on the raw non-blocking
-  socket: a put's bytes land straight in reserved arena pages (one copy, kernel to arena).
+* Requests are read ahead by the connection's ``SocketReader`` (``kvstore.daemon.shm_reader``:
+  one ``recvmsg`` for a frame's preamble, header and what follows); replies go out with
+  ``send`` / ``loop.sock_sendall`` on the raw non-blocking socket. A put's bytes land straight
+  in reserved arena pages: read by the daemon from the client's memory (``shm_vm``), copied
+  from its staging area (``shm_staging``), or received from the socket (one copy, kernel to
+  arena).
 """
 from __future__ import annotations
 
