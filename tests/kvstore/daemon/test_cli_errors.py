@@ -1,0 +1,77 @@
+"""``kvstore`` commands at faults a new user met: one clear line and an exit status, no
+traceback (Ctrl-C while a daemon hangs, a bad ``--namespace``, a timeout that is not positive,
+``serve`` with no tier)."""
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvstore.daemon import cli
+from kvstore.daemon import config as serve_config
+from tests.kvstore.daemon.server_helpers import NS
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.parametrize("cmd", ["stats", "clear"])
+def test_ctrl_c_while_a_daemon_hangs_is_one_line_exit_130(cmd):
+    # a server that accepts and never answers (as a SIGSTOPped daemon): Ctrl-C gave a
+    # KeyboardInterrupt traceback from the client's wait
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen()
+        hung.settimeout(60)
+        url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        p = subprocess.Popen([sys.executable, "-m", "kvstore", cmd, url, "--timeout-s", "60"],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        conn, _ = hung.accept()  # the client sent its request and waits for the answer
+        with conn:
+            time.sleep(0.2)
+            p.send_signal(signal.SIGINT)
+            out, err = p.communicate(timeout=30)
+    assert (p.returncode, out, err) == (cli.EXIT_INTERRUPTED, "", f"kvstore {cmd}: interrupted\n")
+
+
+def test_a_bad_namespace_flag_names_the_file_or_the_missing_field(tmp_path, capsys):
+    url = "http://127.0.0.1:1"  # never reached: the flag is refused first
+    missing = tmp_path / "missing.json"
+    assert cli.main(["clear", url, "--namespace", f"@{missing}"]) == 2
+    assert capsys.readouterr().err == (f"kvstore clear: error: --namespace: cannot read "
+                                       f"{missing}: [Errno 2] No such file or directory: "
+                                       f"'{missing}'\n")
+    for text, want in [('{"model_id": "m"}', 'namespace needs "layout"'),
+                       ('{"layout": {}}', 'namespace needs "model_id"'),
+                       ('{"model_id": "m", "layout": {"num_layers": 2}}',
+                        'namespace "layout" needs "num_kv_heads"'),
+                       ("[1]", "expected a JSON object (Namespace.to_dict()), got list"),
+                       ("{", "not JSON: Expecting property name enclosed in double quotes")]:
+        assert cli.main(["clear", url, "--namespace", text]) == 2, text
+        assert capsys.readouterr().err.startswith(f"kvstore clear: error: --namespace: {want}")
+    ns_file = tmp_path / "ns.json"
+    ns_file.write_text(json.dumps(NS.to_dict()))
+    from kvstore.daemon.cli_client import read_namespace
+    assert read_namespace(f"@{ns_file}") == NS
+
+
+@pytest.mark.parametrize("cmd", ["stats", "clear"])
+def test_a_timeout_that_is_not_positive_is_refused_as_a_usage_error(cmd, capsys):
+    for value in ("0", "-1", "nan", "inf", "soon"):
+        with pytest.raises(SystemExit) as e:
+            cli.main([cmd, "http://127.0.0.1:1", "--timeout-s", value])
+        assert e.value.code == 2, value
+        assert f"kvstore {cmd}: error: argument --timeout-s: " in capsys.readouterr().err
+    assert cli.build_parser().parse_args([cmd, "u", "--timeout-s", "0.5"]).timeout_s == 0.5
+
+
+def test_serve_without_any_tier_names_the_flags(tmp_path, capsys):
+    assert cli.main(["serve", "--port", "0", "--cpu-bytes", "0"]) == 2
+    assert capsys.readouterr().err == (
+        "kvstore serve: no tier to store chunks in: give --cpu-bytes or --gpu-bytes a size > 0, "
+        "or a disk tier with --disk-path (and --disk-bytes)\n")
+    cfg = serve_config.resolve({"cpu_bytes": "0", "disk_path": str(tmp_path / "d")}, {})
+    assert (cfg.cpu_bytes, cfg.disk_bytes > 0) == (0, True)  # a disk tier alone is a tier
