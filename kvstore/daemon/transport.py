@@ -42,8 +42,10 @@ def check_url(url: str) -> str:
         host, _ = parts.hostname, parts.port  # .port raises on a bad port
     except ValueError as e:  # a port out of range or not a number
         raise ValueError(f"{want} ({e})") from None
-    if parts.scheme not in ("http", "https") or not host:
+    if parts.scheme not in ("http", "https"):
         raise ValueError(want)
+    if not host:
+        raise ValueError(f"{want} (no host)")
     if parts.path not in ("", "/") or parts.query or parts.fragment:
         raise ValueError(f"{want}: no path, query or fragment (got "
                          f"{parts.path + ('?' + parts.query if parts.query else '')!r}); the "

@@ -28,7 +28,10 @@ def test_ctrl_c_while_a_daemon_hangs_is_one_line_exit_130(cmd):
         hung.settimeout(60)
         url = f"http://127.0.0.1:{hung.getsockname()[1]}"
         p = subprocess.Popen([sys.executable, "-m", "kvstore", cmd, url, "--timeout-s", "60"],
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             # as from a terminal: a background job of a script (CI) starts
+                             # with SIGINT ignored, and Python keeps it so
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         conn, _ = hung.accept()  # the client sent its request and waits for the answer
         with conn:
             time.sleep(0.2)
