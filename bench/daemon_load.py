@@ -5,8 +5,9 @@
 Chunks are real-model-sized: SmolLM2-135M, 30 layers x 2 x 256 tokens x 3 KV heads x 64 dims
 fp16 = 5,898,240 bytes. Phases:
 
-1. memcpy: numpy copy of the chunks (the ceiling of any copy path), GB/s, measured in the
-   same-host phase (6), alternating with it.
+1. memcpy: one thread's numpy copy of the same chunks as the same-host phase's get and put
+   (``bench.daemon_load_shm``: from and to memory as large as theirs), GB/s, measured in that
+   phase (6), alternating with it; two threads' and a cache-resident copy's figures too.
 2. kvstore: batched put and get (``--batch`` chunks per round trip) with 1 and 8 concurrent
    clients (asyncio tasks sharing one pooled ``AsyncKVStoreClient``), GB/s of payload.
 3. Redis (``redis-server`` started here on a free port, no persistence): the same values with
