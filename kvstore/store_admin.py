@@ -54,14 +54,29 @@ class StoreAdmin:
         """Remove every chunk (of ``ns`` when given) from every tier, the remote one included
         (every value under its key prefix, on every node); returns how many distinct chunks
         went."""
+        return self._clear(None if ns is None else ns.ns_id)
+
+    def clear_namespace_id(self, ns_id: bytes) -> int:
+        """``clear`` of the namespace whose id is ``ns_id`` (``Namespace.ns_id``), for one
+        known by its id alone: its chunks on disk from before a restart carry the id in their
+        keys, not the namespace's fields. Returns how many distinct chunks went.
+
+        Raises:
+            ValueError: ``ns_id`` is not 16 bytes.
+        """
+        if not isinstance(ns_id, bytes) or len(ns_id) != 16:
+            raise ValueError(f"a namespace id is 16 bytes, got {ns_id!r}")
+        return self._clear(ns_id)
+
+    def _clear(self, ns_id: bytes | None) -> int:
         st = self._st
         with st.lock:
             keys = {k for t in st.tiers for k in t.keys()}
-            if ns is not None:
-                keys = {k for k in keys if k.ns_id == ns.ns_id}
+            if ns_id is not None:
+                keys = {k for k in keys if k.ns_id == ns_id}
             removed = {k for k in keys if self._remove_one(k)}
         if st.remote is not None:
-            removed |= st.remote.clear(ns.ns_id if ns is not None else None)
+            removed |= st.remote.clear(ns_id)
         return len(removed)
 
     def pin(self, ns: Namespace, keys: Sequence[ChunkKey], lease_s: float | None = None) -> int:

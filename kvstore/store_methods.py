@@ -45,6 +45,12 @@ class AdminMethods:
     def clear(self, ns: Namespace | None = None) -> int:
         return self._admin.clear(ns)
 
+    def clear_namespace_id(self, ns_id: bytes) -> int:
+        """``clear`` of the namespace with id ``ns_id`` (``Namespace.ns_id``, 16 bytes), known
+        by its id alone (chunks on disk from before a restart). Raises ValueError: not 16
+        bytes."""
+        return self._admin.clear_namespace_id(ns_id)
+
     def pin(self, ns: Namespace, keys: Sequence[ChunkKey], lease_s: float | None = None) -> int:
         return self._admin.pin(ns, keys, lease_s)
 

@@ -23,7 +23,9 @@ Routes (wire format in ``kvstore.daemon.protocol``):
     POST /v1/demote      JSON {namespace, keys}        -> {demoted}: the stored keys become
                                                         first eviction candidates
                                                         (``KVStoreBase.demote``)
-    POST /v1/clear       JSON {namespace} or {all: true} -> {removed}
+    POST /v1/clear       JSON {namespace}, {ns_id: hex} or {all: true} -> {removed}
+                         (ns_id: a namespace id as /v1/stats lists it, also one known from
+                         disk only; ``kvstore.daemon.state.clear_by_namespace_id``)
     POST /v1/pin         JSON {namespace, keys, lease_s} -> {pinned, lease_s}
     POST /v1/unpin       JSON {namespace, keys}        -> {unpinned}
     GET  /v1/whoami      JSON {tenant, role, cache_salt, unix_socket, instance}: the caller's
@@ -35,7 +37,8 @@ Auth (``kvstore.daemon.tenants``): with a token or tenants configured, every rou
 /readyz needs ``Authorization: Bearer TOKEN`` of a known tenant (else 401). A tenant may name
 only namespaces of its own salt (else 403; readers may only look up, check and get);
 ``clear {"all": true}``, /v1/stats and /metrics (aggregates over all tenants) need an admin
-token (else 403). ``--auth-token`` alone is one admin.
+token (else 403), and so does ``clear {"ns_id": ...}`` of a namespace that no request named
+since the daemon started (its tenant is unknown). ``--auth-token`` alone is one admin.
 
 Store calls run on a thread pool so a slow disk tier never blocks the event loop. This module
 holds the app, auth/timeout middleware and the JSON routes; the binary get/put routes are in
@@ -62,7 +65,7 @@ from kvstore.daemon.payload_wire import get, put  # noqa: F401
 from kvstore.daemon.run import ThreadedServer, serve_until_signal, set_ready  # noqa: F401
 from kvstore.daemon.state import (READ_BUFSIZE, STATE_KEY, STORE_KEY, TENANT_KEY,  # noqa: F401
                                   ServerLimits, _json_body, _json_error, _ns_keys, _ok,
-                                  _ServerState, authorize, caller)
+                                  _ServerState, authorize, caller, clear_by_namespace_id)
 from kvstore.daemon.tenants import OPEN, WRITE, Forbidden
 
 log = logging.getLogger("kvstore.daemon.server")
@@ -211,6 +214,8 @@ async def clear(request: web.Request) -> web.Response:
     if body.get("all") is True:
         caller(request).require_admin('clear {"all": true}')
         ns = None
+    elif "ns_id" in body and "namespace" not in body:
+        return _ok({"removed": int(await clear_by_namespace_id(request, body["ns_id"]))})
     else:
         ns = P.parse_namespace(body.get("namespace"))
         authorize(request, ns, WRITE)

@@ -3,6 +3,7 @@ budget, buffer pool, server metrics), app keys and small request/response helper
 from __future__ import annotations
 
 import asyncio
+import re
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from kvstore.daemon import protocol as P
 from kvstore.api import KVStoreBase
 from kvstore.daemon.budget import BufferPool, ByteBudget
-from kvstore.daemon.tenants import OPEN, READ, Tenant, TenantTable
+from kvstore.daemon.tenants import OPEN, READ, WRITE, Forbidden, Tenant, TenantTable
 
 STORE_KEY = web.AppKey("store", KVStoreBase)
 STATE_KEY = web.AppKey("state", object)
@@ -151,7 +152,9 @@ class _ServerState:
         """The namespaces ``store`` holds chunks of, most chunks first: ``{"ns_id": hex,
         "num_chunks": chunks over all tiers (a chunk in two tiers counted once), "namespace":
         its ``to_dict()`` or None when no request named it since start (chunks on disk from
-        before a restart)}``. Reads the store's key snapshot (``KVStoreBase.stored_keys``)."""
+        before a restart: ``kvstore stats`` shows "known from disk only"; an admin clears it
+        by its id, ``clear_by_namespace_id``)}``. Reads the store's key snapshot
+        (``KVStoreBase.stored_keys``)."""
         keys = store.stored_keys()
         counts: dict[bytes, int] = {}
         for k in keys:
@@ -255,6 +258,57 @@ async def _ns_keys(request: web.Request, access: str = READ):
     _check_fits(request.app[STORE_KEY], ns, state)
     keys = P.parse_keys(ns, body.get("keys"), state.limits.max_batch_keys)
     return body, ns, keys
+
+
+_NS_ID_HEX = re.compile(r"[0-9a-fA-F]{32}")
+
+
+def parse_ns_id(value: Any) -> bytes:
+    """The 16-byte namespace id of a request's ``"ns_id"`` (32 hex digits, as ``/v1/stats``
+    lists it).
+
+    Raises:
+        ProtocolError: anything else (400).
+    """
+    if not isinstance(value, str) or not _NS_ID_HEX.fullmatch(value):
+        raise P.ProtocolError(f'"ns_id" must be a namespace id of 32 hex digits (as /v1/stats '
+                              f'lists it), got {str(value)[:80]!r}')
+    return bytes.fromhex(value)
+
+
+async def clear_by_namespace_id(request: web.Request, value: Any) -> int:
+    """``/v1/clear {"ns_id": HEX}``: remove every chunk of the namespace with that id; the
+    number removed.
+
+    A namespace a request named since the daemon started has known fields: the caller needs
+    write access to it (a tenant: its own salt), and ``store.clear`` removes it. One known by
+    its id alone (chunks on disk from before a restart) cannot be attributed to a tenant: only
+    an admin may clear it, through the store's ``clear_namespace_id``. A tenant gets the same
+    403 for a namespace of another salt as for an unattributed one.
+
+    Raises:
+        ProtocolError: a malformed id (400); a store without ``clear_namespace_id`` for an
+            unattributed id (501).
+        Forbidden: the caller may not clear it (403).
+    """
+    ns_id = parse_ns_id(value)
+    state: _ServerState = request.app[STATE_KEY]
+    store = request.app[STORE_KEY]
+    ns = state.namespaces.get(ns_id)
+    who = caller(request)
+    if not who.is_admin and (ns is None or not who.owns(ns.cache_salt)):
+        raise Forbidden(f"tenant {who.name!r} may clear by id only a namespace of its own salt "
+                        f"that a request named since the daemon started; one known from disk "
+                        f"only needs an admin token (or clear it by its fields: "
+                        f'{{"namespace": ...}})')
+    if ns is not None:
+        authorize(request, ns, WRITE)  # a reader of its own salt: read-only (403)
+        return await state.call(store.clear, ns)
+    clear_id = getattr(store, "clear_namespace_id", None)
+    if clear_id is None:
+        raise P.ProtocolError(f"this daemon's store ({type(store).__name__}) cannot clear a "
+                              f"namespace by its id alone; name the namespace", 501)
+    return await state.call(clear_id, ns_id)
 
 
 def _ok(obj: dict) -> web.Response:
