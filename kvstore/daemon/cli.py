@@ -3,6 +3,9 @@
 Exit codes: 0 success, 1 runtime failure (server unreachable, error answer), 2 bad usage or
 configuration, 130 interrupted (Ctrl-C; one line, no traceback), 141 stdout closed by its reader
 (``| head``; quiet, no traceback).
+
+``stats`` and ``clear`` import neither torch nor the store (they start in a fraction of a
+second); ``serve`` and ``inspect`` import what they need when they run.
 """
 from __future__ import annotations
 
@@ -14,14 +17,40 @@ import os
 import sys
 from typing import Any, Sequence
 
-from kvstore.config import DISK_CODECS
 from kvstore.daemon.cli_client import (STAT_NOTES, UsageError,  # noqa: F401 (re-exported)
                                        add_client_parsers, cmd_clear, cmd_stats)
 from kvstore.daemon.cli_table import flatten, format_table  # noqa: F401 (re-exported)
 from kvstore.defaults import DEFAULT_DISK_BYTES
-from kvstore.disk_inspect import inspect_disk  # noqa: F401 (the inspect command; re-exported)
 
 log = logging.getLogger("kvstore.daemon.cli")
+
+
+def __getattr__(name: str) -> Any:
+    """``inspect_disk`` (the ``inspect`` command's, re-exported here), imported on first use:
+    it imports torch, which ``stats`` and ``clear`` do without."""
+    if name == "inspect_disk":
+        from kvstore.disk_inspect import inspect_disk
+        return inspect_disk
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _DiskCodecs:
+    """``kvstore.config.DISK_CODECS`` as argparse ``choices``, read on first use (a bad value
+    or ``serve --help``): that module imports torch. Give the argument a ``metavar``, or
+    argparse reads the choices when the argument is added."""
+
+    def _names(self) -> tuple[str, ...]:
+        from kvstore.config import DISK_CODECS
+        return DISK_CODECS
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+    def __len__(self) -> int:
+        return len(self._names())
 
 
 def _serve_parser(sub) -> None:
@@ -37,8 +66,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--disk-path", help="lmdb directory of the disk tier")
     p.add_argument("--disk-bytes", help="disk tier capacity (default with --disk-path: "
                    f"{DEFAULT_DISK_BYTES}; no --disk-path: no disk tier)")
-    p.add_argument("--disk-codec", choices=DISK_CODECS,
-                   help="value codec of the disk tier (default auto: shuffle-lz4 where it saves "
+    p.add_argument("--disk-codec", choices=_DiskCodecs(), metavar="CODEC",
+                   help="value codec of the disk tier: %(choices)s "
+                        "(default auto: shuffle-lz4 where it saves "
                         "10%%); int8/fp8/kivi store about half of fp16's bytes, lossily, only for "
                         "namespaces whose lossy_codec names it (others: auto)")
     p.add_argument("--policy", help="eviction policy of every tier: lru, lfu, fifo, s3fifo, arc")
@@ -107,8 +137,9 @@ def _remote_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--remote-timeout-s", type=float,
                    help="deadline of a remote lookup in seconds; a late node's keys miss "
                         "(default 0.25)")
-    g.add_argument("--remote-codec", choices=DISK_CODECS,
-                   help="value codec in Redis (default raw); int8/fp8/kivi lossily, only for "
+    g.add_argument("--remote-codec", choices=_DiskCodecs(), metavar="CODEC",
+                   help="value codec in Redis: %(choices)s (default raw); int8/fp8/kivi "
+                        "lossily, only for "
                         "namespaces whose lossy_codec names it (others: raw)")
     g.add_argument("--remote-queue-bytes",
                    help="most chunk bytes waiting to be written behind; beyond, writes are "
@@ -287,6 +318,7 @@ async def _serve(cfg, store, tenants=None) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from kvstore.disk_inspect import inspect_disk
     report = inspect_disk(args.disk_path, limit=args.limit, verify=args.verify)
     print(json.dumps(report, indent=2, sort_keys=True) if args.json else format_table(report))
     return 0

@@ -7,11 +7,9 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
+from kvstore.daemon.wire_version import (  # noqa: F401 (re-exported)
+    PROTOCOL_VERSION, SUPPORTED_VERSIONS, VERSION_HEADER)
 from kvstore.keys import IDENTITY_FIELDS, ChunkKey, Namespace
-
-PROTOCOL_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
-VERSION_HEADER = "X-KVStore-Protocol"
 
 
 class ProtocolError(ValueError):

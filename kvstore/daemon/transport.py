@@ -5,19 +5,23 @@
 ``StoreUnavailable`` (a ``TimeoutError``) within it, never a hang. Idempotent calls are retried
 (exponential backoff, inside the deadline) on connection errors and 503; others only when the
 connection could not be opened (nothing was sent). A refused connection (nothing listens on the
-port: the daemon is down) fails fast: after ``refused_tries`` attempts ``refused_backoff_s``
-apart, not at the deadline. The typed calls are ``kvstore.daemon.client``'s.
+port: the daemon is down) or a host name that does not resolve (a DNS failure: a typo in the
+URL) fails fast: after ``refused_tries`` attempts ``refused_backoff_s`` apart, not at the
+deadline; so does a TLS handshake failure, at once. The typed calls are
+``kvstore.daemon.client``'s. Neither this module nor what it imports imports torch (the
+``kvstore stats``/``clear`` commands use it directly).
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
 
-from kvstore.daemon import protocol as P
+from kvstore.daemon.wire_version import PROTOCOL_VERSION, VERSION_HEADER
 from kvstore.errors import NotADaemon, RemoteError, StoreUnavailable
 
 
@@ -71,9 +75,10 @@ class Transport:
         timeout_s: default per-call deadline in seconds (retries included).
         pool_size: most pooled connections (aiohttp connector limit).
         retry_backoff_s: first retry delay (doubles, capped at 0.5 s).
-        refused_tries: attempts of a call whose connections are refused before it raises
-            ``StoreUnavailable``; None retries until the deadline.
-        refused_backoff_s: wait between refused attempts (seconds).
+        refused_tries: attempts of a call whose connections are refused, or whose host name
+            does not resolve, before it raises ``StoreUnavailable``; None retries until the
+            deadline.
+        refused_backoff_s: wait between such attempts (seconds).
 
     Raises:
         ValueError: ``url`` is not ``http[s]://HOST:PORT`` (``check_url``), or a bad
@@ -92,7 +97,7 @@ class Transport:
         self.timeout_s = timeout_s
         self.pool_size = pool_size
         self.retry_backoff_s = retry_backoff_s
-        self._headers = {P.VERSION_HEADER: str(P.PROTOCOL_VERSION)}
+        self._headers = {VERSION_HEADER: str(PROTOCOL_VERSION)}
         if auth_token:
             self._headers["Authorization"] = f"Bearer {auth_token}"
         self._session: aiohttp.ClientSession | None = None
@@ -117,8 +122,9 @@ class Transport:
         status below 400, and 404).
 
         Raises:
-            StoreUnavailable: no answer within the deadline, refused connections, or a
-                non-idempotent call that failed after sending.
+            StoreUnavailable: no answer within the deadline, refused connections, a host name
+                that does not resolve (the message names the host), a failed TLS handshake,
+                or a non-idempotent call that failed after sending.
             RemoteError: an error status other than 404 (and 503 for idempotent calls).
             NotADaemon: an answer without the daemon's protocol header (another server
                 listens at the URL), other than a gateway's 502/503/504; never retried.
@@ -137,7 +143,7 @@ class Transport:
                     data = body() if callable(body) else body
                     async with self._sess().request(method, self.url + path, data=data,
                                                     headers=headers) as resp:
-                        if P.VERSION_HEADER not in resp.headers \
+                        if VERSION_HEADER not in resp.headers \
                                 and resp.status not in _GATEWAY_STATUSES:
                             raise not_a_daemon(self.url, method, path, resp)
                         if resp.status == 503 and idempotent:
@@ -156,12 +162,11 @@ class Transport:
                     f"in front of it") from None
             except _CONNECT_ERRORS as e:
                 last = e
-                if isinstance(e.os_error, ConnectionRefusedError):
+                why = _unreachable(e, refused + 1)
+                if why is not None:
                     refused += 1
                     if self.refused_tries is not None and refused >= self.refused_tries:
-                        raise StoreUnavailable(
-                            f"{method} {self.url}{path}: connection refused ({refused} tries); "
-                            f"is the kvstore daemon running?") from None
+                        raise StoreUnavailable(f"{method} {self.url}{path}: {why}") from None
                     delay = min(self.refused_backoff_s, deadline - loop.time())
                     if delay > 0:
                         await asyncio.sleep(delay)
@@ -187,6 +192,20 @@ class Transport:
                                body=payload, headers={"Content-Type": "application/json"})
 
 
+def _unreachable(e: aiohttp.ClientConnectorError, tries: int) -> str | None:
+    """Why retrying soon will not reach the daemon, after ``tries`` attempts, in words:
+    nothing listens on the port (refused), or the URL's host name does not resolve (a DNS
+    failure; aiohttp >= 3.10 raises it as ``ClientConnectorDNSError``). None for another
+    connection error (retried until the deadline)."""
+    if isinstance(e.os_error, ConnectionRefusedError):
+        return f"connection refused ({tries} tries); is the kvstore daemon running?"
+    if isinstance(e.os_error, socket.gaierror):
+        reason = e.os_error.strerror or str(e.os_error)
+        return (f"cannot resolve host {e.host!r}: {reason} ({tries} tries); check the host "
+                f"name in the URL")
+    return None
+
+
 def _last_error(e: BaseException | None) -> str:
     """The last failed attempt's error for a deadline message, in words."""
     if e is None:
@@ -208,9 +227,9 @@ async def error_text(resp: aiohttp.ClientResponse) -> str:
     try:
         return json.loads(text)["error"]
     except (ValueError, KeyError, TypeError):
-        if P.VERSION_HEADER not in resp.headers:
+        if VERSION_HEADER not in resp.headers:
             ctype = resp.headers.get("Content-Type") or "no content type"
-            return (f"{resp.reason or 'error'} ({ctype}, without the {P.VERSION_HEADER} "
+            return (f"{resp.reason or 'error'} ({ctype}, without the {VERSION_HEADER} "
                     f"header: a proxy's answer)")
         return text[:500]
 
@@ -219,5 +238,5 @@ def not_a_daemon(url: str, method: str, path: str, resp: aiohttp.ClientResponse)
     """The error for an answer that did not come from a kvstore daemon (see ``NotADaemon``)."""
     ctype = resp.headers.get("Content-Type") or "no content type"
     return NotADaemon(resp.status, f"{url} is not a kvstore daemon: {method} {path} answered "
-                                   f"{resp.status} ({ctype}) without the {P.VERSION_HEADER} "
+                                   f"{resp.status} ({ctype}) without the {VERSION_HEADER} "
                                    f"header; check the URL and port")
