@@ -40,10 +40,11 @@ class AsyncKVStoreClient:
         pool_size: most pooled connections (aiohttp connector limit).
         durable: default for ``put_chunks(durable=...)`` (wait for the disk flush).
         retry_backoff_s: first retry delay (doubles, capped at 0.5 s).
-        refused_tries: attempts of a call whose connections are refused before it raises
-            ``StoreUnavailable`` (default 2, so about ``refused_backoff_s`` instead of the whole
-            deadline); None retries until the deadline (to ride out a daemon restart).
-        refused_backoff_s: wait between refused attempts (seconds).
+        refused_tries: attempts of a call whose connections are refused, or whose host name
+            does not resolve, before it raises ``StoreUnavailable`` (default 2, so about
+            ``refused_backoff_s`` instead of the whole deadline); None retries until the
+            deadline (to ride out a daemon restart).
+        refused_backoff_s: wait between such attempts (seconds).
         wire_codec: ``"raw"`` (default: bit-exact payloads) or a lossy codec (``"kivi"``,
             ``"int8"``, ``"fp8"``) to send puts and ask gets encoded with, for namespaces
             whose ``lossy_codec`` names it (others travel raw; ``kvstore.daemon.wire_codec``).

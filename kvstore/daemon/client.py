@@ -6,8 +6,9 @@ restarting server yields ``StoreUnavailable`` (a ``TimeoutError``) within that d
 hang. Retries (exponential backoff, inside the deadline) happen for idempotent calls (lookup,
 exists, get, put of content-addressed chunks, remove, clear, stats) on connection errors and
 503; pin/unpin are retried only when the connection could not be opened (nothing was sent).
-A refused connection (nothing listens on the port: the daemon is down) fails fast: after
-``refused_tries`` attempts ``refused_backoff_s`` apart, not at the deadline. Deadlines and
+A refused connection (nothing listens on the port: the daemon is down) or a host name that does
+not resolve (a DNS failure; the message names the host) fails fast: after ``refused_tries``
+attempts ``refused_backoff_s`` apart, not at the deadline. Deadlines and
 retries are ``kvstore.daemon.transport``'s; the typed HTTP calls ``kvstore.daemon.async_client``'s
 (re-exported here); this module is the synchronous client over both paths.
 """
