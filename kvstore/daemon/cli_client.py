@@ -157,14 +157,20 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def unknown_namespace_label(ns_id) -> str:
+    """The table's text for a namespace the daemon knows by its id only: from chunks on disk
+    after a restart, or one that left the daemon's list of recently named namespaces."""
+    return f"(fields unknown: no request named it lately; clear: --namespace-id {ns_id})"
+
+
 def readable_namespaces(st: dict) -> dict:
     """``st`` (a ``/v1/stats`` answer) for the table: a namespace whose fields the daemon does
     not know (``"namespace": null``: its chunks are on disk from before a restart and no
-    request named it since) reads ``(known from disk only; clear: --namespace-id ID)``."""
+    request named it since) reads as ``unknown_namespace_label`` gives."""
     namespaces = st.get("namespaces")
     if not isinstance(namespaces, list):
         return st
-    shown = [{**n, "namespace": f"(known from disk only; clear: --namespace-id {n.get('ns_id')})"}
+    shown = [{**n, "namespace": unknown_namespace_label(n.get("ns_id"))}
              if isinstance(n, dict) and n.get("namespace", "") is None else n
              for n in namespaces]
     return {**st, "namespaces": shown}

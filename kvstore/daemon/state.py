@@ -152,7 +152,7 @@ class _ServerState:
         """The namespaces ``store`` holds chunks of, most chunks first: ``{"ns_id": hex,
         "num_chunks": chunks over all tiers (a chunk in two tiers counted once), "namespace":
         its ``to_dict()`` or None when no request named it since start (chunks on disk from
-        before a restart: ``kvstore stats`` shows "known from disk only"; an admin clears it
+        before a restart: ``kvstore stats`` shows "fields unknown"; an admin clears it
         by its id, ``clear_by_namespace_id``)}``. Reads the store's key snapshot
         (``KVStoreBase.stored_keys``)."""
         keys = store.stored_keys()

@@ -62,8 +62,9 @@ def test_after_a_restart_disk_only_namespaces_are_shown_and_cleared_by_id(tmp_pa
         assert cli.main(["stats", d.url, "--auth-token", ADMIN]) == 0
         rows = [r.split(None, 1) for r in capsys.readouterr().out.splitlines()]
         shown = [v for k, v in rows if k.startswith("namespaces[") and k.endswith("].namespace")]
-        assert sorted(shown) == sorted(f"(known from disk only; clear: --namespace-id {x.hex()})"
-                                       for x in (a, b))
+        assert sorted(shown) == sorted(
+            f"(fields unknown: no request named it lately; clear: --namespace-id {x.hex()})"
+            for x in (a, b))
         # no tenant can be told from an id alone: tenants are refused, even its own
         for token in (TOKENS["alice"], TOKENS["bob"], TOKENS["dash"]):
             rc, out, err = _clear(d.url, token, a, capsys)
