@@ -122,16 +122,25 @@ class PolicyReplay:
             raise ValueError(f"capacities {capacities} must be >= 0 (at least one tier) and "
                              f"token_bytes {token_bytes} > 0")
         self.trace, self.token_bytes = trace, token_bytes
-        self.tiers = [_Tier(create_policy(policy), c) for c in capacities]
+        self._tiers = [_Tier(create_policy(policy), c) for c in capacities]
         self.admission = create_admission(admission)
         self.parent = trace.parent
         self.spilled_bytes = 0
         self.refused = 0
         self._copies: dict[int, int] = {}  # stored key -> tiers holding it
         self._kids: dict[int, int] = {}  # key -> stored keys whose parent it is
-        self._one_tier = OneTierRows(self) if len(self.tiers) == 1 else None
+        self._one_tier = OneTierRows(self) if len(self._tiers) == 1 else None
         if self._one_tier is not None:  # ``_row`` for one tier, through the policy's batched
             self._row_one_tier = self._one_tier.row  # calls (``bench.policy_replay_batched``)
+
+    @property
+    def tiers(self) -> list[_Tier]:
+        """The tiers, fastest first. With one tier, its contents (``nbytes``) and the copy and
+        child counts are rebuilt from the policy first: the one-tier rows leave them stale
+        (``bench.policy_replay_batched``), as the replay itself reads only the policy."""
+        if self._one_tier is not None:
+            self._one_tier.sync()
+        return self._tiers
 
     def run(self) -> ReplayResult:
         """Replay every row once; returns the totals.
@@ -155,20 +164,18 @@ class PolicyReplay:
         top_hit = 0
         rows: list[int] = []
         start = self.trace.start
-        row = self._row_one_tier if len(self.tiers) == 1 else self._row
+        row = self._row_one_tier if len(self._tiers) == 1 else self._row
         for r in range(len(start) - 1):
             h, th = row(start[r], start[r + 1])
             rows.append(h)
             top_hit += th
-        if self._one_tier is not None:
-            self._one_tier.sync()
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         return ReplayResult(sum(rows), top_hit, self.trace.total_tokens, self.spilled_bytes,
                             len(self.trace.keys), elapsed, tuple(rows), self.refused, cpu)
 
     # ---- one row --------------------------------------------------------------------------
     def _row(self, a: int, b: int) -> tuple[int, int]:
-        keys, tokens, tiers = self.trace.keys, self.trace.tokens, self.tiers
+        keys, tokens, tiers = self.trace.keys, self.trace.tokens, self._tiers
         if self.admission is not None:
             record = self.admission.record
             for j in range(a, b):
@@ -208,7 +215,7 @@ class PolicyReplay:
         held nowhere or that no tier takes."""
         keys, tokens, tb = self.trace.keys, self.trace.tokens, self.token_bytes
         copies, insert = self._copies, self._insert
-        n = len(self.tiers)
+        n = len(self._tiers)
         for p in range(j, b):
             k = keys[p]
             if k in copies:
@@ -235,7 +242,7 @@ class PolicyReplay:
 
     def _live_children(self, key: int) -> set[int]:
         out: set[int] = set()
-        for t in self.tiers:
+        for t in self._tiers:
             out |= t.policy.children(key)
         return out
 
@@ -276,7 +283,7 @@ class PolicyReplay:
     # ---- placement (kvstore.movement.TierMover without pins) ------------------------------
     def _insert(self, i: int, key: int, nbytes: int, parent: int | None,
                 outer: frozenset) -> bool:
-        tier = self.tiers[i]
+        tier = self._tiers[i]
         if nbytes > tier.capacity:
             return False
         if tier.used + nbytes > tier.capacity:
@@ -290,10 +297,10 @@ class PolicyReplay:
 
     def _make_room(self, i: int, nbytes: int, near: frozenset, candidate: int,
                    admitted: bool = False) -> bool:
-        tier = self.tiers[i]
+        tier = self._tiers[i]
         skip: set[int] = set()
         adm = None if admitted else self.admission
-        if i + 1 == len(self.tiers):  # the last tier: a victim must strand nothing by itself
+        if i + 1 == len(self._tiers):  # the last tier: a victim must strand nothing by itself
             copies, kids = self._copies, self._kids
 
             def simple(k: int) -> bool:
@@ -319,7 +326,7 @@ class PolicyReplay:
         return True
 
     def _pick(self, i: int, near: frozenset, skip: set[int], simple) -> int | None:
-        policy = self.tiers[i].policy
+        policy = self._tiers[i].policy
         if simple is None:  # a victim spills below: any key may go
             return policy.next_victim(lambda k: k not in skip) if skip else policy.next_victim()
         victim = policy.next_victim(simple, True)
@@ -342,9 +349,9 @@ class PolicyReplay:
         return key not in near and all(d not in near for d in self._descendants(key))
 
     def _evict(self, i: int, key: int, near: frozenset) -> bool:
-        tier = self.tiers[i]
+        tier = self._tiers[i]
         stays = self._copies[key] > 1
-        if not stays and i + 1 < len(self.tiers):
+        if not stays and i + 1 < len(self._tiers):
             nbytes = tier.nbytes[key]
             if self._insert(i + 1, key, nbytes, self.parent.get(key), near):
                 self.spilled_bytes += nbytes
@@ -356,7 +363,7 @@ class PolicyReplay:
             if any(d in near for d in desc):
                 return False
             for d in reversed(desc):
-                for t in self.tiers:
+                for t in self._tiers:
                     self._drop(t, d)
         self._drop(tier, key)
         return True
@@ -365,8 +372,6 @@ class PolicyReplay:
         """Raise ``AssertionError`` if a tier's bytes or its policy's keys disagree with what it
         holds, the copy and child counts drifted, or a stored chunk's parent is stored nowhere
         (unreachable)."""
-        if self._one_tier is not None:
-            self._one_tier.sync()
         copies: dict[int, int] = {}
         for t in self.tiers:
             assert t.used == sum(t.nbytes.values()) <= t.capacity, "tier bytes drifted"

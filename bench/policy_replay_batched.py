@@ -5,7 +5,8 @@ make room (LRU, FIFO and LFU then pop victims from a leaf-first index,
 ``kvstore.eviction.leaf_first``), each chunk that needs room first admitted by the filter, if
 any, over the first victim. Hits are looked up in the policy's own sizes; the tier's contents
 and the replay's copy and child counts, which only the per-chunk placement reads, are rebuilt
-from the policy when that placement runs and at the end (``sync``). The decisions are those of
+from the policy when that placement runs and when they are read (``sync``, called by
+``PolicyReplay.tiers``). The decisions are those of
 ``PolicyReplay._row``, the per-chunk path (tested against it in ``tests/bench/test_policy_sim.py``);
 when leaves run out, or a chunk repeats within a row, the rest of the row takes that path's
 placement (``PolicyReplay._place``).
@@ -29,11 +30,11 @@ class OneTierRows:
     """
 
     def __init__(self, replay: PolicyReplay) -> None:
-        if len(replay.tiers) != 1:
-            raise ValueError(f"one tier expected, got {len(replay.tiers)}")
+        if len(replay._tiers) != 1:
+            raise ValueError(f"one tier expected, got {len(replay._tiers)}")
         self.replay = replay
         self.keys, self.tokens = replay.trace.keys, replay.trace.tokens
-        self.tier, self.admission = replay.tiers[0], replay.admission
+        self.tier, self.admission = replay._tiers[0], replay.admission
         self.token_bytes, self.parent = replay.token_bytes, replay.parent
         self.copies, self.kids = replay._copies, replay._kids  # (shared: never replaced)
         self.nbytes = [t * self.token_bytes for t in self.tokens]  # bytes of each access
