@@ -73,12 +73,15 @@ class StoreConfig:
         remote_breaker_failures: consecutive failures of a Redis node that open its circuit
             breaker (its keys then miss at once).
         remote_breaker_reset_s: seconds a node's breaker stays open before one trial call.
+        persist_on_close_s: seconds ``close`` may spend writing the memory tiers' chunks
+            that the disk tier lacks to it, hottest first (``kvstore.close_persist``), so
+            they survive a restart; 0 (default) = none. Needs a disk tier to do anything.
 
     Raises:
         ValueError: negative or unparsable sizes, no tier at all, a disk tier without a path,
             an unknown policy, admission filter or codec, ``cpu_shared`` without a CPU tier, a
             page size that is not a positive multiple of 64, a memory tier smaller than one
-            page, or a non-positive ``max_namespaces``.
+            page, a non-positive ``max_namespaces``, or a negative ``persist_on_close_s``.
     """
 
     gpu_bytes: int | str = 0
@@ -105,6 +108,7 @@ class StoreConfig:
     remote_password: str | None = field(default=None, repr=False)
     remote_breaker_failures: int = 3
     remote_breaker_reset_s: float = 5.0
+    persist_on_close_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("gpu_bytes", "cpu_bytes", "disk_bytes", "page_bytes", "remote_queue_bytes"):
@@ -130,6 +134,10 @@ class StoreConfig:
             raise ValueError(f"page_bytes must be a positive multiple of 64, got {self.page_bytes}")
         if type(self.max_namespaces) is not int or self.max_namespaces <= 0:
             raise ValueError(f"max_namespaces must be a positive int, got {self.max_namespaces!r}")
+        if isinstance(self.persist_on_close_s, bool) \
+                or not 0 <= float(self.persist_on_close_s) < float("inf"):
+            raise ValueError(f"persist_on_close_s must be a number of seconds >= 0, got "
+                             f"{self.persist_on_close_s!r}")
         self._check_remote()
         for tier in ("gpu", "cpu"):
             cap = getattr(self, f"{tier}_bytes")

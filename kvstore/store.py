@@ -15,8 +15,9 @@ This is the only module that knows there is more than one tier. It decides
   stored, room is never made by evicting a chunk's own ancestors, and a chunk that leaves the
   store takes its stored descendants with it (``kvstore.movement``), also when a tier loses
   it on its own (a disk write that fails, a corrupt chunk: ``StoreState.drop_stranded``). Only
-  ``remove`` (and a restart, which loses the memory tiers) can leave a chunk without its
-  parent; such chunks are counted in ``unreachable_bytes``;
+  ``remove`` (and a restart, which loses the memory tiers' chunks that ``close`` did not
+  persist: ``kvstore.close_persist``) can leave a chunk without its parent; such chunks are
+  counted in ``unreachable_bytes``;
 * what a read that cannot serve an indexed chunk means: a stale index entry, dropped and
   counted (``stale_index_entries``).
 
@@ -378,11 +379,19 @@ class ChunkStore(AdminMethods, DirectMethods, KVStoreBase):
                 return t.shared_fd, t.pool.numel(), t.page_bytes
         return None
 
-    def close(self) -> None:
+    def close(self, persist_s: float | None = None) -> None:
+        """Release the tiers (queued disk writes committed). Idempotent. ``persist_s``: seconds
+        for ``persist_memory_tiers`` first (None: ``config.persist_on_close_s``; 0: none).
+        Raises ValueError: a negative ``persist_s`` (nothing is closed then)."""
+        budget = self.config.persist_on_close_s if persist_s is None else persist_s
+        if not 0 <= budget < float("inf"):
+            raise ValueError(f"persist_s must be a number of seconds >= 0, got {persist_s!r}")
         with self._st.lock:
             if self._st.closed:
                 return
             self._st.closed = True
+            if budget > 0:
+                self.persist_memory_tiers(budget)
             for t in self.tiers:
                 t.close()
         if self._st.remote is not None:

@@ -5,12 +5,15 @@ forward to them: removal, pins, durability and stats to ``kvstore.store_admin.St
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from kvstore.direct import BorrowedChunks
 from kvstore.keys import ChunkKey, Namespace
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvstore.close_persist import PersistReport
 
 
 class AdminMethods:
@@ -61,6 +64,24 @@ class AdminMethods:
     def pin_count(self, key: ChunkKey) -> int:
         """Current pins of ``key`` (readers + explicit + leased)."""
         return self._admin.pin_count(key)
+
+    def persist_memory_tiers(self, budget_s: float) -> "PersistReport | None":
+        """Write the chunks that only a memory tier (GPU, CPU) holds to the disk tier, hottest
+        first and parents before children, through the spill path (the disk tier's codec and
+        checksums), for up to ``budget_s`` seconds (commits included) and only into the disk
+        tier's free room (no disk chunk is evicted for it). ``close(persist_s=...)`` calls it
+        so a graceful shutdown keeps the cache; a crash writes nothing. Holds the store lock
+        throughout. Logs one line; see ``kvstore.close_persist``.
+
+        Returns:
+            A ``PersistReport`` (chunks and bytes written; chunks left out for time, room or a
+            missing ancestor), or None without a disk tier or a memory tier.
+
+        Raises:
+            ValueError: ``budget_s`` not a positive finite number.
+        """
+        from kvstore.close_persist import persist_memory_tiers
+        return persist_memory_tiers(self._st, budget_s)
 
     @property
     def has_lower_tiers(self) -> bool:

@@ -154,6 +154,22 @@ class Tier(ABC):
                 self._policy_failed("demote")
                 return False
 
+    def eviction_order(self) -> list[ChunkKey]:
+        """Stored keys, the policy's next victim first: demoted keys first, then the
+        policy's order (``EvictionPolicy._order``; a leaf of a prompt goes before its
+        parent only as the policy ranks them). A policy that raises is rebuilt and the
+        index's order is returned."""
+        with self._lock:
+            try:
+                order = list(self.policy._order())
+            except Exception:
+                self._policy_failed("order")
+                return self.keys()
+            demoted = [k for k in order if self.policy.is_demoted(k)]
+            if not demoted:
+                return order
+            return demoted + [k for k in order if not self.policy.is_demoted(k)]
+
     def is_demoted(self, key: ChunkKey) -> bool:
         """Whether ``key`` is stored here and demoted (no side effects)."""
         return self.policy.is_demoted(key)

@@ -1,0 +1,189 @@
+"""Writing the memory tiers' chunks to the disk tier before a store closes.
+
+The disk tier survives a restart; the GPU and CPU tiers do not. ``persist_memory_tiers``
+copies the chunks that only a memory tier holds to the disk tier through the spill path
+(``TierMover.insert``: the disk tier's codec, its checksummed values, its index), so a
+gracefully closed store (``ChunkStore.close(persist_s=...)``, ``kvstore serve`` on
+SIGTERM/SIGINT) keeps its cache. A crash (SIGKILL, power loss) writes nothing: only what was
+on disk already survives it.
+
+Order: hottest first, i.e. each memory tier's eviction order reversed (the top tier's chunks
+before the next tier's; demoted chunks last), so that what is most likely reused is written
+when the time or the room runs out. A chunk's ancestors that the disk tier lacks are written
+just before it (parents before children), so every chunk written is reachable after a
+restart; a chunk whose ancestor is stored nowhere (unreachable already) is left out.
+
+Bounds: a time budget (seconds, wall clock, including the wait for the disk writer's
+commits: chunks still queued when it runs out are withdrawn, so the close that follows only
+finishes the batch being committed, at most ``BATCH_OPS`` chunks), and the disk tier's free room (never evicting a disk
+chunk for this: the first chunk that does not fit ends the pass).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from kvstore.keys import ChunkKey
+from kvstore.tiers.disk import BATCH_OPS, QUEUE_BYTES, DiskTier
+from kvstore.tiers.memory import MemoryTier
+
+log = logging.getLogger("kvstore.store")
+
+#: chunks, and bytes, queued to the disk writer before the older half of them is waited for
+#: (so a put never blocks on the writer's queue limit, which has no timeout)
+WINDOW = 2 * BATCH_OPS
+WINDOW_BYTES = QUEUE_BYTES // 2
+
+
+@dataclass
+class PersistReport:
+    """What ``persist_memory_tiers`` did.
+
+    Attributes:
+        written_chunks, written_bytes: chunks committed to the disk tier, and their bytes
+            there (encoded values).
+        left_time: chunks not written because the time budget ran out.
+        left_room: chunks not written because the disk tier had no free room left.
+        left_orphan: chunks not written because an ancestor is stored in no tier (a lookup
+            cannot reach them now, nor after a restart).
+        seconds: wall-clock seconds the pass took.
+    """
+
+    written_chunks: int = 0
+    written_bytes: int = 0
+    left_time: int = 0
+    left_room: int = 0
+    left_orphan: int = 0
+    seconds: float = 0.0
+
+    @property
+    def left_chunks(self) -> int:
+        """Chunks of the memory tiers not written, all reasons."""
+        return self.left_time + self.left_room + self.left_orphan
+
+
+def hot_order(tiers) -> list[ChunkKey]:
+    """Keys of the memory tiers in ``tiers`` (fastest first), hottest first: each tier's
+    eviction order (``Tier.eviction_order``) reversed, the faster tier's keys first, each key
+    once, demoted keys after all others."""
+    seen: set[ChunkKey] = set()
+    hot, cold = [], []
+    for t in tiers:
+        if not isinstance(t, MemoryTier):
+            continue
+        for k in reversed(t.eviction_order()):
+            if k not in seen:
+                seen.add(k)
+                (cold if t.is_demoted(k) else hot).append(k)
+    return hot + cold
+
+
+def persist_memory_tiers(st, budget_s: float) -> PersistReport | None:
+    """Write the memory tiers' chunks that the disk tier lacks to it (module docstring).
+
+    Args:
+        st: the store's ``StoreState``; its lock is held for the whole pass.
+        budget_s: seconds allowed, commits included (> 0).
+
+    Returns:
+        A ``PersistReport`` (also logged in one line), or None when the store has no disk
+        tier or no memory tier.
+
+    Raises:
+        ValueError: ``budget_s`` not a positive finite number.
+    """
+    if not 0 < budget_s < float("inf"):
+        raise ValueError(f"persist budget must be a positive number of seconds, got {budget_s!r}")
+    disk = next((t for t in st.tiers if isinstance(t, DiskTier)), None)
+    if disk is None or not any(isinstance(t, MemoryTier) for t in st.tiers):
+        return None
+    t0 = time.monotonic()
+    deadline = t0 + budget_s
+    di = st.tiers.index(disk)
+    rep = PersistReport()
+    ours: list[ChunkKey] = []
+    with st.lock:
+        st.expire_leases()
+        todo = [k for k in hot_order(st.tiers) if not disk.contains(k) and k not in st.doomed]
+        orphans: set[ChunkKey] = set()
+        window: deque[tuple[ChunkKey, int]] = deque()
+        window_bytes = 0
+        stop = None
+        for key in todo:
+            if disk.contains(key) or key in orphans:
+                continue
+            chain = _missing_chain(st, disk, key)
+            if chain is None:
+                orphans.add(key)
+                continue
+            for k, src, parent in chain:
+                if time.monotonic() >= deadline:
+                    stop = "time"
+                    break
+                nbytes = src.data_nbytes(k)
+                if not disk.can_fit(nbytes):
+                    stop = "room"
+                    break
+                kv = src.read(k, "cpu")  # a new tensor: handed over (owned)
+                if kv is None or not st.mover.insert(di, k, kv, parent, owned=True, admit=False):
+                    stop = "room"  # (the disk tier took nothing: it could not fit)
+                    break
+                ours.append(k)
+                window.append((k, nbytes))
+                window_bytes += nbytes
+                if len(window) >= WINDOW or window_bytes >= WINDOW_BYTES:
+                    batch = [window.popleft() for _ in range((len(window) + 1) // 2)]
+                    window_bytes -= sum(n for _, n in batch)
+                    if not disk.wait_committed([b for b, _ in batch],
+                                               max(0.0, deadline - time.monotonic())):
+                        stop = "time"
+                        break
+            if stop is not None:
+                break
+        withdrawn = 0
+        if not disk.wait_committed(ours, max(0.0, deadline - time.monotonic())):
+            for k in reversed(ours):  # withdraw what is still queued (children first)
+                if disk.is_pending(k):
+                    withdrawn += disk.delete(k)
+            stop = stop or "time"
+        for k in ours:  # (parents first) a write the disk writer dropped strands its children
+            p = st.mover.parent_of(k)
+            if disk.contains(k) and p is not None and not disk.contains(p):
+                disk.delete(k)
+        written = [k for k in ours if disk.contains(k)]
+        rep.written_chunks = len(written)
+        rep.written_bytes = sum(disk.nbytes_of(k) for k in written)
+        rep.left_orphan = len(orphans)
+        left = sum(1 for k in todo if not disk.contains(k) and k not in orphans)
+        if stop == "room":
+            rep.left_time = min(withdrawn, left)
+            rep.left_room = left - rep.left_time
+        else:
+            rep.left_time = left
+    rep.seconds = time.monotonic() - t0
+    log.info("persist on close: wrote %d chunks (%d bytes) of the memory tiers to the disk tier "
+             "in %.2f s; left out %d: %d when the %g s budget ran out, %d with the disk tier "
+             "full, %d with an ancestor stored nowhere", rep.written_chunks, rep.written_bytes,
+             rep.seconds, rep.left_chunks, rep.left_time, budget_s, rep.left_room,
+             rep.left_orphan)
+    return rep
+
+
+def _missing_chain(st, disk: DiskTier, key: ChunkKey):
+    """``[(key, memory tier, parent), ...]`` of ``key`` and its ancestors that the disk tier
+    lacks, root-most first; None when one of them is stored in no memory tier (its chain
+    is broken: unreachable) or the recorded parents make a cycle."""
+    chain, seen = [], set()
+    k = key
+    while k is not None and not disk.contains(k):
+        src = st.locate(k)
+        if k in seen or not isinstance(src, MemoryTier):
+            return None
+        seen.add(k)
+        parent = st.mover.parent_of(k)
+        chain.append((k, src, parent))
+        k = parent
+    chain.reverse()
+    return chain
