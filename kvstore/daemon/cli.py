@@ -94,6 +94,11 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-lease-s", type=float, help="longest pin lease (default 300)")
     p.add_argument("--shutdown-timeout-s", type=float,
                    help="SIGTERM waits this long for in-flight requests (default 30)")
+    p.add_argument("--persist-on-shutdown-s", type=float, metavar="SECONDS",
+                   help="then SIGTERM/SIGINT spends up to this long writing the chunks only "
+                        "the memory tiers hold to the disk tier, hottest first, into its free "
+                        "room, so a restart on the same --disk-path keeps them (default 30; "
+                        "0 = none; a SIGKILL writes nothing)")
     p.add_argument("--http-parser", choices=("python", "c"),
                    help="aiohttp's HTTP parser: python (default; passes body pieces through "
                         "without a copy, +15-20%% put throughput) or c")
@@ -238,11 +243,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from kvstore.daemon.tenants import TenantTable
         tenants = TenantTable.from_file(cfg.tenants_file)
     store = build_store(cfg)
+    persist_s = 0.0  # (only a graceful stop persists: not a failure to start or serve)
     try:
         asyncio.run(_serve(cfg, store, tenants))
+        persist_s = cfg.persist_on_shutdown_s if cfg.disk_path is not None else 0.0
     finally:
-        log.info("closing the store (flushing disk writes)")
-        store.close()
+        log.info("closing the store (flushing disk writes%s)",
+                 f"; persisting the memory tiers for up to {persist_s:g} s" if persist_s else "")
+        store.close(persist_s=persist_s)
     log.info("stopped")
     return 0
 

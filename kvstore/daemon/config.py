@@ -7,7 +7,6 @@ or under a ``serve`` table. Each environment variable is the field name upper-ca
 """
 from __future__ import annotations
 
-import ipaddress
 import logging
 import math
 import os
@@ -17,11 +16,11 @@ from typing import Any, Mapping
 
 from kvstore.daemon import config_env
 from kvstore.daemon.config_env import ENV_PREFIX, OTHER_ENV, EnvValueError  # noqa: F401
+from kvstore.daemon.config_net import default_max_connections, is_loopback  # noqa: F401
 from kvstore.defaults import DEFAULT_DISK_BYTES
 from kvstore.units import parse_size
 
 log = logging.getLogger("kvstore.daemon.config")
-LOOPBACK_NAMES = ("localhost",)
 
 
 @dataclass(frozen=True)
@@ -52,6 +51,11 @@ class ServeConfig:
         max_body_bytes, max_batch_keys, request_timeout_s, max_lease_s: see
             ``kvstore.daemon.server.ServerLimits``.
         shutdown_timeout_s: how long SIGTERM waits for in-flight requests (seconds).
+        persist_on_shutdown_s: after that drain, how long SIGTERM/SIGINT may spend writing
+            the memory tiers' chunks that the disk tier lacks to it, hottest first, so a
+            restart on the same ``disk_path`` keeps them (``ChunkStore.persist_memory_tiers``;
+            bounded by the disk tier's free room too); 0 = none. Without a disk tier: nothing
+            to do. A SIGKILL writes nothing.
         http_parser: ``python`` (default) runs aiohttp's pure-Python HTTP parser, which hands
             each received body piece through without copying it (its C parser copies every
             piece: measured +15-20% put throughput, lookups unchanged); ``c`` its C parser.
@@ -120,6 +124,7 @@ class ServeConfig:
     request_timeout_s: float = 60.0
     max_lease_s: float = 300.0
     shutdown_timeout_s: float = 30.0
+    persist_on_shutdown_s: float = 30.0
     max_connections: int | str | None = None
     idle_timeout_s: float = 30.0
     max_namespaces: int = 4096
@@ -167,6 +172,7 @@ class ServeConfig:
                                _size("max_inflight_bytes", self.max_inflight_bytes))
         for name, typ in (("port", int), ("max_batch_keys", int), ("request_timeout_s", float),
                           ("max_lease_s", float), ("shutdown_timeout_s", float),
+                          ("persist_on_shutdown_s", float),
                           ("idle_timeout_s", float), ("max_namespaces", int)):
             object.__setattr__(self, name, _as(name, typ, getattr(self, name)))
         if self.max_connections is None or str(self.max_connections).lower() == "auto":
@@ -197,9 +203,9 @@ class ServeConfig:
             if not 0 < getattr(self, name) < math.inf:  # also refuses NaN
                 raise ValueError(f"{name} must be a positive number of seconds, got "
                                  f"{getattr(self, name)}")
-        if not 0 <= self.shutdown_timeout_s < math.inf:
-            raise ValueError(f"shutdown_timeout_s must be >= 0 seconds, got "
-                             f"{self.shutdown_timeout_s}")
+        for name in ("shutdown_timeout_s", "persist_on_shutdown_s"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be >= 0 seconds, got {getattr(self, name)}")
         if self.page_bytes <= 0 or self.page_bytes % 64:
             raise ValueError(f"page_bytes must be a positive multiple of 64, got "
                              f"{self.page_bytes}")
@@ -265,30 +271,6 @@ class ServeConfig:
                        remote_queue_bytes=self.remote_queue_bytes,
                        remote_codec=self.remote_codec, remote_password=self.remote_password)
         return out
-
-
-def default_max_connections(nofile: int | None = None) -> int:
-    """The connection cap that leaves room below the file-descriptor limit: ``nofile`` (default:
-    this process's soft ``RLIMIT_NOFILE``; unlimited counts as 65,536) minus
-    ``max(64, nofile // 8)`` descriptors kept for the store (disk tier, logs, pipes) minus 64
-    for sockets accepted but not yet counted (``kvstore.daemon.conns.ACCEPT_BATCH``), and at
-    least 1. E.g. 256 -> 128, 1,024 -> 832, 65,536 -> 57,280."""
-    import resource
-    if nofile is None:
-        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    if nofile == resource.RLIM_INFINITY or nofile <= 0:
-        nofile = 65536
-    return max(1, nofile - max(64, nofile // 8) - 64)
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback IP addresses (``127.0.0.0/8``, ``::1``)."""
-    if host in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 FIELDS = tuple(f.name for f in fields(ServeConfig))

@@ -44,7 +44,8 @@ async def serve_until_signal(app: web.Application, host: str, port: int, *,
                              unix_socket: str | None = None) -> None:
     """Serve ``app`` until SIGTERM/SIGINT, then drain: /readyz turns 503, the listening socket
     closes (no new connections), in-flight requests finish (up to ``shutdown_timeout_s``), and
-    the app's cleanup runs. The caller closes (flushes) the store afterwards.
+    the app's cleanup runs. The caller closes (flushes) the store afterwards (``kvstore
+    serve`` persists the memory tiers to the disk tier first: ``--persist-on-shutdown-s``).
 
     Args:
         on_listen: called with the bound ``(host, port)`` once listening (port 0 resolves).
