@@ -57,8 +57,10 @@ def reopen_disk_only(tmp_path, disk=None) -> ChunkStore:
     return ChunkStore(cfg, [NS])
 
 
-def test_close_with_persist_writes_every_memory_chunk_bit_exact_and_reachable(tmp_path):
-    s = store(tmp_path, gpu=8, cpu=192)  # 40 prompts x 4: GPU spills to CPU, not to disk
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "s3fifo", "arc"])
+def test_close_with_persist_writes_every_memory_chunk_bit_exact_and_reachable(tmp_path, policy):
+    s = store(tmp_path, gpu=8, cpu=192, gpu_policy=policy, cpu_policy=policy)
+    # 40 prompts x 4 chunks: the GPU tier spills to the CPU tier, nothing to disk
     for i in range(40):  # (more than close_persist.WINDOW: the pass waits for commits)
         assert PrefixStore(s, NS).put(tokens(i), kv(i)) == CHUNKS
     assert disk_of(s).num_chunks == 0 and s.tiers[0].num_chunks == 8
