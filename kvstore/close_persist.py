@@ -16,7 +16,12 @@ restart; a chunk whose ancestor is stored nowhere (unreachable already) is left 
 Bounds: a time budget (seconds, wall clock, including the wait for the disk writer's
 commits: chunks still queued when it runs out are withdrawn, so the close that follows only
 finishes the batch being committed, at most ``BATCH_OPS`` chunks), and the disk tier's free room (never evicting a disk
-chunk for this: the first chunk that does not fit ends the pass).
+chunk for this: the first chunk that does not fit ends the pass). An error ends the pass too
+(a chunk that cannot be read out of its tier) or leaves a chunk out (a write the disk writer
+drops: its children are withdrawn); the close goes on.
+
+Before that pass (``prepare_close``), the chunks removed while pinned leave the disk tier: a
+close forestalls their last unpin, and a restart must not bring them back.
 """
 from __future__ import annotations
 
@@ -48,6 +53,9 @@ class PersistReport:
         left_room: chunks not written because the disk tier had no free room left.
         left_orphan: chunks not written because an ancestor is stored in no tier (a lookup
             cannot reach them now, nor after a restart).
+        left_error: chunks not written because of an error: the disk writer dropped them (a
+            full or read-only disk: its log line says which), or the pass ended when reading
+            one out of its memory tier raised (logged).
         seconds: wall-clock seconds the pass took.
     """
 
@@ -56,12 +64,13 @@ class PersistReport:
     left_time: int = 0
     left_room: int = 0
     left_orphan: int = 0
+    left_error: int = 0
     seconds: float = 0.0
 
     @property
     def left_chunks(self) -> int:
         """Chunks of the memory tiers not written, all reasons."""
-        return self.left_time + self.left_room + self.left_orphan
+        return self.left_time + self.left_room + self.left_orphan + self.left_error
 
 
 def hot_order(tiers) -> list[ChunkKey]:
@@ -111,37 +120,42 @@ def persist_memory_tiers(st, budget_s: float) -> PersistReport | None:
         window: deque[tuple[ChunkKey, int]] = deque()
         window_bytes = 0
         stop = None
-        for key in todo:
-            if disk.contains(key) or key in orphans:
-                continue
-            chain = _missing_chain(st, disk, key)
-            if chain is None:
-                orphans.add(key)
-                continue
-            for k, src, parent in chain:
-                if time.monotonic() >= deadline:
-                    stop = "time"
-                    break
-                nbytes = src.data_nbytes(k)
-                if not disk.can_fit(nbytes):
-                    stop = "room"
-                    break
-                kv = src.read(k, "cpu")  # a new tensor: handed over (owned)
-                if kv is None or not st.mover.insert(di, k, kv, parent, owned=True, admit=False):
-                    stop = "room"  # (the disk tier took nothing: it could not fit)
-                    break
-                ours.append(k)
-                window.append((k, nbytes))
-                window_bytes += nbytes
-                if len(window) >= WINDOW or window_bytes >= WINDOW_BYTES:
-                    batch = [window.popleft() for _ in range((len(window) + 1) // 2)]
-                    window_bytes -= sum(n for _, n in batch)
-                    if not disk.wait_committed([b for b, _ in batch],
-                                               max(0.0, deadline - time.monotonic())):
+        try:
+            for key in todo:
+                if disk.contains(key) or key in orphans:
+                    continue
+                chain = _missing_chain(st, disk, key)
+                if chain is None:
+                    orphans.add(key)
+                    continue
+                for k, src, parent in chain:
+                    if time.monotonic() >= deadline:
                         stop = "time"
                         break
-            if stop is not None:
-                break
+                    nbytes = src.data_nbytes(k)
+                    if not disk.can_fit(nbytes):
+                        stop = "room"
+                        break
+                    kv = src.read(k, "cpu")  # a new tensor: handed over (owned)
+                    if kv is None or not st.mover.insert(di, k, kv, parent, owned=True,
+                                                         admit=False):
+                        stop = "room"  # (the disk tier took nothing: it could not fit)
+                        break
+                    ours.append(k)
+                    window.append((k, nbytes))
+                    window_bytes += nbytes
+                    if len(window) >= WINDOW or window_bytes >= WINDOW_BYTES:
+                        batch = [window.popleft() for _ in range((len(window) + 1) // 2)]
+                        window_bytes -= sum(n for _, n in batch)
+                        if not disk.wait_committed([b for b, _ in batch],
+                                                   max(0.0, deadline - time.monotonic())):
+                            stop = "time"
+                            break
+                if stop is not None:
+                    break
+        except Exception:  # (e.g. a device error reading a chunk out): end the pass cleanly
+            log.exception("persist on close: the pass failed; keeping what it wrote")
+            stop = "error"
         withdrawn = 0
         if not disk.wait_committed(ours, max(0.0, deadline - time.monotonic())):
             for k in reversed(ours):  # withdraw what is still queued (children first)
@@ -152,22 +166,27 @@ def persist_memory_tiers(st, budget_s: float) -> PersistReport | None:
             p = st.mover.parent_of(k)
             if disk.contains(k) and p is not None and not disk.contains(p):
                 disk.delete(k)
-        written = [k for k in ours if disk.contains(k)]
+        written = {k for k in ours if disk.contains(k)}  # (a dropped write may be retried)
         rep.written_chunks = len(written)
         rep.written_bytes = sum(disk.nbytes_of(k) for k in written)
         rep.left_orphan = len(orphans)
         left = sum(1 for k in todo if not disk.contains(k) and k not in orphans)
-        if stop == "room":
-            rep.left_time = min(withdrawn, left)
-            rep.left_room = left - rep.left_time
+        # written, then dropped by the writer (or stranded by such a drop): an I/O error
+        failed = len({k for k in ours if not disk.contains(k)}) - withdrawn
+        if stop == "error":
+            rep.left_time, rep.left_error = withdrawn, left - withdrawn
+        elif stop == "room":
+            rep.left_error = failed
+            rep.left_time = min(withdrawn, left - failed)
+            rep.left_room = left - failed - rep.left_time
         else:
-            rep.left_time = left
+            rep.left_error, rep.left_time = failed, left - failed
     rep.seconds = time.monotonic() - t0
     log.info("persist on close: wrote %d chunks (%d bytes) of the memory tiers to the disk tier "
              "in %.2f s; left out %d: %d when the %g s budget ran out, %d with the disk tier "
-             "full, %d with an ancestor stored nowhere", rep.written_chunks, rep.written_bytes,
-             rep.seconds, rep.left_chunks, rep.left_time, budget_s, rep.left_room,
-             rep.left_orphan)
+             "full, %d with an ancestor stored nowhere, %d on an error", rep.written_chunks,
+             rep.written_bytes, rep.seconds, rep.left_chunks, rep.left_time, budget_s,
+             rep.left_room, rep.left_orphan, rep.left_error)
     return rep
 
 
@@ -187,3 +206,15 @@ def _missing_chain(st, disk: DiskTier, key: ChunkKey):
         k = parent
     chain.reverse()
     return chain
+
+
+def prepare_close(st, budget_s: float) -> None:
+    """What ``ChunkStore.close`` does before it closes the tiers, under the store lock: the
+    chunks removed while pinned (``st.doomed``, freed at their last unpin, which a close
+    forestalls) leave the disk tier, so a restart does not bring them back, and nothing is
+    persisted under them; then, when ``budget_s`` > 0, ``persist_memory_tiers``."""
+    disk = next((t for t in st.tiers if isinstance(t, DiskTier)), None)
+    for k in st.doomed if disk is not None else ():
+        disk.delete(k)
+    if budget_s > 0:
+        persist_memory_tiers(st, budget_s)

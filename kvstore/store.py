@@ -390,9 +390,10 @@ class ChunkStore(AdminMethods, DirectMethods, KVStoreBase):
             if self._st.closed:
                 return
             self._st.closed = True
-            if budget > 0:
-                self.persist_memory_tiers(budget)
-            for t in self.tiers:
-                t.close()
+            try:
+                self._prepare_close(budget)
+            finally:  # (a failed pass still releases the tiers and the disk path)
+                for t in self.tiers:
+                    t.close()
         if self._st.remote is not None:
             self._st.remote.close()

@@ -83,6 +83,11 @@ class AdminMethods:
         from kvstore.close_persist import persist_memory_tiers
         return persist_memory_tiers(self._st, budget_s)
 
+    def _prepare_close(self, budget_s: float) -> None:
+        """``close``'s work before the tiers close (``kvstore.close_persist.prepare_close``)."""
+        from kvstore.close_persist import prepare_close
+        prepare_close(self._st, budget_s)
+
     @property
     def has_lower_tiers(self) -> bool:
         """Whether a chunk the top tier cannot take may still go to a tier below it."""
