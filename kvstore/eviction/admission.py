@@ -106,19 +106,31 @@ class TinyLFU:
         door, t = self._door, self._table
         s0, s1, s2, s3 = _SEEDS
         s, w = self._shift, self.width
+        w2, w3 = 2 * w, 3 * w
+        events, window = self._events, self.window
         for key in keys:
             if key not in door:
                 door.add(key)
             else:
                 h = hash(key) & _M64
-                for i in ((((h * s0) & _M64) >> s), w + (((h * s1) & _M64) >> s),
-                          2 * w + (((h * s2) & _M64) >> s), 3 * w + (((h * s3) & _M64) >> s)):
-                    if t[i] < _MAX_COUNT:
-                        t[i] += 1
-            self._events += 1
-            if self._events >= self.window:
+                i = ((h * s0) & _M64) >> s
+                if t[i] < _MAX_COUNT:
+                    t[i] += 1
+                i = w + (((h * s1) & _M64) >> s)
+                if t[i] < _MAX_COUNT:
+                    t[i] += 1
+                i = w2 + (((h * s2) & _M64) >> s)
+                if t[i] < _MAX_COUNT:
+                    t[i] += 1
+                i = w3 + (((h * s3) & _M64) >> s)
+                if t[i] < _MAX_COUNT:
+                    t[i] += 1
+            events += 1
+            if events >= window:
+                self._events = events
                 self._age()
-                door, t = self._door, self._table
+                door, t, events = self._door, self._table, self._events
+        self._events = events
 
     def _age(self) -> None:
         self._table = [c >> 1 for c in self._table]
@@ -142,8 +154,19 @@ class TinyLFU:
     def admit(self, candidate: Key, victim: Key) -> bool:
         """Whether ``candidate`` should displace ``victim``: the victim is demoted, or the
         candidate was requested strictly more often (ties keep the victim: the tier's content
-        does not churn for nothing)."""
-        return self.victim_demoted(victim) or self.estimate(candidate) > self.estimate(victim)
+        does not churn for nothing). (``estimate`` of both, inline.)"""
+        if self.victim_demoted(victim):
+            return True
+        t, s, w = self._table, self._shift, self.width
+        s0, s1, s2, s3 = _SEEDS
+        h = hash(candidate) & _M64
+        c = min(t[((h * s0) & _M64) >> s], t[w + (((h * s1) & _M64) >> s)],
+                t[2 * w + (((h * s2) & _M64) >> s)], t[3 * w + (((h * s3) & _M64) >> s)])
+        h = hash(victim) & _M64
+        v = min(t[((h * s0) & _M64) >> s], t[w + (((h * s1) & _M64) >> s)],
+                t[2 * w + (((h * s2) & _M64) >> s)], t[3 * w + (((h * s3) & _M64) >> s)])
+        door = self._door
+        return c + (candidate in door) > v + (victim in door)
 
 
 def create_admission(name: str) -> TinyLFU | None:

@@ -107,12 +107,16 @@ def request(policy: EvictionPolicy, hits: Sequence[Key], keys: Sequence[Key],
         else:
             victims, freed, stored = [], 0, len(keys)
     else:
-        def evict(need: int) -> tuple[list[Key], int]:  # the index's first keys
-            n = len(list(takewhile(need.__gt__, accumulate(map(sizes.__getitem__, index))))) + 1
-            some = list(islice(index, n))
-            deque(map(index.__delitem__, some), 0)
-            deque(map(parents.__delitem__, some), 0)
-            return some, sum(map(sizes.pop, some))
+        pop_first = index.popitem  # (an ``OrderedDict``)
+
+        def evict(need: int) -> tuple[list[Key], int]:  # the index's first keys (usually
+            some, freed = [], 0  # one: a key at a time, each asked by ``admit``)
+            while freed < need and index:
+                key = pop_first(False)[0]
+                del parents[key]
+                freed += sizes.pop(key)
+                some.append(key)
+            return some, freed
 
         victims, freed, stored = make_room(keys, nbytes, free_bytes, evict,
                                            lambda: next(iter(index), None), len(sizes), admit)

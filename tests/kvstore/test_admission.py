@@ -164,3 +164,18 @@ def test_record_many_equals_record_one_at_a_time_across_agings():
     assert many._table == one._table and many._door == one._door
     assert many._events == one._events
     assert [many.estimate(k) for k in range(53)] == [one.estimate(k) for k in range(53)]
+
+
+def test_admit_is_the_estimate_comparison_on_every_pair():
+    f = TinyLFU(width=16, window=40)  # narrow: collisions; saturated counters too
+    keys = [(i * 7919) % 53 for i in range(300)] + ["s"] * 20
+    f.record_many(keys)
+    pairs = [(a, b) for a in [*range(60), "s"] for b in [*range(60), "s"]]
+    verdicts = [f.admit(a, b) for a, b in pairs]
+    assert verdicts == [f.estimate(a) > f.estimate(b) for a, b in pairs]
+    assert 0 < sum(verdicts) < len(pairs) // 2  # both answers given (ties say no)
+    f.victim_demoted = lambda key: key == 5
+    assert f.admit(0, 5) and f.admit("never", 5) and not f.admit(5, "s")
+    g = TinyLFU(width=64, window=1000)
+    g.record_many(["x", "y"])  # each once: in the doorkeeper only, a tie
+    assert not g.admit("y", "x") and not g.admit("x", "y") and g.admit("x", "z")
