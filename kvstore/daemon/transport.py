@@ -6,8 +6,9 @@
 (exponential backoff, inside the deadline) on connection errors and 503; others only when the
 connection could not be opened (nothing was sent). A refused connection (nothing listens on the
 port: the daemon is down) or a host name that does not resolve (a DNS failure: a typo in the
-URL) fails fast: after ``refused_tries`` attempts ``refused_backoff_s`` apart, not at the
-deadline; so does a TLS handshake failure, at once. The typed calls are
+URL; not a temporary failure of the resolver, retried) fails fast: after ``refused_tries``
+attempts ``refused_backoff_s`` apart, not at the deadline; so does a TLS handshake failure, at
+once. The typed calls are
 ``kvstore.daemon.client``'s. Neither this module nor what it imports imports torch (the
 ``kvstore stats``/``clear`` commands use it directly).
 """
@@ -196,10 +197,11 @@ def _unreachable(e: aiohttp.ClientConnectorError, tries: int) -> str | None:
     """Why retrying soon will not reach the daemon, after ``tries`` attempts, in words:
     nothing listens on the port (refused), or the URL's host name does not resolve (a DNS
     failure; aiohttp >= 3.10 raises it as ``ClientConnectorDNSError``). None for another
-    connection error (retried until the deadline)."""
+    connection error (retried until the deadline), a temporary failure of the resolver
+    (``EAI_AGAIN``: a real host's name may resolve a moment later) included."""
     if isinstance(e.os_error, ConnectionRefusedError):
         return f"connection refused ({tries} tries); is the kvstore daemon running?"
-    if isinstance(e.os_error, socket.gaierror):
+    if isinstance(e.os_error, socket.gaierror) and e.os_error.errno != socket.EAI_AGAIN:
         reason = e.os_error.strerror or str(e.os_error)
         return (f"cannot resolve host {e.host!r}: {reason} ({tries} tries); check the host "
                 f"name in the URL")
