@@ -21,7 +21,7 @@ from collections import OrderedDict
 
 from kvstore.eviction.base import EvictionPolicy
 from kvstore.eviction.batched import Request, add_child, check_chain
-from kvstore.eviction.queued import drop, flush, pop_leaf
+from kvstore.eviction.queued import drop, flush, peek_leaf, pop_leaf
 
 _T1_FIRST, _T2_FIRST = (0, 1), (1, 0)
 
@@ -89,9 +89,10 @@ class ARCPolicy(EvictionPolicy):
     def on_request(self, hits, keys, nbytes, free_bytes, admit=None) -> Request:
         """``EvictionPolicy.on_request`` with the per-event hooks inline (the same decisions,
         ranks, lists and target ``p`` as ``on_access`` per hit, then per new key
-        ``evict_until`` sparing its parent, leaves only, and ``on_insert``); the general path
-        with ``admit`` or a demoted key. Raises as ``on_request``."""
-        if admit is not None or self._demoted:
+        ``evict_until`` sparing its parent, leaves only, and ``on_insert``); ``admit``, when
+        given, asked before a key's first victim goes (``queued.peek_leaf``); the general path
+        with a demoted key. Raises as ``on_request``."""
+        if self._demoted:
             return super().on_request(hits, keys, nbytes, free_bytes, admit)
         check_chain(self, keys, nbytes)
         sizes, parents, children, ranks, queue = (self._nbytes, self._parent, self._children,
@@ -115,8 +116,14 @@ class ARCPolicy(EvictionPolicy):
         room, freed, stored = free_bytes, 0, 0
         pending = None  # a leaf-heap entry not pushed yet (``queued.pop_leaf``)
         for key, n in zip(keys, nbytes):
+            ask = admit
             while n > room:
                 queues = _T1_FIRST if t1 and (t1_bytes > p or not t2) else _T2_FIRST
+                if ask is not None:  # the filter judges the first victim, still in place
+                    victim = peek_leaf(self, queues, parent, pending)
+                    pending = ask = None
+                    if victim is None or not admit(key, victim, len(sizes)):
+                        break
                 victim, pending = pop_leaf(self, queues, parent, pending)
                 if victim is None:
                     break

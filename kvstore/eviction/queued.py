@@ -3,8 +3,9 @@
 Those policies size their queues by what they track, so a request makes room before each new
 key, choosing from the queues' leaf heaps (``base``) in the order the policy names then. Their
 ``on_request`` runs its hooks inline, with these steps shared: ``pop_leaf`` (the leaf-heap
-pass of ``next_victim``, sparing the new key's parent), ``unlink`` (the base's part of
-``on_remove``) and ``flush``. All assume no key is demoted (the fast paths take the general
+pass of ``next_victim``, sparing the new key's parent), ``peek_leaf`` (the victim named
+to an admission filter, left in place), ``unlink`` (the base's part of ``on_remove``) and
+``flush``. All assume no key is demoted (the fast paths take the general
 path then). A victim's parent that becomes a leaf is usually the next victim (a prompt goes
 tail first), so ``unlink`` hands its heap entry back instead of pushing it, and ``pop_leaf``
 takes it when it comes first in its queue: no push and pop for it (``flush`` pushes it when
@@ -66,6 +67,24 @@ def pop_leaf(policy: EvictionPolicy, queues: Sequence[int], spare: Key | None,
             if key is not None:
                 return key, pending
     return None, pending
+
+
+def peek_leaf(policy: EvictionPolicy, queues: Sequence[int], spare: Key | None,
+              pending: tuple | None) -> Key | None:
+    """The victim ``pop_leaf`` would return, left in place (what ``next_victim`` names, for
+    an admission filter to judge before anything is evicted): ``pending`` is pushed first
+    (``flush``; the caller's pending entry is None after this)."""
+    flush(policy, pending)
+    can_evict = _always if spare is None else spare.__ne__
+    for q in queues:
+        victim = policy._first_leaf(q, can_evict)
+        if victim is not None:
+            return victim
+    return None
+
+
+def _always(key: Key) -> bool:
+    return True
 
 
 def flush(policy: EvictionPolicy, pending: tuple | None) -> None:

@@ -15,7 +15,7 @@ from collections import OrderedDict
 
 from kvstore.eviction.base import EvictionPolicy
 from kvstore.eviction.batched import Request, add_child, check_chain
-from kvstore.eviction.queued import drop, flush, pop_leaf
+from kvstore.eviction.queued import drop, flush, peek_leaf, pop_leaf
 
 _S_FIRST, _M_FIRST = (0, 1), (1, 0)
 
@@ -102,9 +102,10 @@ class S3FIFOPolicy(EvictionPolicy):
     def on_request(self, hits, keys, nbytes, free_bytes, admit=None) -> Request:
         """``EvictionPolicy.on_request`` with the per-event hooks inline (the same decisions,
         ranks and queues as ``on_access`` per hit, then per new key ``evict_until`` sparing
-        its parent, leaves only, and ``on_insert``); the general path with ``admit`` or a
-        demoted key. Raises as ``on_request``."""
-        if admit is not None or self._demoted:
+        its parent, leaves only, and ``on_insert``); ``admit``, when given, asked before
+        a key's first victim goes (``queued.peek_leaf``); the general path with a demoted
+        key. Raises as ``on_request``."""
+        if self._demoted:
             return super().on_request(hits, keys, nbytes, free_bytes, admit)
         check_chain(self, keys, nbytes)
         freq = self._freq
@@ -124,6 +125,7 @@ class S3FIFOPolicy(EvictionPolicy):
         room, freed, stored = free_bytes, 0, 0
         pending = None  # a leaf-heap entry not pushed yet (``queued.pop_leaf``)
         for key, n in zip(keys, nbytes):
+            ask = admit
             while n > room:  # ``_settle`` and ``_queues``, then one victim
                 tot = total or 1
                 while small and (small_bytes > ratio * tot or not main):
@@ -138,6 +140,12 @@ class S3FIFOPolicy(EvictionPolicy):
                 if main and freq[next(iter(main))]:
                     self._rotate_main()
                 queues = _S_FIRST if small_bytes > ratio * tot or not main else _M_FIRST
+                if ask is not None:  # the filter judges the first victim, still in place;
+                    victim = peek_leaf(self, queues, parent, pending)  # then settle again
+                    pending = ask = None  # (as ``evict_until`` after ``next_victim``: M's
+                    if victim is None or not admit(key, victim, len(sizes)):  # rotation
+                        break  # stops after one round, so a second may move more)
+                    continue
                 victim, pending = pop_leaf(self, queues, parent, pending)
                 if victim is None:
                     break
