@@ -73,10 +73,28 @@ def request(policy: LFUPolicy, hits: Sequence[Key], keys: Sequence[Key],
         deque(map(ranks.__delitem__, victims), 0)
         return victims, freed
 
+    def evict_each(need: int) -> tuple[list[Key], int]:  # the same, a key at a time
+        victims: list[Key] = []  # (with a filter: usually one victim per call)
+        freed = 0
+        while freed < need and buckets:
+            f = min(buckets)
+            bucket = buckets[f]
+            pop_first = bucket.popitem
+            while freed < need and bucket:
+                key = pop_first(False)[0]
+                freed += sizes.pop(key)
+                del parents[key]
+                del ranks[key]
+                victims.append(key)
+            if not bucket:
+                del buckets[f]
+        return victims, freed
+
     def first_victim() -> Key | None:
         return next(iter(buckets[min(buckets)])) if buckets else None
 
-    victims, freed, stored = leaf_first.make_room(keys, nbytes, free_bytes, evict,
+    victims, freed, stored = leaf_first.make_room(keys, nbytes, free_bytes,
+                                                  evict if admit is None else evict_each,
                                                   first_victim, len(sizes), admit)
     if stored:
         chain = keys[:stored] if stored < len(keys) else keys
