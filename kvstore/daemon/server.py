@@ -211,10 +211,13 @@ async def demote(request: web.Request) -> web.Response:
 
 async def clear(request: web.Request) -> web.Response:
     body = await _json_body(request)
+    named = [k for k in ("all", "namespace", "ns_id") if k in body]
+    if len(named) > 1:  # which one was meant cannot be told: clear nothing
+        raise P.ProtocolError(f"clear takes one of namespace, ns_id or all; got {named}")
     if body.get("all") is True:
         caller(request).require_admin('clear {"all": true}')
         ns = None
-    elif "ns_id" in body and "namespace" not in body:
+    elif "ns_id" in body:
         return _ok({"removed": int(await clear_by_namespace_id(request, body["ns_id"]))})
     else:
         ns = P.parse_namespace(body.get("namespace"))

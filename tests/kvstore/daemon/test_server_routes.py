@@ -69,6 +69,17 @@ def test_remove_and_clear_per_namespace(server):
     assert post_json(server, "/v1/clear", {"all": True}) == (200, {"removed": 1})
 
 
+def test_a_clear_naming_two_targets_clears_nothing(server):
+    """``{"namespace", "ns_id"}`` or ``{"all", ...}``: which was meant cannot be told."""
+    assert do_put(server, put_body(KEYS[:2], [chunk(0), chunk(1)]))[0] == 200
+    for body in ({"namespace": NS.to_dict(), "ns_id": OTHER.ns_id.hex()},
+                 {"all": True, "namespace": OTHER.to_dict()},
+                 {"all": True, "ns_id": NS.ns_id.hex()}):
+        status, ans = post_json(server, "/v1/clear", body)
+        assert status == 400 and "clear takes one of namespace, ns_id or all" in ans["error"]
+    assert stored(server, KEYS[:2]) == [True, True]
+
+
 def test_tenants_cannot_name_each_others_keys(server):
     assert do_put(server, put_body(KEYS[:1], [chunk(0)]))[0] == 200
     status, ans = post_json(server, "/v1/exists", {"namespace": OTHER.to_dict(),
