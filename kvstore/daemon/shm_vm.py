@@ -212,6 +212,7 @@ class PeerMemory:
     def __init__(self, pid: int, sock_fd: int | None = None):
         self.pid = pid
         self._pidfd = os.pidfd_open(pid)
+        self._lock, self._closed = threading.Lock(), False  # (close vs a read's checks)
         self._poll = select.poll()
         self._poll.register(self._pidfd, select.POLLIN)
         self._hup = None
@@ -227,12 +228,14 @@ class PeerMemory:
 
     def alive(self) -> bool:
         """True while the process this object was made for has not exited (its pid cannot
-        name another process then)."""
-        return not self._poll.poll(0)
+        name another process then); False once ``close`` ran."""
+        with self._lock:
+            return not self._closed and not self._poll.poll(0)
 
     def connected(self) -> bool:
-        """True while the peer has not closed (or shut down) the connection."""
-        return self._hup is None or not self._hup.poll(0)
+        """True while the peer keeps the connection open and ``close`` has not run."""
+        with self._lock:
+            return not self._closed and (self._hup is None or not self._hup.poll(0))
 
     def probe(self, probe: Any) -> bool:
         """Whether ``probe`` (hello's ``vm_probe``) names bytes this daemon reads as given."""
@@ -292,10 +295,15 @@ class PeerMemory:
                                 "(a vm range runs into unmapped memory)")
 
     def close(self) -> None:
-        try:
-            os.close(self._pidfd)
-        except OSError:
-            pass
+        """Close the pidfd; a read still running then ends in 410. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                os.close(self._pidfd)
+            except OSError:
+                pass
 
 
 def parse_ranges(value: Any, entries) -> list[tuple[int, int]]:

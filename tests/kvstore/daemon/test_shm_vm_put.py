@@ -5,6 +5,7 @@ import errno
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -285,3 +286,39 @@ def test_under_yama_scope_1_the_client_names_the_daemon_its_ptracer(tmp_path, mo
     finally:
         a.close()
         b.close()
+
+
+def test_a_read_ending_after_the_daemon_closed_the_connection_stores_nothing(tmp_path,
+                                                                              monkeypatch):
+    """The daemon answers 504 and closes a connection whose vm put outran its request timeout
+    while the read still runs on the store pool; new connections then reuse the closed
+    connection's descriptor numbers (its socket, its peer's pidfd). The read ending after
+    that is dropped: the client was told its put failed and may have reused its memory."""
+    gate, reading = threading.Event(), threading.Event()
+    real = shm_vm.vm_read
+
+    def held(pid, local, remote):  # the put's read (not a hello's probe) waits for the gate
+        if sum(n for _, n in remote) == CB:
+            reading.set()
+            assert gate.wait(10)
+        return real(pid, local, remote)
+    monkeypatch.setattr(shm_vm, "vm_read", held)
+    with shm_daemon(tmp_path, request_timeout_s=0.3) as d:
+        c = RawClient(d.sock_path)
+        assert vm_hello(c)["vm_read"]
+        kv = chunk(0)
+        try:
+            reply = vm_put(c, KEYS[:1], [kv])
+            assert reply["status"] == 504 and reading.is_set()
+            kv.fill_(7)  # the client reuses its memory after its put failed
+            c.close()
+            later = [RawClient(d.sock_path) for _ in range(3)]  # the lowest free numbers
+            assert all(vm_hello(o)["vm_read"] for o in later)
+        finally:
+            gate.set()
+        time.sleep(0.5)
+        assert d.store.exists(NS, KEYS[:1]) == [False]
+        assert later[0].keys_op("lookup", KEYS[:1])["num_hit_chunks"] == 0
+        for o in later:
+            o.close()
+        d.store.check_integrity()
