@@ -284,6 +284,7 @@ class Loader:
                         [ld.future], timeout=max(0.0, deadline - time.perf_counter())).done:
                     ld.future.result()
                     failed = False
+                    self.stats.recovered("load")
                 else:
                     ld.future.cancel()
                     self.stats.fallback("load", "load of %d chunks missed its deadline; "

@@ -7,7 +7,8 @@ stored chunks, up to the end of the first missing chunk. ``PrefixLookup.run`` as
 (``lookup_keys``) within ``deadline_s``: inline when the store answers without waiting (an
 in-process ``ChunkStore`` whose lock is free: no thread hop on the engine's critical path),
 else on a worker thread. A timeout or a store error is a miss, counted as a lookup fallback
-and logged once; the engine then prefills those tokens itself.
+and logged once per cause (again after lookups worked again); the engine then prefills those
+tokens itself.
 """
 from __future__ import annotations
 
@@ -69,6 +70,9 @@ class PrefixLookup:
                     hit = LookupHit.miss(query.num_tokens, query.num_local)
                 else:
                     hit = fut.result()
+                    self.stats.recovered("lookup")
+            else:
+                self.stats.recovered("lookup")
         except Exception as exc:  # noqa: BLE001 - any store trouble means a miss
             self.stats.fallback("lookup", "lookup failed (%s: %s); recomputing",
                                 type(exc).__name__, exc)

@@ -11,7 +11,8 @@ When a saved chunk covers tail pieces this request saved before (``SaveRange.sup
 answer filled the chunk of pieces), the writer thread demotes those pieces right after the put
 (``connectors.save_queue.demote_superseded``): they become the first eviction candidates of
 every tier, yet still serve a prompt sharing the prefix up to a piece while there is room. A
-failed demotion is counted (``demote_errors``) and logged once; it only costs room, later.
+failed demotion is counted (``demote_errors``) and logged once per cause; it only costs room,
+later.
 
 Devices (``connectors.engine_min_device``): chunks are gathered on the pool's device; a store
 without a GPU tier on top gets host copies (pinned, made without waiting), and the writer waits
@@ -80,13 +81,15 @@ class Saver:
 
     def _demote(self, rng: SaveRange, stored: int) -> None:
         """Writer thread, after ``rng``'s chunks were put: demote the tail pieces they cover
-        (``demote_superseded``); a failure is counted (``demote_errors``) and logged once."""
+        (``demote_superseded``); a failure is counted (``demote_errors``) and logged once per
+        cause."""
         try:
             n = demote_superseded(self.store, rng.ns, rng.keys, stored, rng.supersedes)
             self.stats.add(demoted_tail_chunks=n)
+            self.stats.recovered("demote")
         except Exception as exc:  # noqa: BLE001 - a lost demotion only costs room, later
             self.stats.add(demote_errors=1)
-            self.stats.warn_once("demote", "kv connector: demoting tail pieces failed (%s: %s)",
+            self.stats.warn("demote", "kv connector: demoting tail pieces failed (%s: %s)",
                                  type(exc).__name__, exc)
 
     def _reserve(self, n_chunks: int, nbytes: int) -> bool:
@@ -94,7 +97,7 @@ class Saver:
         ok = self._queue.try_reserve(nbytes)
         self.stats.add(**{"queued_chunks" if ok else "dropped_save_chunks": n_chunks})
         if not ok:
-            self.stats.warn_once("save_drop", "kv connector: save queue full (%d bytes); "
+            self.stats.warn("save_drop", "kv connector: save queue full (%d bytes); "
                                  "dropping saves", self.save_queue_bytes)
         return ok
 
@@ -102,13 +105,15 @@ class Saver:
                error: Exception | None) -> None:
         """``SaveQueue`` callback (writer thread): count what one put stored, or its error."""
         self.stats.observe("save", seconds)
+        kind = "tail save" if ns is self.tail_ns else "save"   # may fail apart (sizes differ)
         if error is None:
             self.stats.add(**{"saved_tail_chunks" if ns is self.tail_ns else "saved_chunks":
                               stored, "saved_bytes": stored * ns.layout.chunk_bytes})
+            self.stats.recovered(kind)
         else:
             self.stats.add(save_errors=1)
-            self.stats.warn_once("save", "kv connector: save failed (%s: %s)",
-                                 type(error).__name__, error)
+            self.stats.warn(kind, f"kv connector: {kind} failed (%s: %s)",
+                            type(error).__name__, error)
 
     @property
     def queued_bytes(self) -> int:

@@ -41,7 +41,8 @@ def test_a_refused_daemon_is_logged_as_refused_not_timed_out(caplog):
     lookup_lines = [m for m in _connector_lines(caplog) if m.startswith("kv connector: lookup")]
     assert lookup_lines == [
         f"kv connector: lookup failed (StoreUnavailable: GET {url}/v1/stats: connection refused "
-        f"(2 tries); is the kvstore daemon running?); recomputing (logged once)"]
+        f"(2 tries); is the kvstore daemon running?); recomputing "
+        f"(logged once per cause until it recovers)"]
     assert not any("timed out" in r.getMessage() for r in caplog.records)
     conn.close()
 
@@ -81,7 +82,8 @@ def _run_stored_prompt(caplog, **flaw) -> tuple[EngineMinConnector, FakeEngine]:
 def test_a_lookup_past_its_deadline_is_logged_as_timed_out(caplog):
     conn, _ = _run_stored_prompt(caplog, lookup_stall_s=1.0)
     assert _connector_lines(caplog) == [
-        "kv connector: lookup timed out after 0.200 s; recomputing (logged once)"]
+        "kv connector: lookup timed out after 0.200 s; recomputing "
+        "(logged once per cause until it recovers)"]
     assert conn.get_stats()["kvstore_lookup_fallbacks"] == 1
     conn.close()
 
@@ -91,7 +93,8 @@ def test_a_load_the_store_refuses_is_logged_as_failed_not_missed_deadline(caplog
     conn, _ = _run_stored_prompt(caplog, get_error=err)
     assert _connector_lines(caplog) == [
         "kv connector: load failed (StoreUnavailable: POST http://127.0.0.1:9/v1/get: "
-        "connection refused (2 tries)); recomputing (logged once)"]
+        "connection refused (2 tries)); recomputing (logged once per cause until it "
+        "recovers)"]
     st = conn.get_stats()
     assert st["kvstore_load_fallbacks"] == 1 and st["kvstore_load_failed_tokens"] == 32
     conn.close()
