@@ -70,6 +70,49 @@ def _ns_cache_key(obj: dict) -> tuple | None:
 
 
 _LAYOUT_INTS = ("num_layers", "num_kv_heads", "head_dim", "chunk_size")
+#: Characters one namespace field may have (a model id, revision, salt, fingerprint, a rope
+#: config's JSON); the daemon keeps every namespace it was named (``--max-namespaces``), so a
+#: field without a bound would let any client, a reader too, grow the daemon's memory.
+MAX_NAMESPACE_FIELD_CHARS = 4096
+#: Characters all fields of one namespace may have together.
+MAX_NAMESPACE_CHARS = 16384
+
+
+#: The fields of a namespace's wire form (``Namespace.to_dict``).
+NAMESPACE_FIELDS = frozenset(("model_id", "revision", "layout", "cache_salt", "hash_algo")
+                             + IDENTITY_FIELDS)
+
+
+def check_namespace_fields(obj: dict) -> None:
+    """Refuse a namespace with a field ``Namespace`` does not have (ignoring it would let two
+    clients that differ in it share chunks: the field is not in the namespace id), or whose
+    fields exceed ``MAX_NAMESPACE_FIELD_CHARS`` each or ``MAX_NAMESPACE_CHARS`` together
+    (strings by length, other values by their JSON).
+
+    Raises:
+        ProtocolError: naming the field and the bound.
+    """
+    unknown = [str(k)[:40] for k in obj if k not in NAMESPACE_FIELDS]
+    if unknown:
+        raise ProtocolError(f"bad namespace: unknown field(s) {unknown[:5]}; a namespace has "
+                            f"{sorted(NAMESPACE_FIELDS)} (a newer client than this daemon?)")
+    total = 0
+    for name, value in obj.items():
+        if name == "layout" and isinstance(value, dict) and len(value) <= 16:
+            n = sum(len(str(v)) for v in value.values())
+        else:
+            try:
+                n = len(value) if isinstance(value, str) else len(json.dumps(value, default=str))
+            except (RecursionError, ValueError):
+                raise ProtocolError(f"bad namespace: field {str(name)[:40]!r} is nested too "
+                                    "deep") from None
+        if n > MAX_NAMESPACE_FIELD_CHARS:
+            raise ProtocolError(f"bad namespace: field {str(name)[:40]!r} has {n} characters, "
+                                f"more than {MAX_NAMESPACE_FIELD_CHARS}")
+        total += n + len(str(name))
+    if total > MAX_NAMESPACE_CHARS:
+        raise ProtocolError(f"bad namespace: {total} characters in all, more than "
+                            f"{MAX_NAMESPACE_CHARS}")
 
 
 def parse_namespace(obj: Any) -> Namespace:
@@ -81,6 +124,7 @@ def parse_namespace(obj: Any) -> Namespace:
     ns = _NS_CACHE.get(ck) if ck is not None else None
     if ns is not None:
         return ns
+    check_namespace_fields(obj)
     layout = obj.get("layout")
     if isinstance(layout, dict):  # exact ints: int() would take 2.7, "3", true or overflow
         for name in _LAYOUT_INTS:

@@ -232,3 +232,35 @@ def test_namespaces_beyond_the_cap_evict_the_least_recent_and_are_counted(server
 def test_max_namespaces_must_be_positive():
     with pytest.raises(ValueError, match="max_namespaces"):
         StoreConfig(cpu_bytes=1 << 20, max_namespaces=0)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("model_id", "m" * 20_000), ("cache_salt", "s" * 5_000),
+    ("rope", {"long_factor": [1.0] * 2_000})])
+def test_a_namespace_with_an_oversized_field_is_400_and_not_kept(server, field, value):
+    """Every lookup names a namespace the daemon keeps (up to ``max_namespaces``): without a
+    bound on its fields a reader could grow the daemon's memory by megabytes a request."""
+    store: ChunkStore = server.store
+    before = store.stats()["num_namespaces"]
+    body = json.loads(lookup_body(NS, KEYS[:1]))
+    body["namespace"][field] = value
+    status, ans = post(server.port, "/v1/lookup", json.dumps(body).encode())
+    assert status == 400 and "characters, more than" in ans["error"], ans
+    assert store.stats()["num_namespaces"] == before
+    # all fields together are bounded too: three fields just under the per-field bound
+    body = json.loads(lookup_body(NS, KEYS[:1]))
+    body["namespace"].update(model_id="m" * 4000, revision="r" * 4000, cache_salt="s" * 4000,
+                             adapter="a" * 4000, quantization="q" * 1000)
+    status, ans = post(server.port, "/v1/lookup", json.dumps(body).encode())
+    assert status == 400 and "characters in all" in ans["error"], ans
+    # a namespace of ordinary size is served
+    assert post(server.port, "/v1/lookup", lookup_body(NS, KEYS[:1]))[0] == 200
+
+
+def test_a_namespace_field_the_daemon_does_not_know_is_400(server):
+    """Ignored, it would not be in the namespace id: two clients differing in it would share
+    chunks (a field that changes the KV then changes answers)."""
+    body = json.loads(lookup_body(NS, KEYS[:1]))
+    body["namespace"]["sliding_window"] = 4096
+    status, ans = post(server.port, "/v1/lookup", json.dumps(body).encode())
+    assert status == 400 and "unknown field(s) ['sliding_window']" in ans["error"], ans
