@@ -94,8 +94,9 @@ async def _get_direct(request: web.Request, state: "_ServerState", ns, keys) -> 
     budget, total, lower = 0, 0, None
     try:
         if borrowed.lower:
-            budget = len(borrowed.lower) * ns.layout.chunk_bytes
-            await state.budget.acquire(budget, state.budget_wait_s())
+            need = len(borrowed.lower) * ns.layout.chunk_bytes
+            await state.budget.acquire(need, state.budget_wait_s())
+            budget = need  # (taken: given back below; a refused acquire took nothing)
             lower = asyncio.ensure_future(state.call(borrowed.read_lower))
             await asyncio.shield(lower)
         if all(p is None for p in borrowed.parts):

@@ -94,8 +94,9 @@ async def get(c: "Connection", h: dict) -> None:
     budget, lower, kept = 0, None, False
     try:
         if b.lower:
-            budget = len(b.lower) * ns.layout.chunk_bytes
-            await state.budget.acquire(budget, state.budget_wait_s())
+            need = len(b.lower) * ns.layout.chunk_bytes
+            await state.budget.acquire(need, state.budget_wait_s())
+            budget = need  # (taken: given back below; a refused acquire took nothing)
             lower = asyncio.ensure_future(state.call(b.read_lower))
             await asyncio.shield(lower)
         chunks, inline = _describe(b)

@@ -90,6 +90,37 @@ async def test_requests_beyond_the_inflight_byte_budget_wait_then_get_503_and_st
         store.close()
 
 
+@pytest.mark.asyncio
+async def test_a_get_refused_503_for_budget_gives_back_only_what_it_took(tmp_path):
+    """A direct get of disk-tier chunks waits for payload budget; one that gets 503 took
+    none and gives none back: ``held`` stays what the other requests hold."""
+    store = make_store(disk_path=str(tmp_path / "disk"), cpu_bytes=2 * LAYOUT.chunk_bytes)
+    app = create_app(store, ServerLimits(auth_token=TOKEN, max_inflight_bytes=LAYOUT.chunk_bytes,
+                                         request_timeout_s=0.3))
+    budget = app[STATE_KEY].budget
+
+    async def get(keys):
+        resp = await cli.post("/v1/get", data=P.key_request(NS, keys),
+                              headers={**AUTH, "Content-Type": "application/json"})
+        return resp.status, await resp.read()
+    try:
+        assert app[STATE_KEY].direct
+        store.put_chunks(NS, KEYS[:2], [chunk(0), chunk(1)])
+        store.put_chunks(NS, NS.chunk_keys(list(range(100, 108))), [chunk(2), chunk(3)])
+        assert store.flush(10) and store.lookup_keys(NS, KEYS[:1]).tiers == ("disk",)
+        async with TestClient(TestServer(app, host="127.0.0.1")) as cli:
+            await budget.acquire(LAYOUT.chunk_bytes, 1)  # another request's bytes in flight
+            status, data = await get(KEYS[:1])
+            assert status == 503 and b"server busy" in data
+            assert budget.held == LAYOUT.chunk_bytes  # (was 0: it gave back what it never took)
+            budget.release(LAYOUT.chunk_bytes)
+            status, data = await get(KEYS[:1])
+            assert status == 200 and torch.equal(parse_get_body(data, NS, KEYS[:1])[0], chunk(0))
+            assert budget.held == 0
+    finally:
+        store.close()
+
+
 @pytest.fixture
 def staging(server):
     """The server's staging-buffer path (used for stores without direct I/O and durable puts)."""

@@ -4,6 +4,7 @@ unknown ops, too many keys, a bad checksum, a stalled upload, a draining daemon)
 daemon goes on serving; the socket file's life (stale one replaced, live one refused, unlinked
 at stop); metrics by ``shm_*`` route.
 """
+import asyncio
 import json
 import os
 import socket
@@ -19,8 +20,8 @@ from kvstore.daemon import shm_protocol as S
 from kvstore.daemon.server import STATE_KEY, ThreadedServer, create_app
 from kvstore.daemon.state import ServerLimits
 from kvstore.daemon.tenants import Tenant, TenantTable
-from tests.kvstore.daemon.shm_helpers import (CB, KEYS, NS, OTHER, RawClient, chunk, make_store,
-                                              num_pinned, shm_daemon, wait_until)
+from tests.kvstore.daemon.shm_helpers import (CB, KEYS, NS, OTHER, RawClient, as_bytes, chunk,
+                                              make_store, num_pinned, shm_daemon, wait_until)
 
 ALICE, READER, ADMIN = "alice-token-0123456789", "reader-token-0123456789", "admin-token-01234567"
 TENANTS = TenantTable([Tenant("alice", "tenant", "tenant-b", ALICE),
@@ -288,3 +289,36 @@ def test_connections_beyond_the_cap_are_answered_503_and_closed(tmp_path):
     finally:
         srv.stop()
         store.close()
+
+
+def test_a_get_refused_503_for_budget_gives_back_only_what_it_took(tmp_path):
+    """A get of disk-tier chunks waits for payload budget; one that gets 503 (still no room
+    after the wait) took none, so it gives none back: the budget's ``held`` is exactly what
+    the other requests hold, and later requests still wait for room."""
+    store = make_store(cpu_bytes=2 * CB, disk_bytes=1 << 20, disk_path=str(tmp_path / "disk"),
+                       promote_on_hit=False)
+    with shm_daemon(tmp_path, store, max_inflight_bytes=CB, request_timeout_s=0.3) as srv:
+        c = RawClient(srv.sock_path)
+        c.hello()
+        assert c.put(KEYS[:2], [chunk(1), chunk(2)])["stored"] == 2
+        other = NS.chunk_keys(list(range(100, 108)))  # another prompt: KEYS' chunks spill
+        assert c.put(other, [chunk(3), chunk(4)])["stored"] == 2
+        assert srv.store.flush(10)
+        assert c.keys_op("lookup", KEYS[:1])["tiers"] == ["disk"]
+        budget, loop = srv.app[STATE_KEY].budget, srv._loop
+        run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(5)  # noqa: E731
+
+        async def hold():  # another request's payload bytes in flight
+            await budget.acquire(CB, 1)
+        run(hold())
+        reply = c.call({"op": "get", "namespace": NS.to_dict(), "keys": [KEYS[0].hex()]})[0]
+        assert reply["status"] == 503 and "server busy" in reply["error"]
+        assert wait_until(lambda: num_pinned(srv.store) == 0)
+        assert budget.held == CB  # (was 0: the refused get gave back what it never took)
+
+        async def release():
+            budget.release(CB)
+        run(release())
+        reply, got = c.get(KEYS[:1])
+        assert reply["ok"] and got == [as_bytes(chunk(1))] and budget.held == 0
+        c.close()
