@@ -255,11 +255,14 @@ class PrefixStore:
         chunk is missing.
 
         Raises:
-            ValueError: num_tokens not a multiple of chunk_size or beyond the full chunks.
+            TypeError: num_tokens not an integer. ValueError: num_tokens negative, not a
+                multiple of chunk_size or beyond the full chunks.
         """
-        if num_tokens % self.chunk_size or num_tokens > len(tokens):
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
+            raise TypeError(f"num_tokens must be an integer, got {type(num_tokens).__name__}")
+        if num_tokens < 0 or num_tokens % self.chunk_size or num_tokens > len(tokens):
             raise ValueError(f"num_tokens={num_tokens} must be a multiple of chunk_size="
-                             f"{self.chunk_size} and <= len(tokens)={len(tokens)}")
+                             f"{self.chunk_size} in [0, len(tokens)={len(tokens)}]")
         keys = self.keys(tokens[:num_tokens])
         if not keys:
             return torch.empty(self.ns.layout.shape(0), dtype=self.ns.layout.torch_dtype)
@@ -279,7 +282,7 @@ class PrefixStore:
         if kv.dim() != 5 or kv.shape[2] > len(tokens):
             raise ValueError(f"KV shape mismatch: expected {list(lay.shape(len(tokens)))}-like "
                              f"with at most {len(tokens)} tokens, got {list(kv.shape)}")
-        lay.validate(kv[:, :, :0], 0)
+        lay.validate(kv, kv.shape[2])  # shape and dtype only: names the real token count
         n = kv.shape[2] // self.chunk_size
         keys = self.keys(tokens[:n * self.chunk_size])
         kvs = [kv[:, :, i * self.chunk_size:(i + 1) * self.chunk_size] for i in range(n)]

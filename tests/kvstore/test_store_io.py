@@ -139,3 +139,29 @@ def test_pin_table_counts_kinds_and_expires_leases_in_order():
     p.drop_reader(a)
     assert p.pinned_keys() == set() and p.evictable(a)
     p.check_integrity()
+
+
+def test_prefix_store_get_refuses_negative_and_non_integer_token_counts():
+    """``tokens[:-chunk]`` would have returned the KV of all but the last chunk."""
+    store = make()
+    toks = prompt(0, 3)
+    PrefixStore(store, NS).put(toks, kv_for(toks))
+    p = PrefixStore(store, NS)
+    assert p.get(toks, 2 * LAY.chunk_size).shape[2] == 2 * LAY.chunk_size
+    with pytest.raises(ValueError, match=r"num_tokens=-\d+ must be a multiple"):
+        p.get(toks, -LAY.chunk_size)
+    with pytest.raises(TypeError, match="num_tokens must be an integer, got float"):
+        p.get(toks, float(LAY.chunk_size))
+    with pytest.raises(TypeError, match="got bool"):
+        p.get(toks, True)
+    store.close()
+
+
+def test_prefix_store_put_shape_error_names_the_real_token_count():
+    store = make()
+    toks = prompt(0, 2)
+    bad = kv_for(toks)[1:]  # one layer short
+    with pytest.raises(ValueError, match=rf"shape mismatch: expected \[{LAY.num_layers}, 2, "
+                                         rf"{2 * LAY.chunk_size},"):
+        PrefixStore(store, NS).put(toks, bad)
+    store.close()
