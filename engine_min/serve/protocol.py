@@ -155,10 +155,14 @@ def _parse_prompt(body: dict) -> str | list[int]:
     raise _bad_type("prompt", "a string or a list of token ids")
 
 
-def _content_text(content: Any, i: int) -> str:
-    """Message content as text: a string, or a list of ``{"type": "text", "text"}`` parts."""
+def _content_text(content: Any, i: int, role: str) -> str:
+    """Message content as text: a string, or a list of ``{"type": "text", "text"}`` parts;
+    null only for an assistant message (read as ""). Raises ``ApiError`` (400)."""
     if content is None:
-        return ""
+        if role == "assistant":
+            return ""
+        raise _bad_type(f"messages[{i}].content", "a string or a list of text parts (null "
+                        "only for an assistant message)")
     if isinstance(content, str):
         return _check_text(content, f"messages[{i}].content")
     if isinstance(content, list):
@@ -193,7 +197,7 @@ def parse_messages(body: dict) -> list[dict]:
                            f"assistant, tool; got {role!r}.", param=f"messages[{i}].role",
                            code="invalid_value")
         out.append({"role": "system" if role == "developer" else role,
-                    "content": _content_text(m.get("content"), i)})
+                    "content": _content_text(m.get("content"), i, role)})
     return out
 
 
@@ -226,6 +230,20 @@ def _check_unsupported(body: dict, kind: str) -> None:
                            code="unsupported")
     if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
         raise ApiError("logprobs are not supported.", param="logprobs", code="unsupported")
+    if body.get("logit_bias") not in (None, {}):
+        raise ApiError("'logit_bias' is not supported.", param="logit_bias", code="unsupported")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise ApiError("'response_format' is not supported (only {'type': 'text'}).",
+                       param="response_format", code="unsupported")
+    for name in ("tools", "functions"):
+        if body.get(name) not in (None, []):
+            raise ApiError(f"'{name}' (tool calling) is not supported.", param=name,
+                           code="unsupported")
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none", "auto"):
+            raise ApiError(f"'{name}' is not supported (tool calling).", param=name,
+                           code="unsupported")
     if kind == "completion" and body.get("echo") not in (None, False):
         raise ApiError("'echo' is not supported.", param="echo", code="unsupported")
     if kind == "completion" and body.get("suffix") not in (None, ""):

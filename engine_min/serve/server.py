@@ -175,8 +175,10 @@ class OpenAIServing:
         limit = self.max_model_len * MAX_CHARS_PER_TOKEN
         if num_chars > limit:
             raise proto.ApiError(f"This model's maximum context length is {self.max_model_len} "
-                                 f"tokens. However, your {param} has {num_chars} characters, "
-                                 f"more than the {limit} that could fit it.", param=param,
+                                 f"tokens. However, your {param} "
+                                 f"{'have' if param == 'messages' else 'has'} {num_chars} "
+                                 f"characters, more than the {limit} characters that context "
+                                 f"can hold.", param=param,
                                  code="context_length_exceeded")
 
     def encode(self, text: str, param: str) -> list[int]:

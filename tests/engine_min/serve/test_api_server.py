@@ -259,6 +259,19 @@ BAD = [  # (path, body, status, param, code)
     ("/v1/chat/completions", b'{"messages": "hi"}', 400, "messages", "invalid_type"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": 5}]}', 400,
      "messages[0].content", "invalid_type"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": null}]}', 400,
+     "messages[0].content", "invalid_type"),
+    ("/v1/completions", b'{"prompt": "x", "logit_bias": {"28": 100}}', 400, "logit_bias",
+     "unsupported"),
+    ("/v1/completions", b'{"prompt": "x", "logit_bias": {"99999999": 100}}', 400,
+     "logit_bias", "unsupported"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], '
+     b'"logit_bias": {"28": -100}}', 400, "logit_bias", "unsupported"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], '
+     b'"response_format": {"type": "json_object"}}', 400, "response_format", "unsupported"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], '
+     b'"tools": [{"type": "function", "function": {"name": "f"}}]}', 400, "tools",
+     "unsupported"),
 ]
 
 
@@ -303,7 +316,8 @@ def test_a_prompt_far_beyond_the_context_is_refused_before_tokenizing(server, mo
             (400, param, "context_length_exceeded")
         assert got["error"]["message"] == (
             f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, your "
-            f"{param} has {limit + 1} characters, more than the {limit} that could fit it.")
+            f"{param} {'have' if param == 'messages' else 'has'} {limit + 1} characters, "
+            f"more than the {limit} characters that context can hold.")
     assert encoded == []  # refused before the tokenizer ran
     status, got = _post(server, "/v1/completions", json.dumps({"prompt": "a" * limit}).encode())
     assert (status, got["error"]["code"]) == (400, "context_length_exceeded")  # by token count
