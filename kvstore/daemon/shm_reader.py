@@ -4,9 +4,10 @@ request stream of a raw non-blocking Unix socket, read ahead.
 Requests are read ahead into a buffer (``[_rpos, _rend)`` of ``_rbuf`` received, not yet
 consumed; ``_base`` is the stream offset of ``_rbuf[0]``), so a key request's preamble and
 header arrive in one call. Those reads take descriptors too (``SCM_RIGHTS``: a ``stage``
-request's payload byte carries its memfd): the kernel ends a read at the byte that carries
-them, so they are kept by that byte's stream offset until ``recv_fds`` consumes it, and closed
-once the stream passes it or the reader closes.
+request's payload byte carries its memfd): they ride on the first byte of the message that
+carried them, and the kernel ends a read after that message (or where the buffer ends), so
+that byte lies in the read's stream range; they are kept by that range until ``recv_fds``
+consumes a byte in it, and closed once the stream passes its end or the reader closes.
 
 The event loop watches the socket through one reader callback that stays registered between
 requests (no ``epoll_ctl`` per request) and runs the waiting read itself, so its bytes are
@@ -44,8 +45,8 @@ class SocketReader:
         self._rbuf = bytearray(READ_AHEAD_BYTES)
         self._rview = memoryview(self._rbuf)
         self._rpos = self._rend = self._base = 0
-        #: descriptors read ahead: (stream offset of the byte that carried them, fds)
-        self._fds: list[tuple[int, list[int]]] = []
+        #: descriptors read ahead: (first and last stream offsets of the read, fds)
+        self._fds: list[tuple[int, int, list[int]]] = []
         #: the loop watches the socket (``_on_readable``); the read waiting for it, if any
         self._watching, self._reading = False, None
 
@@ -100,7 +101,7 @@ class SocketReader:
     def close(self) -> None:
         """Stop watching and close the descriptors read ahead that nobody took."""
         self.unwatch()
-        for _at, fds in self._fds:
+        for _first, _last, fds in self._fds:
             close_all(fds)
         self._fds = []
 
@@ -116,9 +117,10 @@ class SocketReader:
         if n == 0:
             close_all(fds or ())
             raise ConnectionError("client closed the connection")
-        self._rend += n
         if fds:
-            self._fds.append((self._base + self._rend - 1, fds))
+            first = self._base + self._rend
+            self._fds.append((first, first + n - 1, fds))
+        self._rend += n
         return n
 
     async def _fill(self, need: int) -> None:
@@ -147,18 +149,26 @@ class SocketReader:
             self._rpos = self._rend = 0
 
     def _fds_at(self, offset: int) -> list[int]:
-        """The read-ahead descriptors carried by the byte at stream ``offset``; those of
-        earlier bytes (nobody took them) are closed."""
+        """The read-ahead descriptors of the read whose range holds stream ``offset``; those
+        of reads that end before it (nobody took them) are closed."""
         mine, kept = [], []
-        for at, fds in self._fds:
-            if at == offset:
-                mine += fds
-            elif at < offset:
+        for first, last, fds in self._fds:
+            if last < offset:
                 close_all(fds)
+            elif first <= offset:
+                mine += fds
             else:
-                kept.append((at, fds))
+                kept.append((first, last, fds))
         self._fds = kept
         return mine
+
+    def _close_fds_before(self, offset: int) -> None:
+        """Close the read-ahead descriptors of reads that end before stream ``offset``."""
+        if any(last < offset for _first, last, _fds in self._fds):
+            for _first, last, fds in self._fds:
+                if last < offset:
+                    close_all(fds)
+            self._fds = [r for r in self._fds if r[1] >= offset]
 
     # ---- reads -------------------------------------------------------------------------------
     async def read_frame(self) -> tuple[dict, int] | None:
@@ -169,7 +179,7 @@ class SocketReader:
                 inside the header.
         """
         if self._fds:  # descriptors of bytes consumed without taking them
-            close_all(self._fds_at(self._base + self._rpos))
+            self._close_fds_before(self._base + self._rpos)
         try:
             await self._fill(PREAMBLE_BYTES)
         except ConnectionError:
@@ -214,7 +224,7 @@ class SocketReader:
             self._take(1)
             return fds
         if self._fds:  # left by bytes consumed already
-            close_all(self._fds_at(self._base))
+            self._close_fds_before(self._base)
         room = socket.CMSG_SPACE(4 * array.array("i").itemsize)
         while True:  # (read here, not in the reader callback: a cancelled wait leaks nothing)
             try:

@@ -88,3 +88,25 @@ def test_a_descriptor_on_a_request_that_takes_none_is_closed(tmp_path):
         os.close(r)
         if w is not None:
             os.close(w)
+
+
+def test_a_stage_whose_descriptor_rides_on_a_longer_message_gets_it(tmp_path):
+    """``send_with_fds`` attaches descriptors to the first byte of what it sends: a client
+    may send the stage's payload byte and its next request in that one message. The read
+    that takes the descriptors then ends after the next request, not at the stage's byte;
+    the stage still gets its memfd, and the request after it is answered."""
+    with shm_daemon(tmp_path) as d:
+        c = RawClient(d.sock_path)
+        c.hello()
+        staging = ClientStaging(4 * CB)
+        try:
+            c.sock.sendall(S.encode_frame({"op": "stage", "nbytes": 4 * CB}, 1))
+            S.send_with_fds(c.sock, b"\0" + lookup_frame(KEYS[:3]), [staging.fd])
+            assert c.recv()[0] == {"ok": True, "staging_bytes": 4 * CB}
+            assert c.recv()[0]["num_requested_chunks"] == 3
+            assert staged_put(c, staging, KEYS[:2], [chunk(0), chunk(1)])["stored"] == 2
+            got = d.store.get_chunks(NS, KEYS[:2])
+            assert [as_bytes(t) for t in got] == [as_bytes(chunk(0)), as_bytes(chunk(1))]
+        finally:
+            staging.close()
+            c.close()
