@@ -27,7 +27,7 @@ from kvstore.daemon.shm_borrow import ArenaBorrow, CopiedBorrow
 from kvstore.daemon.shm_client import CAPABILITIES as SHM_CAPABILITIES
 from kvstore.daemon.shm_client import ShmKVStoreClient
 from kvstore.daemon.shm_discovery import discover_socket
-from kvstore.daemon.transport import check_url
+from kvstore.daemon.transport import check_timeout, check_url
 from kvstore.daemon.wire_codec import WIRE_CODECS
 from kvstore.errors import RemoteError, StoreUnavailable
 
@@ -135,6 +135,12 @@ class KVStoreClient(KVStoreBase):
         if self._closed or self._async is None:
             coro.close()
             raise RuntimeError("KVStoreClient is closed")
+        if timeout_s is not None:
+            try:
+                check_timeout(timeout_s)
+            except ValueError:
+                coro.close()
+                raise
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
         wait = (self._async.timeout_s if timeout_s is None else timeout_s) + 5.0
         try:

@@ -194,8 +194,26 @@ def parse_keys(ns: Namespace, values: Any, max_keys: int) -> list[ChunkKey]:
     return [parse_key(ns, v) for v in values]
 
 
+def check_key_types(keys: Sequence[ChunkKey]) -> None:
+    """Raise ``ValueError`` for a key that is not a ``ChunkKey`` (as the in-process store
+    does: raw bytes would be sent as a key of whatever namespace their first 16 bytes name)."""
+    if set(map(type, keys)) <= _CHUNK_KEY_TYPE:
+        return
+    for k in keys:
+        if not isinstance(k, ChunkKey):
+            raise ValueError(f"expected ChunkKey, got {type(k).__name__}")
+
+
+_CHUNK_KEY_TYPE = {ChunkKey}
+
+
 def key_request(ns: Namespace, keys: Sequence[ChunkKey], **extra: Any) -> bytes:
-    """JSON body of a control request (lookup/exists/get/remove/pin/unpin)."""
+    """JSON body of a control request (lookup/exists/get/remove/pin/unpin).
+
+    Raises:
+        ValueError: a key that is not a ``ChunkKey`` (``check_key_types``).
+    """
+    check_key_types(keys)
     if extra:
         body = {"namespace": ns.to_dict(), "keys": [k.hex() for k in keys], **extra}
         return json.dumps(body, separators=(",", ":")).encode()

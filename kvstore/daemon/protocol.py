@@ -52,8 +52,8 @@ import xxhash
 
 from kvstore.daemon.fields import (  # noqa: F401 (the JSON part of the wire format)
     PREFIX_HASH_BYTES, PROTOCOL_VERSION, SUPPORTED_VERSIONS, VERSION_HEADER,
-    ProtocolError, check_version, error_body, key_request, parse_json, parse_key, parse_keys,
-    parse_namespace)
+    ProtocolError, check_key_types, check_version, error_body, key_request, parse_json,
+    parse_key, parse_keys, parse_namespace)
 from kvstore.daemon.wire_codec import WIRE_CODEC_HEADER, max_nbytes  # noqa: F401
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.layout import KVLayout, dtype_name

@@ -39,6 +39,7 @@ from kvstore.daemon.shm_conn import Conn, key_frame, unix_path
 from kvstore.daemon.shm_protocol import SHM_VERSION, hashes_frame
 from kvstore.daemon.shm_put import STAGING_BYTES, put_on
 from kvstore.daemon.shm_results import ResultBuffers
+from kvstore.daemon.transport import check_timeout
 from kvstore.errors import RemoteError, StoreUnavailable
 from kvstore.keys import ChunkKey, Namespace
 
@@ -91,7 +92,8 @@ class ShmKVStoreClient(KVStoreBase):
                              f"{refused_tries!r}")
         self.path = unix_path(path)
         self.url = "unix://" + self.path
-        self.timeout_s, self.durable, self.pool_size = timeout_s, durable, pool_size
+        self.timeout_s = check_timeout(timeout_s)
+        self.durable, self.pool_size = durable, pool_size
         self.retry_backoff_s = retry_backoff_s
         if type(staging_bytes) is not int or staging_bytes < 0:
             raise ValueError(f"staging_bytes must be an int >= 0, got {staging_bytes!r}")
@@ -146,7 +148,7 @@ class ShmKVStoreClient(KVStoreBase):
         """Run ``fn(conn, deadline)`` on a pooled connection with the deadline and retries
         of the module docstring. ``hold``: a result of ``fn`` owns the connection (it gives
         it back itself); an error still returns or closes it here."""
-        timeout = self.timeout_s if timeout_s is None else timeout_s
+        timeout = self.timeout_s if timeout_s is None else check_timeout(timeout_s)
         deadline = time.monotonic() + timeout
         attempt, refused, last = 0, 0, None
         while True:
@@ -354,9 +356,11 @@ def check_put(ns: Namespace, keys: Sequence[ChunkKey], kvs: Sequence[torch.Tenso
     """The checks a client makes on a put before sending anything.
 
     Raises:
-        ValueError: ``len(keys) != len(kvs)``, a ``parents`` of another length, or a tensor
-            not matching ``ns.layout`` (``KVLayout.validate``).
+        ValueError: a key that is not a ``ChunkKey``, ``len(keys) != len(kvs)``, a
+            ``parents`` of another length, or a tensor not matching ``ns.layout``
+            (``KVLayout.validate``).
     """
+    P.check_key_types(keys)
     if len(keys) != len(kvs):
         raise ValueError(f"{len(keys)} keys but {len(kvs)} tensors")
     if parents is not None and len(parents) != len(keys):

@@ -101,7 +101,8 @@ from operator import eq
 from typing import Any, Sequence
 
 from kvstore.daemon.protocol import (MAGIC, MAX_HEADER_BYTES, PREAMBLE, PREAMBLE_BYTES,
-                                     PREFIX_HASH_BYTES, ProtocolError, decode_preamble)
+                                     PREFIX_HASH_BYTES, ProtocolError, check_key_types,
+                                     decode_preamble)
 from kvstore.keys import ChunkKey, Namespace, trusted_keys
 
 #: Version of this path's messages a client sends in ``hello`` (the daemon answers it back).
@@ -172,6 +173,7 @@ def hashes_frame(op: str, ns: Namespace, keys: Sequence[ChunkKey]) -> bytes:
     if set(map(type, keys)) <= _KEY_TYPE and all(map(eq, repeat(ns_id), map(_NS_ID, keys))):
         raw = b"".join(map(_PREFIX_HASH, keys))  # (the usual case, in C-level passes)
     else:
+        check_key_types(keys)
         for k in keys:
             if k.ns_id != ns_id:
                 raise ValueError(f"key {bytes(k).hex()[:16]}... is not of namespace "

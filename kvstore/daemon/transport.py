@@ -67,6 +67,19 @@ class _Retry(Exception):
     """Internal: a 503 answer to an idempotent call."""
 
 
+def check_timeout(value: Any, what: str = "timeout_s") -> float:
+    """``value`` as a deadline in seconds: a finite number > 0.
+
+    Raises:
+        ValueError: anything else (0, a negative, NaN or infinite value, a bool, a string):
+            such a deadline passed before any attempt and was reported as a dead daemon.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            0 < value < float("inf")):
+        raise ValueError(f"{what} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
 class Transport:
     """Pooled HTTP calls to one daemon, with deadlines and retries (see module docstring).
 
@@ -95,7 +108,7 @@ class Transport:
                              f"{refused_tries!r}")
         self.refused_tries, self.refused_backoff_s = refused_tries, refused_backoff_s
         self.url = check_url(url).rstrip("/")
-        self.timeout_s = timeout_s
+        self.timeout_s = check_timeout(timeout_s)
         self.pool_size = pool_size
         self.retry_backoff_s = retry_backoff_s
         self._headers = {VERSION_HEADER: str(PROTOCOL_VERSION)}
@@ -130,7 +143,7 @@ class Transport:
             NotADaemon: an answer without the daemon's protocol header (another server
                 listens at the URL), other than a gateway's 502/503/504; never retried.
         """
-        timeout = self.timeout_s if timeout_s is None else timeout_s
+        timeout = self.timeout_s if timeout_s is None else check_timeout(timeout_s)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         attempt, refused, last = 0, 0, None

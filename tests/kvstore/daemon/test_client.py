@@ -35,7 +35,7 @@ def server(tmp_path_factory):
                                    disk_path=str(d / "disk"), disk_bytes=64 << 20))
     srv = ThreadedServer(create_app(store, ServerLimits(auth_token="tok", max_lease_s=5.0)),
                          unix_socket=str(d / "kv.sock"))
-    srv.store = store
+    srv.store, srv.sock_path = store, d / "kv.sock"
     yield srv
     srv.stop()
     store.close()
@@ -93,6 +93,30 @@ def test_bad_tensors_are_refused_before_sending_and_errors_are_typed(client, ser
         with pytest.raises(RemoteError) as e:
             bad.stats()
         assert e.value.status == 401
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "5", True])
+def test_a_deadline_that_is_not_a_positive_number_is_a_value_error(client, server, bad):
+    """Such a deadline passed before the first attempt and was reported as a dead daemon."""
+    with pytest.raises(ValueError, match="timeout_s must be a finite number of seconds > 0"):
+        client.put_chunks(NS, KEYS[:1], [chunk(0)], timeout_s=bad)
+    with pytest.raises(ValueError, match="timeout_s must be a finite number"):
+        client.lookup_keys(NS, KEYS[:1], timeout_s=bad)
+    url = server.url if client.transport == "http" else "unix://" + str(server.sock_path)
+    with pytest.raises(ValueError, match="timeout_s must be a finite number"):
+        KVStoreClient(url, auth_token="tok", timeout_s=bad)
+    assert client.exists(NS, KEYS[:1]) == [False]
+
+
+def test_keys_that_are_not_chunk_keys_are_refused_as_in_process(client):
+    """Raw bytes were sent as a key of whatever namespace their first 16 bytes name."""
+    raw = [bytes(k) for k in KEYS[:2]]
+    with pytest.raises(ValueError, match="expected ChunkKey, got bytes"):
+        client.put_chunks(NS, raw, [chunk(0), chunk(1)])
+    for op in (client.lookup_keys, client.exists, client.get_chunks, client.remove):
+        with pytest.raises(ValueError, match="expected ChunkKey, got bytes"):
+            op(NS, raw)
+    assert client.exists(NS, KEYS[:2]) == [False, False]
 
 
 def test_real_model_sized_chunks_stream_bit_exact(client):
