@@ -251,6 +251,9 @@ def route_main(args: argparse.Namespace) -> int:
         return 2
     for warning in check_tokenizer(urls, tokenizer):
         logger.warning("%s", warning)
+    if store is not None and getattr(policy, "name", "") != "cache-aware":
+        logger.warning("--kvstore-url is used by the cache-aware policy only; --policy %s "
+                       "routes without the store", args.policy)
     from aiohttp import web
 
     from engine_min.router.proxy import create_router_app

@@ -112,7 +112,7 @@ class Router:
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self, _app: web.Application | None = None) -> None:
         """Open the session; start each engine's subscriber (a first health check runs at
-        once)."""
+        once) and the shared store's probe (``StoreLookup.watch``)."""
         conn = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0,
                                     keepalive_timeout=30)
         self.session = aiohttp.ClientSession(
@@ -125,6 +125,9 @@ class Router:
             sub = EngineSubscriber(e, self.session, self.health_interval_s, self.poll_timeout_s,
                                    fetch_store_namespace=self.store is not None)
             self._tasks.append(asyncio.create_task(sub.run(), name=f"subscriber {e.url}"))
+        if self.store is not None:   # logs whether the shared store answers, and changes
+            self._tasks.append(asyncio.create_task(self.store.watch(self.session),
+                                                   name="store probe"))
 
     async def stop(self, _app: web.Application | None = None) -> None:
         for t in self._tasks:

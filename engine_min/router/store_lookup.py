@@ -11,6 +11,14 @@ of ``kvstore`` itself) and gets ``store_hit = num_hit_chunks x chunk_size`` toke
 lookup has a deadline (default 5 ms); on a timeout or an error the request is scored without
 the store (``router_store_lookups_total{result}``).
 
+Whether the daemon answers is logged: ``StoreLookup.watch`` (started with the router) asks
+its ``GET /healthz`` at start and every ``probe_interval_s``, so a daemon that is down is
+reported even while every lookup is skipped, and its return too; a lookup that fails (refused,
+HTTP error) marks it down at once. A warning when it goes down (at most one per
+``warn_interval_s``: an outage within it is logged by a later probe), an INFO line when it
+answers again after a logged outage; timeouts of the (ms) lookup deadline
+alone do not count as down.
+
 ``discount_store_hits`` turns the candidates' local hits into advantages over the store::
 
     s_e        = store hit tokens in engine e's namespace (0: e uses no store, or the lookup
@@ -134,6 +142,53 @@ class StoreLookup:
         if auth_token:
             self.headers["Authorization"] = f"Bearer {auth_token}"
         self._lookup_body = lookup_body
+        #: whether the daemon answered its last probe or lookup (None: not asked yet)
+        self.answering: bool | None = None
+        self._warned_at: float | None = None   # monotonic time of the last "down" warning
+        self._down_logged = False                # that warning was logged for this outage
+
+    #: seconds between ``watch``'s probes, and at least between two "down" warnings
+    probe_interval_s = 5.0
+    warn_interval_s = 30.0
+
+    def _mark(self, ok: bool, why: str = "") -> None:
+        """Record whether the daemon answered; log a change (module docstring)."""
+        was, self.answering = self.answering, ok
+        if ok:
+            if was is None:
+                logger.info("shared store %s answers", self.url)
+            elif was is False and self._down_logged:
+                logger.info("shared store %s answers again; store lookups resume", self.url)
+            self._down_logged = False
+            return
+        if self._down_logged:
+            return
+        now = time.monotonic()
+        if self._warned_at is not None and now - self._warned_at < self.warn_interval_s:
+            return   # flapping: logged by a later probe once the interval passed, if still down
+        self._warned_at, self._down_logged = now, True
+        logger.warning("shared store %s is not usable (%s): requests are routed on the "
+                       "engines' own hits until it answers", self.url, why)
+
+    async def probe(self, session: aiohttp.ClientSession, timeout_s: float = 2.0) -> bool:
+        """Ask the daemon's ``GET /healthz`` (at most ``timeout_s``); record and log the
+        answer (``answering``). True when it answered 200."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with session.get(self.url + "/healthz") as r:
+                    ok, why = r.status == 200, f"GET /healthz: HTTP {r.status}"
+        except TimeoutError:
+            ok, why = False, f"GET /healthz: no answer within {timeout_s:g} s"
+        except (aiohttp.ClientError, OSError) as exc:
+            ok, why = False, f"GET /healthz: {exc}"
+        self._mark(ok, why)
+        return ok
+
+    async def watch(self, session: aiohttp.ClientSession) -> None:
+        """Probe at once, then every ``probe_interval_s`` until cancelled."""
+        while True:
+            await self.probe(session)
+            await asyncio.sleep(self.probe_interval_s)
 
     def lookup_bodies(self, namespaces: Iterable, token_ids: list[int]) -> dict[bytes, bytes]:
         """The ``/v1/lookup`` body of ``token_ids``'s full chunks per namespace (keyed by
@@ -149,7 +204,7 @@ class StoreLookup:
                          metrics: RouterMetrics) -> dict[bytes, int]:
         """Store hit tokens per ``ns_id`` of ``bodies`` (``lookup_bodies``); ``{}`` when the
         deadline passed or the daemon failed (counted in ``metrics.store_lookups``, logged
-        at debug)."""
+        at debug; a failure also marks the daemon down, ``_mark``)."""
         if not bodies:
             return {}
         t0 = time.perf_counter()
@@ -164,8 +219,10 @@ class StoreLookup:
             metrics.store_lookups.labels("error").inc()
             logger.debug("store lookup failed after %.1f ms: %r",
                          (time.perf_counter() - t0) * 1e3, exc)
+            self._mark(False, f"lookup: {exc!r}")
             return {}
         metrics.store_lookups.labels("ok").inc()
+        self._mark(True)
         return dict(zip(bodies, found))
 
     async def _one(self, session: aiohttp.ClientSession, body: bytes) -> int:
