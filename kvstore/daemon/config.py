@@ -247,7 +247,11 @@ class ServeConfig:
         if path in (None, ""):
             object.__setattr__(self, "unix_socket", None)
             return
-        path = os.path.abspath(str(path).removeprefix("unix://"))
+        path = str(path)
+        if path.startswith("unix://") and not path.startswith("unix:///"):
+            raise ValueError(f"unix_socket {path!r}: a URL takes an absolute path, "
+                             f"unix:///ABSOLUTE/PATH (a plain path may be relative)")
+        path = os.path.abspath(path.removeprefix("unix://"))
         if len(os.fsencode(path)) > 107:
             raise ValueError(f"unix_socket path {path!r} is longer than 107 bytes (the limit "
                              "of a Unix socket address)")
