@@ -33,6 +33,9 @@ def test_unix_socket_setting_is_normalised_and_makes_the_cpu_tier_shared(tmp_pat
     assert cfg.store_config_kwargs()["cpu_shared"] is False  # no CPU tier: nothing to share
     with pytest.raises(ValueError, match="longer than 107 bytes"):
         serve_config.resolve({"unix_socket": "/tmp/" + "x" * 120}, env={})
+    # unix://tmp/kv.sock was read as the relative path tmp/kv.sock, which clients refuse
+    with pytest.raises(ValueError, match="a URL takes an absolute path, unix:///ABSOLUTE/PATH"):
+        serve_config.resolve({"unix_socket": "unix://tmp/kv.sock"}, env={})
 
 
 def _readline(proc, timeout: float) -> str:
