@@ -93,9 +93,10 @@ def add_store_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    "one is used through it by itself)")
     s.add_argument("--kvstore-auth-token", default=os.environ.get("KVSTORE_AUTH_TOKEN"),
                    metavar="TOKEN", help="bearer token of a daemon started with --auth-token "
-                   "(default $KVSTORE_AUTH_TOKEN)")
-    s.add_argument("--kvstore-chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
-                   help="tokens per store chunk (a multiple of the block size; default %(default)s)")
+                   "(default $KVSTORE_AUTH_TOKEN; the flag needs --kvstore-url)")
+    s.add_argument("--kvstore-chunk-size", type=int, default=None, metavar="N",
+                   help="tokens per store chunk (a multiple of the block size; default "
+                   f"{DEFAULT_CHUNK_SIZE}); needs a store")
     s.add_argument("--kvstore-tail-chunk-size", type=int, default=None, metavar="N",
                    help="also store a prompt's tokens past its last full chunk as pieces of N "
                    "tokens (a multiple of the block size dividing the chunk size), so a hit "
@@ -155,8 +156,9 @@ def connector_from_args(args: argparse.Namespace) -> EngineMinConnector | None:
     remote daemon (url), or both (local tiers in front of the daemon).
 
     Raises:
-        StoreFlagError: a tail chunk size, layer-wise setting (``on``/``off``) or remote-tier
-            setting without a store, disk bytes
+        StoreFlagError: a chunk size, tail chunk size, codec, deadline, layer-wise setting
+            (``on``/``off``) or remote-tier setting without a store, an auth token flag
+            without a daemon URL, disk bytes
             without a disk path, a wire codec without a daemon or other than the lossy
             codec, a remote URL with only a daemon, a remote URL that does not parse.
         ValueError: as ``connectors.factory.create_connector`` (a bad URL, size or chunk size;
@@ -167,13 +169,15 @@ def connector_from_args(args: argparse.Namespace) -> EngineMinConnector | None:
     opts = {k: getattr(args, f"kvstore_{k}", None)
             for k in ("cpu_bytes", "disk_path", "disk_bytes", "url")}
     remote = remote_options(args)
+    _check_auth_token(args, opts["url"])
     if all(v is None for v in opts.values()) and not remote:
-        for flag in ("tail_chunk_size", "lossy_codec", "wire_codec", "layerwise_load",
-                     "deadline_s", "deadline_s_per_chunk"):
-            if getattr(args, f"kvstore_{flag}", None) not in (None, 0, "", "auto"):  # not ignored
+        for flag in ("chunk_size", "tail_chunk_size", "lossy_codec", "wire_codec",
+                     "layerwise_load", "deadline_s", "deadline_s_per_chunk"):
+            v = getattr(args, f"kvstore_{flag}", None)
+            if v not in (None, "", "auto") and not (v == 0 and flag != "chunk_size"):
                 raise StoreFlagError(f"--kvstore-{flag.replace('_', '-')} needs a store: "
                                      "--kvstore-cpu-bytes, --kvstore-disk-path, --kvstore-url "
-                                     "or --kvstore-remote-url")
+                                     "or --kvstore-remote-url")   # (not ignored)
         return None
     if opts["disk_bytes"] and not opts["disk_path"]:
         raise StoreFlagError("--kvstore-disk-bytes needs --kvstore-disk-path")
@@ -195,6 +199,16 @@ def connector_from_args(args: argparse.Namespace) -> EngineMinConnector | None:
         extra["layerwise_load"] = layerwise == "on"
     from connectors.factory import create_connector
     return create_connector(**opts, **extra)
+
+
+def _check_auth_token(args: argparse.Namespace, url: str | None) -> None:
+    """A ``--kvstore-auth-token`` given on the command line (not only inherited from
+    ``$KVSTORE_AUTH_TOKEN``) needs ``--kvstore-url``: only a daemon reads it. Raises
+    ``StoreFlagError``."""
+    token = getattr(args, "kvstore_auth_token", None)
+    if token and url is None and token != os.environ.get("KVSTORE_AUTH_TOKEN"):
+        raise StoreFlagError("--kvstore-auth-token needs --kvstore-url (only a kvstore daemon "
+                             "reads it)")
 
 
 def _check_wire_codec(args: argparse.Namespace, url: str | None) -> None:

@@ -92,7 +92,8 @@ class EngineConfig:
         block_size: tokens per KV block.
         kv_cache_bytes: bytes of the preallocated KV pool (rounded down to whole blocks; the
             null block 0 is part of the pool).
-        max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+        max_num_batched_tokens: token budget of one step (prefill chunks + decodes); at
+            least ``block_size``.
         max_num_seqs: most requests running at once.
         max_model_len: longest prompt + output in tokens; None = the model's context length.
         enable_prefix_caching: reuse full KV blocks across requests by chained block hash.
@@ -149,6 +150,11 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError(f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}"
+                             f") must be at least the block size ({self.block_size}): a smaller "
+                             "step budget prefills a long prompt a few tokens per step "
+                             "(minutes for a thousand tokens)")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"EngineConfig.max_model_len must be positive, got {self.max_model_len}")
 

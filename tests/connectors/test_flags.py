@@ -19,7 +19,7 @@ def test_no_store_flag_is_no_connector_and_defaults_are_the_documented_ones():
     assert connector_from_args(args) is None
     assert all(getattr(args, f) is None for f in STORE_FLAGS)
     # tail size None: pieces of the engine's block size (resolved when the engine binds)
-    assert (args.kvstore_chunk_size, args.kvstore_tail_chunk_size) == (256, None)
+    assert (args.kvstore_chunk_size, args.kvstore_tail_chunk_size) == (None, None)  # 256
 
 
 def test_tail_pieces_are_on_by_default_and_zero_turns_them_off():
@@ -55,11 +55,27 @@ def test_sizes_parse_as_bytes_and_build_an_in_process_store():
 
 @pytest.mark.parametrize("argv, msg", [
     (("--kvstore-tail-chunk-size", "16"), "--kvstore-tail-chunk-size needs a store"),
+    (("--kvstore-tail-chunk-size", "7"), "--kvstore-tail-chunk-size needs a store"),
+    (("--kvstore-chunk-size", "100"), "--kvstore-chunk-size needs a store"),
+    (("--kvstore-chunk-size", "0"), "--kvstore-chunk-size needs a store"),
+    (("--kvstore-auth-token", "t0k"), "--kvstore-auth-token needs --kvstore-url"),
+    (("--kvstore-cpu-bytes", "8MiB", "--kvstore-auth-token", "t0k"),
+     "--kvstore-auth-token needs --kvstore-url"),
     (("--kvstore-disk-bytes", "1GiB"), "--kvstore-disk-bytes needs --kvstore-disk-path"),
 ])
-def test_flags_that_do_not_go_together_raise(argv, msg):
+def test_flags_that_do_not_go_together_raise(argv, msg, monkeypatch):
+    monkeypatch.delenv("KVSTORE_AUTH_TOKEN", raising=False)
     with pytest.raises(StoreFlagError, match=msg):
         connector_from_args(parse(*argv))
+
+
+def test_a_token_inherited_from_the_environment_is_not_a_flag(monkeypatch):
+    """$KVSTORE_AUTH_TOKEN set for other tools does not stop an engine without a daemon."""
+    monkeypatch.setenv("KVSTORE_AUTH_TOKEN", "t0k")
+    assert connector_from_args(parse()) is None
+    c = connector_from_args(parse("--kvstore-cpu-bytes", "8MiB"))
+    assert isinstance(c, EngineMinConnector)
+    c.close()
 
 
 def test_a_bad_size_is_an_argparse_error(capsys):

@@ -122,3 +122,21 @@ def test_router_logs_an_engine_taken_out_with_host_port_and_reason(caplog):
         engine.mark_down(f"/health: {reason}")
     assert caplog.messages == [f"engine 127.0.0.1:{port} taken out: /health: {reason}"]
     assert "ConnectionKey" not in caplog.text
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--max-num-batched-tokens", "1"], "max_num_batched_tokens (1) must be at least the block "
+     "size (16)"),
+    (["--block-size", "32", "--max-num-batched-tokens", "16"],
+     "max_num_batched_tokens (16) must be at least the block size (32)"),
+    (["--kvstore-chunk-size", "100"], "--kvstore-chunk-size needs a store"),
+    (["--kvstore-chunk-size", "0"], "--kvstore-chunk-size needs a store"),
+    (["--kvstore-auth-token", "t0k"], "--kvstore-auth-token needs --kvstore-url"),
+])
+def test_serve_refuses_flags_that_would_do_nothing_or_crawl(argv, words, capsys, monkeypatch):
+    monkeypatch.delenv("KVSTORE_AUTH_TOKEN", raising=False)
+    base = ["serve", "--port", "0", "--device", "cpu", "--kv-cache-bytes", "16MiB",
+            "--log-level", "warning"]
+    assert cli_main(base + argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1, err

@@ -203,7 +203,7 @@ def _args(*argv):
 def test_serve_flags_defaults_and_sizes():
     a = _args()
     assert (a.host, a.port, a.model, a.kv_cache_bytes, a.kvstore_chunk_size) == \
-        ("127.0.0.1", 8000, None, None, 256)
+        ("127.0.0.1", 8000, None, None, None)   # chunk size: the store's default
     a = _args("--kv-cache-bytes", "512MiB", "--kvstore-cpu-bytes", "2GiB",
               "--max-num-batched-tokens", "256", "--max-num-seqs", "4")
     assert (a.kv_cache_bytes, a.kvstore_cpu_bytes) == (512 * 2**20, 2 * 2**30)
