@@ -31,6 +31,10 @@ class StoreConfig:
             needs a CPU tier.
         disk_bytes: disk-tier bytes of stored values (0 = no disk tier); needs ``disk_path``.
         disk_path: lmdb directory (created if missing).
+        allow_disk_shrink: when ``disk_path`` already holds more than ``disk_bytes`` (a
+            restart with a smaller capacity), evict chunks by policy at open until it fits;
+            default False: the store refuses to open (``DiskShrinkRefused``, a ``ValueError``
+            naming both sizes), so a mistyped capacity does not wipe the cache.
         device: device of the GPU tier (``"cuda"``, ``"cuda:1"``; ``"cpu"`` runs the GPU tier's
             code on the CPU, as on a CPU-only machine).
         return_device: device of the tensors ``get_chunks`` returns.
@@ -79,9 +83,10 @@ class StoreConfig:
 
     Raises:
         ValueError: negative or unparsable sizes, no tier at all, a disk tier without a path,
-            an unknown policy, admission filter or codec, ``cpu_shared`` without a CPU tier, a
-            page size that is not a positive multiple of 64, a memory tier smaller than one
-            page, a non-positive ``max_namespaces``, or a negative ``persist_on_close_s``.
+            an unknown policy, admission filter or codec, a non-bool ``allow_disk_shrink``,
+            ``cpu_shared`` without a CPU tier, a page size that is not a positive multiple of
+            64, a memory tier smaller than one page, a non-positive ``max_namespaces``, or a
+            negative ``persist_on_close_s``.
     """
 
     gpu_bytes: int | str = 0
@@ -89,6 +94,7 @@ class StoreConfig:
     cpu_shared: bool = False
     disk_bytes: int | str = 0
     disk_path: str | None = None
+    allow_disk_shrink: bool = False
     device: str = "cpu"
     return_device: str = "cpu"
     gpu_policy: str = "lru"
@@ -122,6 +128,8 @@ class StoreConfig:
             raise ValueError("disk_bytes > 0 needs disk_path")
         if self.disk_path is not None:
             object.__setattr__(self, "disk_path", os.fspath(self.disk_path))
+        if not isinstance(self.allow_disk_shrink, bool):
+            raise ValueError(f"allow_disk_shrink must be a bool, got {self.allow_disk_shrink!r}")
         for tier in TIER_NAMES:
             policy = getattr(self, f"{tier}_policy")
             if policy not in POLICIES:

@@ -14,6 +14,7 @@ from collections import Counter
 import lmdb
 
 from kvstore.codec import CorruptChunkError, unpack_header, unpack_value
+from kvstore.tiers.disk_space import check_data_file
 from kvstore.tiers.pathlock import LOCK_NAME, holder_pid
 
 
@@ -38,11 +39,20 @@ def inspect_disk(path: str, limit: int = 20, verify: bool = False) -> dict:
     Raises:
         ValueError: ``path`` holds no lmdb environment, or one lmdb cannot open (e.g. a store
             of this process has it open: lmdb allows one open per process; read its
-            ``stats()`` instead), naming the reason.
+            ``stats()`` instead), naming the reason. ``DiskFileTruncated`` (a ``ValueError``):
+            ``data.mdb`` is shorter than the pages lmdb's metadata says it uses (reading it
+            would end the process with SIGBUS), naming both sizes.
     """
     if not os.path.exists(os.path.join(path, "data.mdb")):
         raise ValueError(f"{path!r} holds no disk tier (no data.mdb)")
     env, shared = _open_readonly(path)
+    try:
+        check_data_file(env, path)  # a short data.mdb: SIGBUS on the first read past its end
+    except ValueError:
+        env.close()
+        if shared is not None:
+            shared.close()
+        raise
     rep: dict = {"path": os.path.abspath(path), "num_chunks": 0, "stored_bytes": 0,
                  "raw_bytes": 0, "num_bad": 0, "held_by_pid": _live_holder(path)}
     codecs, layouts, namespaces, chunks = Counter(), Counter(), Counter(), []

@@ -92,7 +92,8 @@ class ChunkStore(AdminMethods, DirectMethods, KVStoreBase):
         self.tiers: list[Tier] = []
         # the disk tier first: a disk path in use is refused before any arena is allocated
         disk = DiskTier(config.disk_path, config.disk_bytes, config.disk_policy,
-                        config.disk_codec) if config.disk_bytes else None
+                        config.disk_codec, allow_shrink=config.allow_disk_shrink) \
+            if config.disk_bytes else None
         try:
             if config.gpu_bytes:
                 self.tiers.append(GpuTier(config.gpu_bytes, config.page_bytes, config.device,

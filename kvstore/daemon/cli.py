@@ -66,6 +66,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--disk-path", help="lmdb directory of the disk tier")
     p.add_argument("--disk-bytes", help="disk tier capacity (default with --disk-path: "
                    f"{DEFAULT_DISK_BYTES}; no --disk-path: no disk tier)")
+    p.add_argument("--disk-shrink", action="store_const", const=True,
+                   help="when --disk-path holds more than --disk-bytes, evict down to it at "
+                        "start (default: refuse to start)")
     p.add_argument("--disk-codec", choices=_DiskCodecs(), metavar="CODEC",
                    help="value codec of the disk tier: %(choices)s "
                         "(default auto: shuffle-lz4 where it saves "

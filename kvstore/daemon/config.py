@@ -33,6 +33,9 @@ class ServeConfig:
             unset = ``DEFAULT_DISK_BYTES`` with a ``disk_path``, else 0).
         disk_path: lmdb directory of the disk tier (with ``disk_bytes`` 0 or without a path
             but ``disk_bytes`` > 0: ``ValueError``).
+        disk_shrink: when ``disk_path`` already holds more than ``disk_bytes``, evict chunks at
+            start until it fits (``--disk-shrink``); default False: refuse to start, naming
+            both sizes (``kvstore.config.StoreConfig.allow_disk_shrink``).
         device: device of the GPU tier (``cuda``, ``cuda:1``).
         policy: eviction policy of every tier (``lru``, ``lfu``, ``fifo``, ``s3fifo``, ``arc``).
         admission: admission filter of the tiers (``none``, ``tinylfu``; see
@@ -111,6 +114,7 @@ class ServeConfig:
     gpu_bytes: int | str = 0
     disk_bytes: int | str | None = None
     disk_path: str | None = None
+    disk_shrink: bool = False
     device: str = "cuda"
     policy: str = "lru"
     admission: str = "none"
@@ -183,6 +187,7 @@ class ServeConfig:
             raise ValueError(f"max_connections must be >= 0 (0: no cap) and max_namespaces "
                              f"> 0, got {self.max_connections} and {self.max_namespaces}")
         object.__setattr__(self, "insecure", config_env.to_bool(self.insecure))
+        object.__setattr__(self, "disk_shrink", config_env.to_bool(self.disk_shrink))
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
@@ -262,6 +267,7 @@ class ServeConfig:
         tier when ``remote_url`` is set)."""
         out = {"gpu_bytes": self.gpu_bytes, "cpu_bytes": self.cpu_bytes,
                "disk_bytes": self.disk_bytes, "disk_path": self.disk_path,
+               "allow_disk_shrink": self.disk_shrink,
                "page_bytes": self.page_bytes,
                "device": self.device if self.gpu_bytes else "cpu",
                "gpu_policy": self.policy, "cpu_policy": self.policy,

@@ -92,6 +92,7 @@ PARSERS: dict[str, Callable[[str], Any]] = {
                                  "idle_timeout_s", "remote_ttl_s", "remote_timeout_s",
                                  "persist_on_shutdown_s")},
     "insecure": to_bool,
+    "disk_shrink": to_bool,
     "policy": _one_of(_policies),
     "admission": _one_of(_admissions),
     "log_level": _one_of(lambda: ("debug", "info", "warning", "error", "critical"), fold=True),

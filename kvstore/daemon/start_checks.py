@@ -23,7 +23,8 @@ def tier_warnings(cfg: ServeConfig) -> list[str]:
     """What a daemon started with ``cfg`` should warn about at start (one line each): a tier
     smaller than ``SMALLEST_REAL_CHUNK_BYTES`` (every namespace whose chunk does not fit each
     tier is refused with 400 at first use), and a disk tier larger than the free space of its
-    filesystem (lmdb's map is sparse, so it starts, but puts fail once the disk is full)."""
+    filesystem (lmdb's map is sparse, so it starts; the disk tier lowers its capacity to what
+    the filesystem can hold, ``kvstore.tiers.disk_writer``)."""
     out = []
     for tier in ("gpu", "cpu", "disk"):
         n = getattr(cfg, f"{tier}_bytes")
@@ -42,8 +43,8 @@ def tier_warnings(cfg: ServeConfig) -> list[str]:
             free = None
         if free is not None and cfg.disk_bytes > free:
             out.append(f"the disk tier ({format_size(cfg.disk_bytes)}, --disk-bytes) is larger "
-                       f"than the {format_size(free)} free at {cfg.disk_path!r}: puts fail once "
-                       f"the filesystem is full")
+                       f"than the {format_size(free)} free at {cfg.disk_path!r}: the tier's "
+                       f"capacity is lowered to what the filesystem can hold")
     return out
 
 

@@ -10,7 +10,13 @@ Space: ``capacity_bytes`` bounds the sum of stored value sizes (a queued chunk c
 raw size + header until it is encoded). The lmdb map is larger (``map_bytes``) to leave room
 for lmdb's own pages; if lmdb still reports the map full, the writer evicts committed chunks by
 policy and retries, else drops the write (counted as ``dropped_write``, logged) and the chunk
-disappears from the index, so lookups never report it.
+disappears from the index, so lookups never report it. The capacity is lowered at open, and
+again when a write finds the filesystem full, to what the filesystem can hold
+(``kvstore.tiers.disk_writer``).
+
+Opening refuses a ``data.mdb`` shorter than the pages lmdb's metadata uses (a read past its end
+is a SIGBUS; a file truncated while open cannot be guarded against) and, unless
+``allow_shrink``, a path holding more than ``capacity_bytes`` (``kvstore.tiers.disk_space``).
 
 Reads verify the header (magic, version, key, sizes) and the payload checksum; a bad value is
 deleted, counted as ``corruption`` and reported as a miss. Reopening a path re-indexes every
@@ -28,19 +34,20 @@ from typing import Callable
 import lmdb
 import torch
 
-from kvstore.codec import HEADER_BYTES_MAX, CorruptChunkError, pack_value, unpack_header, unpack_value
+from kvstore.codec import HEADER_BYTES_MAX, CorruptChunkError, unpack_header, unpack_value
 from kvstore.keys import ChunkKey
 from kvstore.kv_codec import chunk_codec
-from kvstore.layout import DTYPES, dtype_name
+from kvstore.layout import DTYPES
 from kvstore.tiers.base import Tier, TierFullError
+from kvstore.tiers.disk_space import DiskShrinkRefused, check_data_file
+from kvstore.tiers.disk_writer import BATCH_OPS, DiskWriter, _PutOp  # noqa: F401 (re-export)
 from kvstore.tiers.pathlock import PathLock
+from kvstore.units import format_size
 
 log = logging.getLogger("kvstore.tiers.disk")
 
 #: Queued (not yet written) bytes above which ``put`` waits for the writer.
 QUEUE_BYTES = 256 * 2**20
-#: Operations committed per lmdb transaction at most.
-BATCH_OPS = 64
 
 
 @dataclass
@@ -49,38 +56,36 @@ class _DiskEntry:
     parent: ChunkKey | None
 
 
-class _PutOp:
-    __slots__ = ("key", "kv", "parent", "codec")
-
-    def __init__(self, key: ChunkKey, kv: torch.Tensor, parent: ChunkKey | None,
-                 codec: str) -> None:
-        self.key, self.kv, self.parent = key, kv, parent  # kv: CPU, contiguous, owned
-        self.codec = codec
-
-
 def default_map_bytes(capacity_bytes: int) -> int:
     """lmdb map size for a capacity: 1.5x plus 32 MiB for lmdb's B-tree and free pages."""
     return (int(capacity_bytes * 1.5) + 32 * 2**20 + 4095) // 4096 * 4096
 
 
-class DiskTier(Tier):
+class DiskTier(DiskWriter, Tier):
     """lmdb-backed tier at ``path`` (a directory, created if missing).
 
-    ``codec``: see ``StoreConfig.disk_codec``. ``lossy_codec_of(ns_id)`` (set by the store;
-    default: none accepted) names the lossy codec a namespace accepts (``""``: none).
+    ``codec``: see ``StoreConfig.disk_codec``. ``allow_shrink``: when ``path`` holds more
+    than ``capacity_bytes``, evict down to it at open (else refuse: ``DiskShrinkRefused``).
+    ``lossy_codec_of(ns_id)`` (set by the store; default: none accepted) names the lossy codec
+    a namespace accepts (``""``: none). The capacity is lowered at open to what the filesystem
+    can hold (``DiskWriter.cap_to_filesystem``).
 
     The tier holds an exclusive lock on ``path`` (``kvstore.tiers.pathlock``) from open to
     ``close``: one open disk tier per path, in any process.
 
     Raises:
-        ValueError: capacity <= 0. NotADirectoryError: ``path`` is a file. lmdb.Error: the
-            environment cannot be opened.
+        ValueError: capacity <= 0. DiskFileTruncated (a ``ValueError``): ``data.mdb`` is
+            shorter than lmdb's metadata says it uses (``kvstore.tiers.disk_space``).
+            DiskShrinkRefused (a ``ValueError``): ``path`` holds more than ``capacity_bytes``
+            and ``allow_shrink`` is False, naming both sizes. NotADirectoryError: ``path`` is
+            a file. lmdb.Error: the environment cannot be opened.
         DiskPathInUse (an ``OSError`` and a ``ValueError``): another open disk tier holds
             ``path`` (the message names the path and the holder's pid).
     """
 
     def __init__(self, path: str, capacity_bytes: int, policy_name: str = "lru",
-                 codec: str = "auto", map_bytes: int | None = None) -> None:
+                 codec: str = "auto", map_bytes: int | None = None,
+                 allow_shrink: bool = False) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"disk tier capacity must be > 0, got {capacity_bytes}")
         super().__init__("disk", capacity_bytes, policy_name)
@@ -89,11 +94,15 @@ class DiskTier(Tier):
         os.makedirs(path, exist_ok=True)
         self.path = path
         self.codec = codec
+        self.allow_shrink = allow_shrink
         self.lossy_codec_of: Callable[[bytes], str] = lambda ns_id: ""
         self._path_lock = PathLock(path)
         self.env = None
         self._index: dict[ChunkKey, _DiskEntry] = {}
         self._pending: dict[ChunkKey, _PutOp] = {}
+        #: chunks deleted from the index whose lmdb delete failed: their stored bytes
+        self._doomed: dict[ChunkKey, int] = {}
+        self._init_writer_logs()
         self._queue: deque = deque()
         self._queued_bytes = 0
         self._inflight = 0
@@ -107,7 +116,9 @@ class DiskTier(Tier):
             # disk_cold_get_gbps)
             self.env = lmdb.open(path, map_size=map_bytes or default_map_bytes(capacity_bytes),
                                  subdir=True, readahead=True, max_readers=512, metasync=False)
+            check_data_file(self.env, path)  # a short data.mdb: SIGBUS on the first read
             self._reindex()
+            self.cap_to_filesystem()  # a disk tier larger than its filesystem evicts, not fails
         except BaseException:
             if self.env is not None:
                 self.env.close()
@@ -133,6 +144,7 @@ class DiskTier(Tier):
                     continue
                 self._index[key] = _DiskEntry(len(value), parent)
                 self._used += len(value)
+                self._largest_value = max(self._largest_value, len(value))
                 self.policy.on_insert(key, len(value), parent)
         if bad:
             with self.env.begin(write=True) as txn:
@@ -140,21 +152,28 @@ class DiskTier(Tier):
                     txn.delete(k)
             log.warning("disk tier %s: dropped %d values with a bad header at open", self.path, len(bad))
             self.listener("corruption", self.name, len(bad))
+        if self._used > self.capacity_bytes and not self.allow_shrink:
+            raise DiskShrinkRefused(
+                f"disk tier {self.path} holds {self._used} bytes ({format_size(self._used)}) in "
+                f"{len(self._index)} chunks, more than its capacity of {self.capacity_bytes} "
+                f"bytes ({format_size(self.capacity_bytes)}, --disk-bytes): refusing to evict "
+                f"them at open; give the capacity they need, or allow the eviction with "
+                f"--disk-shrink (StoreConfig.allow_disk_shrink)")
         shrunk, before = 0, self._used
-        while self._used > self.capacity_bytes:  # capacity shrank since last run
+        while self._used > self.capacity_bytes:  # capacity shrank since last run: allowed
             victim = self.policy.next_victim()
             self.delete(victim)
             self.listener("eviction", self.name, 1)
             shrunk += 1
         if shrunk:
-            log.warning("disk tier %s: holds %d bytes, more than its capacity of %d bytes: "
-                        "evicted %d chunks (%d bytes) at open", self.path, before,
-                        self.capacity_bytes, shrunk, before - self._used)
+            log.warning("disk tier %s: held %d bytes, more than its capacity of %d bytes "
+                        "(shrinking allowed): evicted %d chunks (%d bytes) at open", self.path,
+                        before, self.capacity_bytes, shrunk, before - self._used)
         self.num_bad_at_open = len(bad)
 
     @property
     def used_bytes(self) -> int:
-        return self._used
+        return self._used + sum(self._doomed.values())
 
     def footprint(self, nbytes: int) -> int:
         return nbytes + HEADER_BYTES_MAX
@@ -168,7 +187,7 @@ class DiskTier(Tier):
 
     @property
     def num_chunks(self) -> int:
-        return len(self._index)
+        return len(self._index) + len(self._doomed)
 
     def parent_of(self, key: ChunkKey) -> ChunkKey | None:
         e = self._index.get(key)
@@ -252,114 +271,6 @@ class DiskTier(Tier):
             gone = key in self._index and key not in self._pending and self.delete(key)
         if gone:
             self.lost(key)
-
-    # ---- writer thread ----------------------------------------------------------------------
-    def _writer_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue and self._closed:
-                    return
-                batch = [self._queue.popleft() for _ in range(min(BATCH_OPS, len(self._queue)))]
-                self._inflight += 1
-            try:
-                self._write_batch(batch)
-            except Exception as e:
-                if isinstance(e, (lmdb.Error, OSError)):  # a full disk, an I/O error: one line
-                    log.error("disk tier %s: writing a batch of %d failed (%s: %s); dropping "
-                              "its puts", self.path, len(batch), type(e).__name__, e)
-                else:
-                    log.exception("disk tier %s: writer failed on a batch; dropping its puts",
-                                  self.path)
-                self.listener("error", self.name, 1)
-                for op in batch:
-                    if isinstance(op, _PutOp):
-                        self._drop(op, "writer error", quiet=True)
-            finally:
-                with self._cond:
-                    self._inflight -= 1
-                    self._queued_bytes -= sum(self.footprint(op.kv.numel() * op.kv.element_size())
-                                              for op in batch if isinstance(op, _PutOp))
-                    self._cond.notify_all()
-
-    def _encode(self, op: _PutOp) -> bytes:
-        raw = op.kv.reshape(-1).view(torch.uint8).numpy()  # [nbytes]
-        parent = bytes(op.parent) if op.parent is not None else None
-        return pack_value(bytes(op.key), parent, raw, dtype_name(op.kv.dtype), tuple(op.kv.shape),
-                          op.codec, fallback="auto")
-
-    def _write_batch(self, batch: list) -> None:
-        values = {}
-        for op in batch:
-            if isinstance(op, _PutOp) and self._pending.get(op.key) is op:
-                values[id(op)] = self._encode(op)
-        try:
-            with self.env.begin(write=True) as txn:
-                for op in batch:
-                    if isinstance(op, _PutOp):
-                        if id(op) in values:
-                            txn.put(bytes(op.key), values[id(op)])
-                    else:
-                        txn.delete(bytes(op[1]))
-        except lmdb.MapFullError:
-            for op in batch:  # one transaction per op, evicting to make room
-                if isinstance(op, _PutOp):
-                    if id(op) in values and self._put_with_eviction(op, values[id(op)]):
-                        self._committed(op, len(values[id(op)]))
-                else:
-                    with self.env.begin(write=True) as txn:
-                        txn.delete(bytes(op[1]))
-            return
-        for op in batch:
-            if isinstance(op, _PutOp) and id(op) in values:
-                self._committed(op, len(values[id(op)]))
-
-    def _committed(self, op: _PutOp, stored: int) -> None:
-        with self._lock:
-            if self._pending.get(op.key) is op:
-                del self._pending[op.key]
-                e = self._index[op.key]
-                self._used += stored - e.nbytes
-                e.nbytes = stored
-
-    def _put_with_eviction(self, op: _PutOp, value: bytes) -> bool:
-        """Write one value, evicting committed unpinned chunks while lmdb says the map is full.
-        Returns whether it was written (False: superseded or dropped)."""
-        while True:
-            if self._pending.get(op.key) is not op:
-                return False
-            try:
-                with self.env.begin(write=True) as txn:
-                    txn.put(bytes(op.key), value)
-                return True
-            except lmdb.MapFullError:
-                with self._lock:
-                    victim = self.next_victim(lambda k: k not in self._pending and self.evictable(k))
-                    if victim is not None:
-                        self.delete(victim)
-                        self._queue.remove(("del", victim))
-                if victim is None:  # (the store lock may be taken by ``lost``: not under ours)
-                    self._drop(op, "lmdb map full and nothing evictable")
-                    return False
-                with self.env.begin(write=True) as txn:
-                    txn.delete(bytes(victim))
-                log.info("disk tier %s: lmdb map full; evicted %r", self.path, victim)
-                self.listener("eviction", self.name, 1)
-
-    def _drop(self, op: _PutOp, why: str, quiet: bool = False) -> None:
-        """Forget a queued write that will not be made; the store learns the chunk is lost
-        (``lost``: its stored descendants go). ``quiet``: the cause was logged already."""
-        with self._lock:
-            dropped = self._pending.get(op.key) is op
-            if dropped:
-                self.delete(op.key)
-                self._queue.remove(("del", op.key))
-        if not quiet:
-            log.warning("disk tier %s: %s; dropped the write of %r", self.path, why, op.key)
-        self.listener("dropped_write", self.name, 1)
-        if dropped:
-            self.lost(op.key)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:

@@ -131,7 +131,7 @@ def test_a_restart_with_a_smaller_disk_says_what_it_evicted(tmp_path, caplog):
     store.flush(30)
     store.close()
     with caplog.at_level(logging.WARNING):
-        store = ChunkStore(StoreConfig(cpu_bytes=0, disk_path=path,
+        store = ChunkStore(StoreConfig(cpu_bytes=0, disk_path=path, allow_disk_shrink=True,
                                        disk_bytes=3 * LAY.chunk_bytes + 4096))
     try:
         kept = sum(store.exists(NS, KEYS[:6]))
