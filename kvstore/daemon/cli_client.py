@@ -54,9 +54,11 @@ def add_client_parsers(sub) -> None:
             p.add_argument("--json", action="store_true", help="raw JSON instead of a table")
         else:
             which = p.add_mutually_exclusive_group()
+            which.add_argument("--all", action="store_true",
+                               help="clear every namespace (with a remote tier, the shared "
+                                    "Redis too); an admin token")
             which.add_argument("--namespace", help="clear only this namespace (JSON of "
-                                                   "Namespace.to_dict(), or @FILE); default: "
-                                                   "all")
+                                                   "Namespace.to_dict(), or @FILE)")
             which.add_argument("--namespace-id", type=namespace_id, metavar="HEX",
                                help="clear only the namespace of this id (its ns_id in "
                                     "`kvstore stats`: 32 hex digits), also one known from "
@@ -195,15 +197,18 @@ STAT_NOTES = {
 
 
 def cmd_clear(args: argparse.Namespace) -> int:
-    """``kvstore clear URL [--namespace NS | --namespace-id HEX]``: delete one namespace's
-    chunks, or all (``POST /v1/clear``)."""
+    """``kvstore clear URL (--namespace NS | --namespace-id HEX | --all)``: delete one
+    namespace's chunks, or all (``POST /v1/clear``); naming none is a usage error."""
     from kvstore.errors import RemoteError, StoreUnavailable
     if args.namespace:
         body = {"namespace": read_namespace(args.namespace).to_dict()}
     elif getattr(args, "namespace_id", None):
         body = {"ns_id": args.namespace_id}
-    else:
+    elif getattr(args, "all", False):
         body = {"all": True}
+    else:  # a bare `kvstore clear URL` used to empty everything, fleet-wide with Redis
+        raise UsageError("name what to clear: --namespace NS, --namespace-id HEX, or --all "
+                         "(every namespace; with a remote tier, the shared Redis too)")
     try:
         n = call_daemon(args, "/v1/clear", body)["removed"]
     except (StoreUnavailable, RemoteError) as e:

@@ -81,7 +81,7 @@ def test_a_malformed_url_is_named_as_such_exit_2(capsys):
         err = capsys.readouterr().err
         assert err.startswith(f"kvstore stats: malformed kvstore URL {url!r}: expected "
                               "http://HOST:PORT"), err
-    assert cli.main(["clear", "notaurl"]) == 2
+    assert cli.main(["clear", "notaurl", "--all"]) == 2
     assert "malformed kvstore URL 'notaurl'" in capsys.readouterr().err
 
 
@@ -304,7 +304,7 @@ def test_clear_and_stats_commands_against_a_live_daemon(tmp_path, capsys):
         ns_json = json.dumps(NS.to_dict())
         assert cli.main(["clear", d.url, "--auth-token", TOKEN, "--namespace", ns_json]) == 0
         assert capsys.readouterr().out.strip() == "removed 3 chunks"
-        assert cli.main(["clear", d.url, "--auth-token", "wrong"]) == 1
+        assert cli.main(["clear", d.url, "--auth-token", "wrong", "--all"]) == 1
         assert "401" in capsys.readouterr().err
         assert cli.main(["stats", d.url, "--auth-token", TOKEN, "--json"]) == 0
         st = json.loads(capsys.readouterr().out)

@@ -27,7 +27,8 @@ def test_ctrl_c_while_a_daemon_hangs_is_one_line_exit_130(cmd):
         hung.listen()
         hung.settimeout(60)
         url = f"http://127.0.0.1:{hung.getsockname()[1]}"
-        p = subprocess.Popen([sys.executable, "-m", "kvstore", cmd, url, "--timeout-s", "60"],
+        p = subprocess.Popen([sys.executable, "-m", "kvstore", cmd, url, "--timeout-s", "60"]
+                             + (["--all"] if cmd == "clear" else []),
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              # as from a terminal: a background job of a script (CI) starts
                              # with SIGINT ignored, and Python keeps it so
@@ -78,3 +79,14 @@ def test_serve_without_any_tier_names_the_flags(tmp_path, capsys):
         "or a disk tier with --disk-path (and --disk-bytes)\n")
     cfg = serve_config.resolve({"cpu_bytes": "0", "disk_path": str(tmp_path / "d")}, {})
     assert (cfg.cpu_bytes, cfg.disk_bytes > 0) == (0, True)  # a disk tier alone is a tier
+
+
+def test_clear_without_naming_what_is_a_usage_error_and_sends_nothing(capsys):
+    """A bare ``kvstore clear URL`` emptied every namespace (with Redis, fleet-wide)."""
+    assert cli.main(["clear", "http://127.0.0.1:1"]) == 2  # port 1: a call would fail with 1
+    err = capsys.readouterr().err
+    assert "kvstore clear: error: name what to clear: --namespace NS, --namespace-id HEX, or " \
+           "--all" in err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["clear", "http://127.0.0.1:1", "--all", "--namespace-id", "0" * 32])
+    assert e.value.code == 2
