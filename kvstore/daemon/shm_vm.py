@@ -149,14 +149,14 @@ def vm_read_parallel(pid: int, local: list[tuple[int, int]], remote: list[tuple[
         rh, ri = _split(ri, cut)
         parts.append((lh, rh))
     futs = [_reader_pool().submit(vm_read, pid, lp, rp) for lp, rp in parts[1:]]
-    results: list[int | OSError] = []
+    results: list[int | BaseException] = []
     for run in [lambda: vm_read(pid, *parts[0])] + [f.result for f in futs]:
         try:  # every part finishes before this returns: none writes into freed pages
             results.append(run())
-        except OSError as e:
+        except BaseException as e:  # noqa: BLE001 - re-raised below, once all parts ended
             results.append(e)
     for r in results:
-        if isinstance(r, OSError):
+        if isinstance(r, BaseException):
             raise r
     if any(got < sum(n for _, n in lp) for got, (lp, _) in zip(results, parts)):
         return min(sum(results), total - 1)  # a part ran into unmapped memory: short

@@ -130,3 +130,25 @@ def test_a_daemon_put_read_in_parts_is_bit_exact(tmp_path, monkeypatch):
         assert [as_bytes(g) for g in d.store.get_chunks(NS, KEYS[2:8])] == \
             [as_bytes(kv) for kv in kvs]
         d.store.check_integrity()
+
+
+def test_any_error_of_a_part_waits_for_the_other_parts(monkeypatch):
+    """Not only an ``OSError``: the caller releases the destination pages when this raises."""
+    monkeypatch.setattr(shm_vm, "PARALLEL_MIN_PART_BYTES", 512)
+    real = shm_vm.vm_read
+    finished: list[str] = []
+
+    def part(pid, local, remote):
+        if threading.current_thread() is threading.main_thread():
+            raise RuntimeError("first part failed")
+        time.sleep(0.2)
+        n = real(pid, local, remote)
+        finished.append("second")
+        return n
+    monkeypatch.setattr(shm_vm, "vm_read", part)
+    src = np.ones(4096, dtype=np.uint8)
+    dst = np.zeros(4096, dtype=np.uint8)
+    with pytest.raises(RuntimeError, match="first part failed"):
+        shm_vm.vm_read_parallel(os.getpid(), [(dst.ctypes.data, 4096)],
+                                [(src.ctypes.data, 4096)], 2)
+    assert finished == ["second"]
