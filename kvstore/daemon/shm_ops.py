@@ -4,9 +4,8 @@ store calls on the store thread pool, same answers.
 
 A handler takes the connection (``kvstore.daemon.shm_server.Connection``) and the request
 header; it returns the reply's fields, or None when it sent its reply itself (a get with
-inline bytes). It raises ``ProtocolError`` / ``Forbidden`` for an error reply. A put reads its
-payload from the connection; any payload a handler leaves unread is an error.
-"""
+inline bytes), and raises ``ProtocolError`` / ``Forbidden`` for an error reply. A put reads
+its payload from the connection; a payload a handler leaves unread is an error."""
 from __future__ import annotations
 
 import asyncio
@@ -147,7 +146,7 @@ async def put(c: "Connection", h: dict) -> dict:
     if durable and not can_persist(store):
         raise P.ProtocolError("durable put needs a disk tier (serve with --disk-path and "
                               "--disk-bytes)")
-    vm = h.get("vm") is not None  # read from the client's memory (``shm_vm``)
+    vm, held = h.get("vm") is not None, 0  # vm: read from the client's memory (``shm_vm``)
     staged = None if vm else _staged_source(c, h, entries)
     if vm:
         ranges = V.put_ranges(c.peer, h, entries, c.payload_left, state.limits.max_body_bytes)
@@ -155,7 +154,13 @@ async def put(c: "Connection", h: dict) -> dict:
             done = await state.call_shielded(V.put_vm_direct, store, ns, entries, c.peer, ranges)
             if done is not None:
                 return _stored(state, entries, done[0], done[1], False)
-        staged = await state.call_shielded(V.read_all, c.peer, ranges)
+        held = sum(n for _, n in ranges)  # read_all's one array: in the payload budget
+        await state.budget.acquire(held, state.budget_wait_s())
+        try:
+            staged = await state.call_shielded(V.read_all, c.peer, ranges)
+        except BaseException:
+            state.budget.release(held)
+            raise
     elif staged is None and c.payload_left != P.payload_total(entries):
         raise P.ProtocolError(f"payload is {c.payload_left} bytes but the chunks declare "
                               f"{P.payload_total(entries)}")
@@ -192,7 +197,7 @@ async def put(c: "Connection", h: dict) -> dict:
             store.release_reservations(items)
         if not handed or state.reuse_put_buffers:
             state.buffers.give(bufs)
-        state.budget.release(budget[0])
+        state.budget.release(budget[0] + held)
     return _stored(state, entries, stored, dropped, durable)
 
 
@@ -383,8 +388,7 @@ async def stats(c: "Connection", h: dict) -> dict:
     return _ok(**await c.state.stats_body(c.store))
 
 
-#: op name -> its answer on the event loop without waiting, or None when it must wait (then
-#: the op's handler runs); for ops that are usually answered at once
+#: op name -> its answer on the event loop at once, or None when it must wait (its handler)
 INLINE: dict[str, Callable[["Connection", dict], dict | None]] = {"lookup": lookup_now}
 
 #: op name -> handler (``release`` and ``hello`` are the connection's own)

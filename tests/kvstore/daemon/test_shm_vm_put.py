@@ -203,6 +203,23 @@ def test_a_durable_vm_put_is_on_disk_when_answered(tmp_path):
         assert all(torch.equal(g, kv) for g, kv in zip(c.get_chunks(NS, KEYS[:3]), kvs))
 
 
+def test_a_vm_put_read_into_one_array_counts_it_in_the_payload_budget(tmp_path, monkeypatch):
+    """A durable vm put reads the whole put into one new array (``read_all``): that memory
+    is held in the payload budget (``--max-inflight-bytes``) while the put runs and given back
+    after, so N such puts cannot take N x max_body_bytes."""
+    from kvstore.daemon.server import STATE_KEY
+    seen = []
+    real = shm_vm.read_all
+    store = make_store(disk_path=str(tmp_path / "disk"), disk_bytes=1 << 20)
+    with shm_daemon(tmp_path, store=store, max_inflight_bytes=64 * CB) as d, \
+            ShmKVStoreClient(d.sock_path, timeout_s=5) as c:
+        budget = d.app[STATE_KEY].budget
+        monkeypatch.setattr(shm_vm, "read_all", lambda peer, ranges: seen.append(
+            budget.held) or real(peer, ranges))
+        assert c.put_chunks(NS, KEYS[:3], [chunk(i) for i in range(3)], durable=True) == 3
+        assert seen == [3 * CB] and budget.held == 0
+
+
 def test_a_client_negotiates_down_to_an_older_daemons_version(tmp_path, monkeypatch):
     monkeypatch.setattr(S, "SHM_VERSIONS", (1, 2))  # a daemon from before version 3
     with shm_daemon(tmp_path) as d, ShmKVStoreClient(d.sock_path, timeout_s=5) as c:
