@@ -299,6 +299,7 @@ class DiskTier(DiskWriter, Tier):
             self._cond.notify_all()
         self._writer.join()
         try:
+            self._retry_doomed_at_close()
             self.env.sync(True)
             self.env.close()
         finally:

@@ -176,13 +176,27 @@ class DiskWriter:
     def _delete_failed(self, key) -> None:
         """A delete of ``key`` was not committed: count the bytes lmdb still holds for it
         (unless a newer put of the key is indexed) until a retry commits it."""
-        with self.env.begin() as txn:
-            value = txn.get(bytes(key))
+        try:
+            with self.env.begin() as txn:
+                value = txn.get(bytes(key))
+        except lmdb.Error:  # cannot even read: nothing known to count
+            return
         with self._lock:
             if value is None:
                 self._doomed.pop(key, None)
             elif key not in self._index and key not in self._doomed:
                 self._doomed[key] = len(value)
+
+    def _retry_doomed_at_close(self) -> None:
+        """Last try at the deletes lmdb could not commit (the writer has stopped); those that
+        still fail are logged: the next open finds their chunks again."""
+        for key in list(self._doomed):
+            if self._delete_now(key):
+                self._delete_committed(key)
+        if self._doomed:
+            log.warning("disk tier %s: %d deleted chunks could not be removed from lmdb (%s); "
+                        "the next open finds them again", self.path, len(self._doomed),
+                        self._free_text())
 
     def _delete_committed(self, key) -> None:
         with self._lock:
