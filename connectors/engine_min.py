@@ -159,6 +159,8 @@ class EngineMinConnector(KVConnectorBase):
             ``i``); False: whole loads before it; None (default, "auto"): layer by layer when
             the pool is on CUDA, whole on the CPU (resolved at ``register_kv_caches``, which
             sets ``layerwise_load`` to the bool used).
+        saves: False: nothing is saved (no gather, no put; a daemon token that may only
+            read), lookups and loads as usual.
 
     Raises:
         ValueError: a non-positive chunk size or deadline, or a tail chunk size that is
@@ -173,7 +175,7 @@ class EngineMinConnector(KVConnectorBase):
                  deadline_s_per_chunk: float = 0.05, save_queue_bytes: int = 512 << 20,
                  save_generated: bool = True, owns_store: bool = True,
                  tail_chunk_size: int | None = None, lossy_codec: str = "",
-                 layerwise_load: bool | None = None):
+                 layerwise_load: bool | None = None, saves: bool = True):
         if lossy_codec and lossy_codec not in LOSSY_CODECS:
             raise ValueError(f"unknown lossy_codec {lossy_codec!r}; choose one of {LOSSY_CODECS}")
         self.lossy_codec = lossy_codec
@@ -214,7 +216,7 @@ class EngineMinConnector(KVConnectorBase):
         self.c = self.stats.c          # counters by name (``get_stats`` reports them)
         self._lookups = PrefixLookup(store, self._pool, self.stats, deadline_s)
         self._loader = Loader(store, self._pool, self.stats, deadline_s, deadline_s_per_chunk)
-        self._saver = Saver(store, self.stats, save_queue_bytes)
+        self._saver = Saver(store, self.stats, save_queue_bytes, enabled=saves)
         self._closed = False
 
     # ---- helpers ------------------------------------------------------------------------------

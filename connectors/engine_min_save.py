@@ -41,10 +41,13 @@ class Saver:
         stats: the connector's counters (queued, dropped, saved chunks and bytes, errors).
         save_queue_bytes: bytes of gathered chunks waiting for the writer; a save that would
             exceed it is dropped (counted) unless the queue is empty.
+        enabled: False: nothing is gathered or put (a store this engine may only read).
     """
 
-    def __init__(self, store: KVStoreBase, stats: ConnectorStats, save_queue_bytes: int) -> None:
+    def __init__(self, store: KVStoreBase, stats: ConnectorStats, save_queue_bytes: int,
+                 enabled: bool = True) -> None:
         self.store, self.stats = store, stats
+        self.enabled = enabled
         self.save_queue_bytes = save_queue_bytes
         self.kv_cache: torch.Tensor | None = None
         self.geometry: ChunkGeometry | None = None
@@ -64,7 +67,7 @@ class Saver:
     def queue(self, rng: SaveRange | None, block_ids: list[int]) -> None:
         """Gather the units of ``rng`` out of the pool (``block_ids``: the request's blocks)
         and queue them (or drop them, counted, when the queue is full). None: nothing."""
-        if rng is None or not self._reserve(len(rng.keys), rng.nbytes):
+        if rng is None or not self.enabled or not self._reserve(len(rng.keys), rng.nbytes):
             return
         g = self.geometry
         kvs = [ops.gather_chunk(self.kv_cache, g.unit_blocks(block_ids, s, rng.unit))

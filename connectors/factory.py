@@ -61,6 +61,10 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
         connector_kwargs: further ``EngineMinConnector`` arguments; its ``lossy_codec``
             also sets the in-process store's disk and remote tier codec (``StoreSpec``).
 
+    A daemon token whose role is ``reader`` (``GET /v1/whoami`` at start) may only read: with
+    the daemon alone the connector saves nothing (no gather, no put; one INFO line says so),
+    lookups and loads as usual; in front of in-process tiers saves still go to those tiers.
+
     Raises:
         ValueError: no store given, ``disk_bytes`` without ``disk_path``, a bad URL or size,
             a bad ``chunk_size``, ``tail_chunk_size`` or deadline (the store opened for the
@@ -85,6 +89,8 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
             from kvstore.daemon.tenants import bind_salt
             connector_kwargs["cache_salt"] = bind_salt(opened.tenant_salt,
                                                        connector_kwargs.get("cache_salt", ""))
+        if opened.role == "reader":
+            connector_kwargs["saves"] = not _reader_saves_skipped(url, store)
         return EngineMinConnector(store, chunk_size=chunk_size, model_id=model_id,
                                   revision=revision, deadline_s=deadline_s,
                                   save_generated=save_generated,
@@ -93,3 +99,17 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
         store.close()   # a refused option leaves nothing open (a disk path's lock, the arena)
         raise
 
+
+
+def _reader_saves_skipped(url: str, store: Any) -> bool:
+    """A read-only daemon token: log what the engine does about saves; True when it skips
+    them (the daemon is its only store)."""
+    from kvstore.layered import LayeredStore
+    if isinstance(store, LayeredStore):
+        log.warning("kvstore daemon %s: this token is read-only (role reader): saves go to the "
+                    "in-process tiers; the daemon refuses their copies (403, counted as remote "
+                    "errors)", url)
+        return False
+    log.info("kvstore daemon %s: this token is read-only (role reader): the engine loads from "
+             "it and saves nothing", url)
+    return True

@@ -197,11 +197,14 @@ class OpenedStore:
         tenant_salt: the daemon tenant's salt every namespace must carry; None without a
             daemon, an auth token, or for an unbound (admin) token.
         remote: whether ``store`` is the bare daemon client (its calls take ``timeout_s=``).
+        role: the daemon token's role (``"admin"``, ``"tenant"``, ``"reader"``: read-only)
+            as ``GET /v1/whoami`` said; None without a daemon or when it could not be asked.
     """
 
     store: KVStoreBase
     tenant_salt: str | None = None
     remote: bool = False
+    role: str | None = None
 
 
 def open_store(spec: StoreSpec) -> OpenedStore:
@@ -230,13 +233,15 @@ def open_store(spec: StoreSpec) -> OpenedStore:
 def _with_daemon(spec: StoreSpec, stores: list[KVStoreBase]) -> OpenedStore:
     """``stores`` (the in-process one, if any) plus the daemon ``spec.url`` names, as one
     ``OpenedStore``."""
-    salt = None
+    salt = role = None
     if spec.url:
         from kvstore.daemon.client import KVStoreClient
         client = KVStoreClient(http_url(spec.url), auth_token=spec.auth_token,
                                timeout_s=spec.timeout_s, wire_codec=spec.wire_codec or "raw")
-        salt = daemon_tenant_salt(client, max(spec.timeout_s, WHOAMI_TIMEOUT_S),
-                                  token=bool(spec.auth_token))
+        who = daemon_whoami(client, max(spec.timeout_s, WHOAMI_TIMEOUT_S),
+                            token=bool(spec.auth_token)) or {}
+        salt = who.get("cache_salt") if isinstance(who.get("cache_salt"), str) else None
+        role = who.get("role") if isinstance(who.get("role"), str) else None
         if spec.breaker is None:
             stores.append(client)
         else:
@@ -247,9 +252,10 @@ def _with_daemon(spec: StoreSpec, stores: list[KVStoreBase]) -> OpenedStore:
                 get_timeout_s_per_chunk=b.get_timeout_s_per_chunk,
                 get_timeout_s_base=b.get_timeout_s_base))
     if len(stores) == 1:
-        return OpenedStore(stores[0], salt, remote=bool(spec.url) and spec.breaker is None)
+        return OpenedStore(stores[0], salt, remote=bool(spec.url) and spec.breaker is None,
+                           role=role)
     from kvstore.layered import LayeredStore
-    return OpenedStore(LayeredStore(stores[0], stores[1]), salt)
+    return OpenedStore(LayeredStore(stores[0], stores[1]), salt, role=role)
 
 
 def daemon_tenant_salt(client: Any, timeout_s: float, token: bool = True) -> str | None:
@@ -260,10 +266,18 @@ def daemon_tenant_salt(client: Any, timeout_s: float, token: bool = True) -> str
     what follows: the connector then names unsalted namespaces, which a tenant token is
     refused (403), so it recomputes; it never reads another tenant's chunks.
     """
+    salt = (daemon_whoami(client, timeout_s, token) or {}).get("cache_salt")
+    return salt if isinstance(salt, str) else None
+
+
+def daemon_whoami(client: Any, timeout_s: float, token: bool = True) -> dict | None:
+    """The daemon's ``GET /v1/whoami`` answer for ``client``'s token (``{"tenant", "role",
+    "cache_salt"}``), or None, with one WARNING, when it cannot be asked (as
+    ``daemon_tenant_salt``)."""
     from kvstore.daemon.client import RemoteError, StoreUnavailable
     from kvstore.errors import NotADaemon
     try:
-        salt = client.whoami(timeout_s=timeout_s).get("cache_salt")
+        who = client.whoami(timeout_s=timeout_s)
     except StoreUnavailable as e:
         log.warning("kvstore daemon %s is not answering (%s): requests recompute until it "
                     "does%s", client.url, e,
@@ -287,7 +301,7 @@ def daemon_tenant_salt(client: Any, timeout_s: float, token: bool = True) -> str
         log.warning("kvstore daemon %s: cannot learn this token's tenant salt (%s); its "
                     "requests may be refused until the engine restarts", client.url, e)
         return None
-    return salt if isinstance(salt, str) else None
+    return who if isinstance(who, dict) else None
 
 
 class StoreRegistry:
