@@ -166,7 +166,7 @@ def test_a_failed_open_leaves_the_disk_path_free(tmp_path, monkeypatch):
 
     def no_daemon(client, timeout_s, token=True):
         raise RuntimeError("daemon exploded")
-    monkeypatch.setattr(stores, "daemon_tenant_salt", no_daemon)
+    monkeypatch.setattr(stores, "daemon_whoami", no_daemon)
     path = str(tmp_path / "lmdb")
     with pytest.raises(RuntimeError, match="daemon exploded"):
         open_store(StoreSpec(cpu_bytes="1MiB", disk_path=path, disk_bytes="16MiB",
