@@ -147,6 +147,9 @@ class SocketReader:
         if self._rpos == self._rend:  # empty: the next read lands at the front
             self._base += self._rpos
             self._rpos = self._rend = 0
+            if len(self._rbuf) > READ_AHEAD_BYTES:  # grown for one large header: give it back
+                self._rbuf = bytearray(READ_AHEAD_BYTES)
+                self._rview = memoryview(self._rbuf)
 
     def _fds_at(self, offset: int) -> list[int]:
         """The read-ahead descriptors of the read whose range holds stream ``offset``; those

@@ -110,3 +110,30 @@ def test_a_stage_whose_descriptor_rides_on_a_longer_message_gets_it(tmp_path):
         finally:
             staging.close()
             c.close()
+
+
+def test_the_read_ahead_buffer_shrinks_back_after_a_large_header():
+    """A header of up to 16 MiB grows a connection's buffer to fit it; kept, 1,000 idle
+    connections that each once sent one would hold 16 GB."""
+    import asyncio
+    import threading
+    from kvstore.daemon.shm_reader import READ_AHEAD_BYTES, SocketReader
+
+    async def run():
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        reader = SocketReader(asyncio.get_running_loop(), a)
+        big = S.encode_frame({"op": "lookup", "pad": "x" * (1 << 20)})
+        small = S.encode_frame({"op": "exists"})
+        sender = threading.Thread(target=b.sendall, args=(big + small,))
+        sender.start()  # (more than the socket buffer holds: sent while the reader reads)
+        first = await reader.read_frame()
+        assert first[0]["pad"] == "x" * (1 << 20)  # (the buffer grew to hold it)
+        assert (await reader.read_frame())[0] == {"op": "exists"}
+        sender.join()
+        assert len(reader._rbuf) == READ_AHEAD_BYTES
+        b.sendall(small)  # and it still reads
+        assert (await reader.read_frame())[0] == {"op": "exists"}
+        reader.close()
+        b.close()
+    asyncio.run(run())
