@@ -7,7 +7,6 @@ import logging
 import os
 import subprocess
 import sys
-import uuid
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from kvstore.layout import KVLayout
 from kvstore.store import ChunkStore
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk_space import DiskShrinkRefused, RateLimitedLog
+from tests.kvstore.tmpfs_helpers import mounted_tmpfs
 
 LAY = KVLayout(4, 4, 64, "float32", 64)  # 512 KiB chunks, incompressible (random)
 NS = Namespace("disk-files", LAY)
@@ -119,18 +119,8 @@ def test_a_repeated_error_is_logged_once_per_interval_with_a_count(caplog):
 @pytest.fixture
 def tmpfs_20m(tmp_path):
     """A 20 MiB tmpfs (skips where this process may not mount one)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    where = tmp_path / f"fs-{uuid.uuid4().hex[:6]}"
-    where.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(where)],
-                       capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path, "20m") as where:
         yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
 def test_a_full_filesystem_evicts_names_its_cause_and_counts_what_lmdb_holds(tmpfs_20m, caplog):

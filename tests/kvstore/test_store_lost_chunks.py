@@ -2,9 +2,6 @@
 takes its stored descendants with it, as an eviction does: otherwise they fill the CPU tier
 while no lookup can reach them (``unreachable_bytes``)."""
 import logging
-import os
-import subprocess
-import uuid
 
 import lmdb
 import pytest
@@ -15,6 +12,7 @@ from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
 from kvstore.store import ChunkStore
 from kvstore.tiers.disk import DiskTier
+from tests.kvstore.tmpfs_helpers import mounted_tmpfs
 
 LAY = KVLayout(2, 2, 16, "float32", 64)  # 64-token chunks of 32 KiB
 NS = Namespace("lost", LAY)
@@ -85,18 +83,8 @@ def test_a_pinned_descendant_of_a_lost_chunk_goes_at_its_last_unpin(tmp_path, mo
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 512 KiB tmpfs (skips where this process may not mount one)."""
-    where = tmp_path / f"full-{uuid.uuid4().hex[:6]}"
-    where.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(where)],
-                       capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path, "512k") as where:
         yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
 def test_a_full_disk_strands_nothing_in_the_cpu_tier(small_tmpfs, caplog):
