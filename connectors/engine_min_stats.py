@@ -2,21 +2,21 @@
 its loader: cumulative token / chunk / byte counts, tokens hit per tier, latencies, fallbacks,
 and warnings. Thread-safe (the lookup and load workers and the save writer count here too).
 
-Warnings (``ConnectorStats.warn``) are logged once per kind of operation *and cause*: the
-cause is the error's class, its HTTP status when it has one and the first characters of its
-message with numbers left out, so a store that first refuses connections and later answers
-400 logs both. After the operation succeeds again (``ConnectorStats.recovered``) a cause is
-logged anew when it comes back, at most once per ``relog_interval_s`` per operation. A call
+Warnings (``ConnectorStats.warn``, ``kvstore.cause_log.CauseLog``) are logged once per kind
+of operation *and cause*: the cause is the error's class, its HTTP status when it has one and
+the first characters of its message with numbers left out, so a store that first refuses
+connections and later answers 400 logs both. After the operation succeeds again
+(``ConnectorStats.recovered``) a cause is logged anew when it comes back, at most once per
+``relog_interval_s`` per operation. A call
 a daemon's circuit breaker skipped (``RemoteSkipped``) is counted, not logged: the breaker
 logged the failure that opened it.
 """
 from __future__ import annotations
 
 import logging
-import re
 import threading
-import time
 
+from kvstore.cause_log import CauseLog
 from kvstore.layered import RemoteSkipped
 
 log = logging.getLogger("connectors.engine_min")
@@ -45,25 +45,18 @@ class Latency:
                 f"{prefix}_seconds_max": self.max}
 
 
-class ConnectorStats:
+class ConnectorStats(CauseLog):
     """The counters (``c``: name -> int), tokens hit per tier, and the lookup / load / save
-    latencies of one connector."""
+    latencies of one connector; its warnings per kind and cause (``CauseLog``:
+    ``relog_interval_s``, ``max_causes``, ``recovered``)."""
 
     def __init__(self) -> None:
+        super().__init__(log, "kv connector: %s works again (%d failures since it last "
+                              "worked)")
         self.lock = threading.Lock()
         self.c: dict[str, int] = {k: 0 for k in COUNTERS}
         self.hits_by_tier: dict[str, int] = {}
         self.lat = {k: Latency() for k in ("lookup", "load", "save")}
-        self._quiet: set[tuple[str, str]] = set()   # (kind, cause) logged, not recovered
-        self._causes: dict[str, set[str]] = {}       # kind -> causes ever logged
-        self._last_line: dict[str, float] = {}       # kind -> monotonic time of its last line
-        self._failures: dict[str, int] = {}          # kind -> failures since its last success
-
-    #: a cause seen again after a recovery (or a new cause past ``max_causes``) is logged at
-    #: most once per this many seconds per kind
-    relog_interval_s = 30.0
-    #: distinct causes per kind logged at once; further new causes are rate-limited
-    max_causes = 32
 
     def add(self, hits_by_tier: dict[str, int] | None = None, **counts: int) -> None:
         """Add to counters by name, and to the tokens hit per tier they came from."""
@@ -78,45 +71,17 @@ class ConnectorStats:
         with self.lock:
             self.lat[kind].add(seconds)
 
-    def warn(self, kind: str, msg: str, *args, cause: BaseException | None = None) -> None:
+    def warn(self, kind: str, msg: str, *args, cause: BaseException | None = None) -> bool:
         """Log ``msg % args`` at WARNING unless this ``kind`` already logged the same cause
-        and has not recovered since (module docstring). ``cause``: the error (default: the
-        first exception in ``args``); without one the cause is the message with numbers left
-        out."""
+        and has not recovered since (module docstring; ``kvstore.cause_log.CauseLog.warn``).
+        ``cause``: the error (default: the first exception in ``args``); a ``RemoteSkipped``
+        is counted, not logged. Returns whether it logged."""
         if cause is None:
             cause = next((a for a in args if isinstance(a, BaseException)), None)
         if isinstance(cause, RemoteSkipped):   # the breaker logged why it is open
-            with self.lock:
-                self._failures[kind] = self._failures.get(kind, 0) + 1
-            return
-        sig = _cause(cause) if cause is not None else _NUMBERS.sub("#", msg % args)[:120]
-        now = time.monotonic()
-        with self.lock:
-            self._failures[kind] = self._failures.get(kind, 0) + 1
-            if (kind, sig) in self._quiet:
-                return
-            seen = self._causes.setdefault(kind, set())
-            fresh = sig not in seen and len(seen) < self.max_causes
-            last = self._last_line.get(kind)
-            if not fresh and last is not None and now - last < self.relog_interval_s:
-                return   # rate-limited: logged when it happens again later
-            self._quiet.add((kind, sig))
-            seen.add(sig)
-            self._last_line[kind] = now
-        log.warning(msg + " (logged once per cause until it recovers)", *args)
-
-    def recovered(self, kind: str) -> None:
-        """A ``kind`` operation succeeded: the causes it logged may be logged again when they
-        come back (an INFO line says it works again, once per recovery)."""
-        with self.lock:
-            failures = self._failures.pop(kind, 0)
-            if not failures:
-                return
-            had = {k for k in self._quiet if k[0] == kind}
-            self._quiet -= had
-        if had:
-            log.info("kv connector: %s works again (%d failures since it last worked)",
-                     kind, failures)
+            self.failed(kind)
+            return False
+        return super().warn(kind, msg, *args, cause=cause)
 
     def fallback(self, kind: str, msg: str, *args) -> None:
         """A ``kind`` (lookup, load) fell back to recomputing: count it, warn once."""
@@ -141,12 +106,3 @@ class ConnectorStats:
             out.update(d)
         return out
 
-
-_NUMBERS = re.compile(r"\d+(?:\.\d+)?")
-
-
-def _cause(exc: BaseException) -> str:
-    """What tells one failure's cause from another: class, HTTP status (``RemoteError``),
-    the first 60 characters of the message with numbers (ports, sizes, seconds) as ``#``."""
-    status = getattr(exc, "status", "")
-    return f"{type(exc).__name__}|{status}|{_NUMBERS.sub('#', str(exc))[:60]}"
