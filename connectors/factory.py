@@ -8,15 +8,12 @@ requests ~nothing.
 """
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from connectors.engine_min import EngineMinConnector
 from connectors.stores import (DEFAULT_DISK_BYTES, BreakerTimes, StoreSpec,  # noqa: F401
-                               daemon_tenant_salt, open_store)
+                               daemon_tenant_salt, engine_saves, open_store)
 from kvstore.defaults import DEFAULT_CHUNK_SIZE
-
-log = logging.getLogger("kvstore.connectors.factory")
 
 #: Deadline of one background save to a daemon (seconds).
 SAVE_TIMEOUT_S = 30.0
@@ -63,7 +60,8 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
 
     A daemon token whose role is ``reader`` (``GET /v1/whoami`` at start) may only read: with
     the daemon alone the connector saves nothing (no gather, no put; one INFO line says so),
-    lookups and loads as usual; in front of in-process tiers saves still go to those tiers.
+    lookups and loads as usual; in front of in-process tiers saves go to those tiers only
+    (the ``LayeredStore`` sends the daemon nothing; one INFO line says so).
 
     Raises:
         ValueError: no store given, ``disk_bytes`` without ``disk_path``, a bad URL or size,
@@ -89,8 +87,8 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
             from kvstore.daemon.tenants import bind_salt
             connector_kwargs["cache_salt"] = bind_salt(opened.tenant_salt,
                                                        connector_kwargs.get("cache_salt", ""))
-        if opened.role == "reader":
-            connector_kwargs["saves"] = not _reader_saves_skipped(url, store)
+        if not engine_saves(opened):
+            connector_kwargs["saves"] = False
         return EngineMinConnector(store, chunk_size=chunk_size, model_id=model_id,
                                   revision=revision, deadline_s=deadline_s,
                                   save_generated=save_generated,
@@ -98,18 +96,3 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
     except BaseException:
         store.close()   # a refused option leaves nothing open (a disk path's lock, the arena)
         raise
-
-
-
-def _reader_saves_skipped(url: str, store: Any) -> bool:
-    """A read-only daemon token: log what the engine does about saves; True when it skips
-    them (the daemon is its only store)."""
-    from kvstore.layered import LayeredStore
-    if isinstance(store, LayeredStore):
-        log.warning("kvstore daemon %s: this token is read-only (role reader): saves go to the "
-                    "in-process tiers; the daemon refuses their copies (403, counted as remote "
-                    "errors)", url)
-        return False
-    log.info("kvstore daemon %s: this token is read-only (role reader): the engine loads from "
-             "it and saves nothing", url)
-    return True

@@ -19,7 +19,9 @@ comes from the URL or ``$KVSTORE_REMOTE_PASSWORD`` and never shows in ``repr``.
 
 With a daemon and an ``auth_token``, the daemon is asked once for the token's tenant salt
 (``GET /v1/whoami``, ``daemon_tenant_salt``); every namespace the connector names must carry
-it (``kvstore.daemon.tenants.bind_salt``).
+it (``kvstore.daemon.tenants.bind_salt``). A token whose role is ``reader`` may only read:
+in front of in-process tiers the ``LayeredStore`` is read-only towards the daemon (saves stay
+local); with the daemon alone the engine saves nothing (``engine_saves``).
 
 Sizes accept ints or text (``"512MiB"``). ``url`` accepts ``http://HOST:PORT`` or
 ``tcp://HOST:PORT`` (the same daemon), or ``unix:///PATH`` (a daemon's ``--unix-socket`` on
@@ -255,7 +257,23 @@ def _with_daemon(spec: StoreSpec, stores: list[KVStoreBase]) -> OpenedStore:
         return OpenedStore(stores[0], salt, remote=bool(spec.url) and spec.breaker is None,
                            role=role)
     from kvstore.layered import LayeredStore
-    return OpenedStore(LayeredStore(stores[0], stores[1]), salt, role=role)
+    return OpenedStore(LayeredStore(stores[0], stores[1], remote_read_only=role == "reader"),
+                       salt, role=role)
+
+
+def engine_saves(opened: OpenedStore, quiet: bool = False) -> bool:
+    """Whether an engine saves into ``opened``: False for a daemon token with the read-only
+    role (``reader``) when the daemon is the only store (the engine loads from it and saves
+    nothing: each put would be refused 403; one INFO line says so unless ``quiet``); True
+    otherwise, in front of in-process tiers too (their ``LayeredStore`` keeps saves local and
+    sends the daemon nothing; it logged so when it opened)."""
+    from kvstore.layered import LayeredStore
+    if opened.role != "reader" or isinstance(opened.store, LayeredStore):
+        return True
+    if not quiet:
+        log.info("kvstore daemon %s: this token is read-only (role reader): the engine loads "
+                 "from it and saves nothing", getattr(opened.store, "url", None))
+    return False
 
 
 def daemon_tenant_salt(client: Any, timeout_s: float, token: bool = True) -> str | None:

@@ -33,7 +33,9 @@ sizes, deadlines and queue size before a store opens, naming the key of a bad va
 * ``auth_token``: the daemon's bearer token. A tenant's token (``kvstore serve --tenants-file``)
   binds every namespace to the tenant's salt, which the connector asks the daemon for once
   (``GET /v1/whoami``); a request's ``cache_salt`` then becomes the sub-salt
-  ``<tenant salt>/<cache_salt>`` (``kvstore.daemon.tenants.bind_salt``).
+  ``<tenant salt>/<cache_salt>`` (``kvstore.daemon.tenants.bind_salt``). A token with the
+  read-only role (``reader``) loads and never sends the daemon a save: with the daemon alone
+  nothing is saved, in front of in-process tiers saves stay in those tiers.
 * ``tail_chunk_size`` (default: vLLM's block size when it divides ``chunk_size``, else 0 =
   off): the tokens past the last full chunk are also stored as pieces of this many
   tokens, in a namespace of their own (the same layout with this chunk size), so a hit

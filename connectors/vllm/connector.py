@@ -15,7 +15,7 @@ from kvstore.api import KVStoreBase
 from kvstore.layout import KVLayout
 
 from connectors.chunk_geometry import ChunkGeometry
-from connectors.stores import StoreRegistry
+from connectors.stores import StoreRegistry, engine_saves
 from connectors.vllm.identity import RequestNamespaces, vllm_namespace
 from connectors.vllm.options import ConnectorOptions
 from connectors.vllm.paged_layout import PagedLayout
@@ -86,8 +86,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.worker: WorkerSide | None = None
         geometry = ChunkGeometry(int(spec.block_size), opts.chunk_size, opts.tail_chunk_size)
         if role == KVConnectorRole.SCHEDULER:
+            # a read-only (reader) daemon token with the daemon alone: no saves planned
             self.scheduler = SchedulerSide(geometry, self.namespaces, calls, self._counters,
-                                           opts.pin_lease_s, self._block_table)
+                                           opts.pin_lease_s, self._block_table,
+                                           saves=engine_saves(opened))
         else:
             cc = vllm_config.compilation_config
             self.worker = WorkerSide(self.layout, layer_names, int(spec.block_size),

@@ -63,12 +63,17 @@ class SchedulerSide:
             whose ``capabilities`` declare none).
         block_table: ``(req_id, fallback) -> block ids``: vLLM's current block table of a
             request, ``fallback`` when vLLM cannot say.
+        saves: False: no save is planned (no chunk is copied out or sent: a daemon token
+            that may only read, ``connectors.stores.engine_saves``); lookups and loads as
+            usual.
     """
 
     def __init__(self, geometry: ChunkGeometry, namespaces: RequestNamespaces,
                  calls: StoreCalls, counters: Counters, pin_lease_s: float,
-                 block_table: Callable[[str, list[int]], list[int]]) -> None:
+                 block_table: Callable[[str, list[int]], list[int]],
+                 saves: bool = True) -> None:
         self.geometry = geometry
+        self.saves = saves
         self.namespaces, self.calls, self.counters = namespaces, calls, counters
         self.pin_lease_s = pin_lease_s
         self._block_table = block_table
@@ -189,7 +194,11 @@ class SchedulerSide:
 
             tokens   | prompt ........................ | generated ..... |x   (x: no KV yet)
             saved    | chunks ...  | chunk filled by decoding | pieces | partial block (not stored)
+
+        Empty when ``saves`` is off.
         """
+        if not self.saves:
+            return []
         tokens, chunks = state.request.all_token_ids, state.chunks
         end = min(done, len(tokens))
         ranges = [chunks.chunks_to_save(tokens, end)]
