@@ -23,6 +23,14 @@ def lookup_frame(keys) -> bytes:
                            "keys": [k.hex() for k in keys]})
 
 
+def assert_staging_works(c, d, staging) -> None:
+    """A put of two chunks from ``staging`` (the connection's staging area) is stored
+    bit-exact: the daemon received the staging area's memfd."""
+    assert staged_put(c, staging, KEYS[:2], [chunk(0), chunk(1)])["stored"] == 2
+    got = d.store.get_chunks(NS, KEYS[:2])
+    assert [as_bytes(t) for t in got] == [as_bytes(chunk(0)), as_bytes(chunk(1))]
+
+
 def test_frames_read_together_are_answered_in_order(tmp_path):
     with shm_daemon(tmp_path) as d:
         d.store.put_chunks(NS, KEYS[:3], [chunk(i) for i in range(3)])
@@ -55,9 +63,7 @@ def test_a_stage_read_in_one_piece_with_its_header_gets_its_memfd(tmp_path):
                 S.send_with_fds(c.sock, b"\0", [staging.fd])  # its own message, as the client
             assert c.recv()[0]["num_hit_chunks"] == 0
             assert c.recv()[0] == {"ok": True, "staging_bytes": 4 * CB}
-            assert staged_put(c, staging, KEYS[:2], [chunk(0), chunk(1)])["stored"] == 2
-            got = d.store.get_chunks(NS, KEYS[:2])
-            assert [as_bytes(t) for t in got] == [as_bytes(chunk(0)), as_bytes(chunk(1))]
+            assert_staging_works(c, d, staging)
         finally:
             staging.close()
             c.close()
@@ -104,9 +110,7 @@ def test_a_stage_whose_descriptor_rides_on_a_longer_message_gets_it(tmp_path):
             S.send_with_fds(c.sock, b"\0" + lookup_frame(KEYS[:3]), [staging.fd])
             assert c.recv()[0] == {"ok": True, "staging_bytes": 4 * CB}
             assert c.recv()[0]["num_requested_chunks"] == 3
-            assert staged_put(c, staging, KEYS[:2], [chunk(0), chunk(1)])["stored"] == 2
-            got = d.store.get_chunks(NS, KEYS[:2])
-            assert [as_bytes(t) for t in got] == [as_bytes(chunk(0)), as_bytes(chunk(1))]
+            assert_staging_works(c, d, staging)
         finally:
             staging.close()
             c.close()
