@@ -13,7 +13,6 @@ on request, or ``xxh3_128`` for trusted single-tenant use only. Only full chunks
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import FrozenInstanceError, dataclass
 from functools import cached_property
 from itertools import repeat
@@ -25,8 +24,8 @@ import xxhash
 
 from kvstore.kv_codec import LOSSY_CODECS
 from kvstore.layout import KVLayout
-
-HASH_ALGOS = ("sha256", "blake2b", "xxh3_128")
+from kvstore.ns_wire import (HASH_ALGOS, IDENTITY_FIELDS,  # noqa: F401 (re-exported)
+                             canonical_json, namespace_digest)
 
 
 def _hasher(algo: str) -> Callable[[bytes], bytes]:
@@ -79,27 +78,6 @@ def chain_hashes(seed: bytes, tokens: Sequence[int] | np.ndarray, unit: int,
         prev = h(prev + raw[i * step:(i + 1) * step])
         out.append(prev)
     return out
-
-
-#: Namespace fields that name what besides the model id and KV layout changes a token's KV;
-#: left out of ``to_dict`` (so of the digest) while empty: a namespace without them keeps the
-#: keys it had before these fields existed.
-IDENTITY_FIELDS = ("weights_fingerprint", "compute_dtype", "rope", "quantization",
-                   "kv_quantization", "adapter", "lossy_codec")
-
-
-def canonical_json(value) -> str:
-    """``value`` as compact JSON with sorted keys (``""`` for None/empty), the form every
-    process writes the same way; a str is taken as already canonical.
-
-    Raises:
-        TypeError: a value JSON cannot encode.
-    """
-    if value is None or value == {} or value == "":
-        return ""
-    if isinstance(value, str):
-        return value
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
 def _rope_number(v):
@@ -243,8 +221,7 @@ class Namespace:
     def digest(self) -> bytes:
         """32-byte seed of the hash chain (always sha256 of the canonical JSON of
         ``to_dict()``). Cached: the namespace is frozen, and lookups ask for it on every call."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.sha256(b"kvstore-ns-v1" + blob).digest()
+        return namespace_digest(self.to_dict())   # (kvstore.ns_wire: no torch needed)
 
     @cached_property
     def ns_id(self) -> bytes:

@@ -3,8 +3,8 @@
 
 They call the daemon's HTTP routes through ``kvstore.daemon.transport`` (its deadlines,
 retries and fast failures), not through ``KVStoreClient``, so that they import neither torch
-nor the store: ``kvstore stats`` answers in a fraction of a second. Only ``clear --namespace``
-imports torch (through ``kvstore.keys``, to check the namespace before sending it).
+nor the store: ``kvstore stats`` answers in a fraction of a second. ``clear --namespace``
+checks the namespace with ``kvstore.ns_wire`` (plain JSON, the rules of ``kvstore.keys``).
 """
 from __future__ import annotations
 
@@ -83,15 +83,16 @@ def namespace_id(text: str) -> str:
     return value
 
 
-def read_namespace(text: str):
-    """The ``Namespace`` of ``--namespace``: JSON of ``Namespace.to_dict()``, or ``@FILE``
-    holding it.
+def read_namespace(text: str) -> dict:
+    """The namespace of ``--namespace`` in its canonical wire form (``Namespace.to_dict()``,
+    computed without torch: ``kvstore.ns_wire.wire_namespace``), from JSON of a namespace or
+    ``@FILE`` holding it.
 
     Raises:
         UsageError: the file cannot be read, the text is not a JSON object, or a field is
             missing or bad (the message names the file or the field).
     """
-    from kvstore.keys import Namespace
+    from kvstore.ns_wire import wire_namespace
     if text.startswith("@"):
         try:
             with open(text[1:]) as f:
@@ -106,7 +107,7 @@ def read_namespace(text: str):
         raise UsageError(f"--namespace: expected a JSON object (Namespace.to_dict()), got "
                          f"{type(d).__name__}")
     try:
-        return Namespace.from_dict(d)
+        return wire_namespace(d)
     except KeyError as e:  # model_id and layout, or a field of the layout
         field = e.args[0]
         where = "namespace" if field in ("model_id", "layout") else 'namespace "layout"'
@@ -201,7 +202,7 @@ def cmd_clear(args: argparse.Namespace) -> int:
     namespace's chunks, or all (``POST /v1/clear``); naming none is a usage error."""
     from kvstore.errors import RemoteError, StoreUnavailable
     if args.namespace:
-        body = {"namespace": read_namespace(args.namespace).to_dict()}
+        body = {"namespace": read_namespace(args.namespace)}
     elif getattr(args, "namespace_id", None):
         body = {"ns_id": args.namespace_id}
     elif getattr(args, "all", False):

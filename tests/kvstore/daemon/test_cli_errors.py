@@ -59,7 +59,7 @@ def test_a_bad_namespace_flag_names_the_file_or_the_missing_field(tmp_path, caps
     ns_file = tmp_path / "ns.json"
     ns_file.write_text(json.dumps(NS.to_dict()))
     from kvstore.daemon.cli_client import read_namespace
-    assert read_namespace(f"@{ns_file}") == NS
+    assert read_namespace(f"@{ns_file}") == NS.to_dict()
 
 
 @pytest.mark.parametrize("cmd", ["stats", "clear"])

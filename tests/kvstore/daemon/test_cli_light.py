@@ -1,6 +1,6 @@
-"""``kvstore stats`` and ``kvstore clear`` start without torch (they answered only after its 2-3 s
-import), and a daemon URL whose host name does not resolve fails at once, naming the host
-(it was retried until the deadline)."""
+"""``kvstore stats`` and ``kvstore clear`` (``--namespace`` too) start without torch (they
+answered only after its 2-3 s import), and a daemon URL whose host name does not resolve fails
+at once, naming the host (it was retried until the deadline)."""
 import json
 import subprocess
 import sys
@@ -28,6 +28,7 @@ out = io.StringIO()
 with contextlib.redirect_stdout(out):
     rcs = [cli.main(["stats", url, "--auth-token", token, "--json"]),
            cli.main(["stats", url, "--auth-token", token]),
+           cli.main(["clear", url, "--auth-token", token, "--namespace", sys.argv[4]]),
            cli.main(["clear", url, "--auth-token", token, "--namespace-id", sys.argv[3]]),
            cli.main(["clear", url, "--auth-token", token, "--all"])]
 print(json.dumps({"rcs": rcs, "out": out.getvalue(),
@@ -48,18 +49,22 @@ def test_stats_and_clear_run_against_a_daemon_without_importing_torch(daemon):
     srv, store = daemon
     with KVStoreClient(srv.url, auth_token=TOKEN, same_host=False) as c:
         assert c.put_chunks(NS, KEYS[:3], [chunk(i) for i in range(3)]) == 3
-    p = subprocess.run([sys.executable, "-c", _SCRIPT, srv.url, TOKEN, NS.ns_id.hex()],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    # --namespace as a person writes it: a dtype alias, the optional fields left out
+    hand = {"model_id": NS.model_id, "layout": {**NS.layout.to_dict(), "dtype": "fp16"}}
+    p = subprocess.run([sys.executable, "-c", _SCRIPT, srv.url, TOKEN, NS.ns_id.hex(),
+                        json.dumps(hand)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
     assert p.returncode == 0, p.stderr
     got = json.loads(p.stdout.splitlines()[-1])
-    assert got["rcs"] == [0, 0, 0, 0] and got["heavy"] == [], got
+    assert got["rcs"] == [0, 0, 0, 0, 0] and got["heavy"] == [], got
     st = json.loads(got["out"][:got["out"].index("\n}\n") + 2])  # --json, then the table
     assert st["tiers"]["cpu"]["num_chunks"] == 3
     assert st["namespaces"] == [{"ns_id": NS.ns_id.hex(), "num_chunks": 3,
                                  "namespace": NS.to_dict()}]
     assert "tiers.cpu.num_chunks" in got["out"] and "namespaces[0].namespace.model_id" \
         in got["out"]
-    assert got["out"].endswith("removed 3 chunks\nremoved 0 chunks (all namespaces)\n")
+    assert got["out"].endswith("removed 3 chunks\nremoved 0 chunks\n"
+                               "removed 0 chunks (all namespaces)\n")   # --namespace cleared
     assert store.exists(NS, KEYS[:3]) == [False] * 3
 
 

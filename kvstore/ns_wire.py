@@ -1,0 +1,117 @@
+"""A namespace's wire form and digest from plain JSON, importing neither torch nor numpy.
+
+``wire_namespace(d)`` checks a namespace dict and returns the canonical form that
+``kvstore.keys.Namespace.from_dict(d).to_dict()`` returns, and ``namespace_digest`` is the
+digest ``Namespace.digest`` computes (``Namespace`` calls it), so ``kvstore clear --namespace``
+checks and sends a namespace without torch's 2-3 s import, and the namespace id is defined in
+one place:
+
+    digest = sha256(b"kvstore-ns-v1" || canonical JSON of the wire form)     (32 bytes)
+    ns_id  = digest[:16]
+
+The dtype names and lossy codecs accepted here are the ones ``kvstore.layout`` and
+``kvstore.kv_codec`` accept (those modules import torch; a test checks the lists agree).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+HASH_ALGOS = ("sha256", "blake2b", "xxh3_128")
+
+#: Namespace fields that name what besides the model id and KV layout changes a token's KV;
+#: left out of ``to_dict`` (so of the digest) while empty: a namespace without them keeps the
+#: keys it had before these fields existed.
+IDENTITY_FIELDS = ("weights_fingerprint", "compute_dtype", "rope", "quantization",
+                   "kv_quantization", "adapter", "lossy_codec")
+
+#: ``kvstore.kv_codec.LOSSY_CODECS``
+LOSSY_CODEC_NAMES = ("int8", "fp8", "kivi")
+#: the keys of ``kvstore.layout.DTYPES`` (the fp8 names where torch has them)
+KV_DTYPE_NAMES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+#: ``kvstore.layout``'s dtype aliases
+KV_DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16",
+                    "bf16": "bfloat16", "float": "float32", "fp8": "float8_e4m3fn"}
+
+
+def canonical_json(value) -> str:
+    """``value`` as compact JSON with sorted keys (``""`` for None/empty), the form every
+    process writes the same way; a str is taken as already canonical.
+
+    Raises:
+        TypeError: a value JSON cannot encode.
+    """
+    if value is None or value == {} or value == "":
+        return ""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def namespace_digest(wire: dict) -> bytes:
+    """The 32-byte digest of a namespace from its wire form (``wire_namespace``'s result or
+    ``Namespace.to_dict()``): sha256 of ``b"kvstore-ns-v1"`` and the form's compact JSON with
+    sorted keys. Its first 16 bytes are the namespace id."""
+    blob = json.dumps(wire, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(b"kvstore-ns-v1" + blob).digest()
+
+
+def _text(d: dict, name: str, default: str | None) -> str:
+    """``d[name]``, which must be a string (absent: ``default``; no default: KeyError)."""
+    if name not in d and default is not None:
+        return default
+    value = d[name]
+    if not isinstance(value, str):
+        raise ValueError(f"namespace field {name!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _layout(d: dict) -> dict:
+    """``KVLayout.from_dict(d).to_dict()`` without torch (the same coercions and checks)."""
+    nl, nh, hd = int(d["num_layers"]), int(d["num_kv_heads"]), int(d["head_dim"])
+    dtype, cs = str(d["dtype"]), int(d["chunk_size"])
+    name = KV_DTYPE_ALIASES.get(dtype, dtype)
+    if name not in KV_DTYPE_NAMES:
+        raise ValueError(f"unsupported KV dtype {dtype!r}; supported: {sorted(KV_DTYPE_NAMES)}")
+    out = {"num_layers": nl, "num_kv_heads": nh, "head_dim": hd, "dtype": name,
+           "chunk_size": cs}
+    for field in ("num_layers", "num_kv_heads", "head_dim", "chunk_size"):
+        if out[field] <= 0:
+            raise ValueError(f"KVLayout.{field} must be a positive int, got {out[field]!r}")
+    return out
+
+
+def wire_namespace(d: dict) -> dict:
+    """The canonical wire form of the namespace ``d`` (JSON of ``Namespace.to_dict()``, or a
+    hand-written one: dtype aliases, a dict ``rope``, absent optional fields), equal to
+    ``Namespace.from_dict(d).to_dict()``: ``model_id``, ``revision``, ``layout`` (5 fields),
+    ``cache_salt``, ``hash_algo``, and each identity field that is not empty.
+
+    Raises:
+        KeyError: ``model_id``, ``layout`` or a layout field is missing (``e.args[0]`` names
+            it; ``model_id`` is checked first).
+        ValueError: a field that must be a string is not, a layout number is not a positive
+            int, an unknown dtype, hash algorithm or lossy codec.
+        TypeError: an identity field that is not a string (``rope`` may be any JSON value),
+            or a ``layout`` that is not a dict.
+    """
+    extra = {f: d.get(f) or "" for f in IDENTITY_FIELDS}
+    model_id = _text(d, "model_id", None)
+    layout = d["layout"]
+    if not isinstance(layout, dict):
+        raise TypeError(f"namespace layout must be an object, got {type(layout).__name__}")
+    out = {"model_id": model_id, "revision": _text(d, "revision", ""), "layout": _layout(layout),
+           "cache_salt": _text(d, "cache_salt", ""),
+           "hash_algo": _text(d, "hash_algo", "sha256")}
+    if out["hash_algo"] not in HASH_ALGOS:
+        raise ValueError(f"unknown hash algorithm {out['hash_algo']!r}; choose one of "
+                         f"{HASH_ALGOS}")
+    extra["rope"] = canonical_json(extra["rope"])
+    for name in IDENTITY_FIELDS:
+        if not isinstance(extra[name], str):
+            raise TypeError(f"Namespace.{name} must be a str, got {type(extra[name]).__name__}")
+    if extra["lossy_codec"] and extra["lossy_codec"] not in LOSSY_CODEC_NAMES:
+        raise ValueError(f"unknown lossy_codec {extra['lossy_codec']!r}; choose one of "
+                         f"{LOSSY_CODEC_NAMES} or '' (bit-exact only)")
+    out.update((f, v) for f, v in extra.items() if v)
+    return out
