@@ -2,7 +2,9 @@
 breaker, so a dead daemon costs ~nothing per request: after a call fails with an unavailability
 error (timeout, refused or reset connection, 5xx), remote calls are skipped (``RemoteSkipped``,
 at once) for a cool-down (2 s, doubling per consecutive failure up to 30 s); then one call
-probes. ``kvstore.layered`` re-exports both names.
+probes. A dead daemon is logged when the breaker opens, then at most once per
+``CircuitBreakerStore.down_relog_s`` (10 min) while its probes keep failing, and once at INFO
+when it answers again. ``kvstore.layered`` re-exports both names.
 """
 from __future__ import annotations
 
@@ -55,10 +57,16 @@ class CircuitBreakerStore(KVStoreBase):
             connector's per-step load deadline; None: the remote's default.
         get_timeout_s_base: see ``get_timeout_s_per_chunk`` (seconds).
 
+    Logging (logger ``kvstore.layered``): a WARNING when the breaker opens after the remote
+    worked, naming the failure; while it stays down (probes failing), one WARNING per
+    ``down_relog_s`` at most, with the time it has been down and the failed probes; an INFO
+    line when a call succeeds again, with the time it was down.
+
     Attributes:
         url: ``remote.url`` (None if it has none).
         skipped_calls: calls answered with ``RemoteSkipped`` (never sent).
         trips: times the breaker opened.
+        down_relog_s: seconds between two WARNING lines of one outage (default 600).
 
     Raises:
         ValueError: a non-positive ``cooldown_s`` or ``max_cooldown_s < cooldown_s``.
@@ -80,6 +88,10 @@ class CircuitBreakerStore(KVStoreBase):
         self.cooldown_s, self.max_cooldown_s, self._clock = cooldown_s, max_cooldown_s, clock
         self.skipped_calls = 0
         self.trips = 0
+        self.down_relog_s = 600.0
+        self._down_since: float | None = None   # clock time of the outage's first failure
+        self._down_logged = 0.0                  # clock time of its last WARNING line
+        self._down_failures = 0                  # failures in this outage after the first
         self._next_cooldown = cooldown_s
         self._open_until: float | None = None   # None: closed
         self._probing = False
@@ -113,27 +125,52 @@ class CircuitBreakerStore(KVStoreBase):
         try:
             out = fn(*args)
         except BaseException as exc:
+            line = None
             with self._lock:
                 if probe:
                     self._probing = False
                 if _is_unavailable(exc):
+                    now = self._clock()
                     cooldown = self._next_cooldown
                     self._next_cooldown = min(cooldown * 2, self.max_cooldown_s)
-                    self._open_until = self._clock() + cooldown
+                    self._open_until = now + cooldown
                     self.trips += 1
-                    trip = True
-                else:
-                    trip = False
-            if trip:
-                log.warning("remote store %s %s failed (%s: %s); skipping it for %.1f s",
-                            self.url, what, type(exc).__name__, exc, cooldown)
+                    line = self._down_line(now)
+            if line == "down":
+                log.warning("remote store %s %s failed (%s: %s); skipping it for %.1f s, then "
+                            "probing it (a failed probe is logged at most every %.0f s)",
+                            self.url, what, type(exc).__name__, exc, cooldown,
+                            self.down_relog_s)
+            elif line is not None:
+                log.warning("remote store %s still down after %.0f s (%d failed calls since "
+                            "the first; the last, %s: %s: %s); skipping it for %.1f s",
+                            self.url, line[0], line[1], what, type(exc).__name__, exc,
+                            cooldown)
             raise
         with self._lock:
             if probe:
                 self._probing = False
-                log.info("remote store %s answers again", self.url)
             self._open_until, self._next_cooldown = None, self.cooldown_s
+            since, self._down_since = self._down_since, None
+            if since is not None:
+                down_s, failures = self._clock() - since, self._down_failures + 1
+        if since is not None:
+            log.info("remote store %s answers again (down %.1f s, %d failed calls)", self.url,
+                     down_s, failures)
         return out
+
+    def _down_line(self, now: float):
+        """Which line an unavailability failure at ``now`` logs (under ``_lock``): ``"down"``
+        for an outage's first, ``(seconds down, failures since the first)`` for a later one
+        ``down_relog_s`` after the previous line, else None."""
+        if self._down_since is None:
+            self._down_since, self._down_logged, self._down_failures = now, now, 0
+            return "down"
+        self._down_failures += 1
+        if now - self._down_logged < self.down_relog_s:
+            return None
+        self._down_logged = now
+        return (now - self._down_since, self._down_failures)
 
     def breaker_stats(self) -> dict:
         """``{"remote_skipped_calls", "remote_breaker_trips", "remote_breaker_open"}``."""
