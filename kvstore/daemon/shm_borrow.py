@@ -19,17 +19,13 @@ evicted meanwhile: the views read the chunk's bytes until ``release``.
 from __future__ import annotations
 
 import json
-import logging
 import threading
-import time
 from typing import Any, Callable, Sequence
 
 import torch
 
 from kvstore.daemon import protocol as P
 from kvstore.keys import ChunkKey, Namespace
-
-log = logging.getLogger("kvstore.daemon.shm_borrow")
 
 
 class CopiedBorrow:
@@ -87,8 +83,9 @@ class ArenaBorrow(CopiedBorrow):
 
     def release(self) -> None:
         """Drop the views and the daemon's pins (``release`` on the get's connection, which
-        then goes back to the client's pool; a connection that fails to send it is closed,
-        which drops the pins as well). Idempotent, thread-safe, never raises."""
+        then goes back to the client's pool and sends it ahead of its next request, or within
+        ``kvstore.daemon.shm_release.RELEASE_DELAY_S``; a connection that fails to send it is
+        closed, which drops the pins as well). Idempotent, thread-safe, never raises."""
         with self._lock:
             if self.released:
                 return
@@ -97,14 +94,8 @@ class ArenaBorrow(CopiedBorrow):
         self.parts = [None] * len(self.keys)
         if conn is None:
             return
-        try:
-            if self._borrow is not None:
-                conn.send([release_frame(self._borrow)], time.monotonic() + self._timeout_s)
-        except BaseException as e:  # noqa: BLE001 - closing the connection drops the pins
-            log.warning("release of borrow %s failed (%r); closing its connection",
-                        self._borrow, e)
-            conn.close()
-            return
+        if self._borrow is not None:  # sent ahead of the connection's next request
+            conn.defer(release_frame(self._borrow))
         self._give(conn)
 
 
@@ -178,8 +169,8 @@ def copy_on(conn, deadline: float, frame: bytes, ns: Namespace, keys: Sequence[C
     if inline != reply["payload_bytes"]:
         raise P.ProtocolError(f"get reply carries {reply['payload_bytes']} payload bytes; "
                               f"its inline chunks {inline}")
-    if borrow is not None:
-        conn.send([release_frame(borrow)], deadline)
+    if borrow is not None:  # sent ahead of the connection's next request
+        conn.defer(release_frame(borrow))
     return got
 
 

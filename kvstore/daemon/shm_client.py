@@ -5,7 +5,8 @@ daemon's CPU arena mapped read-only (``kvstore.daemon.shm_protocol``).
 A get moves no chunk bytes through the socket when the chunks are in the daemon's CPU tier:
 the daemon pins them and answers with their page runs in the arena; the client copies the
 runs straight into the destination (a new tensor, or the caller's ``out`` buffers), then
-sends ``release``; ``get_borrowed`` instead hands out read-only views of the runs, pinned until
+releases them (the ``release`` rides on the connection's next request, or goes within a few
+milliseconds: ``kvstore.daemon.shm_release``); ``get_borrowed`` instead hands out read-only views of the runs, pinned until
 the caller releases them (``kvstore.daemon.shm_borrow``). Chunks of lower tiers come inline in
 the reply. A put of CPU tensors is read by the daemon straight from the tensors' memory into
 reserved arena pages (``process_vm_readv``; protocol version 3, when ``hello`` showed that the
@@ -38,6 +39,7 @@ from kvstore.daemon.shm_borrow import ArenaBorrow, borrow_on, copy_on
 from kvstore.daemon.shm_conn import Conn, key_frame, unix_path
 from kvstore.daemon.shm_protocol import SHM_VERSION, hashes_frame
 from kvstore.daemon.shm_put import STAGING_BYTES, put_on
+from kvstore.daemon.shm_release import ReleaseFlusher
 from kvstore.daemon.shm_results import ResultBuffers
 from kvstore.daemon.transport import check_timeout
 from kvstore.errors import RemoteError, StoreUnavailable
@@ -106,6 +108,8 @@ class ShmKVStoreClient(KVStoreBase):
         self._arenas: dict = {}  # "current": the Arena of the last daemon start greeted
         #: destinations of gets without ``out``, recycled (``kvstore.daemon.shm_results``)
         self.results = ResultBuffers()
+        #: sends gets' releases that no request carried (``kvstore.daemon.shm_release``)
+        self._releases = ReleaseFlusher(self._take_idle, self._give, timeout_s=self.timeout_s)
         self._closed = False
 
     # ---- connections ----------------------------------------------------------------------
@@ -138,10 +142,21 @@ class ShmKVStoreClient(KVStoreBase):
 
     def _give(self, conn: Conn) -> None:
         with self._lock:
-            if not self._closed and len(self._idle) < self.pool_size:
+            kept = not self._closed and len(self._idle) < self.pool_size
+            if kept:
                 self._idle.append(conn)
-                return
-        conn.close()
+        if not kept:
+            conn.close()  # the daemon drops its pins, deferred releases included
+        elif conn.has_pending:
+            self._releases.note(conn)
+
+    def _take_idle(self, conn: Conn) -> bool:
+        """Remove ``conn`` from the idle pool if it is there (for the release flusher)."""
+        with self._lock:
+            if conn in self._idle:
+                self._idle.remove(conn)
+                return True
+        return False
 
     def _call(self, what: str, fn: Callable[[Conn, float], Any], *, idempotent: bool,
               timeout_s: float | None, hold: bool = False) -> Any:
@@ -335,6 +350,7 @@ class ShmKVStoreClient(KVStoreBase):
 
     def close(self) -> None:
         """Close every connection (the daemon drops their pins). Idempotent."""
+        self._releases.close()
         with self._lock:
             self._closed, idle, self._idle = True, self._idle, []
         for c in idle:

@@ -150,6 +150,10 @@ class Conn:
         self.pid = os.getpid()
         # read-ahead of reply frames: [_rpos, _rend) of _rbuf are received, not yet consumed
         self._rbuf, self._rpos, self._rend = bytearray(READ_AHEAD_BYTES), 0, 0
+        #: frames that need no reply (``release``), sent ahead of the next request
+        self._pending: list[bytes] = []
+        #: ``time.monotonic()`` when the oldest of ``_pending`` was deferred
+        self.pending_since = 0.0
         try:
             for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
                 self.sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
@@ -215,8 +219,30 @@ class Conn:
         if left <= 0 or not poller.poll(max(1, math.ceil(left * 1e3))):
             raise TimeoutError("deadline passed")
 
+    def defer(self, frame: bytes) -> None:
+        """Send ``frame`` (one that gets no reply: ``release``) ahead of the next request on
+        this connection, in the same system call, or by ``flush``: one send and one wake-up
+        of the daemon fewer per get (``kvstore.daemon.shm_release`` flushes a connection left
+        idle)."""
+        if not self._pending:
+            self.pending_since = time.monotonic()
+        self._pending.append(frame)
+
+    @property
+    def has_pending(self) -> bool:
+        """Whether deferred frames wait for the next send."""
+        return bool(self._pending)
+
+    def flush(self, deadline: float) -> None:
+        """Send the deferred frames now (nothing when there are none)."""
+        if self._pending:
+            self.send([], deadline)
+
     def send(self, parts: list, deadline: float) -> None:
-        """Send ``parts`` (bytes / memoryviews) in order with ``sendmsg`` (no join copy)."""
+        """Send ``parts`` (bytes / memoryviews) in order with ``sendmsg`` (no join copy),
+        after the deferred frames."""
+        if self._pending:
+            parts, self._pending = [*self._pending, *parts], []
         parts = [memoryview(p).cast("B") for p in parts]
         while parts:
             try:
@@ -242,7 +268,7 @@ class Conn:
             RemoteError: an error reply. TimeoutError, ConnectionError, ProtocolError.
         """
         frame = header if isinstance(header, bytes) else S.encode_frame(header)
-        if payload:
+        if payload or self._pending:
             self.send([frame, *payload], deadline)
         else:  # a request's frame usually fits the socket buffer: one call
             try:
@@ -290,7 +316,9 @@ class Conn:
             self._rend += k
 
     def send_fds(self, data: bytes, fds: list[int], deadline: float) -> None:
-        """Send ``data`` with ``fds`` attached (``SCM_RIGHTS``), in a message of its own."""
+        """Send ``data`` with ``fds`` attached (``SCM_RIGHTS``), in a message of its own
+        (deferred frames first, in one of theirs)."""
+        self.flush(deadline)
         while True:  # the descriptors ride on the first byte; the rest goes plainly
             try:
                 S.send_with_fds(self.sock, data[:1], fds)
