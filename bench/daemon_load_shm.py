@@ -14,7 +14,10 @@ pool, each with its own connections):
   into ``batch`` destinations (70 MB in all: it stays in a large L3 cache, so it runs 1.3-1.8x
   the figures above, which move as many distinct bytes as the paths they are compared to).
   ``_2t`` suffixes: the same copies cut in two halves on two threads (a copy from or to
-  memory outside the cache gains 1.4-1.8x from a second thread, on this host).
+  memory outside the cache gains 1.4-1.8x from a second thread, on this host). With 1 client
+  the get and the put are timed in pairs with these copies, batch by batch
+  (``paired_passes``), so the host's load moves both sides of a ratio alike; with 8 clients
+  the passes are timed whole, one after the other.
 * ``shm_get_gbps``: ``get_chunks(..., out=)`` into preallocated buffers (an engine copying
   into its KV pool); ``shm_get_alloc_gbps``: into new tensors.
 * ``shm_put_gbps``: ``put_chunks`` of ``batch`` chunks per call, by the client's default path:
@@ -101,6 +104,76 @@ def memcpy_same_chunks(c: ShmKVStoreClient, ns: Namespace, batches: list, outs: 
     return {"get": total / t_get / 1e9, "put": total / t_put / 1e9}
 
 
+def paired_passes(c: ShmKVStoreClient, ns: Namespace, batches: list, outs: list) -> dict:
+    """GB/s of one client's puts and gets of ``batches`` (``[(keys, source tensors)]``; ``ns``
+    empty before) and of one thread's memcpy of the same chunks (as ``memcpy_same_chunks``),
+    timed in pairs: each put or get of batch ``r`` beside the memcpy of batch ``r + n/2`` (so
+    neither reads bytes the other has just brought into the cache), the order inside a pair
+    alternating. On a shared host two separate passes of ~0.2 s over the same copy differ by up
+    to 1.5x; paired, a slow second slows both sides. Leaves the batches stored.
+
+    Returns:
+        ``{"put", "memcpy_put", "get", "memcpy_get"}``: bytes moved over the summed seconds;
+        ``"put_cpu_s"``: this process's CPU seconds inside the puts.
+    """
+    n, half = len(batches), len(batches) // 2
+    sizes = [len(ks) * CHUNK_BYTES for ks, _ in batches]
+    starts = [sum(sizes[:r]) for r in range(n)]
+    big = np.ones(sum(sizes), dtype=np.uint8)  # the put's memcpy destination, touched first
+    dsts = [o.view(torch.uint8).reshape(-1).numpy() for o in outs]
+
+    put_cpu = [0.0]
+
+    def put(r: int) -> float:
+        ks, kvs = batches[r]
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        assert c.put_chunks(ns, ks, kvs) == len(ks)
+        dt = time.perf_counter() - t0
+        put_cpu[0] += time.process_time() - cpu0
+        return dt
+
+    def memcpy_put(r: int) -> float:
+        pos = starts[r]
+        t0 = time.perf_counter()
+        for kv in batches[r][1]:
+            np.copyto(big[pos:pos + CHUNK_BYTES], kv.view(torch.uint8).reshape(-1).numpy())
+            pos += CHUNK_BYTES
+        return time.perf_counter() - t0
+
+    def get(r: int) -> float:
+        ks = batches[r][0]
+        t0 = time.perf_counter()
+        got = c.get_chunks(ns, ks, outs[:len(ks)])
+        dt = time.perf_counter() - t0
+        assert all(g is not None for g in got)
+        return dt
+
+    def memcpy_get(r: int) -> float:
+        with c.get_borrowed(ns, batches[r][0]) as b:  # the borrow's round trip is not timed
+            t0 = time.perf_counter()
+            for parts, dst in zip(b.parts, dsts):
+                pos = 0
+                for v in parts:
+                    np.copyto(dst[pos:pos + v.numel()], v.numpy())
+                    pos += v.numel()
+            return time.perf_counter() - t0
+
+    def paired(path, base) -> tuple[float, float]:
+        t_path = t_base = 0.0
+        for r in range(n):
+            if r % 2:
+                t_path += path(r)
+                t_base += base((r + half) % n)
+            else:
+                t_base += base((r + half) % n)
+                t_path += path(r)
+        return sum(sizes) / t_path / 1e9, sum(sizes) / t_base / 1e9
+    put_gbps, mput_gbps = paired(put, memcpy_put)
+    get_gbps, mget_gbps = paired(get, memcpy_get)
+    return {"put": put_gbps, "memcpy_put": mput_gbps, "get": get_gbps, "memcpy_get": mget_gbps,
+            "put_cpu_s": put_cpu[0]}
+
+
 def _run_threads(n: int, fn) -> float:
     """Seconds for ``fn(i)`` to finish on ``n`` threads started together."""
     errors: list[BaseException] = []
@@ -156,15 +229,21 @@ def bench_shm(path: str, clients: int, rounds: int, batch: int,
         c.clear(ns)
         _run_threads(clients, lambda ci: put(ci, staged))  # the staged client's warm-up
         c.clear(ns)
-        cpu0 = time.process_time()
-        t_put = _run_threads(clients, put)
-        cpu_put = time.process_time() - cpu0
-        t_get = _run_threads(clients, get)
+        if clients == 1:  # timed in pairs with the memcpy of the same chunks
+            paired = paired_passes(c, ns, [batch_of(0, r) for r in range(rounds)], outs[0])
+            t_put, t_get = total / paired["put"] / 1e9, total / paired["get"] / 1e9
+            cpu_put = paired["put_cpu_s"]
+        else:
+            cpu0 = time.process_time()
+            t_put = _run_threads(clients, put)
+            cpu_put = time.process_time() - cpu0
+            t_get = _run_threads(clients, get)
         t_alloc = _run_threads(clients, lambda ci: get(ci, out=False))
         ks, kvs = batch_of(0, 0)  # bit-exact, as a benchmark that moves bytes must check
         assert all(torch.equal(g, kv) for g, kv in zip(c.get_chunks(ns, ks), kvs))
         mine = [batch_of(0, r) for r in range(clients * rounds)]  # every chunk, one thread
-        same = memcpy_same_chunks(c, ns, mine, outs[0])
+        same = (paired if clients == 1
+                else memcpy_same_chunks(c, ns, mine, outs[0]))
         with ThreadPoolExecutor(1) as pool:
             same_2t = memcpy_same_chunks(c, ns, mine, outs[0], pool)
         c.clear(ns)
@@ -181,7 +260,8 @@ def bench_shm(path: str, clients: int, rounds: int, batch: int,
     return {"put": total / t_put / 1e9, "get": total / t_get / 1e9,
             "get_alloc": total / t_alloc / 1e9, "put_staged": total / t_staged / 1e9,
             "put_cpu_ms": 1e3 * cpu_put / n, "put_staged_cpu_ms": 1e3 * cpu_staged / n,
-            "put_path": path_used, "memcpy_get": same["get"], "memcpy_put": same["put"],
+            "put_path": path_used, "memcpy_get": same["memcpy_get" if clients == 1 else "get"],
+            "memcpy_put": same["memcpy_put" if clients == 1 else "put"],
             "memcpy_get_2t": same_2t["get"], "memcpy_put_2t": same_2t["put"]}
 
 
