@@ -11,7 +11,8 @@ raw size + header until it is encoded). The lmdb map is larger (``map_bytes``) t
 for lmdb's own pages; if lmdb still reports the map full, the writer evicts committed chunks by
 policy and retries, else drops the write (counted as ``dropped_write``, logged) and the chunk
 disappears from the index, so lookups never report it. The capacity is lowered at open, and
-again when a write finds the filesystem full, to what the filesystem can hold
+again when a write finds the filesystem full, to what the filesystem can hold, and raised back
+toward the configured capacity (``configured_capacity_bytes``) when free space returns
 (``kvstore.tiers.disk_writer``).
 
 Opening refuses a ``data.mdb`` shorter than the pages lmdb's metadata uses (a read past its end

@@ -6,7 +6,11 @@ write as ``Input/output error``; the free space ``statvfs`` reports tells the tw
 commits the batch's operations one by one, evicting committed unpinned chunks by policy while a
 put does not fit, and drops a put only when nothing is evictable. On a full filesystem the
 tier's capacity is also lowered to what the filesystem can hold (``disk_space.filesystem_cap``,
-never below the bytes stored), so the store evicts before writing instead of after failing.
+never below the bytes stored), so the store evicts before writing instead of after failing; one
+line (rate-limited) says both. While the capacity is below the configured one, the writer checks
+the filesystem's free space (``statvfs``) at most every ``CAPACITY_CHECK_INTERVAL_S`` after a
+batch, and raises the capacity back toward the configured one (never above it nor above what
+the filesystem can hold) when space came back, with one INFO line.
 
 A delete that cannot be committed (a full filesystem leaves lmdb no page for it) keeps its
 chunk's bytes counted in ``used_bytes`` and ``num_chunks`` (the chunk is no longer served) and
@@ -17,6 +21,7 @@ a count of the lines left out.
 from __future__ import annotations
 
 import logging
+import time
 
 import lmdb
 import torch
@@ -33,6 +38,10 @@ BATCH_OPS = 64
 ERROR_LOG_INTERVAL_S = 10.0
 #: Free bytes below which a failed write (beyond what it needed) counts as a full filesystem.
 FS_FULL_SLACK_BYTES = 1 << 20
+#: Seconds between two checks of whether a lowered capacity can be raised again.
+CAPACITY_CHECK_INTERVAL_S = 10.0
+#: Least raise of a lowered capacity worth making (with at least the largest value's bytes).
+CAPACITY_RAISE_MIN_BYTES = 1 << 20
 
 
 class _PutOp:
@@ -48,11 +57,19 @@ class DiskWriter:
     ``_pending``, ``_index``, ``_doomed`` and policy)."""
 
     def _init_writer_logs(self) -> None:
+        """Set up the writer's logs and capacity state (call after ``capacity_bytes`` is set
+        to the configured capacity)."""
         self._error_log = RateLimitedLog(log, ERROR_LOG_INTERVAL_S)
         self._full_log = RateLimitedLog(log, ERROR_LOG_INTERVAL_S)
         self._drop_log = RateLimitedLog(log, ERROR_LOG_INTERVAL_S)
         #: bytes of the largest value written or found at open (``cap_to_filesystem``)
         self._largest_value = 0
+        #: the capacity asked for (``--disk-bytes``): a lowered capacity is raised up to it
+        self.configured_capacity_bytes = self.capacity_bytes
+        #: seconds between two checks of the free space while the capacity is lowered
+        self.capacity_check_s = CAPACITY_CHECK_INTERVAL_S
+        self._capacity_checked = time.monotonic()
+        self._capacity_logged = self.capacity_bytes   # as the last full-filesystem line said
 
     def _writer_loop(self) -> None:
         while True:
@@ -82,11 +99,15 @@ class DiskWriter:
                     else:
                         self._delete_failed(op[1])
             finally:
-                with self._cond:
-                    self._inflight -= 1
-                    self._queued_bytes -= sum(self.footprint(op.kv.numel() * op.kv.element_size())
-                                              for op in batch if isinstance(op, _PutOp))
-                    self._cond.notify_all()
+                try:
+                    self._raise_capacity()   # (a no-op unless the capacity was lowered)
+                finally:
+                    with self._cond:
+                        self._inflight -= 1
+                        self._queued_bytes -= sum(
+                            self.footprint(op.kv.numel() * op.kv.element_size())
+                            for op in batch if isinstance(op, _PutOp))
+                        self._cond.notify_all()
 
     def _free_text(self) -> str:
         free = free_bytes(self.path)
@@ -99,30 +120,67 @@ class DiskWriter:
                           op.codec, fallback="auto")
 
     def _fs_full(self, need: int) -> bool:
-        """Is the filesystem too full for ``need`` more bytes? When so: log it (rate-limited)
-        and lower the capacity to what the filesystem holds (``filesystem_cap``)."""
+        """Is the filesystem too full for ``need`` more bytes? When so: lower the capacity to
+        what the filesystem holds (``filesystem_cap``) and log both in one line (at most one
+        per ``ERROR_LOG_INTERVAL_S``; it names the capacity change since the previous one)."""
         free = free_bytes(self.path)
         if free is None or free >= need + FS_FULL_SLACK_BYTES:
             return False
-        self._full_log.log(logging.ERROR, "disk tier %s: filesystem full: %d bytes free on %s; "
-                           "committing one operation at a time, evicting to make room",
-                           self.path, free, self.path)
-        self.cap_to_filesystem()
+        self.cap_to_filesystem(quiet=True)
+        with self._lock:
+            before, now = self._capacity_logged, self.capacity_bytes
+        lowered = (f"; capacity lowered from {before} to {now} bytes, what the filesystem can "
+                   f"hold (data file + free space)" if now < before else "")
+        if self._full_log.log(logging.ERROR, "disk tier %s: filesystem full: %d bytes free on "
+                              "%s%s; committing one operation at a time, evicting to make room",
+                              self.path, free, self.path, lowered):
+            with self._lock:
+                self._capacity_logged = now
         return True
 
-    def cap_to_filesystem(self) -> None:
+    def cap_to_filesystem(self, quiet: bool = False) -> None:
         """Lower ``capacity_bytes`` to what the filesystem can hold (``filesystem_cap`` with
-        the largest value stored so far), never below ``used_bytes``; logs the change. No-op
-        when the free space cannot be read."""
+        the largest value stored so far), never below ``used_bytes``; logs the change unless
+        ``quiet``. No-op when the free space cannot be read."""
         cap = filesystem_cap(self.path, self._largest_value)
         with self._lock:
             if cap is None or cap >= self.capacity_bytes:
                 return
             old, self.capacity_bytes = self.capacity_bytes, max(cap, self.used_bytes)
-        if self.capacity_bytes < old:
+            new = self.capacity_bytes
+            if not quiet:
+                self._capacity_logged = new
+        if new < old and not quiet:
             log.warning("disk tier %s: capacity lowered from %d to %d bytes, what its "
-                        "filesystem can hold (data file + free space)", self.path, old,
-                        self.capacity_bytes)
+                        "filesystem can hold (data file + free space)", self.path, old, new)
+
+    def _raise_capacity(self) -> None:
+        """Raise a lowered ``capacity_bytes`` toward ``configured_capacity_bytes`` when the
+        filesystem has room again (``filesystem_cap``, never above it nor above the configured
+        capacity), by at least ``CAPACITY_RAISE_MIN_BYTES`` and the largest value; logs the
+        change at INFO. Reads the free space at most once per ``capacity_check_s`` seconds,
+        and not at all while the capacity is the configured one."""
+        if self.capacity_bytes >= self.configured_capacity_bytes:
+            return
+        now = time.monotonic()
+        if now - self._capacity_checked < self.capacity_check_s:
+            return
+        self._capacity_checked = now
+        cap = filesystem_cap(self.path, self._largest_value)
+        if cap is None:
+            return
+        with self._lock:
+            old = self.capacity_bytes
+            new = min(cap, self.configured_capacity_bytes)
+            if new - old < max(CAPACITY_RAISE_MIN_BYTES, self._largest_value) and \
+                    new < self.configured_capacity_bytes:
+                return
+            if new <= old:
+                return
+            self.capacity_bytes = self._capacity_logged = new
+        log.info("disk tier %s: its filesystem has room again (%s): capacity raised from %d to "
+                 "%d bytes (configured: %d)", self.path, self._free_text(), old, new,
+                 self.configured_capacity_bytes)
 
     def _write_batch(self, batch: list) -> None:
         values = {}

@@ -1,12 +1,14 @@
 """The disk tier against damaged files and full filesystems (real lmdb, real tmpfs mounts):
 a truncated ``data.mdb`` is refused at open instead of a SIGBUS, a restart with a smaller
 capacity refuses to evict unless allowed, and a full filesystem lowers the tier's capacity,
-evicts instead of failing, logs its cause once per interval, and keeps the tier's counts equal
-to what lmdb holds."""
+evicts instead of failing, logs its cause and the capacity change in one line per interval,
+keeps the tier's counts equal to what lmdb holds, and the capacity comes back toward the
+configured one when the space does."""
 import logging
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
 from kvstore.store import ChunkStore
 from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.disk_space import DiskShrinkRefused, RateLimitedLog
+from kvstore.tiers.disk_space import DiskShrinkRefused, RateLimitedLog, filesystem_cap
 from tests.kvstore.tmpfs_helpers import mounted_tmpfs
 
 LAY = KVLayout(4, 4, 64, "float32", 64)  # 512 KiB chunks, incompressible (random)
@@ -195,3 +197,83 @@ def test_a_delete_lmdb_could_not_commit_stays_counted_and_is_retried(tmp_path, m
     finally:
         t.close()
     assert inspect_disk(path)["num_chunks"] == 4  # KEYS[1] is still there
+
+
+def _fill(path) -> None:
+    """Write zeros to ``path`` until its filesystem is full."""
+    fd = os.open(str(path), os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 65536)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("disk_bytes", [12 * 2**20, 2**32], ids=["12MiB", "4GiB"])
+def test_a_full_filesystem_is_one_line_and_the_capacity_comes_back_with_the_space(
+        tmpfs_20m, caplog, disk_bytes):
+    path = str(tmpfs_20m / "kv")
+    store = ChunkStore(StoreConfig(cpu_bytes=4 * LAY.chunk_bytes, disk_path=path,
+                                   disk_bytes=disk_bytes, disk_codec="raw"))
+    disk = store.tiers[-1]
+    step = disk.footprint(LAY.chunk_bytes)
+
+    def put(lo: int, hi: int) -> None:
+        for i in range(lo, hi):
+            assert store.put_chunks(NS, KEYS[i:i + 1], [chunk(i)]) == 1
+            assert store.flush(30)
+            assert disk.used_bytes <= disk.capacity_bytes <= disk.configured_capacity_bytes
+
+    def evictions() -> int:
+        return store.stats()["evictions_by_tier"].get("disk", 0)
+
+    try:
+        assert disk.configured_capacity_bytes == disk_bytes
+        opened = disk.capacity_bytes            # 4 GiB: lowered to the filesystem at open
+        assert opened == min(disk_bytes, opened) and opened <= 20 * 2**20
+        put(0, 12)                              # 6 MiB
+        _fill(tmpfs_20m / "filler")
+        caplog.clear()
+        with caplog.at_level(logging.INFO, "kvstore.tiers.disk"):
+            put(12, 20)                         # full: evicts, lowers the capacity
+            lowered = disk.capacity_bytes
+            assert lowered < 7 * 2**20 and evictions() > 0
+            loud = [r for r in caplog.records if r.levelno >= logging.WARNING]
+            assert len(loud) == 1, [r.getMessage() for r in loud]   # one line for the event
+            assert loud[0].levelno == logging.ERROR and loud[0].getMessage().startswith(
+                f"disk tier {path}: filesystem full: ") and f"; capacity lowered from " \
+                f"{opened} to " in loud[0].getMessage()
+            caplog.clear()
+
+            os.remove(tmpfs_20m / "filler")     # the space comes back
+            disk._capacity_checked = time.monotonic()   # checked just now
+            put(20, 22)                         # within 10 s of a check: not looked at
+            assert disk.capacity_bytes == lowered and not caplog.records
+            disk._capacity_checked -= disk.capacity_check_s            # 10 s later
+            put(22, 23)
+            raised = disk.capacity_bytes
+            if disk_bytes < 2**30:              # the configured capacity, not more
+                assert raised == disk_bytes
+            else:                               # what the filesystem holds, not the 4 GiB
+                assert lowered + 8 * step < raised <= 0.9 * 20 * 2**20
+                assert raised <= filesystem_cap(path) + step
+            info = [r.getMessage() for r in caplog.records]
+            assert info == [f"disk tier {path}: its filesystem has room again ("
+                            f"{info[0].split('(')[1].split(')')[0]}): capacity raised from "
+                            f"{lowered} to {raised} bytes (configured: {disk_bytes})"], info
+            # the raised room is used: chunks are stored past the lowered capacity without
+            # evicting, then evicted by policy at the new capacity, the filesystem never full
+            before, room = evictions(), (raised - disk.used_bytes) // step
+            put(23, 23 + room)
+            assert evictions() == before and disk.used_bytes > lowered
+            put(23 + room, 23 + room + 6)
+            assert evictions() > before and disk.capacity_bytes == raised
+            assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        num, used = disk.num_chunks, disk.used_bytes
+        store.check_integrity()
+    finally:
+        store.close(persist_s=0)
+    rep = inspect_disk(path)
+    assert (rep["num_chunks"], rep["stored_bytes"]) == (num, used)
