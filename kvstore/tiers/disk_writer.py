@@ -298,7 +298,7 @@ class DiskWriter:
                 self._delete_failed(victim)
                 self._drop(op, f"{why} and evicting failed", quiet=True)
                 return False
-            log.info("disk tier %s: %s; evicted %r", self.path, why, victim)
+            log.debug("disk tier %s: %s; evicted %r", self.path, why, victim)   # (counted)
             self.listener("eviction", self.name, 1)
 
     def _drop(self, op: _PutOp, why: str, quiet: bool = False) -> None:
