@@ -63,9 +63,10 @@ class SchedulerSide:
             whose ``capabilities`` declare none).
         block_table: ``(req_id, fallback) -> block ids``: vLLM's current block table of a
             request, ``fallback`` when vLLM cannot say.
-        saves: False: no save is planned (no chunk is copied out or sent: a daemon token
-            that may only read, ``connectors.stores.engine_saves``); lookups and loads as
-            usual.
+        saves: False: the store may only be read (a daemon token whose role is reader,
+            ``connectors.stores.engine_saves``): no save is planned (no chunk is copied out
+            or sent) and no chunk is pinned (the daemon refuses a reader's pin, 403, which
+            would turn every hit into a prefill); lookups and loads as usual.
     """
 
     def __init__(self, geometry: ChunkGeometry, namespaces: RequestNamespaces,
@@ -75,7 +76,7 @@ class SchedulerSide:
         self.geometry = geometry
         self.saves = saves
         self.namespaces, self.calls, self.counters = namespaces, calls, counters
-        self.pin_lease_s = pin_lease_s
+        self.pin_lease_s = pin_lease_s if saves else 0.0
         self._block_table = block_table
         self.requests: dict[str, RequestState] = {}
         self.finish_saves: list[ChunkTransfer] = []   # of finished requests, for the next step
