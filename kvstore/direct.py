@@ -48,7 +48,7 @@ def is_shared(tier) -> bool:
 
 def is_direct(tier) -> bool:
     """Whether ``tier`` keeps its chunks in host memory that a socket can read and write."""
-    return isinstance(tier, MemoryTier) and tier.device.type == "cpu"
+    return isinstance(tier, MemoryTier) and tier.host_memory
 
 
 @dataclass(eq=False)
@@ -252,20 +252,22 @@ class DirectIO:
         """
         return self._borrow(ns, keys, blocking=True)
 
-    def try_borrow_chunks(self, ns: Namespace, keys: Sequence[ChunkKey]) -> BorrowedChunks | None:
+    def try_borrow_chunks(self, ns: Namespace, keys: Sequence[ChunkKey], *,
+                          views: bool = True) -> BorrowedChunks | None:
         """``borrow_chunks`` if it can finish at once: the store lock is free right now and
         every key is either in a host memory tier or (without a remote tier) stored nowhere,
         so ``.lower`` is empty. Else None at once, with nothing pinned or counted (never
         waits: an event loop can call it inline and fall back to ``borrow_chunks`` on a
-        thread).
+        thread). ``views=False``: chunks of the shared arena get ``parts[i] = None`` (their
+        ``runs[i]`` say where they are; no tensor views are made).
 
         Raises:
             ValueError, RuntimeError: as ``borrow_chunks``.
         """
-        return self._borrow(ns, keys, blocking=False)
+        return self._borrow(ns, keys, blocking=False, views=views)
 
     def _borrow(self, ns: Namespace, keys: Sequence[ChunkKey],
-                blocking: bool) -> BorrowedChunks | None:
+                blocking: bool, views: bool = True) -> BorrowedChunks | None:
         st = self._st
         st.check_keys(ns, keys)
         chunk_bytes = ns.layout.chunk_bytes
@@ -294,8 +296,9 @@ class DirectIO:
                 plan.append((k, t) if t is not None else None)
                 if held:
                     where = t.entry_runs(k)
-                    parts.append(t.run_views(where))
-                    runs.append(where if is_shared(t) else None)
+                    shared = is_shared(t)
+                    parts.append(t.run_views(where) if views or not shared else None)
+                    runs.append(where if shared else None)
                     hits.append(t.name)
                 else:
                     parts.append(None)

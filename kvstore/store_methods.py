@@ -158,14 +158,16 @@ class DirectMethods:
         """
         return self._direct.borrow_chunks(ns, keys)
 
-    def try_borrow_chunks(self, ns: Namespace, keys: Sequence[ChunkKey]) -> BorrowedChunks | None:
+    def try_borrow_chunks(self, ns: Namespace, keys: Sequence[ChunkKey], *,
+                          views: bool = True) -> BorrowedChunks | None:
         """``borrow_chunks`` if it can finish at once (store lock free, nothing to read from a
-        lower or remote tier), else None with nothing pinned (``DirectIO.try_borrow_chunks``).
+        lower or remote tier), else None with nothing pinned (``DirectIO.try_borrow_chunks``;
+        ``views=False``: no tensor views of shared-arena chunks, only their ``runs``).
 
         Raises:
             ValueError: a key of another namespace. RuntimeError: store closed.
         """
-        return self._direct.try_borrow_chunks(ns, keys)
+        return self._direct.try_borrow_chunks(ns, keys, views=views)
 
 
 __all__ = ["AdminMethods", "DirectMethods"]

@@ -5,48 +5,35 @@ store calls on the store thread pool, same answers.
 A handler takes the connection (``kvstore.daemon.shm_server.Connection``) and the request
 header; it returns the reply's fields, or None when it sent its reply itself (a get with
 inline bytes), and raises ``ProtocolError`` / ``Forbidden`` for an error reply. A put reads
-its payload from the connection; a payload a handler leaves unread is an error."""
+its payload from the connection; a payload a handler leaves unread is an error. ``INLINE``
+ops may be answered on the event loop at once (``lookup_now``; ``get_now`` in
+``kvstore.daemon.shm_get``, where ``get`` lives)."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import os
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import numpy as np
 import xxhash
 
 from kvstore.daemon import protocol as P
-from kvstore.daemon import shm_protocol as S
 from kvstore.daemon import shm_vm as V
 from kvstore.daemon.payload import DROP_SCRATCH, can_persist, persist
+from kvstore.daemon.shm_args import ns_keys as _ns_keys
+from kvstore.daemon.shm_args import ok as _ok
+from kvstore.daemon.shm_get import get, get_now
 from kvstore.daemon.shm_staging import copy_entries, map_client_staging, put_staged_direct
 from kvstore.daemon.state import _check_fits, _shaped
-from kvstore.daemon.tenants import READ, WRITE
-from kvstore.direct import BorrowedChunks, Reservation
+from kvstore.daemon.tenants import WRITE
+from kvstore.direct import Reservation
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.daemon.shm_server import Connection
 
 #: A put's bytes are received and hashed in slices of this many bytes (hashed while in cache).
 RECV_SLICE = 512 << 10
-
-
-def _ns_keys(c: "Connection", h: dict, access: str = READ):
-    """``(namespace, keys)`` of a request (its ``hashes``, else its ``keys``), once the caller
-    may use the namespace for ``access`` (403) and it fits the store (400); more than
-    ``max_batch_keys`` keys: 413."""
-    ns = P.parse_namespace(h.get("namespace"))
-    c.tenant.check(ns.cache_salt, access)
-    _check_fits(c.store, ns, c.state)
-    hashes = h.get("hashes")
-    if hashes is not None:
-        return ns, S.parse_hashes(ns, hashes, c.state.limits.max_batch_keys)
-    return ns, P.parse_keys(ns, h.get("keys"), c.state.limits.max_batch_keys)
-
-
-def _ok(**fields: Any) -> dict:
-    return {"ok": True, **fields}
 
 
 def lookup_now(c: "Connection", h: dict) -> dict | None:
@@ -73,65 +60,6 @@ async def exists(c: "Connection", h: dict) -> dict:
     ns, keys = _ns_keys(c, h)
     found = await c.state.call(c.store.exists, ns, keys)
     return _ok(exists=[bool(x) for x in found])
-
-
-async def get(c: "Connection", h: dict) -> None:
-    """Pin the chunks; answer arena runs for those in the shared arena (the borrow stays with
-    the connection until ``release``) and the bytes of the others inline (read from lower
-    tiers under the payload budget; their pins dropped once sent)."""
-    ns, keys = _ns_keys(c, h)
-    if not keys:
-        raise P.ProtocolError("'keys' must be a non-empty list")
-    state = c.state
-    # a timeout landing during a store call must neither leak the pins nor drop them while
-    # read_lower still reads (and promotes) under them
-    store = c.store
-    # inline when the store lock is free and every chunk is in host memory (no thread hop)
-    b = store.try_borrow_chunks(ns, keys) if hasattr(store, "try_borrow_chunks") else None
-    if b is None:
-        b = await state.call_owned(store.borrow_chunks, BorrowedChunks.release, ns, keys)
-    budget, lower, kept = 0, None, False
-    try:
-        if b.lower:
-            need = len(b.lower) * ns.layout.chunk_bytes
-            await state.budget.acquire(need, state.budget_wait_s())
-            budget = need  # (taken: given back below; a refused acquire took nothing)
-            lower = asyncio.ensure_future(state.call(b.read_lower))
-            await asyncio.shield(lower)
-        chunks, inline = _describe(b)
-        kept = any(r is not None for r in b.runs)
-        borrow = c.add_borrow(b) if kept else None
-        total = sum(v.nbytes for v in inline)
-        await c.reply(_ok(borrow=borrow, chunks=chunks, payload_bytes=total), inline)
-        state.bytes_out.inc(total)
-    finally:
-        state.budget.release(budget)
-        if not kept:
-            await asyncio.shield(_release_after(state, lower, b))
-
-
-def _describe(b: BorrowedChunks) -> tuple[list, list[memoryview]]:
-    """Per key ``{"runs": ...}``, ``{"inline": nbytes}`` or None, and the inline bytes."""
-    chunks: list = []
-    inline: list[memoryview] = []
-    for runs, parts in zip(b.runs, b.parts):
-        if runs is not None:
-            chunks.append({"runs": [[off, n] for off, n in runs]})
-        elif parts is not None:
-            chunks.append({"inline": sum(v.numel() for v in parts)})
-            inline += [memoryview(v.numpy()) for v in parts]
-        else:
-            chunks.append(None)
-    return chunks, inline
-
-
-async def _release_after(state, lower, b: BorrowedChunks) -> None:
-    """Drop a get's pins once its read of lower tiers (if any) has finished (inline when
-    ``try_release`` can, else on the store pool)."""
-    if lower is not None:
-        await asyncio.wait([lower])
-    if not b.try_release():
-        await state.call(b.release)
 
 
 async def put(c: "Connection", h: dict) -> dict:
@@ -389,7 +317,8 @@ async def stats(c: "Connection", h: dict) -> dict:
 
 
 #: op name -> its answer on the event loop at once, or None when it must wait (its handler)
-INLINE: dict[str, Callable[["Connection", dict], dict | None]] = {"lookup": lookup_now}
+INLINE: dict[str, Callable[["Connection", dict], dict | None]] = {"lookup": lookup_now,
+                                                                   "get": get_now}
 
 #: op name -> handler (``release`` and ``hello`` are the connection's own)
 HANDLERS: dict[str, Callable[["Connection", dict], Awaitable[dict | None]]] = {

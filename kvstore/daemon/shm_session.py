@@ -130,9 +130,9 @@ class Connection:
         """Drop borrow ``bid`` (unknown ids are ignored: ``release`` has no reply)."""
         b = self.borrows.pop(bid, None) if type(bid) is int else None
         if b is not None:
-            self._release_soon(b)
+            self.release_soon(b)
 
-    def _release_soon(self, b) -> None:
+    def release_soon(self, b) -> None:
         """Release ``b`` inline when that cannot wait (``BorrowedChunks.try_release``), else
         on the store pool."""
         if b.try_release():
@@ -144,7 +144,7 @@ class Connection:
 
     def close(self) -> None:
         for b in self.borrows.values():
-            self._release_soon(b)
+            self.release_soon(b)
         self.borrows.clear()
         self.staging = None
         if self.peer is not None:

@@ -136,6 +136,8 @@ class MemoryTier(Tier):
             raise ValueError("pool must be 1-D uint8 with a length that is a multiple of page_bytes")
         super().__init__(name, pool.numel(), policy_name)
         self.pool = pool  # [num_pages * page_bytes] uint8
+        #: whether the pool is host memory (``kvstore.direct.is_direct``; checked per chunk)
+        self.host_memory = pool.device.type == "cpu"
         self.page_bytes = page_bytes
         self.allocator = PageAllocator(pool.numel() // page_bytes)
         self._entries: dict[ChunkKey, _Entry] = {}

@@ -109,3 +109,26 @@ def test_try_release_leaves_a_chunk_removed_while_pinned_to_release():
     b.release()
     assert s.pin_count(KEYS[0]) == 0 and not s.tiers[0].contains(KEYS[0])
     s.check_integrity()
+
+
+def test_without_views_shared_arena_chunks_have_runs_only():
+    s = ChunkStore(StoreConfig(cpu_bytes=4 * CB, page_bytes=CB, cpu_shared=True,
+                               promote_on_hit=False), [NS])
+    try:
+        kvs = [kv(i) for i in range(2)]
+        assert s.put_chunks(NS, KEYS[:2], kvs) == 2
+        arena = next(t.pool for t in s.tiers if t.name == "cpu")  # [nbytes] uint8
+        b = s.try_borrow_chunks(NS, KEYS[:3], views=False)
+        assert b.parts == [None, None, None] and b.runs[2] is None
+        with_views = s.try_borrow_chunks(NS, KEYS[:3])
+        assert with_views.runs == b.runs and with_views.parts[2] is None
+        for i in range(2):  # the runs name the very bytes the views hold
+            (off, n), = b.runs[i]
+            assert n == CB and torch.equal(as_kv(with_views.parts[i]), kvs[i])
+            assert torch.equal(arena[off:off + n], with_views.parts[i][0])
+        assert s.pin_count(KEYS[0]) == 2  # both borrows pin
+        b.release()
+        with_views.release()
+        assert s.pin_count(KEYS[0]) == 0
+    finally:
+        s.close()
