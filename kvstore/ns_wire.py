@@ -32,6 +32,9 @@ KV_DTYPE_NAMES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m
 #: ``kvstore.layout``'s dtype aliases
 KV_DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16",
                     "bf16": "bfloat16", "float": "float32", "fp8": "float8_e4m3fn"}
+#: The fields of a namespace's wire form (``Namespace.to_dict``), the only ones the daemon
+#: takes (``kvstore.daemon.fields.NAMESPACE_FIELDS``; a test checks they agree).
+NAMESPACE_FIELDS = ("model_id", "revision", "layout", "cache_salt", "hash_algo") + IDENTITY_FIELDS
 
 
 def canonical_json(value) -> str:
@@ -79,6 +82,22 @@ def _layout(d: dict) -> dict:
         if out[field] <= 0:
             raise ValueError(f"KVLayout.{field} must be a positive int, got {out[field]!r}")
     return out
+
+
+def check_known_fields(d: dict) -> None:
+    """Refuse a namespace dict with a field a namespace does not have, as the daemon does (400):
+    ``wire_namespace`` and ``Namespace.from_dict`` ignore such a field, so a typo
+    (``cache_slat``) would name another namespace than the one meant.
+
+    Raises:
+        ValueError: one line naming the unknown field(s) (up to 5, 40 characters each) and
+            the fields a namespace has.
+    """
+    unknown = [str(k)[:40] for k in d if k not in NAMESPACE_FIELDS]
+    if unknown:
+        names = ", ".join(repr(k) for k in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
+        raise ValueError(f"unknown namespace field{'s' if len(unknown) > 1 else ''} {names}; "
+                         f"a namespace has {', '.join(sorted(NAMESPACE_FIELDS))}")
 
 
 def wire_namespace(d: dict) -> dict:

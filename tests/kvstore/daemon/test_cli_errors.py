@@ -90,3 +90,29 @@ def test_clear_without_naming_what_is_a_usage_error_and_sends_nothing(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["clear", "http://127.0.0.1:1", "--all", "--namespace-id", "0" * 32])
     assert e.value.code == 2
+
+
+def test_clear_refuses_an_unknown_namespace_field_as_the_daemon_does_and_sends_nothing(capsys):
+    """``wire_namespace`` ignores fields a namespace does not have, so ``cache_slat`` (a typo)
+    cleared the namespace without a salt; the daemon answers such a namespace with 400."""
+    from kvstore.daemon.fields import NAMESPACE_FIELDS
+    from kvstore.ns_wire import NAMESPACE_FIELDS as CLI_FIELDS
+    assert set(CLI_FIELDS) == set(NAMESPACE_FIELDS)
+    allowed = ", ".join(sorted(NAMESPACE_FIELDS))
+    with socket.socket() as daemon:   # listening, so a request would be accepted here
+        daemon.bind(("127.0.0.1", 0))
+        daemon.listen()
+        daemon.setblocking(False)
+        url = f"http://127.0.0.1:{daemon.getsockname()[1]}"
+        typo = json.dumps({**NS.to_dict(), "cache_slat": "tenant-a"})
+        assert cli.main(["clear", url, "--namespace", typo]) == 2
+        assert capsys.readouterr().err == (f"kvstore clear: error: --namespace: unknown "
+                                           f"namespace field 'cache_slat'; a namespace has "
+                                           f"{allowed}\n")
+        two = json.dumps({**NS.to_dict(), "salt": "a", "modle_id": "m"})
+        assert cli.main(["clear", url, "--namespace", two]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("kvstore clear: error: --namespace: unknown namespace fields "
+                              "'salt', 'modle_id'; a namespace has ") and err.count("\n") == 1
+        with pytest.raises(BlockingIOError):   # no connection was made
+            daemon.accept()
