@@ -7,6 +7,11 @@ The cause of a failure (``cause_of``) is the error's class, its HTTP status when
 seconds, retry counts) left out, so a store that first refuses connections and later answers
 400 logs both, while "connection refused (2 tries)" and "(3 tries)" are one cause. Used by the
 connectors' counters (``connectors.engine_min_stats``) and by ``kvstore.layered.LayeredStore``.
+
+``OutageLog``: when to log one outage of one service (the daemon behind
+``kvstore.circuit_store.CircuitBreakerStore``, a Redis node of ``kvstore.tiers.remote``): when
+it goes down, then at most once per ``relog_s`` (10 min) while it stays down, and once when it
+answers again.
 """
 from __future__ import annotations
 
@@ -108,3 +113,70 @@ class CauseLog:
             self._quiet -= had
         if had:
             self._log.info(self._works_again, kind, failures)
+
+
+class OutageLog:
+    """When to log one outage of one service (module docstring). Thread-safe.
+
+    The caller logs; this says which line: ``failed`` for each failure (``"down"`` for the
+    first of an outage, ``(seconds down, failed calls)`` once ``relog_s`` has passed since the
+    outage's last line, else None), ``recovered`` when the service answers again.
+
+    Args:
+        relog_s: least seconds between two lines of one outage (> 0).
+        clock: monotonic time source (seconds), for tests.
+
+    Attributes:
+        relog_s: as given; may be changed.
+
+    Raises:
+        ValueError: ``relog_s`` not > 0.
+    """
+
+    def __init__(self, relog_s: float = 600.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not relog_s > 0:
+            raise ValueError(f"OutageLog needs relog_s > 0, got {relog_s}")
+        self.relog_s, self._clock = relog_s, clock
+        self._lock = threading.Lock()
+        self._since: float | None = None   # clock time of the outage's first failure
+        self._logged = 0.0                  # clock time of its last line
+        self._failures = 0                  # failed calls in the outage
+
+    @property
+    def down(self) -> bool:
+        """Whether an outage is under way (a failure since the last recovery)."""
+        return self._since is not None
+
+    def failed(self, failures: int | None = None) -> str | tuple[float, int] | None:
+        """A failure now. ``failures``: the outage's failed calls so far, as the caller counts
+        them (None: one more than before).
+
+        Returns:
+            ``"down"`` when it starts an outage; ``(seconds down, failed calls)`` when
+            ``relog_s`` seconds have passed since the outage's last line (this one is then
+            the last); else None (log nothing).
+        """
+        now = self._clock()
+        with self._lock:
+            if self._since is None:
+                self._since, self._logged = now, now
+                self._failures = 1 if failures is None else failures
+                return "down"
+            self._failures = self._failures + 1 if failures is None else failures
+            if now - self._logged < self.relog_s:
+                return None
+            self._logged = now
+            return now - self._since, self._failures
+
+    def recovered(self) -> tuple[float, int] | None:
+        """The service answered: ends the outage. Returns ``(seconds it was down, failed
+        calls)``, or None when there was no outage (log nothing)."""
+        if self._since is None:   # the common case, without the lock
+            return None
+        now = self._clock()
+        with self._lock:
+            since, self._since = self._since, None
+            if since is None:
+                return None
+            return now - since, self._failures

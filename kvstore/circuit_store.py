@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kvstore.api import KVStoreBase, LookupResult, StoreCapabilities
+from kvstore.cause_log import OutageLog
 from kvstore.errors import RemoteError, StoreUnavailable
 from kvstore.keys import ChunkKey, Namespace
 
@@ -88,10 +89,7 @@ class CircuitBreakerStore(KVStoreBase):
         self.cooldown_s, self.max_cooldown_s, self._clock = cooldown_s, max_cooldown_s, clock
         self.skipped_calls = 0
         self.trips = 0
-        self.down_relog_s = 600.0
-        self._down_since: float | None = None   # clock time of the outage's first failure
-        self._down_logged = 0.0                  # clock time of its last WARNING line
-        self._down_failures = 0                  # failures in this outage after the first
+        self._outage = OutageLog(600.0, clock)
         self._next_cooldown = cooldown_s
         self._open_until: float | None = None   # None: closed
         self._probing = False
@@ -135,7 +133,7 @@ class CircuitBreakerStore(KVStoreBase):
                     self._next_cooldown = min(cooldown * 2, self.max_cooldown_s)
                     self._open_until = now + cooldown
                     self.trips += 1
-                    line = self._down_line(now)
+                    line = self._outage.failed()
             if line == "down":
                 log.warning("remote store %s %s failed (%s: %s); skipping it for %.1f s, then "
                             "probing it (a failed probe is logged at most every %.0f s)",
@@ -144,33 +142,27 @@ class CircuitBreakerStore(KVStoreBase):
             elif line is not None:
                 log.warning("remote store %s still down after %.0f s (%d failed calls since "
                             "the first; the last, %s: %s: %s); skipping it for %.1f s",
-                            self.url, line[0], line[1], what, type(exc).__name__, exc,
+                            self.url, line[0], line[1] - 1, what, type(exc).__name__, exc,
                             cooldown)
             raise
         with self._lock:
             if probe:
                 self._probing = False
             self._open_until, self._next_cooldown = None, self.cooldown_s
-            since, self._down_since = self._down_since, None
-            if since is not None:
-                down_s, failures = self._clock() - since, self._down_failures + 1
-        if since is not None:
+            back = self._outage.recovered()
+        if back is not None:
             log.info("remote store %s answers again (down %.1f s, %d failed calls)", self.url,
-                     down_s, failures)
+                     *back)
         return out
 
-    def _down_line(self, now: float):
-        """Which line an unavailability failure at ``now`` logs (under ``_lock``): ``"down"``
-        for an outage's first, ``(seconds down, failures since the first)`` for a later one
-        ``down_relog_s`` after the previous line, else None."""
-        if self._down_since is None:
-            self._down_since, self._down_logged, self._down_failures = now, now, 0
-            return "down"
-        self._down_failures += 1
-        if now - self._down_logged < self.down_relog_s:
-            return None
-        self._down_logged = now
-        return (now - self._down_since, self._down_failures)
+    @property
+    def down_relog_s(self) -> float:
+        """Least seconds between two WARNING lines of one outage (default 600; settable)."""
+        return self._outage.relog_s
+
+    @down_relog_s.setter
+    def down_relog_s(self, seconds: float) -> None:
+        self._outage.relog_s = seconds
 
     def breaker_stats(self) -> dict:
         """``{"remote_skipped_calls", "remote_breaker_trips", "remote_breaker_open"}``."""

@@ -53,6 +53,11 @@ class CircuitBreaker:
                 return HALF_OPEN
             return self._state
 
+    @property
+    def failures(self) -> int:
+        """Consecutive failures since the node last answered (0 after a success)."""
+        return self._failures
+
     def allow(self) -> bool:
         """Whether a request may go to the node now (half-open: only the first caller)."""
         changed = None

@@ -51,6 +51,8 @@ class RedisNodes:
         timeout_s: socket timeout of every call and connection after startup (seconds).
         breaker_threshold, breaker_reset_s: per-node circuit breaker settings.
         on_breaker: ``on_breaker(node_name, state)`` on each breaker state change.
+        clock: the breakers' monotonic seconds (tests pass their own; deadlines stay on
+            ``time.monotonic``).
 
     Attributes:
         cluster: whether the deployment is a Redis Cluster.
@@ -61,11 +63,13 @@ class RedisNodes:
 
     def __init__(self, endpoint: RedisEndpoint, timeout_s: float, breaker_threshold: int = 3,
                  breaker_reset_s: float = 5.0,
-                 on_breaker: Callable[[str, str], None] | None = None) -> None:
-        self.endpoint, self.timeout_s = endpoint, timeout_s
+                 on_breaker: Callable[[str, str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.endpoint, self.timeout_s, self._clock = endpoint, timeout_s, clock
         self._on_breaker = on_breaker or (lambda node, state: None)
         self._breaker_args = (breaker_threshold, breaker_reset_s)
         self._breakers: dict[str, CircuitBreaker] = {}
+        self._last_error: dict[str, str] = {}   # node -> why its last failed call failed
         self._lock = threading.Lock()
         self._last_refresh = 0.0
         kw = dict(username=endpoint.username or None, password=endpoint.password,
@@ -158,8 +162,14 @@ class RedisNodes:
             b = self._breakers.get(node)
             if b is None:
                 b = self._breakers[node] = CircuitBreaker(
-                    *self._breaker_args, on_change=lambda s, node=node: self._on_breaker(node, s))
+                    *self._breaker_args, on_change=lambda s, node=node: self._on_breaker(node, s),
+                    clock=self._clock)
             return b
+
+    def last_error(self, node: str) -> str:
+        """Why the last failed call to ``node`` failed (``"Class: message"``, or that it
+        answered after the deadline); ``""`` before any failure."""
+        return self._last_error.get(node, "")
 
     def breaker_states(self) -> dict[str, str]:
         with self._lock:
@@ -226,6 +236,7 @@ class RedisNodes:
         for f in late:
             node = futures[f]
             log.debug("remote tier: node %s answered after the deadline; its keys miss", node)
+            self._last_error[node] = "no answer within the deadline"
             self.breaker(node).failure()
             out[node] = None
         return out
@@ -235,6 +246,7 @@ class RedisNodes:
             res = fn(*args)
         except RedisError as e:
             log.debug("remote tier: node %s failed: %s: %s", node, type(e).__name__, e)
+            self._last_error[node] = f"{type(e).__name__}: {str(e)[:200]}"
             self.breaker(node).failure()
             return None
         self.breaker(node).success()

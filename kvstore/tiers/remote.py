@@ -6,7 +6,9 @@ holds an index of it (other hosts write to it, Redis evicts from it on its own),
 asks it. Lookups ask for presence (``EXISTS``), gets read and check values (``GET``), both
 as one pipeline per node, all nodes at once, within ``timeout_s`` (``kvstore.tiers.redis_nodes``).
 A node that fails or is late costs misses for its keys; the engine never waits past the
-deadline and never gets an error from this tier.
+deadline and never gets an error from this tier. A node whose circuit breaker opens is logged
+when it goes down, then at most once per ``RemoteTier.down_relog_s`` (10 min) while its trial
+calls keep failing, and once (INFO) when it answers again (``kvstore.cause_log.OutageLog``).
 
 Writes are write-behind (``kvstore.tiers.remote_writer``): the store hands over a copy of each
 chunk it newly stores (``put_behind``), a background thread writes them (``SET``, with
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -43,6 +46,7 @@ import torch
 from prometheus_client import CollectorRegistry
 from redis.exceptions import RedisError
 
+from kvstore.cause_log import OutageLog
 from kvstore.codec import CODECS
 from kvstore.keys import ChunkKey
 from kvstore.kv_codec import chunk_codec
@@ -80,6 +84,11 @@ class RemoteTier:
         registry: Prometheus registry for ``kvstore_remote_*`` (the store's).
         breaker_threshold, breaker_reset_s: per-node circuit breaker (consecutive failures that
             open it; seconds before a trial request).
+        clock: monotonic seconds of the breakers and of the outage log lines (tests pass
+            their own; call deadlines stay on ``time.monotonic``).
+
+    Attributes:
+        down_relog_s: least seconds between two WARNING lines of one node's outage (600).
 
     Raises:
         ValueError: a bad URL, prefix, ttl, timeout, queue size or codec.
@@ -93,7 +102,8 @@ class RemoteTier:
                  timeout_s: float = 0.25, queue_bytes: int = 256 * 2**20,
                  password: str | None = None, codec: str = "raw",
                  registry: CollectorRegistry | None = None, breaker_threshold: int = 3,
-                 breaker_reset_s: float = 5.0) -> None:
+                 breaker_reset_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         check_key_prefix(key_prefix)
         if (not 0 <= ttl_s < math.inf or not 0 < timeout_s < math.inf
                 or not isinstance(queue_bytes, int) or queue_bytes <= 0):
@@ -107,8 +117,11 @@ class RemoteTier:
         #: ``ns_id -> lossy codec the namespace accepts`` (``""``: none; set by the store)
         self.lossy_codec_of: Callable[[bytes], str] = lambda ns_id: ""
         self.metrics = RemoteMetrics(registry)
+        self._clock, self._down_relog_s = clock, 600.0
+        self._outages: dict[str, OutageLog] = {}   # node -> its outage log
+        self._outage_lock = threading.Lock()
         self.nodes = RedisNodes(self.endpoint, self.timeout_s, breaker_threshold,
-                                breaker_reset_s, on_breaker=self._on_breaker)
+                                breaker_reset_s, on_breaker=self._on_breaker, clock=clock)
         self._prefix = key_prefix.encode() + b":"
         self.writer = WriteBehind(self.nodes, self.metrics, self.redis_key, self.ttl_s,
                                   self.queue_capacity)
@@ -120,13 +133,49 @@ class RemoteTier:
                  key_prefix, f"{max(1, round(self.ttl_s))}s" if self.ttl_s else "none",
                  self.timeout_s)
 
+    @property
+    def down_relog_s(self) -> float:
+        """Least seconds between two WARNING lines of one node's outage (default 600)."""
+        return self._down_relog_s
+
+    @down_relog_s.setter
+    def down_relog_s(self, seconds: float) -> None:
+        with self._outage_lock:
+            self._down_relog_s = seconds
+            for outage in self._outages.values():
+                outage.relog_s = seconds
+
+    def _outage(self, node: str) -> OutageLog:
+        with self._outage_lock:
+            outage = self._outages.get(node)
+            if outage is None:
+                outage = self._outages[node] = OutageLog(self._down_relog_s, self._clock)
+            return outage
+
     def _on_breaker(self, node: str, state: str) -> None:
-        if state == "open":
-            log.warning("remote tier: node %s keeps failing; its keys miss for %.1f s (circuit "
-                        "breaker open)", node, self.nodes.breaker(node).reset_s)
-        elif state == "closed":
-            log.info("remote tier: node %s answers again (circuit breaker closed)", node)
+        """A node's breaker changed state: its gauge and counter, and the outage's lines. The
+        breaker reopens after each failed trial call (every ``reset_s``) while the node stays
+        down; that is logged at most once per ``down_relog_s``."""
         self.metrics.breaker(node, state)
+        if state == "open":
+            breaker = self.nodes.breaker(node)
+            failures = breaker.failures
+            line = self._outage(node).failed(failures)
+            if line == "down":
+                log.warning("remote tier: node %s is down (%d calls failed in a row, the last: "
+                            "%s); its keys miss, and one call every %.1f s tries it (circuit "
+                            "breaker open; logged again at most every %.0f s while it stays "
+                            "down)", node, failures, self.nodes.last_error(node),
+                            breaker.reset_s, self.down_relog_s)
+            elif line is not None:
+                log.warning("remote tier: node %s still down after %.0f s (%d failed calls, "
+                            "the last: %s); its keys miss", node, line[0], line[1],
+                            self.nodes.last_error(node))
+        elif state == "closed":
+            back = self._outage(node).recovered()
+            if back is not None:
+                log.info("remote tier: node %s answers again (down %.1f s, %d failed calls; "
+                         "circuit breaker closed)", node, *back)
 
     # ---- keys -------------------------------------------------------------------------------
     def redis_key(self, key: ChunkKey) -> bytes:
