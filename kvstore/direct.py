@@ -291,8 +291,6 @@ class DirectIO:
                     return None
                 if t is not None:
                     st.pins.add_reader(k)
-                    t.touch(k)
-                    st.record(k)
                 plan.append((k, t) if t is not None else None)
                 if held:
                     where = t.entry_runs(k)
@@ -307,6 +305,10 @@ class DirectIO:
                         lower.append(i)
                     else:
                         misses += 1
+            for item in plan:  # counted once the borrow is sure (an undone one counts nothing)
+                if item is not None:
+                    item[1].touch(item[0])
+                    st.record(item[0])
             for name in set(hits):
                 st.metrics.inc("hits", hits.count(name), tier=name)
             if misses:

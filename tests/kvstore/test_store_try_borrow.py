@@ -132,3 +132,26 @@ def test_without_views_shared_arena_chunks_have_runs_only():
         assert s.pin_count(KEYS[0]) == 0
     finally:
         s.close()
+
+
+def test_an_undone_try_borrow_counts_no_access(tmp_path):
+    """A try that gives up (a chunk on disk) leaves the eviction policy's and the admission
+    filter's counts of the chunks it looked at before as they were; a borrow counts one."""
+    s = ChunkStore(StoreConfig(cpu_bytes=CB, page_bytes=CB, disk_bytes=64 << 20,
+                               disk_path=str(tmp_path / "db"), promote_on_hit=False,
+                               cpu_policy="lfu", admission="tinylfu"), [NS])
+    try:
+        s.put_chunks(NS, KEYS[:2], [kv(0), kv(1)])  # KEYS[1] spilled to disk
+        s.flush(10)
+        cpu, adm = s.tiers[0], s._st.admission
+        assert cpu.contains(KEYS[0]) and not cpu.contains(KEYS[1])
+        before = (cpu.policy.frequency(KEYS[0]), adm.estimate(KEYS[0]))
+        for _ in range(3):
+            assert s.try_borrow_chunks(NS, [KEYS[0], KEYS[1]]) is None
+        assert (cpu.policy.frequency(KEYS[0]), adm.estimate(KEYS[0])) == before
+        with s.borrow_chunks(NS, [KEYS[0], KEYS[1]]) as b:
+            b.read_lower()
+        assert (cpu.policy.frequency(KEYS[0]), adm.estimate(KEYS[0])) == (before[0] + 1,
+                                                                         before[1] + 1)
+    finally:
+        s.close()

@@ -82,3 +82,29 @@ def test_lower_tiers_and_memory_outside_the_arena_take_the_general_path(tmp_path
             c.send({"op": "release", "borrow": reply["borrow"]})
         assert wait_until(lambda: num_pinned(srv.store) == 0)
         c.close()
+
+
+def test_a_get_that_falls_back_counts_each_access_once(tmp_path, monkeypatch):
+    """A get with a chunk on disk is tried inline (``get_now``), tried again by ``get``, then
+    borrowed on the pool: the chunk in the arena is counted one access by the eviction policy
+    and the admission filter, as by an in-process get."""
+    store = make_store(cpu_bytes=256, disk_bytes=1 << 20, disk_path=str(tmp_path / "d"),
+                       promote_on_hit=False, cpu_policy="lfu", admission="tinylfu")
+    with shm_daemon(tmp_path, store) as srv:
+        calls = count_general_gets(monkeypatch)
+        c = RawClient(srv.sock_path)
+        c.hello()
+        kvs = [chunk(i) for i in range(2)]
+        assert c.put(KEYS[:2], kvs)["stored"] == 2  # one of them spilled to disk
+        store.flush(10)
+        cpu, adm = store.tiers[0], store._st.admission
+        (mem,) = [k for k in KEYS[:2] if cpu.contains(k)]
+        order = [mem] + [k for k in KEYS[:2] if k != mem]  # the arena chunk first
+        before = (cpu.policy.frequency(mem), adm.estimate(mem))
+        reply, got = c.get(order)
+        assert got == [as_bytes(kvs[KEYS.index(k)]) for k in order] and len(calls) == 1
+        assert (cpu.policy.frequency(mem), adm.estimate(mem)) == (before[0] + 1,
+                                                                 before[1] + 1)
+        c.send({"op": "release", "borrow": reply["borrow"]})
+        assert wait_until(lambda: num_pinned(srv.store) == 0)
+        c.close()
