@@ -39,7 +39,7 @@ from kvstore.daemon.shm_borrow import ArenaBorrow, borrow_on, copy_on
 from kvstore.daemon.shm_conn import Conn, key_frame, unix_path
 from kvstore.daemon.shm_protocol import SHM_VERSION, hashes_frame
 from kvstore.daemon.shm_put import STAGING_BYTES, put_on
-from kvstore.daemon.shm_release import ReleaseFlusher
+from kvstore.daemon.shm_release import client_flusher
 from kvstore.daemon.shm_results import ResultBuffers
 from kvstore.daemon.transport import check_timeout
 from kvstore.errors import RemoteError, StoreUnavailable
@@ -109,7 +109,7 @@ class ShmKVStoreClient(KVStoreBase):
         #: destinations of gets without ``out``, recycled (``kvstore.daemon.shm_results``)
         self.results = ResultBuffers()
         #: sends gets' releases that no request carried (``kvstore.daemon.shm_release``)
-        self._releases = ReleaseFlusher(self._take_idle, self._give, timeout_s=self.timeout_s)
+        self._releases = client_flusher(self, self.timeout_s)
         self._closed = False
 
     # ---- connections ----------------------------------------------------------------------

@@ -8,14 +8,20 @@ A connection that goes back to the pool still holding a release is flushed by
 (unless a request has carried it by then), so the daemon's pins outlive the copy by at most
 about ``delay_s`` plus a thread wake-up. A connection that fails to flush is closed, which
 drops its pins in the daemon as well.
+
+The flusher holds its client weakly (``client_flusher``): a client dropped without ``close``
+is still collected, its connections closed, and the thread ends. A forked child starts a
+thread of its own at its first deferred release (the parent's is not in the child).
 """
 from __future__ import annotations
 
 import heapq
 import itertools
 import logging
+import os
 import threading
 import time
+import weakref
 from typing import Callable
 
 log = logging.getLogger("kvstore.daemon.shm_release")
@@ -45,11 +51,17 @@ class ReleaseFlusher:
             raise ValueError(f"delay_s must be > 0, got {delay_s!r}")
         self.delay_s, self.timeout_s = float(delay_s), float(timeout_s)
         self._take_idle, self._give = take_idle, give
+        self._tie = itertools.count()
+        self._closed = False
+        self._after_fork()
+        _FLUSHERS.add(self)
+
+    def _after_fork(self) -> None:
+        """A fresh lock, queue and thread slot (at start; in a forked child, where the parent's
+        thread does not run and its lock may have been held at the fork)."""
         self._cond = threading.Condition()
         self._due: list[tuple[float, int, object]] = []  # heap of (when, tie, conn)
-        self._tie = itertools.count()
         self._thread: threading.Thread | None = None
-        self._closed = False
 
     def note(self, conn) -> None:
         """Flush ``conn`` (just given back to the pool with a deferred release) ``delay_s``
@@ -60,7 +72,7 @@ class ReleaseFlusher:
                 return
             wake = not self._due or when < self._due[0][0]
             heapq.heappush(self._due, (when, next(self._tie), conn))
-            if self._thread is None:
+            if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="kvstore-shm-release",
                                                 daemon=True)
                 self._thread.start()
@@ -109,4 +121,31 @@ class ReleaseFlusher:
             self._give(conn)
 
 
-__all__ = ["RELEASE_DELAY_S", "ReleaseFlusher"]
+#: every live flusher, reset in a forked child
+_FLUSHERS: "weakref.WeakSet[ReleaseFlusher]" = weakref.WeakSet()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: [f._after_fork() for f in list(_FLUSHERS)])
+
+
+def client_flusher(client, timeout_s: float) -> ReleaseFlusher:
+    """The ``ReleaseFlusher`` of ``client`` (a ``ShmKVStoreClient``: its ``_take_idle`` and
+    ``_give``), holding the client weakly: once the client is collected, a connection still
+    queued is closed instead of pooled and the thread ends (``close`` runs then)."""
+    ref = weakref.ref(client)
+
+    def take_idle(conn) -> bool:
+        c = ref()
+        return c is not None and c._take_idle(conn)
+
+    def give(conn) -> None:
+        c = ref()
+        if c is None:
+            conn.close()
+        else:
+            c._give(conn)
+    flusher = ReleaseFlusher(take_idle, give, timeout_s=timeout_s)
+    weakref.finalize(client, flusher.close)
+    return flusher
+
+
+__all__ = ["RELEASE_DELAY_S", "ReleaseFlusher", "client_flusher"]

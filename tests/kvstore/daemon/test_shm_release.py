@@ -4,7 +4,10 @@ connection left idle is flushed by the client's thread within its delay; the dae
 always drop. Tiny layout: 256-byte chunks (``shm_helpers``)."""
 from __future__ import annotations
 
+import gc
+import os
 import time
+import weakref
 
 import pytest
 import torch
@@ -141,3 +144,52 @@ def test_flusher_waits_for_the_newest_release_skips_busy_and_closes_failed():
         f.close()
     with pytest.raises(ValueError):
         ReleaseFlusher(take, given.append, delay_s=0)
+
+
+def test_a_client_dropped_without_close_is_collected(tmp_path):
+    """The flusher's thread holds the client weakly: a client dropped after a get is collected
+    (its connections close, which drops any pins left) and the thread ends."""
+    with shm_daemon(tmp_path) as srv:
+        c = ShmKVStoreClient(srv.sock_path, timeout_s=5.0)
+        assert c.put_chunks(NS, KEYS[:2], [chunk(0), chunk(1)]) == 2
+        c.get_chunks(NS, KEYS[:2])
+        thread = c._releases._thread
+        assert thread is not None and thread.is_alive()
+        assert wait_until(lambda: num_pinned(srv.store) == 0)
+        ref = weakref.ref(c)
+        del c
+        gc.collect()
+        assert ref() is None
+        thread.join(2.0)
+        assert not thread.is_alive()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_flushes_its_own_releases(tmp_path):
+    """A child forked after the parent's flusher started has no such thread: its first deferred
+    release starts one, so the daemon's pins drop while the child is still alive and idle."""
+    with shm_daemon(tmp_path) as srv, ShmKVStoreClient(srv.sock_path, timeout_s=5.0) as c:
+        assert c.put_chunks(NS, KEYS[:2], [chunk(0), chunk(1)]) == 2
+        c.get_chunks(NS, KEYS[:2])
+        assert wait_until(lambda: num_pinned(srv.store) == 0)  # the parent's thread ran
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: one get, then idle for 3 s
+            code = 1
+            try:
+                os.close(r)
+                got = c.get_chunks(NS, KEYS[:2])
+                code = 0 if torch.equal(got[1], chunk(1)) else 2
+                os.write(w, b"x")
+                time.sleep(3.0)
+            finally:
+                os._exit(code)
+        os.close(w)
+        try:
+            assert os.read(r, 1) == b"x"
+            assert wait_until(lambda: num_pinned(srv.store) == 0, timeout=2.0)
+        finally:
+            os.close(r)
+            _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+
