@@ -51,7 +51,7 @@ $(VLLM_STAMP): tools/make_vllm_env.sh pyproject.toml
 	PY=$(PY) tools/make_vllm_env.sh $(VLLM_VENV)
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q -ra tests/connectors/test_vllm_connector.py tests/connectors/test_vllm_daemon.py tests/connectors/test_vllm_cli.py tests/connectors/test_vllm_tenants.py tests/connectors/test_vllm_engine_min_sharing.py
+	$(VLLM_VENV)/bin/python -m pytest -q -ra tests/connectors/test_vllm_connector.py tests/connectors/test_vllm_daemon.py tests/connectors/test_vllm_cli.py tests/connectors/test_vllm_tenants.py tests/connectors/test_vllm_engine_min_sharing.py tests/connectors/test_vllm_reader.py
 
 # The prepared GPU checks and timings (bench/gpu_check.py) on a CUDA machine, with $(PY): an
 # interpreter whose torch is a CUDA build (.venv's is the CPU build). Writes results/gpu_check.json.
