@@ -107,9 +107,10 @@ def memcpy_same_chunks(c: ShmKVStoreClient, ns: Namespace, batches: list, outs: 
 def paired_passes(c: ShmKVStoreClient, ns: Namespace, batches: list, outs: list) -> dict:
     """GB/s of one client's puts and gets of ``batches`` (``[(keys, source tensors)]``; ``ns``
     empty before) and of one thread's memcpy of the same chunks (as ``memcpy_same_chunks``),
-    timed in pairs: each put or get of batch ``r`` beside the memcpy of batch ``r + n/2`` (so
-    neither reads bytes the other has just brought into the cache), the order inside a pair
-    alternating. On a shared host two separate passes of ~0.2 s over the same copy differ by up
+    timed in pairs: each put or get of batch ``r`` beside the memcpy of batch ``r + n/2``, the
+    order inside a pair alternating. A get and its copy read distinct arena pages, neither
+    just brought into the cache by the other; a put and its copy write distinct pages but read
+    the same few source tensors (``tensors`` round robin), which stay in the cache for both. On a shared host two separate passes of ~0.2 s over the same copy differ by up
     to 1.5x; paired, a slow second slows both sides. Leaves the batches stored.
 
     Returns:
