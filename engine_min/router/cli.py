@@ -69,7 +69,8 @@ def add_route_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--shutdown-timeout-s", type=_number(float, 0, what="a number of "
                         "seconds >= 0"), default=5.0, metavar="S",
                         help="at Ctrl-C / SIGTERM, seconds the requests in flight (streams "
-                        "being relayed) may still run before they are cut (default 5)")
+                        "being relayed) may still run; streams still open then end with "
+                        "finish_reason \"abort\", an error event and [DONE] (default 5)")
     parser.add_argument("--kvstore-url", default=None, metavar="URL",
                         help="the kvstore daemon the engines share (http://host:port): an "
                         "engine then wins on its cache only by what it holds beyond the store")
@@ -241,6 +242,12 @@ def route_main(args: argparse.Namespace) -> int:
             from engine_min.router.store_lookup import StoreLookup
             store = StoreLookup(args.kvstore_url, args.kvstore_lookup_timeout_ms / 1e3,
                                 args.kvstore_auth_token)
+            refused = store.check_token()
+            if refused is not None:
+                logger.warning("shared store %s refuses the router (%s): routing without the "
+                               "store; give the daemon's token (--kvstore-auth-token, "
+                               "$KVSTORE_AUTH_TOKEN)", store.url, refused)
+                store = None
         check_listen(args.host, args.port)  # before the tokenizer loads (tens of seconds)
         tokenizer = load_while_waiting(args.model, urls, args.startup_timeout_s)
     except (ModelLoadError, OSError, ValueError, RuntimeError) as exc:
@@ -257,7 +264,8 @@ def route_main(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from engine_min.router.proxy import create_router_app
-    app = create_router_app(urls, tokenizer, policy, args.health_interval_s, store=store)
+    app = create_router_app(urls, tokenizer, policy, args.health_interval_s, store=store,
+                            shutdown_timeout_s=args.shutdown_timeout_s)
 
     def started(text: str) -> None:
         where = text.splitlines()[0].strip("= ").removeprefix("Running on ")
@@ -265,7 +273,7 @@ def route_main(args: argparse.Namespace) -> int:
                     f"; shared store {args.kvstore_url}" if store is not None else "")
     try:
         web.run_app(app, host=args.host, port=args.port, handler_cancellation=True,
-                    access_log=None, print=started, shutdown_timeout=args.shutdown_timeout_s)
+                    access_log=None, print=started, shutdown_timeout=1.0)
     except OSError as exc:
         print(f"error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2

@@ -9,7 +9,7 @@ Per ``POST /v1/completions`` / ``POST /v1/chat/completions``::
                   store_lookup: hits beyond the store's]
               -> score healthy engines (index hits x block_size, load) -> policy decision
               -> POST to the engine (router_overhead_seconds ends here)
-              -> relay: a stream chunk by chunk as it arrives, else the whole answer;
+              -> relay: a stream event by event as it arrives, else the whole answer;
                  status, content type and error bodies unchanged
 
 A body the router cannot parse goes to the least-loaded engine, which answers its own error.
@@ -18,11 +18,18 @@ before any answer came back) is first sent once more to the same engine on a fre
 (``router_stale_connection_retries_total``): an engine that closed an idle connection, or
 restarted on the same port, is not taken out for it. An engine that fails before the client got
 any byte of its answer (connection refused, the fresh connection failing too, the stream cut
-before its first chunk) is taken out and the request is sent to the next best engine (reason
-``retry``); a stream's headers go out with its first chunk, so an engine
-dying during prefill costs no failed request. An engine failing after bytes went to the client
-ends that client's connection (``router_failed_requests_total``). No healthy engine: 503 with
-an OpenAI error object.
+before its first event) is taken out and the request is sent to the next best engine (reason
+``retry``); a stream's headers go out with its first event, so an engine
+dying during prefill costs no failed request. An engine failing after events went to the client
+is taken out, logged (one warning: engine, request id, bytes relayed) and counted
+(``router_failed_requests_total``); the client's stream ends as an engine's does at its
+shutdown: a chunk with ``finish_reason`` ``"abort"``, an error event (code ``engine_failed``)
+and ``data: [DONE]`` (``engine_min.router.stream_end``). No healthy engine: 503 with an OpenAI
+error object.
+
+At shutdown (the app's ``on_shutdown``) the router logs how many requests and streams are in
+flight, lets them run for up to ``shutdown_timeout_s`` and ends the streams still open the same
+way (error code ``server_shutting_down``).
 
 ``GET /v1/models`` is the first healthy engine's; ``GET /health`` is 200 while at least one
 engine is healthy (503 otherwise); ``GET /metrics`` is ``engine_min.router.metrics``.
@@ -42,9 +49,10 @@ from engine_min.router.policy import RETRY, Candidate, Decision
 from engine_min.router.reasons import describe_error
 from engine_min.router.prompt import (PreparedPrompt, PromptEncoder, prepare_source,
                                       prompt_source)
+from engine_min.router.stream_end import UpstreamFailed, drain, relay_stream
 from engine_min.router.store_lookup import StoreLookup, choose_with_store, store_can_change_pick
 from engine_min.router.subscriber import Engine, EngineSubscriber
-from engine_min.router.usage import UsageScanner, cached_tokens
+from engine_min.router.usage import cached_tokens
 from engine_min.serve import protocol as proto
 from engine_min.serve.errors import error_response, openai_error_middleware
 
@@ -63,17 +71,9 @@ INLINE_MAX_BODY_BYTES = 64 * 1024
 INLINE_MAX_NEW_CHARS = 1024
 
 
-class UpstreamFailed(Exception):
-    """The engine failed before the client received any byte: the request may be retried."""
-
-
 class StaleConnection(UpstreamFailed):
     """The engine closed or reset the connection before answering: maybe a pooled connection
     it had closed while idle; worth one more try on a fresh connection to the same engine."""
-
-
-class StreamCut(Exception):
-    """The engine failed after bytes went to the client: the client's connection is ended."""
 
 
 def _headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
@@ -92,11 +92,13 @@ class Router:
         max_connections: concurrent upstream connections (streams, polls) of the one session.
         store: the shared kvstore daemon's ``StoreLookup`` (None: no shared store); used by
             the cache-aware policy only.
+        shutdown_timeout_s: at shutdown, seconds requests in flight may still run before the
+            streams still open are ended.
     """
 
     def __init__(self, urls: list[str], tokenizer, policy, health_interval_s: float = 1.0,
                  poll_timeout_s: float = 10.0, max_connections: int = 4096,
-                 store: StoreLookup | None = None):
+                 store: StoreLookup | None = None, shutdown_timeout_s: float = 5.0):
         self.metrics = RouterMetrics()
         self.store = store if getattr(policy, "name", "") == "cache-aware" else None
         self.engines = [Engine(u.rstrip("/"), i, self.metrics) for i, u in enumerate(urls)]
@@ -108,6 +110,9 @@ class Router:
         #: a session without a connection pool, for the one retry after a stale connection
         self.fresh_session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
+        #: engine StreamReader -> SseRelayState of each stream being relayed
+        self.streams: dict = {}
+        self.shutdown_timeout_s = shutdown_timeout_s
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self, _app: web.Application | None = None) -> None:
@@ -128,6 +133,12 @@ class Router:
         if self.store is not None:   # logs whether the shared store answers, and changes
             self._tasks.append(asyncio.create_task(self.store.watch(self.session),
                                                    name="store probe"))
+
+    async def drain(self, _app: web.Application | None = None) -> None:
+        """Let requests in flight run for up to ``shutdown_timeout_s``, then end the streams
+        still open (``engine_min.router.stream_end.drain``)."""
+        await drain(lambda: sum(e.inflight for e in self.engines), self.streams,
+                    self.shutdown_timeout_s, logger)
 
     async def stop(self, _app: web.Application | None = None) -> None:
         for t in self._tasks:
@@ -241,7 +252,7 @@ class Router:
 
     async def _send(self, request: web.Request, e: Engine, raw: bytes) -> web.StreamResponse:
         """``_forward`` on a pooled connection, then once on a fresh one if the engine closed
-        the pooled connection before answering. Raises UpstreamFailed or StreamCut."""
+        the pooled connection before answering. Raises UpstreamFailed."""
         try:
             return await self._forward(request, e, raw, self.session)
         except StaleConnection as exc:
@@ -253,7 +264,7 @@ class Router:
                        session: aiohttp.ClientSession) -> web.StreamResponse:
         """Send ``raw`` to ``e`` over ``session`` and relay its answer. Raises StaleConnection
         (closed or reset before the answer's headers), UpstreamFailed (another failure before
-        any byte went to the client) or StreamCut (after bytes went out)."""
+        any byte went to the client); a stream cut later is ended by ``_relay_stream``."""
         headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
         e.inflight += 1
         try:
@@ -283,28 +294,7 @@ class Router:
 
     async def _relay_stream(self, request: web.Request, up: aiohttp.ClientResponse,
                             e: Engine) -> web.StreamResponse:
-        resp: web.StreamResponse | None = None
-        scanner = UsageScanner()
-        try:
-            async for chunk in up.content.iter_any():
-                if resp is None:
-                    resp = web.StreamResponse(status=up.status, headers=_headers(up))
-                    await resp.prepare(request)
-                await resp.write(chunk)
-                scanner.feed(chunk)
-        except aiohttp.ClientError as exc:
-            if resp is None:
-                raise UpstreamFailed(describe_error(exc)) from exc
-            self.metrics.failed_requests.inc()
-            e.mark_down(f"stream cut: {describe_error(exc)}")
-            raise StreamCut(f"{e.url} failed mid-stream: {describe_error(exc)}") from exc
-        if resp is None:
-            resp = web.StreamResponse(status=up.status, headers=_headers(up))
-            await resp.prepare(request)
-        await resp.write_eof()
-        if scanner.cached_tokens is not None:
-            self.metrics.reported_cached_tokens.labels(e.url).inc(scanner.cached_tokens)
-        return resp
+        return await relay_stream(request, up, e, _headers(up), self.metrics, self.streams)
 
     def _count_cached(self, e: Engine, obj) -> None:
         n = cached_tokens(obj)
@@ -353,8 +343,8 @@ def _no_engine(after_failures: bool) -> web.Response:
 
 
 def create_router_app(urls: list[str], tokenizer, policy, health_interval_s: float = 1.0,
-                      poll_timeout_s: float = 10.0, store: StoreLookup | None = None
-                      ) -> web.Application:
+                      poll_timeout_s: float = 10.0, store: StoreLookup | None = None,
+                      shutdown_timeout_s: float = 5.0) -> web.Application:
     """The router's aiohttp app (its ``Router`` is ``app[ROUTER_KEY]``); subscribers start and
     stop with the app.
 
@@ -366,13 +356,16 @@ def create_router_app(urls: list[str], tokenizer, policy, health_interval_s: flo
         poll_timeout_s: long-poll wait on each engine's events.
         store: the engines' shared kvstore daemon (None: none); cache-aware scores then
             count only what an engine holds beyond it (``engine_min.router.store_lookup``).
+        shutdown_timeout_s: at shutdown, seconds requests in flight may run before the streams
+            still open are ended (abort chunk, error event, ``[DONE]``).
 
     Raises:
         ValueError: no URL.
     """
     if not urls:
         raise ValueError("at least one engine URL is needed")
-    router = Router(urls, tokenizer, policy, health_interval_s, poll_timeout_s, store=store)
+    router = Router(urls, tokenizer, policy, health_interval_s, poll_timeout_s, store=store,
+                    shutdown_timeout_s=shutdown_timeout_s)
     app = web.Application(client_max_size=64 * 1024 * 1024,
                           middlewares=[openai_error_middleware])
     app[ROUTER_KEY] = router
@@ -382,5 +375,6 @@ def create_router_app(urls: list[str], tokenizer, policy, health_interval_s: flo
     app.router.add_get("/health", router.health)
     app.router.add_get("/metrics", router.metrics_route)
     app.on_startup.append(router.start)
+    app.on_shutdown.append(router.drain)
     app.on_cleanup.append(router.stop)
     return app

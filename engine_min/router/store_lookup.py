@@ -11,8 +11,14 @@ of ``kvstore`` itself) and gets ``store_hit = num_hit_chunks x chunk_size`` toke
 lookup has a deadline (default 5 ms); on a timeout or an error the request is scored without
 the store (``router_store_lookups_total{result}``).
 
+At start, ``check_token`` asks the daemon's ``GET /v1/whoami`` with the router's token (as
+an engine's connector does at its start): a daemon that refuses it (401, 403: a wrong or
+missing ``--kvstore-auth-token``) would refuse every lookup, so the router runs without the
+store, with one warning (as ``engine_min serve`` runs without it).
+
 Whether the daemon answers is logged: ``StoreLookup.watch`` (started with the router) asks
-its ``GET /healthz`` at start and every ``probe_interval_s``, so a daemon that is down is
+its ``GET /v1/whoami`` (with the token: a refused token counts as down) at start and every
+``probe_interval_s``, so a daemon that is down is
 reported even while every lookup is skipped, and its return too; a lookup that fails (refused,
 HTTP error) marks it down at once. A warning when it goes down (at most one per
 ``warn_interval_s``: an outage within it is logged by a later probe), an INFO line when it
@@ -170,17 +176,39 @@ class StoreLookup:
         logger.warning("shared store %s is not usable (%s): requests are routed on the "
                        "engines' own hits until it answers", self.url, why)
 
+    def _refused(self, status: int) -> str:
+        return (f"GET /v1/whoami: HTTP {status}: "
+                + ("wrong token" if "Authorization" in self.headers else "no token given"))
+
+    def check_token(self, timeout_s: float = 2.0) -> str | None:
+        """Ask the daemon's ``GET /v1/whoami`` with the router's token, blocking (at start).
+        Returns why the daemon refuses the token (HTTP 401 or 403), else None: accepted, or
+        not answering (``watch`` reports that)."""
+        import urllib.error
+        import urllib.request
+        req = urllib.request.Request(self.url + "/v1/whoami", headers={
+            k: v for k, v in self.headers.items() if k == "Authorization"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s):
+                return None
+        except urllib.error.HTTPError as err:
+            return self._refused(err.code) if err.code in (401, 403) else None
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
     async def probe(self, session: aiohttp.ClientSession, timeout_s: float = 2.0) -> bool:
-        """Ask the daemon's ``GET /healthz`` (at most ``timeout_s``); record and log the
-        answer (``answering``). True when it answered 200."""
+        """Ask the daemon's ``GET /v1/whoami`` with the router's token (at most
+        ``timeout_s``); record and log the answer (``answering``). True when it answered
+        200."""
         try:
             async with asyncio.timeout(timeout_s):
-                async with session.get(self.url + "/healthz") as r:
-                    ok, why = r.status == 200, f"GET /healthz: HTTP {r.status}"
+                async with session.get(self.url + "/v1/whoami", headers=self.headers) as r:
+                    ok, why = r.status == 200, (self._refused(r.status) if r.status in
+                                                (401, 403) else f"GET /v1/whoami: HTTP {r.status}")
         except TimeoutError:
-            ok, why = False, f"GET /healthz: no answer within {timeout_s:g} s"
+            ok, why = False, f"GET /v1/whoami: no answer within {timeout_s:g} s"
         except (aiohttp.ClientError, OSError) as exc:
-            ok, why = False, f"GET /healthz: {exc}"
+            ok, why = False, f"GET /v1/whoami: {exc}"
         self._mark(ok, why)
         return ok
 

@@ -77,9 +77,10 @@ class Engine:
         waiting when larger (other clients, or requests the router counts as finished first)."""
         return max(self.inflight, self.reported_load)
 
-    def mark_down(self, reason: str) -> None:
-        """Take the engine out of service and drop its index (no-op when already down)."""
-        if self.healthy:
+    def mark_down(self, reason: str, log: bool = True) -> None:
+        """Take the engine out of service and drop its index (no-op when already down); logs
+        one warning unless ``log`` is False (the caller logs it)."""
+        if self.healthy and log:
             logger.warning("engine %s taken out: %s", urlsplit(self.url).netloc, reason)
         self.healthy = False
         self.generation += 1

@@ -1,5 +1,7 @@
-"""Ctrl-C on ``python -m engine_min route`` with a stream in flight: the router cuts the stream
-after ``--shutdown-timeout-s`` and exits 0, instead of aiohttp's default 60 s wait."""
+"""Ctrl-C or SIGTERM on ``python -m engine_min route`` with a stream in flight: the router logs
+that it is stopping (requests and streams in flight), ends the stream after
+``--shutdown-timeout-s`` as an engine does at its shutdown (a chunk with finish_reason
+"abort", an error event, ``[DONE]``) and exits 0, instead of aiohttp's default 60 s wait."""
 from __future__ import annotations
 
 import json
@@ -10,15 +12,18 @@ import threading
 import time
 import urllib.request
 
+import pytest
+
 from tests.engine_min.router.served import MODEL, ROOT, free_port, wait_health
 
 
-def test_ctrl_c_cuts_a_relayed_stream_after_the_shutdown_timeout(engines):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_ends_a_relayed_stream_after_the_shutdown_timeout(engines, sig):
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine_min", "route", "--engines",
          ",".join(e.url for e in engines), "--port", str(port), "--shutdown-timeout-s", "1",
-         "--log-level", "warning"], cwd=ROOT, stdout=subprocess.DEVNULL,
+         "--log-level", "info"], cwd=ROOT, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal
     url = f"http://127.0.0.1:{port}"
@@ -45,14 +50,21 @@ def test_ctrl_c_cuts_a_relayed_stream_after_the_shutdown_timeout(engines):
         t.start()
         assert first.wait(60) and events, "no event came through the router"
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         rc = proc.wait(30)
         took = time.monotonic() - t0
         t.join(30)
-        assert rc == 0, proc.stderr.read().decode()[-2000:]
+        log = proc.stderr.read().decode()
+        assert rc == 0, log[-2000:]
         assert took < 10, f"router took {took:.1f} s to exit (timeout 1 s)"
-        # cut before its 400 tokens: no event says the stream ran to its length
+        assert "stopping: 1 request in flight (1 stream); waiting up to 1.0 s" in log, log
+        assert "Error handling request" not in log and "Traceback" not in log, log
+        # ended before its 400 tokens: an abort chunk, the error event, [DONE]
         assert not any(b'"length"' in e for e in events) and len(events) < 400
+        assert events[-1] == b"data: [DONE]\n", events[-3:]
+        error = json.loads(events[-2][6:])["error"]
+        assert error["code"] == "server_shutting_down" and error["type"] == "server_error"
+        assert json.loads(events[-3][6:])["choices"][0]["finish_reason"] == "abort"
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,0 +1,212 @@
+"""Ending a relayed SSE stream that the router cannot finish: the engine died mid-stream, or
+the router is stopping with the stream still open.
+
+The client then gets what an engine sends when it is shut down mid-stream
+(``engine_min.serve.run``): a chunk whose ``finish_reason`` is ``"abort"`` (unless the engine
+already sent a finishing chunk), an OpenAI error event and ``data: [DONE]``, instead of a
+connection cut in the middle of an event.
+
+``SseRelayState`` sees every chunk the engine sends; it passes on only whole events (up to the
+last blank line), so a cut never leaves half an event with the client, and remembers the
+stream's ``id``, ``object``, ``model`` and ``created`` (from its first JSON event) to write the
+abort chunk in the stream's own shape.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import aiohttp
+from aiohttp import web
+
+from engine_min.router.reasons import describe_error
+from engine_min.router.usage import UsageScanner
+from engine_min.serve import protocol as proto
+from engine_min.serve import responses as wire
+from engine_min.serve.engine_loop import ShuttingDown
+from engine_min.serve.errors import error_response
+
+logger = logging.getLogger("engine_min.router")
+
+#: an incomplete event longer than this is passed on as is (no SSE engine sends such events)
+MAX_HELD_BYTES = 1 << 20
+_SEPARATORS = (b"\n\n", b"\r\n\r\n")
+
+
+class UpstreamFailed(Exception):
+    """The engine failed before the client received any byte: the request may be retried."""
+
+
+class RouterStopping(Exception):
+    """Set on an engine's stream by the router's shutdown: the relay ends the client's stream
+    (abort chunk, error event ``server_shutting_down``, ``[DONE]``)."""
+
+
+class SseRelayState:
+    """What the router has relayed of one SSE stream.
+
+    Attributes:
+        bytes_relayed: bytes passed on to the client so far.
+        request_id: the stream's ``id`` (from its first JSON event; None before one).
+        finished: a chunk with a non-null ``finish_reason`` was passed on.
+    """
+
+    def __init__(self) -> None:
+        self.bytes_relayed = 0
+        self.request_id: str | None = None
+        self.finished = False
+        self._shape: dict | None = None   # id, object, model, created of the first event
+        self._held = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The bytes of ``chunk`` (after what was held back) that complete whole events; the
+        rest is held until its event is complete (or over ``MAX_HELD_BYTES``)."""
+        data = self._held + chunk
+        end = max(data.rfind(sep) + len(sep) if data.rfind(sep) >= 0 else 0
+                  for sep in _SEPARATORS)
+        if end == 0 and len(data) > MAX_HELD_BYTES:
+            end = len(data)
+        out, self._held = data[:end], data[end:]
+        if out:
+            self._scan(out)
+            self.bytes_relayed += len(out)
+        return out
+
+    def flush(self) -> bytes:
+        """What is held back, at the stream's normal end (the engine ended it so)."""
+        out, self._held = self._held, b""
+        self.bytes_relayed += len(out)
+        return out
+
+    def _scan(self, events: bytes) -> None:
+        for line in events.split(b"\n"):
+            if not line.startswith(b"data:") or line[5:].strip()[:1] != b"{":
+                continue
+            if self._shape is not None and b'"finish_reason"' not in line:
+                continue
+            try:
+                obj = json.loads(line[5:])
+            except ValueError:
+                continue
+            if not isinstance(obj, dict):
+                continue
+            if self._shape is None and isinstance(obj.get("id"), str):
+                self._shape = {k: obj.get(k) for k in ("id", "object", "model", "created")}
+                self.request_id = obj["id"]
+            for choice in obj.get("choices") or ():
+                if isinstance(choice, dict) and choice.get("finish_reason") is not None:
+                    self.finished = True
+
+    def ending(self, message: str, code: str) -> bytes:
+        """The events that end the stream: an abort chunk (in the stream's shape, when one
+        was seen and no choice finished yet), the error event (``server_error`` with
+        ``message`` and ``code``) and ``[DONE]``."""
+        out = b""
+        shape = self._shape
+        if shape is not None and not self.finished:
+            if shape.get("object") == "chat.completion.chunk":
+                chunk = wire.chat_chunk(shape["id"], shape.get("model"), shape.get("created"),
+                                        {}, "abort", False)
+            else:
+                chunk = wire.completion_chunk(shape["id"], shape.get("model"),
+                                              shape.get("created"), "", "abort", False)
+                chunk["object"] = shape.get("object") or chunk["object"]
+            out += wire.sse(chunk)
+        out += wire.sse(proto.error_body(message, "server_error", None, code))
+        return out + wire.SSE_DONE
+
+
+async def drain(num_inflight, streams: dict, timeout_s: float, logger,
+                poll_s: float = 0.05) -> None:
+    """The router's shutdown: log how many requests and streams are in flight, wait up to
+    ``timeout_s`` seconds for them, then end each stream still open (``RouterStopping`` set on
+    its engine's ``StreamReader``: the relay writes the abort chunk, error event and
+    ``[DONE]``) and wait up to 2 s for their relays to finish.
+
+    Args:
+        num_inflight: callable, the requests in flight to engines (streams included).
+        streams: engine ``StreamReader`` -> ``SseRelayState`` of each stream being relayed.
+        timeout_s: grace period in seconds (>= 0).
+        logger: where the lines go.
+    """
+    n, s = num_inflight(), len(streams)
+    logger.info("stopping: %d request%s in flight (%d stream%s); waiting up to %.1f s",
+                n, "" if n == 1 else "s", s, "" if s == 1 else "s", timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while num_inflight() and time.monotonic() < deadline:
+        await asyncio.sleep(poll_s)
+    if not streams:
+        return
+    logger.warning("stopping: ending %d stream%s still open after %.1f s", len(streams),
+                   "" if len(streams) == 1 else "s", timeout_s)
+    for reader in list(streams):
+        reader.set_exception(RouterStopping())
+    deadline = time.monotonic() + 2.0
+    while streams and time.monotonic() < deadline:
+        await asyncio.sleep(poll_s)
+
+
+async def relay_stream(request: web.Request, up: aiohttp.ClientResponse, e, headers: dict,
+                       metrics, streams: dict) -> web.StreamResponse:
+    """Relay an SSE stream whole event by whole event (``SseRelayState``). A stream the
+    engine cuts after events went out, or that is open when the router stops, is ended
+    as an engine ends one at its shutdown (``SseRelayState.ending``). Raises
+    UpstreamFailed: the engine failed before any event went to the client.
+
+    Args:
+        request: the client's request; up: the engine's response (``text/event-stream``).
+        e: the engine (``engine_min.router.subscriber.Engine``: ``url``, ``mark_down``).
+        headers: the response headers to send the client.
+        metrics: the router's ``RouterMetrics``.
+        streams: the router's open streams (this one is in it while relayed).
+    """
+    resp: web.StreamResponse | None = None
+    scanner, state = UsageScanner(), SseRelayState()
+    streams[up.content] = state
+    try:
+        async for chunk in up.content.iter_any():
+            out = state.feed(chunk)
+            if not out:
+                continue
+            if resp is None:
+                resp = web.StreamResponse(status=up.status, headers=headers)
+                await resp.prepare(request)
+            await resp.write(out)
+            scanner.feed(out)
+    except RouterStopping:
+        if resp is None:
+            return error_response(ShuttingDown("The router is shutting down."))
+        await resp.write(state.ending("The router is shutting down; the request was "
+                                      "aborted.", "server_shutting_down"))
+        await resp.write_eof()
+        return resp
+    except aiohttp.ClientError as exc:
+        if resp is None:
+            raise UpstreamFailed(describe_error(exc)) from exc
+        why = describe_error(exc)
+        metrics.failed_requests.inc()
+        was_up = e.healthy
+        e.mark_down(f"stream cut: {why}", log=False)
+        logger.warning("engine %s failed mid-stream (request %s, %d bytes relayed): %s; %sthe "
+                       "client's stream ended with an error event", e.url,
+                       state.request_id or "unknown", state.bytes_relayed, why,
+                       "taken out; " if was_up else "")
+        await resp.write(state.ending(f"The engine serving this request failed "
+                                      f"mid-stream: {why}", "engine_failed"))
+        await resp.write_eof()
+        return resp
+    finally:
+        streams.pop(up.content, None)
+    tail = state.flush()
+    if resp is None:
+        resp = web.StreamResponse(status=up.status, headers=headers)
+        await resp.prepare(request)
+    if tail:
+        await resp.write(tail)
+        scanner.feed(tail)
+    await resp.write_eof()
+    if scanner.cached_tokens is not None:
+        metrics.reported_cached_tokens.labels(e.url).inc(scanner.cached_tokens)
+    return resp
