@@ -15,7 +15,9 @@ retries are ``kvstore.daemon.transport``'s; the typed HTTP calls ``kvstore.daemo
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -32,6 +34,11 @@ from kvstore.daemon.wire_codec import WIRE_CODECS
 from kvstore.errors import RemoteError, StoreUnavailable
 
 __all__ = ["AsyncKVStoreClient", "KVStoreClient", "RemoteError", "StoreUnavailable", "check_url"]
+
+log = logging.getLogger("kvstore.daemon.client")
+
+#: Least time (seconds) between two re-discoveries of a failing discovered socket.
+REDISCOVER_S = 2.0
 
 
 def _stop_loop(loop: asyncio.AbstractEventLoop, client: AsyncKVStoreClient,
@@ -63,7 +70,11 @@ class KVStoreClient(KVStoreBase):
       (the default) the first call asks the daemon (``/v1/stats``, else ``/v1/whoami``) for
       its ``unix_socket``; when that socket exists on this host and its ``hello`` answers the
       same ``instance``, every later call goes over it. HTTP stays otherwise (no socket,
-      another host, a refused hello); ``same_host=False`` forces HTTP.
+      another host, a refused hello); ``same_host=False`` forces HTTP. When the discovered
+      socket fails later (refused, its file gone: the daemon restarted without it, on
+      another path, or was killed), the client asks ``/v1/stats`` again (at most once per
+      ``REDISCOVER_S`` seconds) and takes what the daemon offers now: its new socket, or
+      HTTP. A ``unix://`` URL is kept as given.
 
     Every method blocks at most its deadline (``timeout_s``) and raises ``StoreUnavailable``
     when the daemon does not answer in time, ``RemoteError`` for error answers, ``ValueError``
@@ -91,6 +102,8 @@ class KVStoreClient(KVStoreBase):
         self._shm_kwargs = kwargs
         self._discovering = same_host
         self._discover_lock = threading.Lock()
+        self._discovered_at = float("-inf")  # time.monotonic() of the last re-discovery
+        self._retired: list[ShmKVStoreClient] = []  # replaced socket clients, closed at close
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-client",
                                         daemon=True)
@@ -118,16 +131,55 @@ class KVStoreClient(KVStoreBase):
         if self._discovering:
             with self._discover_lock:
                 if self._discovering:
-                    self._shm = discover_socket(
-                        lambda route: self._run(getattr(self._async, route)(
-                            timeout_s=timeout_s), timeout_s), self._shm_kwargs, timeout_s)
+                    self._shm = self._discover(timeout_s)
                     self._discovering = False
         return self._shm
+
+    def _discover(self, timeout_s: float | None) -> ShmKVStoreClient | None:
+        """``discover_socket`` over this client's HTTP path (raises as it)."""
+        return discover_socket(lambda route: self._run(getattr(self._async, route)(
+            timeout_s=timeout_s), timeout_s), self._shm_kwargs, timeout_s)
+
+    def _rediscover(self, failed: ShmKVStoreClient, error: StoreUnavailable,
+                    timeout_s: float | None) -> bool:
+        """After ``failed`` (the discovered socket's client) raised ``error``: ask the daemon
+        over HTTP which socket it offers now and switch to it (None: HTTP), at most once per
+        ``REDISCOVER_S``. Returns whether calls now take another path (a caller may retry a
+        call that sent nothing). Never raises: a daemon that does not answer over HTTP either
+        leaves the path as it is."""
+        with self._discover_lock:
+            if self._shm is not failed:
+                return True  # another thread switched already
+            now = time.monotonic()
+            if now - self._discovered_at < REDISCOVER_S:
+                return False
+            self._discovered_at = now
+            try:
+                new = self._discover(timeout_s)
+            except (StoreUnavailable, RemoteError, RuntimeError, ValueError) as e:
+                log.info("kvstore daemon's socket %s failed (%s); re-discovery failed too (%s)",
+                         failed.path, error, e)
+                return False
+            if new is not None and new.path == failed.path:
+                new.close()  # the same socket answers again (the same daemon, restarted)
+                return False
+            self._shm = new
+            self._retired.append(failed)  # calls of other threads may still be on it
+            log.warning("kvstore daemon's socket %s failed (%s); now using %s", failed.path,
+                        error, new.path if new is not None else self.url)
+            return True
 
     def _call(self, name: str, timeout_s: float | None, *args: Any, **kw: Any) -> Any:
         shm = self._path(timeout_s)
         if shm is not None:
-            return getattr(shm, name)(*args, timeout_s=timeout_s, **kw)
+            try:
+                return getattr(shm, name)(*args, timeout_s=timeout_s, **kw)
+            except StoreUnavailable as e:
+                if self._async is None or not self._rediscover(shm, e, timeout_s):
+                    raise
+                if not _sent_nothing(e):
+                    raise
+                return self._call(name, timeout_s, *args, **kw)  # once: the path changed
         return self._run(getattr(self._async, name)(*args, timeout_s=timeout_s, **kw),
                          timeout_s)
 
@@ -169,7 +221,13 @@ class KVStoreClient(KVStoreBase):
         copied out. Call ``release`` on every path. Raises as ``get_chunks``."""
         shm = self._path(timeout_s)
         if shm is not None:
-            return shm.get_borrowed(ns, keys, timeout_s=timeout_s)
+            try:
+                return shm.get_borrowed(ns, keys, timeout_s=timeout_s)
+            except StoreUnavailable as e:
+                if (self._async is None or not self._rediscover(shm, e, timeout_s)
+                        or not _sent_nothing(e)):
+                    raise
+                return self.get_borrowed(ns, keys, timeout_s=timeout_s)
         return CopiedBorrow(keys, self.get_chunks(ns, keys, timeout_s=timeout_s))
 
     def put_chunks(self, ns, keys, kvs, parents=None, *, durable=None, timeout_s=None) -> int:
@@ -223,5 +281,14 @@ class KVStoreClient(KVStoreBase):
         self._closed = True
         if self._shm is not None:
             self._shm.close()
+        for old in getattr(self, "_retired", ()):
+            old.close()
         if self._async is not None:
             self._stop()
+
+
+def _sent_nothing(error: StoreUnavailable) -> bool:
+    """Whether a socket client's ``error`` came before anything was sent (the socket file
+    is gone or refuses connections), so the call may be retried on another path."""
+    text = str(error)
+    return "no such socket file" in text or "connection refused" in text

@@ -1,0 +1,124 @@
+"""An ``http://`` ``KVStoreClient`` that discovered the daemon's Unix socket follows the daemon
+across restarts: restarted without a socket, it goes back to HTTP; restarted on another socket
+path, it takes the new one; a ``unix://`` client stays on its path. Real ``kvstore serve``
+processes restarted on one port; tiny layout (``server_helpers``)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore.daemon.client import KVStoreClient, StoreUnavailable
+from tests.kvstore.daemon.server_helpers import NS, chunk
+
+ROOT = Path(__file__).resolve().parents[3]
+KEYS = NS.chunk_keys(list(range(4 * 4)))
+WITHIN_S = 10.0  # the client takes what the restarted daemon offers within this (seconds)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(port: int, sock: str | None) -> subprocess.Popen:
+    """``kvstore serve`` on ``port`` (and ``sock`` when given), once it listens."""
+    args = [sys.executable, "-m", "kvstore", "serve", "--host", "127.0.0.1", "--port",
+            str(port), "--cpu-bytes", "4MiB", "--page-bytes", "256", "--log-level", "warning"]
+    proc = subprocess.Popen(args + (["--unix-socket", sock] if sock else []), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    line = proc.stdout.readline().decode()
+    assert "listening on" in line, line
+    return proc
+
+
+def stop(proc: subprocess.Popen, sig=signal.SIGTERM) -> None:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    proc.wait(30)
+
+
+def put_until_it_works(c: KVStoreClient, i: int, within_s: float) -> float:
+    """Seconds until a put succeeds again (fails the test past ``within_s``)."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            assert c.put_chunks(NS, KEYS[i:i + 1], [chunk(i)]) == 1
+            return time.monotonic() - t0
+        except StoreUnavailable:
+            assert time.monotonic() - t0 < within_s, "the client never came back"
+            time.sleep(0.1)
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_restart_without_the_socket_goes_back_to_http(tmp_path, how):
+    port, sock = free_port(), str(tmp_path / "kv.sock")
+    proc = start(port, sock)
+    try:
+        with KVStoreClient(f"http://127.0.0.1:{port}", timeout_s=5.0) as c:
+            assert c.put_chunks(NS, KEYS[:1], [chunk(0)]) == 1 and c.transport == "unix"
+            stop(proc, how)  # SIGKILL leaves a stale socket file: refused
+            assert os.path.exists(sock) == (how == signal.SIGKILL)
+            proc = start(port, None)
+            took = put_until_it_works(c, 1, within_s=WITHIN_S)
+            assert c.transport == "http" and took < WITHIN_S
+            assert torch.equal(c.get_chunks(NS, KEYS[1:2])[0], chunk(1))
+            assert c.stats()["tiers"]["cpu"]["num_chunks"] == 1  # the new daemon, over HTTP
+    finally:
+        stop(proc)
+
+
+def test_restart_on_another_socket_path_takes_the_new_socket(tmp_path):
+    port, first, second = free_port(), str(tmp_path / "a.sock"), str(tmp_path / "b.sock")
+    proc = start(port, first)
+    try:
+        with KVStoreClient(f"http://127.0.0.1:{port}", timeout_s=5.0) as c, \
+                KVStoreClient("unix://" + first, timeout_s=1.0) as u:
+            assert c.put_chunks(NS, KEYS[:1], [chunk(0)]) == 1 and c.transport == "unix"
+            assert u.exists(NS, KEYS[:1]) == [True]
+            stop(proc)
+            proc = start(port, second)
+            put_until_it_works(c, 2, within_s=WITHIN_S)
+            assert c.transport == "unix" and c.stats()["unix_socket"] == second
+            assert c._shm.path == second  # the new socket, not HTTP
+            assert torch.equal(c.get_chunks(NS, KEYS[2:3])[0], chunk(2))
+            with pytest.raises(StoreUnavailable, match="no such socket file"):
+                u.exists(NS, KEYS[:1])  # an explicit unix:// URL keeps its path
+            assert u.transport == "unix"
+    finally:
+        stop(proc)
+
+
+def test_rediscovery_is_rate_limited(tmp_path, monkeypatch):
+    """While the daemon offers nothing new, a failing socket asks HTTP at most once per
+    ``REDISCOVER_S`` (2 s): calls fail fast in between, they do not each ask again."""
+    port, sock = free_port(), str(tmp_path / "kv.sock")
+    proc = start(port, sock)
+    asked = []
+    orig = KVStoreClient._discover
+
+    def spy(self, timeout_s):
+        asked.append(time.monotonic())
+        return orig(self, timeout_s)
+    monkeypatch.setattr(KVStoreClient, "_discover", spy)
+    try:
+        with KVStoreClient(f"http://127.0.0.1:{port}", timeout_s=5.0) as c:
+            assert c.exists(NS, KEYS[:1]) == [False] and c.transport == "unix"
+            assert len(asked) == 1
+            stop(proc)  # down: HTTP refuses too
+            for _ in range(5):
+                with pytest.raises(StoreUnavailable):
+                    c.exists(NS, KEYS[:1])
+            assert len(asked) == 2  # one re-discovery for 5 failing calls
+            assert c.transport == "unix"  # nothing answered: the path is unchanged
+    finally:
+        stop(proc)
