@@ -90,7 +90,8 @@ class Variant:
     """A fake-quantized KV format. ``cast``: ``"float16"``/``"bfloat16"`` casts the whole
     chunk (codes ignored). Otherwise keys ``[T, H, D]`` per layer: ``k_bits`` symmetric, one
     scale per channel over ``k_group`` tokens (``k_group`` divides the chunk size), with
-    ``k_outliers`` channels per (layer, head) of largest absmax kept in fp16; values: ``v_bits``
+    ``k_outliers`` channels per (layer, head) of largest absmax kept in fp16 (``k_asym``: a
+    zero point per channel too, the range min..max instead of -absmax..absmax); values: ``v_bits``
     per token over its head's channels (``v_symmetric``, ``v_diffuse``: error-compensating
     rounding along tokens). ``sinks``: the first tokens of a sequence kept in fp16.
     ``layer_bits``: ``{layer: (k_bits, v_bits)}`` overrides."""
@@ -99,6 +100,7 @@ class Variant:
     k_bits: int = 8
     k_group: int = 64
     k_outliers: int = 0
+    k_asym: bool = False
     v_bits: int = 7
     v_symmetric: bool = False
     v_diffuse: bool = False
@@ -106,7 +108,8 @@ class Variant:
     layer_bits: dict = field(default_factory=dict, hash=False, compare=False)
 
 
-def _keys(k: torch.Tensor, bits: int, group: int, outliers: int) -> tuple[torch.Tensor, int]:
+def _keys(k: torch.Tensor, bits: int, group: int, outliers: int,
+          asym: bool = False) -> tuple[torch.Tensor, int]:
     """Keys ``k [T, H, D]`` of one layer -> (dequantized, bytes)."""
     T, H, D = k.shape
     out, nbytes = torch.empty_like(k), 0
@@ -119,7 +122,7 @@ def _keys(k: torch.Tensor, bits: int, group: int, outliers: int) -> tuple[torch.
         k_in = k
     for t0 in range(0, T, group):
         g = k_in[t0:t0 + group]                                                # [g, H, D]
-        q, b = fake_quant(g, bits, 0, True)
+        q, b = fake_quant(g, bits, 0, not asym)
         out[t0:t0 + group] = q
         nbytes += b
     if outliers:
@@ -152,7 +155,7 @@ def apply_variant(kv: torch.Tensor, var: Variant, start: int) -> tuple[torch.Ten
         kb, vb = var.layer_bits.get(layer, (var.k_bits, var.v_bits))
         k, v = kv[layer, 0, s:].float(), kv[layer, 1, s:].float()              # [T-s, H, D]
         group = var.k_group if s == 0 else T - s
-        qk, bk = _keys(k, kb, group, var.k_outliers)
+        qk, bk = _keys(k, kb, group, var.k_outliers, var.k_asym)
         qv, bv = _values(v, vb, var.v_symmetric, var.v_diffuse)
         out[layer, 0, s:], out[layer, 1, s:] = qk, qv
         nbytes += bk + bv
@@ -174,6 +177,7 @@ VARIANTS = {v.name: v for v in [
             layer_bits={i: (9, 7) for i in FIRST8}),
     Variant("v8first8-k8-v7sym", k_bits=8, v_bits=7, v_symmetric=True,
             layer_bits={i: (8, 8) for i in FIRST8}),
+    Variant("k8asym-v7sym-sink4", k_bits=8, k_asym=True, v_bits=7, v_symmetric=True, sinks=4),
     Variant("k8-v8sym", k_bits=8, v_bits=8, v_symmetric=True),   # over budget: a reference
 ]}
 
