@@ -36,6 +36,42 @@ from kvstore.tiers.memory import MemoryTier
 
 log = logging.getLogger("kvstore.store")
 
+class PersistProgress:
+    """Where the running ``persist_memory_tiers`` pass is (read by a signal handler that exits
+    during it: ``kvstore serve``'s second SIGTERM/SIGINT). ``todo``: chunks the pass set out
+    to write; ``running``: whether a pass runs now; ``committed``: chunks the pass queued to
+    the disk writer that are no longer queued (committed; a write the writer dropped on an
+    I/O error counts too). Written by the pass's thread only; reading takes no lock."""
+
+    def __init__(self) -> None:
+        self.todo = 0
+        self.running = False
+        self._queued: list[ChunkKey] = []
+        self._disk: DiskTier | None = None
+
+    def start(self, todo: int, queued: list[ChunkKey], disk: DiskTier) -> None:
+        """A pass begins: ``todo`` chunks to write; it appends what it queues to ``queued``."""
+        self.todo, self._queued, self._disk, self.running = todo, queued, disk, True
+
+    def finish(self) -> None:
+        self.running, self._disk = False, None
+
+    @property
+    def committed(self) -> int:
+        disk = self._disk
+        if disk is None:
+            return 0
+        return sum(1 for k in list(self._queued) if not disk.is_pending(k))
+
+    @property
+    def left(self) -> int:
+        """Chunks of ``todo`` not committed (yet)."""
+        return max(0, self.todo - self.committed)
+
+
+#: the pass of this process (one store persists at a time: the daemon's, at its close)
+PROGRESS = PersistProgress()
+
 #: chunks, and bytes, queued to the disk writer before the older half of them is waited for
 #: (so a put never blocks on the writer's queue limit, which has no timeout)
 WINDOW = 2 * BATCH_OPS
@@ -116,6 +152,7 @@ def persist_memory_tiers(st, budget_s: float) -> PersistReport | None:
     with st.lock:
         st.expire_leases()
         todo = [k for k in hot_order(st.tiers) if not disk.contains(k) and k not in st.doomed]
+        PROGRESS.start(len(todo), ours, disk)
         orphans: set[ChunkKey] = set()
         window: deque[tuple[ChunkKey, int]] = deque()
         window_bytes = 0
@@ -167,6 +204,7 @@ def persist_memory_tiers(st, budget_s: float) -> PersistReport | None:
             if disk.contains(k) and p is not None and not disk.contains(p):
                 disk.delete(k)
         written = {k for k in ours if disk.contains(k)}  # (a dropped write may be retried)
+        PROGRESS.finish()
         rep.written_chunks = len(written)
         rep.written_bytes = sum(disk.nbytes_of(k) for k in written)
         rep.left_orphan = len(orphans)

@@ -1,10 +1,13 @@
 """Running a kvstore server app: SIGTERM/SIGINT drain (``serve_until_signal``) and a
 private event-loop thread (``ThreadedServer``); either also serves the same-host path
-(``kvstore.daemon.shm_server``) when given a Unix socket path."""
+(``kvstore.daemon.shm_server``) when given a Unix socket path. A second SIGTERM/SIGINT while
+stopping exits at once (``force_exit``), as ``engine_min serve`` does."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 from typing import Any
 
 from aiohttp import web
@@ -13,6 +16,31 @@ from kvstore.daemon.conns import (DEFAULT_IDLE_TIMEOUT_S, ConnectionGuard, Guard
                                   default_max_connections)
 
 log = logging.getLogger("kvstore.daemon.server")
+
+
+#: exit status of a stop cut short by a second SIGTERM/SIGINT (128 + SIGINT, as a shell
+#: reports Ctrl-C; ``engine_min serve``'s status for the same)
+FORCED_EXIT_STATUS = 130
+_exiting = False
+
+
+def force_exit(message: str, status: int = FORCED_EXIT_STATUS) -> None:
+    """Log ``message`` (WARNING, one line), flush the log handlers and stderr, and
+    ``os._exit(status)``: no cleanup runs (a crash's state: the disk tier keeps what its
+    writer committed, consistent; the rest is lost). A signal that lands while the line is
+    being written exits without a line of its own."""
+    global _exiting
+    if _exiting:
+        os._exit(status)
+    _exiting = True
+    log.warning("%s", message)
+    for handler in logging.getLogger().handlers:
+        try:
+            handler.flush()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _state_key():
@@ -44,8 +72,10 @@ async def serve_until_signal(app: web.Application, host: str, port: int, *,
                              unix_socket: str | None = None) -> None:
     """Serve ``app`` until SIGTERM/SIGINT, then drain: /readyz turns 503, the listening socket
     closes (no new connections), in-flight requests finish (up to ``shutdown_timeout_s``), and
-    the app's cleanup runs. The caller closes (flushes) the store afterwards (``kvstore
-    serve`` persists the memory tiers to the disk tier first: ``--persist-on-shutdown-s``).
+    the app's cleanup runs; another SIGTERM/SIGINT meanwhile exits the process at once
+    (``force_exit``: one line, status 130). The caller closes (flushes) the store afterwards
+    (``kvstore serve`` persists the memory tiers to the disk tier first:
+    ``--persist-on-shutdown-s``; a signal during that exits at once too).
 
     Args:
         on_listen: called with the bound ``(host, port)`` once listening (port 0 resolves).
@@ -85,7 +115,12 @@ async def serve_until_signal(app: web.Application, host: str, port: int, *,
         loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
-        log.info("signal received: draining")
+        log.info("signal received: draining (SIGTERM or Ctrl-C again to exit at once)")
+        state = app[_state_key()]
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda s=sig: force_exit(
+                f"{signal.Signals(s).name} again: exiting now, while draining ({state.active} "
+                f"requests in flight dropped; the memory tiers not persisted)"))
         set_ready(app, False)
         for s in list(runner.sites):  # stop accepting connections
             await s.stop()
