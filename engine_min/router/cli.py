@@ -1,12 +1,15 @@
 """``python -m engine_min route --engines URL,URL,... [flags]``: the cache-aware router's command
 line (the app is ``engine_min.router.proxy``).
 
-Start-up: the engine URLs are checked (``http://host:port``); then, at the same time, the
-tokenizer of ``--model`` loads (main thread) while every engine is waited for until it answers
+Start-up: the engine URLs are checked (``http://host:port``; one engine given twice, by the
+same URL or by host names that resolve to one address, is refused); then, at the same time,
+the tokenizer of ``--model`` loads while every engine is waited for until it answers
 ``GET /health`` within ``--startup-timeout-s`` (an engine still loading its model is waited
-for; a thread). The log says what is still awaited and when the router is ready; it listens
-once both are done. Any failure is one line on stderr and exit status 2 (a tokenizer that
-cannot be loaded at once, without waiting for the engines). An engine whose ``/tokenize``
+for); two URLs that reach one engine process (the same KV events epoch) are refused once they
+answer. The log says what is still awaited and when the router is ready; it listens once both
+are done. Any failure is one line on stderr and exit status 2, as soon as it is known: a
+tokenizer that cannot be loaded without waiting for the engines, engines not answering within
+``--startup-timeout-s`` without waiting for the tokenizer. An engine whose ``/tokenize``
 disagrees with the router's tokenizer on a probe chat is logged as a warning (its requests
 would be routed by load only).
 """
@@ -104,9 +107,68 @@ def parse_engine_urls(text: str) -> list[str]:
         if parts.scheme not in ("http", "https") or not parts.hostname or parts.path \
                 or parts.query:
             raise ValueError(f"--engines: bad URL {u!r} (expected http://host:port)")
-    if len(set(urls)) != len(urls):
-        raise ValueError(f"--engines: an engine is listed twice in {urls}")
+    seen: dict[tuple, str] = {}
+    for u in urls:
+        key = _normal(u)
+        if key in seen:
+            raise ValueError(f"--engines: an engine is listed twice: {seen[key]} and {u}")
+        seen[key] = u
     return urls
+
+
+def _normal(url: str) -> tuple[str, str, int]:
+    """(scheme, host, port) of ``url``, lower case, the scheme's default port filled in."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    return scheme, parts.hostname.lower(), parts.port or (443 if scheme == "https" else 80)
+
+
+def check_distinct_addresses(urls: list[str]) -> None:
+    """Refuse two URLs whose host names resolve to a common address on the same scheme and
+    port (``localhost`` and ``127.0.0.1``): one engine given twice. A name that does not
+    resolve is left to the wait for the engines.
+
+    Raises:
+        ValueError: names the two URLs and the address they share.
+    """
+    import socket
+    seen: dict[tuple, str] = {}
+    for u in urls:
+        scheme, host, port = _normal(u)
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError):
+            continue
+        for addr in {info[4][0] for info in infos}:
+            key = (scheme, addr, port)
+            if key in seen and seen[key] != u:
+                raise ValueError(f"--engines: {seen[key]} and {u} are the same engine (both "
+                                 f"{addr} port {port})")
+            seen[key] = u
+
+
+def check_distinct_engines(urls: list[str], timeout_s: float = 10.0) -> None:
+    """Refuse two URLs that reach the same engine process: the same KV event log ``epoch``
+    (random, one per engine process) in ``GET /v1/kv_events/snapshot``. An engine without the
+    events routes (404) or that does not answer has no identity and is not compared.
+
+    Raises:
+        ValueError: names the two URLs.
+    """
+    import json
+    seen: dict[str, str] = {}
+    for u in urls:
+        try:
+            with urllib.request.urlopen(u + "/v1/kv_events/snapshot", timeout=timeout_s) as r:
+                epoch = json.loads(r.read()).get("epoch")
+        except (urllib.error.URLError, OSError, ValueError, AttributeError):
+            continue
+        if not isinstance(epoch, str):
+            continue
+        if epoch in seen:
+            raise ValueError(f"--engines: {seen[epoch]} and {u} are the same engine (the same "
+                             f"KV events epoch {epoch})")
+        seen[epoch] = u
 
 
 def wait_for_engines(urls: list[str], timeout_s: float) -> None:
@@ -204,24 +266,67 @@ class EngineWaiter:
             raise self.error
 
 
+class _TokenizerLoader:
+    """``load_tokenizer(model)`` on a daemon thread (``result`` or ``error`` once done)."""
+
+    def __init__(self, model: str | None):
+        self.model, self.result, self.error = model, None, None
+        self.loaded_s: float | None = None
+        self._thread = threading.Thread(target=self._run, name="load-tokenizer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from engine_min.tokenizer import load_tokenizer
+        t0 = time.monotonic()
+        try:
+            self.result = load_tokenizer(self.model)
+            self.loaded_s = time.monotonic() - t0
+        except BaseException as exc:   # re-raised on the main thread
+            self.error = exc
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def join(self):
+        """The tokenizer; raises what loading it raised."""
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
 def load_while_waiting(model: str | None, urls: list[str], timeout_s: float):
     """The tokenizer of ``model``, loaded while the engines are waited for; returns once both
-    are done, logging each (what is still awaited, then ready).
+    are done, logging each (what is still awaited, then ready). Whichever fails first is
+    raised at once: an engine not answering within ``timeout_s`` does not wait for the
+    tokenizer, nor a tokenizer that cannot be loaded for the engines. Once every engine
+    answers, two URLs of one engine process are refused (``check_distinct_engines``).
 
     Raises:
         RuntimeError: engines not answering within ``timeout_s``.
-        ModelLoadError, OSError, ValueError: the tokenizer cannot be loaded (raised at once).
+        ValueError: two URLs reach the same engine; or the tokenizer's own error.
+        ModelLoadError, OSError: the tokenizer cannot be loaded.
     """
-    from engine_min.tokenizer import load_tokenizer
     waiter = EngineWaiter(urls, timeout_s).start()
-    t0 = time.monotonic()
     logger.info("loading the tokenizer of %s while waiting for %d engine(s)",
                 model or "the embedded model", len(urls))
-    tokenizer = load_tokenizer(model)
-    logger.info("tokenizer loaded in %.2f s%s", time.monotonic() - t0,
-                "" if waiter.done else "; still waiting for the engines")
+    loader = _TokenizerLoader(model)
+    logged = False
+    while not waiter.done:
+        if loader.done:
+            loader.join()          # raises a loading error at once
+            if not logged:
+                logger.info("tokenizer loaded in %.2f s; still waiting for the engines",
+                            loader.loaded_s)
+                logged = True
+        time.sleep(0.02)
     waiter.join()
     logger.info("all %d engine(s) healthy after %.2f s", len(urls), waiter.waited_s)
+    check_distinct_engines(urls)
+    tokenizer = loader.join()
+    if not logged:
+        logger.info("tokenizer loaded in %.2f s", loader.loaded_s)
     return tokenizer
 
 
@@ -236,6 +341,7 @@ def route_main(args: argparse.Namespace) -> int:
     from engine_min.weights import ModelLoadError
     try:
         urls = parse_engine_urls(args.engines)
+        check_distinct_addresses(urls)
         policy = make_policy(args.policy, args.max_load_gap, args.min_hit_fraction)
         store = None
         if args.kvstore_url:
