@@ -41,6 +41,7 @@ The single ``--auth-token`` mode is one admin tenant named ``admin``.
 """
 from __future__ import annotations
 
+import difflib
 import hmac
 import json
 import re
@@ -174,13 +175,24 @@ class TenantTable:
         """Build from ``{"tenants": {name: {token, role, salt?}}}`` (or the inner mapping).
 
         Raises:
-            ValueError: not a mapping, an unknown field or role, a bad or non-string name, a
+            ValueError: not a mapping, an unknown top-level key (beside ``tenants``, or a
+                misspelling of it), an unknown field or role, a bad or non-string name, a
                 token shorter than ``MIN_TOKEN_CHARS``, longer than ``MAX_TOKEN_CHARS`` or with
                 spaces or non-ASCII, a salt with ``/`` or not
                 a string, duplicate tokens; the message names the tenant, never a token.
         """
         if isinstance(data, Mapping) and "tenants" in data:
+            other = sorted(map(str, set(data) - {"tenants"}))
+            if other:
+                raise ValueError(f"{where}: unknown top-level key {other[0][:80]!r}; the file "
+                                 f"holds only 'tenants:'")
             data = data["tenants"]
+        elif isinstance(data, Mapping):  # the inner mapping; a misspelt 'tenants:' is no tenant
+            for name, spec in data.items():  # (a tenant named so has a token)
+                if (isinstance(name, str) and isinstance(spec, Mapping) and "token" not in spec
+                        and difflib.get_close_matches(name.lower(), ["tenants"], cutoff=0.75)):
+                    raise ValueError(f"{where}: unknown top-level key {name[:80]!r}; did you "
+                                     f"mean 'tenants'?")
         if not isinstance(data, Mapping) or not data:
             got = "an empty mapping" if isinstance(data, Mapping) else type(data).__name__
             raise ValueError(f"{where}: expected a non-empty mapping 'tenants: {{name: {{token, "
@@ -193,7 +205,9 @@ class TenantTable:
         """Read a YAML, TOML or JSON tenants file (by suffix; YAML otherwise).
 
         Raises:
-            ValueError: unreadable or malformed file, or any error of ``from_mapping``.
+            ValueError: unreadable or malformed file, a key twice in one mapping (e.g. a tenant
+                defined twice: the message names it and its line), or any error of
+                ``from_mapping``.
         """
         p = Path(path)
         try:
@@ -201,17 +215,56 @@ class TenantTable:
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"cannot read tenants file {p}: {e}") from None
         try:
-            if p.suffix == ".toml":
+            if p.suffix == ".toml":  # (tomllib refuses a key defined twice itself)
                 import tomllib
                 data = tomllib.loads(text)
             elif p.suffix == ".json":
-                data = json.loads(text)
+                data = json.loads(text, object_pairs_hook=_unique_pairs)
             else:
-                import yaml
-                data = yaml.safe_load(text)
+                data = _yaml_load_unique(text)
         except Exception as e:  # noqa: BLE001 - tomllib/json/yaml each raise their own error
             raise ValueError(f"malformed tenants file {p}: {_parse_error(e)}") from None
         return cls.from_mapping(data, str(p))
+
+
+class DuplicateKeyError(ValueError):
+    """A JSON object with one key twice (``_unique_pairs``)."""
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict:
+    """``json.loads``'s ``object_pairs_hook``: the object as a dict; raises
+    ``DuplicateKeyError`` naming a key that appears twice (JSON keeps the last one silently)."""
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise DuplicateKeyError(f"duplicate key {k[:80]!r}")
+        out[k] = v
+    return out
+
+
+def _yaml_load_unique(text: str) -> Any:
+    """``yaml.safe_load`` that refuses a key twice in one mapping (PyYAML keeps the last one
+    silently): raises ``yaml.constructor.ConstructorError`` naming the key and its line."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            if isinstance(node, yaml.MappingNode):
+                self.flatten_mapping(node)
+                seen = set()
+                for key_node, _ in node.value:
+                    key = self.construct_object(key_node, deep=deep)
+                    try:
+                        twice = key in seen
+                    except TypeError:  # an unhashable key: the base class reports it
+                        break
+                    if twice:
+                        raise yaml.constructor.ConstructorError(
+                            "while constructing a mapping", node.start_mark,
+                            f"found duplicate key {str(key)[:80]!r}", key_node.start_mark)
+                    seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def _parse_error(e: Exception) -> str:
@@ -221,6 +274,8 @@ def _parse_error(e: Exception) -> str:
     mark = getattr(e, "problem_mark", None)  # yaml.MarkedYAMLError
     if mark is not None:
         return f"{type(e).__name__} at line {mark.line + 1}, column {mark.column + 1}: {e.problem}"
+    if isinstance(e, DuplicateKeyError):
+        return f"{e}"
     if isinstance(e, json.JSONDecodeError):
         return f"{type(e).__name__} at line {e.lineno}, column {e.colno}: {e.msg}"
     if type(e).__name__ == "TOMLDecodeError":  # "Invalid value (at line 2, column 5)"
