@@ -345,6 +345,7 @@ def build_store(cfg) -> Any:
 
 
 async def _serve(cfg, store, tenants=None) -> None:
+    from kvstore.daemon.run import http_url
     from kvstore.daemon.server import ServerLimits, create_app, serve_until_signal
     limits = ServerLimits(auth_token=cfg.auth_token, tenants=tenants,
                           max_body_bytes=cfg.max_body_bytes,
@@ -355,7 +356,7 @@ async def _serve(cfg, store, tenants=None) -> None:
 
     def on_listen(bound) -> None:
         # One parseable line on stdout: scripts and tests wait for it (and read the port).
-        print(f"kvstore serve: listening on http://{bound[0]}:{bound[1]}", flush=True)
+        print(f"kvstore serve: listening on {http_url(*bound)}", flush=True)
         if cfg.unix_socket:  # (a second line: the first one's last word stays the URL)
             print(f"kvstore serve: same-host path on unix://{cfg.unix_socket}", flush=True)
     await serve_until_signal(app, cfg.host, cfg.port, shutdown_timeout_s=cfg.shutdown_timeout_s,

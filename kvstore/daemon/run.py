@@ -43,6 +43,12 @@ def force_exit(message: str, status: int = FORCED_EXIT_STATUS) -> None:
     os._exit(status)
 
 
+def http_url(host: str, port: int) -> str:
+    """``http://HOST:PORT`` for a bound address, an IPv6 literal in brackets
+    (``http://[::1]:8500``): the form a client and a browser take."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _state_key():
     from kvstore.daemon.server import STATE_KEY  # late: kvstore.daemon.server re-exports this module
     return STATE_KEY
@@ -100,7 +106,8 @@ async def serve_until_signal(app: web.Application, host: str, port: int, *,
         await site.start()
     except OSError as e:  # port in use, an address not of this host, an unknown host name
         await runner.cleanup()
-        raise ValueError(f"cannot listen on {host}:{port}: {e}") from None
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise ValueError(f"cannot listen on {where}: {e}") from None
     bound = site._server.sockets[0].getsockname()[:2]  # type: ignore[union-attr]
     shm = None
     if unix_socket is not None:
@@ -197,7 +204,7 @@ class ThreadedServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return http_url(self.host, self.port)
 
     @property
     def unix_url(self) -> str | None:
