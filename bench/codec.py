@@ -61,6 +61,7 @@ from bench.workloads import LongDocQA, MultiRoundQA  # noqa: E402
 from kvstore import kv_codec  # noqa: E402
 from kvstore.codec import pack_value, unpack_value  # noqa: E402
 from kvstore.layout import dtype_name  # noqa: E402
+from bench.outputs import output_file  # noqa: E402
 
 CODECS = ("raw", "int8", "fp8", "kivi")
 
@@ -278,7 +279,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "and cached, codecs alternated (module docstring)")
     ap.add_argument("--ttft-rounds", type=int, default=3,
                     help="rounds of cold/warm hits with --cold (default %(default)s)")
-    ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--json", default=None, type=output_file, help="write the figures here")
     args = ap.parse_args(argv)
     codecs = args.codecs.split(",")
     if codecs[0] != "raw" or not set(codecs) <= set(CODECS):

@@ -30,6 +30,7 @@ from bench.report import emit_json
 from kvstore import kv_codec
 from kvstore.codec import pack_value, unpack_value
 from kvstore.layout import dtype_name
+from bench.outputs import output_file
 
 CODECS = ("raw",) + kv_codec.LOSSY_CODECS
 
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     ap.add_argument("--codecs", default=",".join(CODECS), help="comma-separated")
     ap.add_argument("--repeat", type=int, default=20, help="runs per figure (best and median)")
-    ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--json", default=None, type=output_file, help="write the figures here")
     args = ap.parse_args(argv)
     shape = tuple(int(v) for v in args.shape.split(","))
     codecs = args.codecs.split(",")

@@ -30,6 +30,7 @@ if __name__ == "__main__":  # run as a script: before torch loads OpenMP
 import torch  # noqa: E402
 
 from bench.report import emit_json  # noqa: E402
+from bench.outputs import output_file  # noqa: E402
 
 FP16_BYTES = 2          # bytes of a scale, zero point or value kept exact
 
@@ -342,7 +343,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--chunk-size", type=int, default=64)
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names")
-    ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--json", default=None, type=output_file, help="write the figures here")
     ap.add_argument("--sensitivity", type=int, default=0, metavar="N",
                     help="instead: per-layer logit change (4-bit K and V in one layer) over "
                          "N prompts (every len/N-th of the set)")

@@ -48,6 +48,7 @@ from bench.daemon_load_shm import shm_phase
 from bench.daemon_load_soak import soak
 from kvstore.daemon.client import AsyncKVStoreClient, KVStoreClient
 from kvstore.keys import Namespace
+from bench.outputs import output_file
 
 
 async def bench_kvstore(url: str, clients: int, rounds: int, batch: int,
@@ -181,7 +182,7 @@ async def _main_async(args, out: dict, workdir: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="shorter everything (CI smoke run)")
-    ap.add_argument("--json", help="write the figures to this JSON file")
+    ap.add_argument("--json", type=output_file, help="write the figures to this JSON file")
     ap.add_argument("--soak-s", type=float, default=None, help="soak seconds (default 60; "
                                                                "10 with --quick)")
     ap.add_argument("--batch", type=int, default=4, help="chunks per get/put round trip")

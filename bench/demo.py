@@ -23,6 +23,7 @@ from pathlib import Path
 
 from bench import long_doc_qa, multi_round_qa
 from bench.servers import CONFIG_NAMES, install_cleanup_handlers
+from bench.outputs import output_dir
 
 # Working sets: 5 users x ~1.2k tokens vs a 64 MiB pool (1440 tokens); 2 documents x 2.07k
 # tokens vs a 96 MiB pool (2176 tokens). The engine caps a prompt at its pool's size. Document
@@ -72,7 +73,7 @@ def summarize(reps: dict, elapsed: float, load_average: list[float]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="results", help="folder for JSON and plots")
+    p.add_argument("--out", default="results", type=output_dir, help="folder for JSON and plots")
     p.add_argument("--configs", default="", help="extra configurations for both runs")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)

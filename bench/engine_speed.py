@@ -24,6 +24,7 @@ import torch  # noqa: E402
 from engine_min.config import EngineConfig
 from engine_min.engine import LLMEngine
 from engine_min.sampler import SamplingParams
+from bench.outputs import output_file
 
 TEXT = ("The history of the river town is long. Merchants came by boat, farmers by road, and "
         "every spring the market filled the square with voices, carts and the smell of bread. ")
@@ -85,7 +86,7 @@ def hf_speeds(engine: LLMEngine, n_prefill: int, n_decode: int, repeats: int) ->
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--json", type=output_file, help="write the figures here")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=32)

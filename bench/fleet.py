@@ -44,6 +44,7 @@ from bench.metrics_scrape import delta, scrape
 from bench.servers import install_cleanup_handlers
 from bench.workloads import Request, random_tokens
 from kvstore.keys import Namespace
+from bench.outputs import output_dir, output_file
 
 TARGETS = {"remote_vs_recompute": (">=", 10.0), "remote_vs_local": ("<=", 1.5),
            "remote_get_vs_raw": (">=", 0.8)}
@@ -241,14 +242,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="smoke mode: 2 documents of 512 tokens in chunks of 64, 2 get reps")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object on stdout (the table goes to stderr)")
-    p.add_argument("--out", default=None, help="also write the JSON object to this file")
+    p.add_argument("--out", default=None, type=output_file,
+                   help="also write the JSON object to this file")
     p.add_argument("--num-docs", type=int, default=None)
     p.add_argument("--doc-tokens", type=int, default=None)
     p.add_argument("--chunk-size", type=int, default=None)
     p.add_argument("--get-reps", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads per engine")
     p.add_argument("--daemon-cpu-bytes", default="512MiB")
-    p.add_argument("--log-dir", default=None)
+    p.add_argument("--log-dir", default=None, type=output_dir)
     return p
 
 

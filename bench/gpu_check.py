@@ -45,6 +45,7 @@ import time
 from typing import Callable
 
 import torch
+from bench.outputs import output_file
 
 #: the issue's targets: kernel/copy and store/plain-copy bandwidth ratios
 TARGETS = {"chunk_copy_bandwidth": 0.70, "host_copy_bandwidth": 0.90}
@@ -160,7 +161,7 @@ def targets(checks: dict, cuda: bool) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--json", default=None, type=output_file, help="write the results here")
     ap.add_argument("--device", default=None,
                     help="cuda, cuda:N or cpu (default: cuda when available)")
     ap.add_argument("--spill-n", type=int, default=None,

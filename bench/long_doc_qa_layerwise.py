@@ -30,6 +30,7 @@ import torch  # noqa: E402
 from bench.long_doc_qa_ttft import _ttft  # noqa: E402
 from bench.report import emit_json  # noqa: E402
 from kvstore.defaults import DEFAULT_CHUNK_SIZE  # noqa: E402
+from bench.outputs import output_file  # noqa: E402
 
 MODES = ("whole", "layerwise")
 
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
     ap.add_argument("--device", default="auto", help="engine device (default auto)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--json", default=None, type=output_file, help="write the figures here")
     return ap
 
 

@@ -53,6 +53,7 @@ import torch  # noqa: E402
 
 from bench.report import emit_json  # noqa: E402
 from kvstore.defaults import DEFAULT_CHUNK_SIZE  # noqa: E402
+from bench.outputs import output_file  # noqa: E402
 
 
 def _ttft(engine, prompt: list[int]):
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="tail piece size of the first row (default: the connector's, the "
                     "block size; 0 = off)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--json", default=None, type=output_file, help="write the figures here")
     args = ap.parse_args(argv)
     if args.cold_reps < 1 or args.questions < 1:
         ap.error("--cold-reps and --questions must be >= 1")

@@ -40,6 +40,7 @@ import numpy as np
 from bench.client import StreamingClient, first_model
 from bench.servers import ServerGroup, ServerOptions, install_cleanup_handlers
 from bench.workloads import Request, random_tokens
+from bench.outputs import output_dir, output_file
 
 #: Result name -> ``bench.servers`` configuration.
 CONFIGS = {"no_store": "engine-cache", "inprocess": "kvstore-cpu", "daemon": "kvstore-remote"}
@@ -137,8 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: 1 pair, 1 request of 64 tokens, no warm-up")
-    ap.add_argument("--log-dir", default=None)
-    ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--log-dir", default=None, type=output_dir)
+    ap.add_argument("--json", default=None, type=output_file, help="write the figures here")
     return ap
 
 

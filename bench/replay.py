@@ -27,6 +27,7 @@ from bench import metrics_scrape, report
 from bench.client import RequestResult, StreamingClient, first_model
 from bench.servers import CONFIG_NAMES, ServerGroup, ServerOptions, engine_help
 from bench.workloads import Request, random_tokens
+from bench.outputs import output_dir, output_file
 
 
 @dataclass
@@ -182,8 +183,10 @@ def add_common_args(p: argparse.ArgumentParser, configs: str, json_path: str) ->
     g = p.add_argument_group("run")
     g.add_argument("--configs", default=configs, help=f"comma list or 'all' of "
                    f"{', '.join(CONFIG_NAMES)} (default: %(default)s)")
-    g.add_argument("--json", default=json_path, help="result JSON path (default: %(default)s)")
-    g.add_argument("--plots-dir", default=None, help="PNG folder (default: next to --json)")
+    g.add_argument("--json", default=json_path, type=output_file,
+                   help="result JSON path (default: %(default)s)")
+    g.add_argument("--plots-dir", default=None, type=output_dir,
+                   help="PNG folder (default: next to --json)")
     g.add_argument("--no-plots", action="store_true")
     g.add_argument("--no-progress", action="store_true")
     g.add_argument("--base-url", default=None, help="drive running OpenAI-compatible "
@@ -205,7 +208,7 @@ def add_common_args(p: argparse.ArgumentParser, configs: str, json_path: str) ->
     s.add_argument("--engine-arg", action="append", default=[], help="extra engine flag "
                    "(repeatable; use --engine-arg=--flag)")
     s.add_argument("--daemon-arg", action="append", default=[])
-    s.add_argument("--log-dir", default=None, help="keep process logs here")
+    s.add_argument("--log-dir", default=None, type=output_dir, help="keep process logs here")
 
 
 def finish(bench: str, runs: dict[str, ConfigRun], requests: Sequence[Request], params: dict,

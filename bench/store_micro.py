@@ -29,6 +29,7 @@ from kvstore.config import StoreConfig
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
 from kvstore.store import ChunkStore
+from bench.outputs import output_file
 
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float16", chunk_size=256)
 NS = Namespace("bench/SmolLM2-135M", LAYOUT)
@@ -271,7 +272,8 @@ def bench_lookup(reps) -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="16 chunks (94 MB), best of 5 (default: 64 chunks, best of 9)")
-    ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    ap.add_argument("--json", metavar="PATH", type=output_file,
+                    help="also write the figures as JSON")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     n, reps = (16, 5) if args.quick else (64, 9)

@@ -43,6 +43,7 @@ from typing import Any
 from bench.vllm_engine import (MODEL_ID, VLLM_CPU_BLOCK, Daemon, child_main, make_document,
                                run_child)
 from kvstore.defaults import DEFAULT_CHUNK_SIZE
+from bench.outputs import output_file
 
 
 # ------------------------------------------------------------------------------------------
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child-timeout-s", type=float, default=900,
                    help="per configuration; one that fails or runs longer is reported as "
                         "skipped and the others still count")
-    p.add_argument("--json", help="write the full results here")
+    p.add_argument("--json", type=output_file, help="write the full results here")
     a = p.parse_args(argv)
     if a.child:
         res = child_main(json.loads(a.child))

