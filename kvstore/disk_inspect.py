@@ -36,13 +36,26 @@ def inspect_disk(path: str, limit: int = 20, verify: bool = False) -> dict:
         the first ``limit`` chunks (key, parent, dtype, shape, codec, sizes); with ``verify``
         every payload is decoded and checksummed too (``num_bad`` counts failures).
 
+    Args:
+        path: the disk tier's directory (``--disk-path``), or its ``data.mdb`` file.
+        limit: chunks listed (0: all).
+        verify: also decode and checksum every payload.
+
     Raises:
-        ValueError: ``path`` holds no lmdb environment, or one lmdb cannot open (e.g. a store
+        ValueError: a negative ``limit``; ``path`` is another file, or holds no lmdb
+            environment, or one lmdb cannot open (e.g. a store
             of this process has it open: lmdb allows one open per process; read its
             ``stats()`` instead), naming the reason. ``DiskFileTruncated`` (a ``ValueError``):
             ``data.mdb`` is shorter than the pages lmdb's metadata says it uses (reading it
             would end the process with SIGBUS), naming both sizes.
     """
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"limit must be an int >= 0 (0 lists every chunk), got {limit!r}")
+    if os.path.basename(os.path.normpath(path)) == "data.mdb" and os.path.isfile(path):
+        path = os.path.dirname(os.path.abspath(path))  # the tier's file: read its directory
+    elif os.path.isfile(path):
+        raise ValueError(f"{path!r} is a file; pass the disk tier's directory (the one holding "
+                         f"data.mdb, as given to --disk-path)")
     if not os.path.exists(os.path.join(path, "data.mdb")):
         raise ValueError(f"{path!r} holds no disk tier (no data.mdb)")
     env, shared = _open_readonly(path)

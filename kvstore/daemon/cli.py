@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     add_client_parsers(sub)
     p = sub.add_parser("inspect", help="what a disk tier holds (offline, read-only)")
-    p.add_argument("disk_path")
+    p.add_argument("disk_path", help="the disk tier's directory (--disk-path), or its data.mdb")
     p.add_argument("--json", action="store_true", help="JSON instead of a table")
     p.add_argument("--limit", type=int, default=20, help="chunks listed (default 20; 0 = all)")
     p.add_argument("--verify", action="store_true", help="also decode and checksum payloads")
@@ -366,6 +366,8 @@ async def _serve(cfg, store, tenants=None) -> None:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from kvstore.disk_inspect import inspect_disk
+    if args.limit < 0:
+        raise UsageError(f"--limit must be >= 0 (0 lists every chunk), got {args.limit}")
     report = inspect_disk(args.disk_path, limit=args.limit, verify=args.verify)
     print(json.dumps(report, indent=2, sort_keys=True) if args.json else format_table(report))
     return 0

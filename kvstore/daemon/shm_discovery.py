@@ -1,8 +1,9 @@
 """Auto-discovery of the same-host path: an HTTP client of a daemon on this host switches to
 the daemon's Unix socket (``kvstore.daemon.client.KVStoreClient`` with ``same_host=True``).
 
-The daemon names its socket in ``/v1/stats`` (admin tokens) or ``/v1/whoami`` as
-``"unix_socket"``, with ``"instance"``, an id drawn at each start. The socket is taken only
+The daemon names its socket in ``/v1/whoami`` (any token) and ``/v1/stats`` (admin tokens) as
+``"unix_socket"``, with ``"instance"``, an id drawn at each start; whoami is asked first, so a
+tenant's or reader's client is not refused on /v1/stats (a daemon older than whoami: stats). The socket is taken only
 when its file exists here and its ``hello`` answers the same ``instance``: a path that names a
 socket of another daemon (another host's path, an older start) is not used.
 """
@@ -26,16 +27,16 @@ def daemon_socket(ask: Callable[[str], dict]) -> tuple[str | None, str | None]:
     """``(unix_socket, instance)`` the daemon announces (None, None when it names none).
 
     Args:
-        ask: ``ask("stats")`` / ``ask("whoami")`` answer ``/v1/stats`` / ``/v1/whoami``.
+        ask: ``ask("whoami")`` / ``ask("stats")`` answer ``/v1/whoami`` / ``/v1/stats``.
 
     Raises:
         StoreUnavailable: the daemon did not answer.
     """
-    for route in ("stats", "whoami"):
+    for route in ("whoami", "stats"):
         try:
             info = ask(route)
-        except RemoteError as e:  # 403: not an admin token (stats); 401 or 404: no use asking
-            if e.status == 403:
+        except RemoteError as e:  # 404: no whoami (an older daemon), 403: not an admin
+            if e.status in (403, 404):  # token (stats); 401: no use asking
                 continue
             return None, None
         path, instance = info.get("unix_socket"), info.get("instance")

@@ -36,8 +36,9 @@ def check_url(url: str) -> str:
     """``url`` unchanged if it is a usable server URL (``http[s]://HOST[:PORT][/]``).
 
     Raises:
-        ValueError: anything else (no scheme, another scheme, no host, a bad port, a path such
-            as ``/v1``, a query), naming the URL and the expected form.
+        ValueError: anything else (no scheme, another scheme, a ``unix://`` URL: the message
+            says to give the ``http://`` one, no host, a bad port, a path such as ``/v1``, a
+            query), naming the URL and the expected form.
     """
     want = f"malformed kvstore URL {url!r}: expected http://HOST:PORT"
     if not isinstance(url, str):
@@ -47,6 +48,9 @@ def check_url(url: str) -> str:
         host, _ = parts.hostname, parts.port  # .port raises on a bad port
     except ValueError as e:  # a port out of range or not a number
         raise ValueError(f"{want} ({e})") from None
+    if parts.scheme == "unix":
+        raise ValueError(f"{want}: a unix:// URL is the daemon's same-host path, which only "
+                         f"KVStoreClient takes; give the daemon's http:// URL here")
     if parts.scheme not in ("http", "https"):
         raise ValueError(want)
     if not host:

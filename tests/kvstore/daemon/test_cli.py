@@ -282,6 +282,7 @@ def test_sigterm_stops_accepting_finishes_in_flight_flushes_and_exits_0(tmp_path
     answer = s.recv(65536).decode()
     s.close()
     assert answer.startswith("HTTP/1.1 200") and '"stored": 4' in answer
+    assert d.proc.wait(30) == 0  # (no second SIGTERM: that one exits at once, status 130)
     assert d.stop() == 0
     rep = cli.inspect_disk(str(disk), limit=0, verify=True)
     # KEYS[0:8] spilled from the 4-chunk CPU tier (write-behind), KEYS[8:12] written through

@@ -110,3 +110,13 @@ def test_the_client_fails_fast_on_dns_unless_told_to_ride_out_restarts():
         with pytest.raises(StoreUnavailable, match="no answer within 1.0 s .*no-such-host"):
             c.exists(NS, KEYS[:1])
         assert 0.9 < time.monotonic() - t0 < 5.0
+
+
+@pytest.mark.parametrize("cmd", [["stats"], ["clear", "--all"]])
+def test_a_unix_url_is_refused_naming_the_http_form(cmd, capsys):
+    url = "unix:///run/kvstore.sock"  # the same-host path (KVStoreClient's): needs torch
+    assert cli.main([cmd[0], url, *cmd[1:]]) == 2
+    assert capsys.readouterr().err == (
+        f"kvstore {cmd[0]}: malformed kvstore URL {url!r}: expected http://HOST:PORT: a unix:// "
+        f"URL is the daemon's same-host path, which only KVStoreClient takes; give the "
+        f"daemon's http:// URL here\n")

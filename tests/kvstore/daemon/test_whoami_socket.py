@@ -3,6 +3,8 @@
 Unix-socket path of this very daemon; a daemon without one answers ``unix_socket: null``."""
 from __future__ import annotations
 
+import urllib.request
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from kvstore.config import StoreConfig
 from kvstore.daemon.client import KVStoreClient, RemoteError
 from kvstore.daemon.server import ServerLimits, ThreadedServer, create_app
 from kvstore.daemon.shm_client import ShmKVStoreClient
+from kvstore.daemon.shm_discovery import daemon_socket
 from kvstore.daemon.tenants import TenantTable
 from kvstore.keys import Namespace
 from kvstore.store import ChunkStore
@@ -70,3 +73,37 @@ def test_whoami_without_a_socket_says_null():
     store.close()
     assert who["unix_socket"] is None and stats["unix_socket"] is None
     assert who["instance"] == stats["instance"] and isinstance(who["instance"], str)
+
+
+def refusals(daemon) -> float:
+    """Requests the daemon answered 403, over every route (its Prometheus counter)."""
+    text = urllib.request.urlopen(urllib.request.Request(
+        daemon.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}), timeout=5
+    ).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("kvstore_server_requests_total{") and 'status="403"' in line)
+
+
+def test_a_tenant_discovers_without_being_refused(daemon):
+    before = refusals(daemon)
+    with KVStoreClient(daemon.url, auth_token=ALICE) as alice:
+        assert alice.lookup_keys(NS_A, NS_A.chunk_keys(list(range(4)))).num_requested_chunks == 1
+        assert alice.transport == "unix"
+    assert refusals(daemon) == before  # it asked /v1/whoami, not /v1/stats (was +1)
+
+
+def test_a_daemon_without_whoami_is_asked_stats():
+    asked = []
+
+    def ask(route):
+        asked.append(route)
+        if route == "whoami":
+            raise RemoteError(404, "no route")
+        return {"unix_socket": "/x.sock", "instance": "abc"}
+    assert daemon_socket(ask) == ("/x.sock", "abc") and asked == ["whoami", "stats"]
+    asked.clear()
+
+    def refused(route):
+        asked.append(route)
+        raise RemoteError(401, "bad token")
+    assert daemon_socket(refused) == (None, None) and asked == ["whoami"]
