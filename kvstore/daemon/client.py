@@ -67,12 +67,12 @@ class KVStoreClient(KVStoreBase):
     * ``unix:///PATH``: the daemon's Unix socket, its CPU arena mapped read-only
       (``kvstore.daemon.shm_client.ShmKVStoreClient``; gets copy straight out of the arena).
     * ``http://HOST:PORT``: HTTP on one private event loop thread. With ``same_host=True``
-      (the default) the first call asks the daemon (``/v1/stats``, else ``/v1/whoami``) for
+      (the default) the first call asks the daemon (``/v1/whoami``, else ``/v1/stats``) for
       its ``unix_socket``; when that socket exists on this host and its ``hello`` answers the
       same ``instance``, every later call goes over it. HTTP stays otherwise (no socket,
       another host, a refused hello); ``same_host=False`` forces HTTP. When the discovered
       socket fails later (refused, its file gone: the daemon restarted without it, on
-      another path, or was killed), the client asks ``/v1/stats`` again (at most once per
+      another path, or was killed), the client asks the daemon again (at most once per
       ``REDISCOVER_S`` seconds) and takes what the daemon offers now: its new socket, or
       HTTP. A ``unix://`` URL is kept as given.
 
@@ -143,7 +143,7 @@ class KVStoreClient(KVStoreBase):
     def _rediscover(self, failed: ShmKVStoreClient, error: StoreUnavailable,
                     timeout_s: float | None) -> bool:
         """After ``failed`` (the discovered socket's client) raised ``error``: ask the daemon
-        over HTTP which socket it offers now and switch to it (None: HTTP), at most once per
+        over HTTP (``shm_discovery``) which socket it offers now and switch to it (None: HTTP), at most once per
         ``REDISCOVER_S``. Returns whether calls now take another path (a caller may retry a
         call that sent nothing). Never raises: a daemon that does not answer over HTTP either
         leaves the path as it is."""
