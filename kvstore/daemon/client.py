@@ -103,6 +103,7 @@ class KVStoreClient(KVStoreBase):
         self._discovering = same_host
         self._discover_lock = threading.Lock()
         self._discovered_at = float("-inf")  # time.monotonic() of the last re-discovery
+        self._instance: str | None = None  # the discovered socket's daemon start
         self._retired: list[ShmKVStoreClient] = []  # replaced socket clients, closed at close
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-client",
@@ -132,6 +133,7 @@ class KVStoreClient(KVStoreBase):
             with self._discover_lock:
                 if self._discovering:
                     self._shm = self._discover(timeout_s)
+                    self._instance = _instance_of(self._shm)
                     self._discovering = False
         return self._shm
 
@@ -140,13 +142,14 @@ class KVStoreClient(KVStoreBase):
         return discover_socket(lambda route: self._run(getattr(self._async, route)(
             timeout_s=timeout_s), timeout_s), self._shm_kwargs, timeout_s)
 
-    def _rediscover(self, failed: ShmKVStoreClient, error: StoreUnavailable,
+    def _rediscover(self, failed: ShmKVStoreClient, error: Exception | str,
                     timeout_s: float | None) -> bool:
-        """After ``failed`` (the discovered socket's client) raised ``error``: ask the daemon
-        over HTTP (``shm_discovery``) which socket it offers now and switch to it (None: HTTP), at most once per
-        ``REDISCOVER_S``. Returns whether calls now take another path (a caller may retry a
-        call that sent nothing). Never raises: a daemon that does not answer over HTTP either
-        leaves the path as it is."""
+        """After ``failed`` (the discovered socket's client) raised ``error``, or answered
+        from another daemon start: ask the daemon over HTTP (``shm_discovery``) which socket
+        it offers now and switch to it (None: HTTP), at most once per ``REDISCOVER_S``.
+        Returns whether calls now take another path (a caller may retry a call that sent
+        nothing). Never raises: a daemon that does not answer over HTTP either leaves the
+        path as it is."""
         with self._discover_lock:
             if self._shm is not failed:
                 return True  # another thread switched already
@@ -161,25 +164,47 @@ class KVStoreClient(KVStoreBase):
                          failed.path, error, e)
                 return False
             if new is not None and new.path == failed.path:
-                new.close()  # the same socket answers again (the same daemon, restarted)
+                self._instance = _instance_of(new)  # the same socket: the daemon restarted
+                new.close()
                 return False
-            self._shm = new
+            self._shm, self._instance = new, _instance_of(new)
             self._retired.append(failed)  # calls of other threads may still be on it
             log.warning("kvstore daemon's socket %s failed (%s); now using %s", failed.path,
                         error, new.path if new is not None else self.url)
             return True
 
+    def _on_socket(self, shm: ShmKVStoreClient, call, timeout_s: float | None) -> Any:
+        """``call(shm)``; for a discovered socket (not a ``unix://`` URL) a failure that sent
+        nothing (refused, no socket file, a refused hello: 401) or an answer from another
+        daemon start re-discovers (``_rediscover``). Returns ``_RETRY`` when the call should
+        be made again on the new path; raises the call's error otherwise."""
+        try:
+            out = call(shm)
+        except StoreUnavailable as e:
+            if self._async is None or not _sent_nothing(e) or not self._rediscover(
+                    shm, e, timeout_s):
+                raise
+            return _RETRY
+        except RemoteError as e:  # 401 comes from the hello only: another daemon's socket
+            if self._async is None or e.status != 401 or not self._rediscover(
+                    shm, e, timeout_s):
+                raise
+            return _RETRY
+        if self._async is not None and _instance_of(shm) != self._instance:
+            self._rediscover(shm, "it answers from another daemon start", timeout_s)
+        return out
+
     def _call(self, name: str, timeout_s: float | None, *args: Any, **kw: Any) -> Any:
         shm = self._path(timeout_s)
         if shm is not None:
-            try:
-                return getattr(shm, name)(*args, timeout_s=timeout_s, **kw)
-            except StoreUnavailable as e:
-                if self._async is None or not self._rediscover(shm, e, timeout_s):
-                    raise
-                if not _sent_nothing(e):
-                    raise
-                return self._call(name, timeout_s, *args, **kw)  # once: the path changed
+            def call(c: ShmKVStoreClient) -> Any:
+                return getattr(c, name)(*args, timeout_s=timeout_s, **kw)
+            out = self._on_socket(shm, call, timeout_s)
+            if out is not _RETRY:
+                return out
+            shm = self._shm  # the path re-discovery took (once)
+            if shm is not None:
+                return call(shm)
         return self._run(getattr(self._async, name)(*args, timeout_s=timeout_s, **kw),
                          timeout_s)
 
@@ -221,13 +246,14 @@ class KVStoreClient(KVStoreBase):
         copied out. Call ``release`` on every path. Raises as ``get_chunks``."""
         shm = self._path(timeout_s)
         if shm is not None:
-            try:
-                return shm.get_borrowed(ns, keys, timeout_s=timeout_s)
-            except StoreUnavailable as e:
-                if (self._async is None or not self._rediscover(shm, e, timeout_s)
-                        or not _sent_nothing(e)):
-                    raise
-                return self.get_borrowed(ns, keys, timeout_s=timeout_s)
+            def call(c: ShmKVStoreClient) -> ArenaBorrow | CopiedBorrow:
+                return c.get_borrowed(ns, keys, timeout_s=timeout_s)
+            out = self._on_socket(shm, call, timeout_s)
+            if out is not _RETRY:
+                return out
+            shm = self._shm  # the path re-discovery took (once)
+            if shm is not None:
+                return call(shm)
         return CopiedBorrow(keys, self.get_chunks(ns, keys, timeout_s=timeout_s))
 
     def put_chunks(self, ns, keys, kvs, parents=None, *, durable=None, timeout_s=None) -> int:
@@ -285,6 +311,16 @@ class KVStoreClient(KVStoreBase):
             old.close()
         if self._async is not None:
             self._stop()
+
+
+#: ``_on_socket``'s answer when the call should be made again (the path changed)
+_RETRY = object()
+
+
+def _instance_of(shm: ShmKVStoreClient | None) -> str | None:
+    """The daemon start (``hello``'s ``instance``) ``shm`` greeted last, or None."""
+    arena = shm._arenas.get("current") if shm is not None else None
+    return arena.instance if arena is not None else None
 
 
 def _sent_nothing(error: StoreUnavailable) -> bool:

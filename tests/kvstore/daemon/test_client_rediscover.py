@@ -98,6 +98,51 @@ def test_restart_on_another_socket_path_takes_the_new_socket(tmp_path):
         stop(proc)
 
 
+def test_restart_on_the_same_socket_stays_on_it(tmp_path):
+    port, sock = free_port(), str(tmp_path / "kv.sock")
+    proc = start(port, sock)
+    try:
+        with KVStoreClient(f"http://127.0.0.1:{port}", timeout_s=5.0) as c:
+            assert c.put_chunks(NS, KEYS[:1], [chunk(0)]) == 1 and c.transport == "unix"
+            before = c.stats()["instance"]
+            stop(proc)
+            proc = start(port, sock)
+            put_until_it_works(c, 1, within_s=WITHIN_S)
+            after = c.stats()
+            assert c.transport == "unix" and after["instance"] != before
+            assert after["tiers"]["cpu"]["num_chunks"] == 1  # the new daemon's arena
+            assert torch.equal(c.get_chunks(NS, KEYS[1:2])[0], chunk(1))
+    finally:
+        stop(proc)
+
+
+def test_another_daemon_on_the_old_socket_path_is_left_for_http(tmp_path):
+    """The URL's daemon restarts without a socket while another daemon takes the old socket
+    path: the client notices the other daemon start (``hello``'s instance) and goes to the
+    URL's daemon over HTTP; the other daemon gets at most the one call that found it."""
+    port, sock = free_port(), str(tmp_path / "kv.sock")
+    proc, other = start(port, sock), None
+    try:
+        with KVStoreClient(f"http://127.0.0.1:{port}", timeout_s=5.0) as c:
+            assert c.put_chunks(NS, KEYS[:1], [chunk(0)]) == 1 and c.transport == "unix"
+            stop(proc)
+            other = start(free_port(), sock)
+            proc = start(port, None)
+            t0 = time.monotonic()
+            while c.transport == "unix":
+                assert time.monotonic() - t0 < WITHIN_S, "the client stayed on the socket"
+                c.exists(NS, KEYS[:1])
+                time.sleep(0.1)
+            assert c.put_chunks(NS, KEYS[1:3], [chunk(1), chunk(2)]) == 2
+            assert c.stats()["tiers"]["cpu"]["num_chunks"] == 2  # the URL's daemon
+            with KVStoreClient("unix://" + sock, timeout_s=5.0) as o:
+                assert o.exists(NS, KEYS[1:3]) == [False, False]  # none went to the other
+    finally:
+        stop(proc)
+        if other is not None:
+            stop(other)
+
+
 def test_rediscovery_is_rate_limited(tmp_path, monkeypatch):
     """While the daemon offers nothing new, a failing socket asks HTTP at most once per
     ``REDISCOVER_S`` (2 s): calls fail fast in between, they do not each ask again."""
