@@ -25,7 +25,7 @@ import xxhash
 from kvstore.kv_codec import LOSSY_CODECS
 from kvstore.layout import KVLayout
 from kvstore.ns_wire import (HASH_ALGOS, IDENTITY_FIELDS,  # noqa: F401 (re-exported)
-                             canonical_json, namespace_digest)
+                             canonical_json, namespace_digest, text_field)
 
 
 def _hasher(algo: str) -> Callable[[bytes], bytes]:
@@ -115,18 +115,6 @@ def rope_identity(theta: float, scaling: dict | None) -> dict:
     return {"theta": float(theta), "scaling": sc}
 
 
-def _text(d: dict, name: str, default: str | None) -> str:
-    """``d[name]``, which must be a string (absent: ``default``; no default: KeyError).
-    Not coerced: ``null`` or ``5`` read as ``"None"`` / ``"5"`` named another namespace than the
-    client meant."""
-    if name not in d and default is not None:
-        return default
-    value = d[name]
-    if not isinstance(value, str):
-        raise ValueError(f"namespace field {name!r} must be a string, got {type(value).__name__}")
-    return value
-
-
 @dataclass(frozen=True)
 class Namespace:
     """What a chunk's KV depends on besides its tokens.
@@ -205,9 +193,9 @@ class Namespace:
             KeyError: no ``model_id`` or ``layout``. ValueError / TypeError: bad values.
         """
         extra = {f: d.get(f) or "" for f in IDENTITY_FIELDS}  # checked by __post_init__
-        return cls(model_id=_text(d, "model_id", None), layout=KVLayout.from_dict(d["layout"]),
-                   revision=_text(d, "revision", ""), cache_salt=_text(d, "cache_salt", ""),
-                   hash_algo=_text(d, "hash_algo", "sha256"), **extra)
+        return cls(model_id=text_field(d, "model_id", None), layout=KVLayout.from_dict(d["layout"]),
+                   revision=text_field(d, "revision", ""), cache_salt=text_field(d, "cache_salt", ""),
+                   hash_algo=text_field(d, "hash_algo", "sha256"), **extra)
 
     def describe(self) -> str:
         """One line for logs: model id, revision, fingerprint, KV dtype, chunk size, ns id."""

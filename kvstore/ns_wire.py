@@ -59,8 +59,14 @@ def namespace_digest(wire: dict) -> bytes:
     return hashlib.sha256(b"kvstore-ns-v1" + blob).digest()
 
 
-def _text(d: dict, name: str, default: str | None) -> str:
-    """``d[name]``, which must be a string (absent: ``default``; no default: KeyError)."""
+def text_field(d: dict, name: str, default: str | None) -> str:
+    """``d[name]``, which must be a string (absent: ``default``; no default: KeyError).
+    Not coerced: ``null`` or ``5`` read as ``"None"`` / ``"5"`` would name another namespace
+    than the client meant (``Namespace.from_dict`` reads its fields with this too).
+
+    Raises:
+        KeyError: ``name`` absent with no default. ValueError: not a string.
+    """
     if name not in d and default is not None:
         return default
     value = d[name]
@@ -115,13 +121,13 @@ def wire_namespace(d: dict) -> dict:
             or a ``layout`` that is not a dict.
     """
     extra = {f: d.get(f) or "" for f in IDENTITY_FIELDS}
-    model_id = _text(d, "model_id", None)
+    model_id = text_field(d, "model_id", None)
     layout = d["layout"]
     if not isinstance(layout, dict):
         raise TypeError(f"namespace layout must be an object, got {type(layout).__name__}")
-    out = {"model_id": model_id, "revision": _text(d, "revision", ""), "layout": _layout(layout),
-           "cache_salt": _text(d, "cache_salt", ""),
-           "hash_algo": _text(d, "hash_algo", "sha256")}
+    out = {"model_id": model_id, "revision": text_field(d, "revision", ""), "layout": _layout(layout),
+           "cache_salt": text_field(d, "cache_salt", ""),
+           "hash_algo": text_field(d, "hash_algo", "sha256")}
     if out["hash_algo"] not in HASH_ALGOS:
         raise ValueError(f"unknown hash algorithm {out['hash_algo']!r}; choose one of "
                          f"{HASH_ALGOS}")
