@@ -74,7 +74,9 @@ class KVStoreClient(KVStoreBase):
       socket fails later (refused, its file gone: the daemon restarted without it, on
       another path, or was killed), the client asks the daemon again (at most once per
       ``REDISCOVER_S`` seconds) and takes what the daemon offers now: its new socket, or
-      HTTP. A ``unix://`` URL is kept as given.
+      HTTP; the replaced socket client is closed once the calls still on it end (its
+      connections, thread and old arena mapping are not kept). A ``unix://`` URL is kept
+      as given.
 
     Every method blocks at most its deadline (``timeout_s``) and raises ``StoreUnavailable``
     when the daemon does not answer in time, ``RemoteError`` for error answers, ``ValueError``
@@ -90,6 +92,9 @@ class KVStoreClient(KVStoreBase):
         self._async: AsyncKVStoreClient | None = None
         self._closed = False
         self._discovering = False
+        self._uses_lock = threading.Lock()
+        self._uses: dict[int, int] = {}  # id(socket client) -> calls in flight on it
+        self._retired: list[ShmKVStoreClient] = []  # replaced, closed after their last call
         if wire_codec not in WIRE_CODECS:
             raise ValueError(f"unknown wire_codec {wire_codec!r}; choose one of "
                              f"{list(WIRE_CODECS)}")
@@ -104,7 +109,6 @@ class KVStoreClient(KVStoreBase):
         self._discover_lock = threading.Lock()
         self._discovered_at = float("-inf")  # time.monotonic() of the last re-discovery
         self._instance: str | None = None  # the discovered socket's daemon start
-        self._retired: list[ShmKVStoreClient] = []  # replaced socket clients, closed at close
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-client",
                                         daemon=True)
@@ -167,11 +171,62 @@ class KVStoreClient(KVStoreBase):
                 self._instance = _instance_of(new)  # the same socket: the daemon restarted
                 new.close()
                 return False
-            self._shm, self._instance = new, _instance_of(new)
-            self._retired.append(failed)  # calls of other threads may still be on it
+            self._switch(failed, new)
             log.warning("kvstore daemon's socket %s failed (%s); now using %s", failed.path,
                         error, new.path if new is not None else self.url)
             return True
+
+    def _hold(self) -> ShmKVStoreClient | None:
+        """The socket client calls take now (None: HTTP), counted as in use until
+        ``_unhold``: a client replaced meanwhile is closed after its last call, not before."""
+        with self._uses_lock:
+            shm = self._shm
+            if shm is not None:
+                self._uses[id(shm)] = self._uses.get(id(shm), 0) + 1
+            return shm
+
+    def _unhold(self, shm: ShmKVStoreClient) -> None:
+        """End a use of ``shm`` (``_hold``); closes it when it was replaced and this was its
+        last call in flight."""
+        with self._uses_lock:
+            left = self._uses.pop(id(shm)) - 1
+            if left:
+                self._uses[id(shm)] = left
+                return
+            if not any(r is shm for r in self._retired):
+                return
+            self._retired = [r for r in self._retired if r is not shm]
+        shm.close()
+
+    def _switch(self, failed: ShmKVStoreClient, new: ShmKVStoreClient | None) -> None:
+        """Calls take ``new`` (None: HTTP) from now on; ``failed`` is closed at once, or by
+        the last of the calls still on it (its connections, flusher thread and the old
+        arena's mapping are not kept for the client's lifetime)."""
+        with self._uses_lock:
+            self._shm, self._instance = new, _instance_of(new)
+            busy = id(failed) in self._uses
+            if busy:
+                self._retired.append(failed)
+        if not busy:
+            failed.close()
+
+    def _via_socket(self, call, timeout_s: float | None) -> Any:
+        """``call(shm)`` on the socket client calls take now, re-discovering on a failure
+        that sent nothing and retrying once on the new path (``_on_socket``). Returns
+        ``_HTTP`` when calls go over HTTP (the caller makes the HTTP call); raises the
+        call's error."""
+        self._path(timeout_s)
+        for attempt in range(2):
+            shm = self._hold()
+            if shm is None:
+                return _HTTP
+            try:
+                out = (self._on_socket(shm, call, timeout_s) if attempt == 0 else call(shm))
+            finally:
+                self._unhold(shm)
+            if out is not _RETRY:
+                return out
+        raise AssertionError("unreachable")  # the second attempt never answers _RETRY
 
     def _on_socket(self, shm: ShmKVStoreClient, call, timeout_s: float | None) -> Any:
         """``call(shm)``; for a discovered socket (not a ``unix://`` URL) a failure that sent
@@ -195,16 +250,11 @@ class KVStoreClient(KVStoreBase):
         return out
 
     def _call(self, name: str, timeout_s: float | None, *args: Any, **kw: Any) -> Any:
-        shm = self._path(timeout_s)
-        if shm is not None:
-            def call(c: ShmKVStoreClient) -> Any:
-                return getattr(c, name)(*args, timeout_s=timeout_s, **kw)
-            out = self._on_socket(shm, call, timeout_s)
-            if out is not _RETRY:
-                return out
-            shm = self._shm  # the path re-discovery took (once)
-            if shm is not None:
-                return call(shm)
+        def call(c: ShmKVStoreClient) -> Any:
+            return getattr(c, name)(*args, timeout_s=timeout_s, **kw)
+        out = self._via_socket(call, timeout_s)
+        if out is not _HTTP:
+            return out
         return self._run(getattr(self._async, name)(*args, timeout_s=timeout_s, **kw),
                          timeout_s)
 
@@ -244,16 +294,11 @@ class KVStoreClient(KVStoreBase):
         socket, read-only views of the daemon's arena held by its reader pins
         (``ShmKVStoreClient.get_borrowed``, no copy); over HTTP, the chunks ``get_chunks``
         copied out. Call ``release`` on every path. Raises as ``get_chunks``."""
-        shm = self._path(timeout_s)
-        if shm is not None:
-            def call(c: ShmKVStoreClient) -> ArenaBorrow | CopiedBorrow:
-                return c.get_borrowed(ns, keys, timeout_s=timeout_s)
-            out = self._on_socket(shm, call, timeout_s)
-            if out is not _RETRY:
-                return out
-            shm = self._shm  # the path re-discovery took (once)
-            if shm is not None:
-                return call(shm)
+        def call(c: ShmKVStoreClient) -> ArenaBorrow | CopiedBorrow:
+            return c.get_borrowed(ns, keys, timeout_s=timeout_s)
+        out = self._via_socket(call, timeout_s)
+        if out is not _HTTP:
+            return out
         return CopiedBorrow(keys, self.get_chunks(ns, keys, timeout_s=timeout_s))
 
     def put_chunks(self, ns, keys, kvs, parents=None, *, durable=None, timeout_s=None) -> int:
@@ -307,7 +352,9 @@ class KVStoreClient(KVStoreBase):
         self._closed = True
         if self._shm is not None:
             self._shm.close()
-        for old in getattr(self, "_retired", ()):
+        with self._uses_lock:
+            retired, self._retired = self._retired, []
+        for old in retired:
             old.close()
         if self._async is not None:
             self._stop()
@@ -315,6 +362,8 @@ class KVStoreClient(KVStoreBase):
 
 #: ``_on_socket``'s answer when the call should be made again (the path changed)
 _RETRY = object()
+#: ``_via_socket``'s answer when calls go over HTTP
+_HTTP = object()
 
 
 def _instance_of(shm: ShmKVStoreClient | None) -> str | None:

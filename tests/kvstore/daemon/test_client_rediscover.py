@@ -4,11 +4,14 @@ path, it takes the new one; a ``unix://`` client stays on its path. Real ``kvsto
 processes restarted on one port; tiny layout (``server_helpers``)."""
 from __future__ import annotations
 
+import gc
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -166,4 +169,79 @@ def test_rediscovery_is_rate_limited(tmp_path, monkeypatch):
             assert len(asked) == 2  # one re-discovery for 5 failing calls
             assert c.transport == "unix"  # nothing answered: the path is unchanged
     finally:
+        stop(proc)
+
+
+def held() -> tuple[int, int, int]:
+    """This process's open file descriptors, threads and memfd mappings (arenas, staging)."""
+    with open("/proc/self/maps") as f:
+        maps = f.read().count("memfd:")
+    return len(os.listdir("/proc/self/fd")), threading.active_count(), maps
+
+
+def test_switches_keep_no_old_socket_clients(tmp_path, caplog):
+    """A daemon restarted again and again on alternating socket paths: each switch closes the
+    client of the old socket (its connections, its release flusher thread, its mapping of
+    the old daemon's arena), so a long-lived client holds what one socket client holds."""
+    caplog.set_level(logging.ERROR, logger="kvstore")  # kept records hold errors' frames
+    port, a, b = free_port(), str(tmp_path / "a.sock"), str(tmp_path / "b.sock")
+    proc = start(port, a)
+    try:
+        with KVStoreClient(f"http://127.0.0.1:{port}", timeout_s=5.0) as c:
+            assert c.put_chunks(NS, KEYS[:1], [chunk(0)]) == 1 and c.transport == "unix"
+            assert torch.equal(c.get_chunks(NS, KEYS[:1])[0], chunk(0))  # a deferred release
+            gc.collect()  # what earlier tests left behind is not counted
+            before, old = held(), c._shm
+            for i in range(4):
+                stop(proc)
+                proc = start(port, b if i % 2 == 0 else a)
+                put_until_it_works(c, i % 3 + 1, within_s=WITHIN_S)
+                assert c._shm.path == (b if i % 2 == 0 else a)
+                assert torch.equal(c.get_chunks(NS, KEYS[i % 3 + 1:i % 3 + 2])[0],
+                                   chunk(i % 3 + 1))
+                gc.collect()
+                assert old._closed and c._retired == []  # the replaced client is closed
+                old = c._shm
+            assert held() == before  # not one fd, thread or mapping more per restart
+    finally:
+        stop(proc)
+
+
+def test_switch_under_many_threads_closes_the_old_client_after_its_last_call(tmp_path):
+    """Threads calling while the daemon moves to another socket path: no call fails on a
+    socket client closed under it (only ``StoreUnavailable`` while the daemon is down),
+    every thread ends on the new socket, and the old client is closed once."""
+    port, a, b = free_port(), str(tmp_path / "a.sock"), str(tmp_path / "b.sock")
+    proc = start(port, a)
+    errors: list[BaseException] = []
+    stop_at = [float("inf")]
+    try:
+        with KVStoreClient(f"http://127.0.0.1:{port}", timeout_s=5.0) as c:
+            assert c.put_chunks(NS, KEYS[:1], [chunk(0)]) == 1 and c.transport == "unix"
+            old = c._shm
+
+            def work() -> None:
+                while time.monotonic() < stop_at[0]:
+                    try:
+                        c.exists(NS, KEYS[:1])
+                        c.get_chunks(NS, KEYS[:1])
+                    except StoreUnavailable:
+                        time.sleep(0.01)
+                    except BaseException as e:  # noqa: BLE001 - the test reports it
+                        errors.append(e)
+                        return
+            threads = [threading.Thread(target=work) for _ in range(8)]
+            for t in threads:
+                t.start()
+            time.sleep(0.3)
+            stop(proc)
+            proc = start(port, b)
+            put_until_it_works(c, 0, within_s=WITHIN_S)
+            stop_at[0] = time.monotonic() + 0.5
+            for t in threads:
+                t.join(30)
+            assert errors == []
+            assert c._shm.path == b and old._closed and c._retired == [] and c._uses == {}
+    finally:
+        stop_at[0] = 0.0
         stop(proc)
