@@ -244,15 +244,17 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict:
 
 def _yaml_load_unique(text: str) -> Any:
     """``yaml.safe_load`` that refuses a key twice in one mapping (PyYAML keeps the last one
-    silently): raises ``yaml.constructor.ConstructorError`` naming the key and its line."""
+    silently): raises ``yaml.constructor.ConstructorError`` naming the key and its line. A
+    key that overrides one merged in (``<<: *base``) is no duplicate (YAML's merge rule)."""
     import yaml
 
     class UniqueKeyLoader(yaml.SafeLoader):
         def construct_mapping(self, node, deep=False):
             if isinstance(node, yaml.MappingNode):
-                self.flatten_mapping(node)
                 seen = set()
                 for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":
+                        continue  # merged keys may be overridden; each mapping checks its own
                     key = self.construct_object(key_node, deep=deep)
                     try:
                         twice = key in seen

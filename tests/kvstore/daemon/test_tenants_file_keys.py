@@ -74,3 +74,17 @@ def test_kvstore_serve_refuses_a_duplicate_tenant_in_one_line_exit_2(tmp_path, c
                      "--tenants-file", str(p)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "found duplicate key 'dash'" in err, err
+
+
+def test_yaml_merge_keys_may_be_overridden(tmp_path):
+    """YAML's merge key (``<<: *base``) shares fields between tenants; a key given beside it
+    overrides the merged one (no duplicate), while a key twice in the mapping itself is."""
+    p = tmp_path / "t.yaml"
+    p.write_text(f"tenants:\n  alice: &base {{token: {R}, role: reader, salt: team}}\n"
+                 f"  bob: {{<<: *base, token: {W}}}\n")
+    assert [(t.name, t.role, t.salt) for t in TenantTable.from_file(p).tenants] == [
+        ("alice", "reader", "team"), ("bob", "reader", "team")]
+    p.write_text(f"tenants:\n  alice: &base {{token: {R}, role: reader}}\n"
+                 f"  bob: {{<<: *base, token: {W}, role: tenant, role: admin}}\n")
+    with pytest.raises(ValueError, match="found duplicate key 'role'"):
+        TenantTable.from_file(p)
