@@ -39,6 +39,9 @@ log = logging.getLogger("kvstore.daemon.client")
 
 #: Least time (seconds) between two re-discoveries of a failing discovered socket.
 REDISCOVER_S = 2.0
+#: Seconds between two asks, while re-discovery has left calls on HTTP, whether the daemon
+#: offers a socket again (asked before a restart's socket listened, or restarted without one).
+RECHECK_HTTP_S = 30.0
 
 
 def _stop_loop(loop: asyncio.AbstractEventLoop, client: AsyncKVStoreClient,
@@ -74,9 +77,9 @@ class KVStoreClient(KVStoreBase):
       socket fails later (refused, its file gone: the daemon restarted without it, on
       another path, or was killed), the client asks the daemon again (at most once per
       ``REDISCOVER_S`` seconds) and takes what the daemon offers now: its new socket, or
-      HTTP; the replaced socket client is closed once the calls still on it end (its
-      connections, thread and old arena mapping are not kept). A ``unix://`` URL is kept
-      as given.
+      HTTP (asked again every ``RECHECK_HTTP_S`` s then: a socket offered later is taken);
+      the replaced socket client is closed once the calls still on it end (its connections,
+      thread and old arena mapping are not kept). A ``unix://`` URL is kept as given.
 
     Every method blocks at most its deadline (``timeout_s``) and raises ``StoreUnavailable``
     when the daemon does not answer in time, ``RemoteError`` for error answers, ``ValueError``
@@ -95,6 +98,7 @@ class KVStoreClient(KVStoreBase):
         self._uses_lock = threading.Lock()
         self._uses: dict[int, int] = {}  # id(socket client) -> calls in flight on it
         self._retired: list[ShmKVStoreClient] = []  # replaced, closed after their last call
+        self._recheck_at: float | None = None  # on HTTP by re-discovery: when to ask again
         if wire_codec not in WIRE_CODECS:
             raise ValueError(f"unknown wire_codec {wire_codec!r}; choose one of "
                              f"{list(WIRE_CODECS)}")
@@ -139,7 +143,26 @@ class KVStoreClient(KVStoreBase):
                     self._shm = self._discover(timeout_s)
                     self._instance = _instance_of(self._shm)
                     self._discovering = False
+        if (self._recheck_at is not None and self._shm is None
+                and time.monotonic() >= self._recheck_at):
+            self._recheck(timeout_s)
         return self._shm
+
+    def _recheck(self, timeout_s: float | None) -> None:
+        """On HTTP since a re-discovery: ask the daemon whether it offers a socket now and
+        take it (next ask in ``RECHECK_HTTP_S`` otherwise). Never raises."""
+        with self._discover_lock:
+            if self._shm is not None or time.monotonic() < (self._recheck_at or float("inf")):
+                return
+            self._recheck_at = time.monotonic() + RECHECK_HTTP_S
+            try:
+                new = self._discover(timeout_s)
+            except (StoreUnavailable, RemoteError, RuntimeError, ValueError):
+                return
+            if new is not None:
+                with self._uses_lock:
+                    self._shm, self._instance, self._recheck_at = new, _instance_of(new), None
+                log.warning("kvstore daemon offers its socket %s again; now using it", new.path)
 
     def _discover(self, timeout_s: float | None) -> ShmKVStoreClient | None:
         """``discover_socket`` over this client's HTTP path (raises as it)."""
@@ -177,8 +200,7 @@ class KVStoreClient(KVStoreBase):
             return True
 
     def _hold(self) -> ShmKVStoreClient | None:
-        """The socket client calls take now (None: HTTP), counted as in use until
-        ``_unhold``: a client replaced meanwhile is closed after its last call, not before."""
+        """The socket client calls take now (None: HTTP), in use until ``_unhold``."""
         with self._uses_lock:
             shm = self._shm
             if shm is not None:
@@ -186,8 +208,7 @@ class KVStoreClient(KVStoreBase):
             return shm
 
     def _unhold(self, shm: ShmKVStoreClient) -> None:
-        """End a use of ``shm`` (``_hold``); closes it when it was replaced and this was its
-        last call in flight."""
+        """End a use of ``shm``; the last use of a replaced client closes it."""
         with self._uses_lock:
             left = self._uses.pop(id(shm)) - 1
             if left:
@@ -200,10 +221,10 @@ class KVStoreClient(KVStoreBase):
 
     def _switch(self, failed: ShmKVStoreClient, new: ShmKVStoreClient | None) -> None:
         """Calls take ``new`` (None: HTTP) from now on; ``failed`` is closed at once, or by
-        the last of the calls still on it (its connections, flusher thread and the old
-        arena's mapping are not kept for the client's lifetime)."""
+        the last call still on it (its connections, thread and arena mapping are not kept)."""
         with self._uses_lock:
             self._shm, self._instance = new, _instance_of(new)
+            self._recheck_at = time.monotonic() + RECHECK_HTTP_S if new is None else None
             busy = id(failed) in self._uses
             if busy:
                 self._retired.append(failed)
@@ -211,10 +232,9 @@ class KVStoreClient(KVStoreBase):
             failed.close()
 
     def _via_socket(self, call, timeout_s: float | None) -> Any:
-        """``call(shm)`` on the socket client calls take now, re-discovering on a failure
-        that sent nothing and retrying once on the new path (``_on_socket``). Returns
-        ``_HTTP`` when calls go over HTTP (the caller makes the HTTP call); raises the
-        call's error."""
+        """``call(shm)`` on the socket client calls take now, retried once on the new path
+        after a re-discovery (``_on_socket``). Returns ``_HTTP`` when calls go over HTTP (the
+        caller makes the HTTP call); raises the call's error."""
         self._path(timeout_s)
         for attempt in range(2):
             shm = self._hold()

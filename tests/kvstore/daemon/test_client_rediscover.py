@@ -245,3 +245,36 @@ def test_switch_under_many_threads_closes_the_old_client_after_its_last_call(tmp
     finally:
         stop_at[0] = 0.0
         stop(proc)
+
+
+def test_back_on_the_socket_once_the_daemon_offers_one_again(tmp_path, monkeypatch):
+    """Re-discovery left the client on HTTP (the daemon restarted without its socket, or was
+    asked before its socket listened); restarted with a socket, the daemon is asked again
+    (every ``RECHECK_HTTP_S``) and the client goes back to the socket."""
+    import kvstore.daemon.client as client_mod
+    monkeypatch.setattr(client_mod, "RECHECK_HTTP_S", 0.5, raising=False)
+    port, sock = free_port(), str(tmp_path / "kv.sock")
+    proc = start(port, sock)
+    try:
+        with KVStoreClient(f"http://127.0.0.1:{port}", timeout_s=5.0) as c:
+            assert c.put_chunks(NS, KEYS[:1], [chunk(0)]) == 1 and c.transport == "unix"
+            stop(proc)
+            proc = start(port, None)
+            put_until_it_works(c, 1, within_s=WITHIN_S)
+            assert c.transport == "http"
+            stop(proc)
+            proc = start(port, sock)
+            t0 = time.monotonic()
+            while c.transport != "unix":
+                assert time.monotonic() - t0 < WITHIN_S, "the client stayed on HTTP"
+                try:
+                    c.exists(NS, KEYS[:1])
+                except StoreUnavailable:
+                    pass
+                time.sleep(0.1)
+            assert c._shm.path == sock
+            assert c.put_chunks(NS, KEYS[2:3], [chunk(2)]) == 1
+            assert torch.equal(c.get_chunks(NS, KEYS[2:3])[0], chunk(2))
+            assert c.stats()["instance"] == c._instance
+    finally:
+        stop(proc)
