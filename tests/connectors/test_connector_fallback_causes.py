@@ -40,7 +40,7 @@ def test_a_refused_daemon_is_logged_as_refused_not_timed_out(caplog):
     assert st["kvstore_lookup_fallbacks"] == 1 and st["kvstore_lookup_seconds_max"] < 2.0
     lookup_lines = [m for m in _connector_lines(caplog) if m.startswith("kv connector: lookup")]
     assert lookup_lines == [
-        f"kv connector: lookup failed (StoreUnavailable: GET {url}/v1/stats: connection refused "
+        f"kv connector: lookup failed (StoreUnavailable: GET {url}/v1/whoami: connection refused "
         f"(2 tries); is the kvstore daemon running?); recomputing "
         f"(logged once per cause until it recovers)"]
     assert not any("timed out" in r.getMessage() for r in caplog.records)

@@ -62,8 +62,8 @@ def _daemon_counts(admin: KVStoreClient) -> dict:
     """The daemon's chunks and counters as its admin reads them: ``chunks`` (held, all
     tiers), ``stored`` (chunks newly stored by puts), ``hits`` (chunks served by gets),
     ``writes`` (requests on write routes), ``refused`` (answers with status >= 400 on any
-    route but ``/v1/stats``: a tenant token's client asks it first, when it looks for the
-    daemon's same-host socket, and is refused, as a tenant may not read the aggregates)."""
+    route but ``/v1/stats``, which only an admin may read: a tenant's client that asks for
+    the aggregates is refused there)."""
     st = admin.stats()
     out = {"chunks": sum(t["num_chunks"] for t in st["tiers"].values()),
            "stored": st["stored_chunks"], "hits": st["hits"], "writes": 0, "refused": 0}
