@@ -38,6 +38,7 @@ import gc
 import time
 from dataclasses import dataclass
 
+from bench.policy_oracle import ORACLE, ReuseOracle
 from bench.policy_replay_batched import OneTierRows
 from bench.policy_trace import ChunkTrace
 from kvstore.eviction import EvictionPolicy, create_policy
@@ -109,7 +110,8 @@ class PolicyReplay:
     """One replay of ``trace`` with ``policy`` in every tier of ``capacities`` (bytes, fastest
     first) and chunk bytes = tokens times ``token_bytes``; ``admission``: an admission filter
     name (``kvstore.eviction.admission.ADMISSIONS``; ``"none"``: every insert that fits goes
-    ahead), one filter for the whole store.
+    ahead; ``"oracle"``: ``bench.policy_oracle.ReuseOracle``, a bound), one filter for the
+    whole store.
 
     Raises:
         ValueError: no tier, a negative capacity, a non-positive ``token_bytes``, an unknown
@@ -123,7 +125,8 @@ class PolicyReplay:
                              f"token_bytes {token_bytes} > 0")
         self.trace, self.token_bytes = trace, token_bytes
         self._tiers = [_Tier(create_policy(policy), c) for c in capacities]
-        self.admission = create_admission(admission)
+        self.admission = (ReuseOracle(trace) if admission == ORACLE
+                          else create_admission(admission))
         self.parent = trace.parent
         self.spilled_bytes = 0
         self.refused = 0

@@ -5,7 +5,8 @@
 Replays the trace's prefix-chunk accesses (``bench.policy_trace``) through the store's real
 policy objects (``bench.policy_replay``), each without and with an admission filter
 (``--admission``, default ``none`` and ``tinylfu``; a curve with one is named
-``POLICY+FILTER``, e.g. ``lru+tinylfu``), at capacities given as fractions of the trace's
+``POLICY+FILTER``, e.g. ``lru+tinylfu``; ``--admission oracle`` adds a bound that admits only
+chunks a later row reads, ``bench.policy_oracle``), at capacities given as fractions of the trace's
 unique bytes, in one tier and in two (CPU over disk, ``--cpu-share`` of the capacity in CPU),
 and the bound (``bench.policy_belady``) at the same capacities. Chunk bytes are tokens times
 the layout's KV bytes per token; every size scales by the same factor, so hit rates do not
@@ -31,6 +32,7 @@ import time
 from pathlib import Path
 
 from bench.policy_belady import belady_hit_tokens, next_uses
+from bench.policy_oracle import ORACLE
 from bench.policy_replay import PolicyReplay
 from bench.policy_trace import TRACES, ChunkTrace, load_chunk_trace, prefix_reuse_tokens
 from bench.trace_files import DEFAULT_TRACES_DIR, exit_if_missing
@@ -183,9 +185,10 @@ def main(argv: list[str] | None = None) -> int:
                          "shared/data/traces)")
     ap.add_argument("--policy", action="append", choices=sorted(POLICIES),
                     help="a policy to replay (repeat; default all)")
-    ap.add_argument("--admission", action="append", choices=list(ADMISSIONS),
+    ap.add_argument("--admission", action="append", choices=[*ADMISSIONS, ORACLE],
                     help="an admission filter to replay each policy with (repeat; default "
-                         "none and tinylfu)")
+                         "none and tinylfu; 'oracle' admits only chunks a later row reads, "
+                         "a bound: bench.policy_oracle)")
     ap.add_argument("--fractions", default=",".join(str(f) for f in FRACTIONS),
                     help="capacities as fractions of the unique bytes, comma-separated")
     ap.add_argument("--limit", type=int, help="replay the first N rows only (default all)")
