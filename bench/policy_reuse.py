@@ -15,7 +15,7 @@ read; a row reads its chunks head first), whether a later row reads them, groupe
 * ``partial``: whether the chunk has fewer tokens than the trace's fullest chunk (a prompt's
   partial last block, whose id a longer prompt cannot share).
 
-Each group is ``[new chunks, of them read again]``. JSON (``--json``): ``{"trace", "overall",
+Each group is ``[new chunks, of them read again]``. JSON (``--json``): ``{"trace", "overall", "read_once", "gap_rows_median",
 "by_depth": {DEPTH: [n, again]}, "by_new_chunks": {LOW: [n, again]}, "by_partial": {"true" |
 "false": [n, again]}}``.
 """
@@ -39,10 +39,29 @@ def _bucket(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
+def _read_gaps(trace: ChunkTrace) -> tuple[list[int], int]:
+    """(rows between consecutive reads of a chunk, over all chunks, sorted; chunks read by one
+    row only)."""
+    last: dict[int, int] = {}
+    reads: dict[int, int] = {}
+    gaps: list[int] = []
+    keys, start = trace.keys, trace.start
+    for r in range(trace.num_rows):
+        for k in set(keys[start[r]:start[r + 1]]):
+            if k in last:
+                gaps.append(r - last[k])
+            last[k] = r
+            reads[k] = reads.get(k, 0) + 1
+    gaps.sort()
+    return gaps, sum(1 for n in reads.values() if n == 1)
+
+
 def reuse_by_feature(trace: ChunkTrace) -> dict:
-    """The groups of the module docstring for ``trace``: a dict with ``overall`` and
-    ``by_depth`` / ``by_new_chunks`` / ``by_partial`` (keys as ints and bools here; the CLI
-    writes them as strings)."""
+    """The groups of the module docstring for ``trace``: a dict with ``overall``,
+    ``read_once`` (chunks read by one row only), ``gap_rows_median`` (median rows between two
+    consecutive reads of a chunk; None when no chunk is read twice) and ``by_depth`` /
+    ``by_new_chunks`` / ``by_partial`` (keys as ints and bools here; the CLI writes them as
+    strings)."""
     keys, tokens, start = trace.keys, trace.tokens, trace.start
     last_row: dict[int, int] = {}
     for r in range(trace.num_rows):
@@ -72,7 +91,10 @@ def reuse_by_feature(trace: ChunkTrace) -> dict:
             for g in (*groups, part):
                 g[0] += 1
                 g[1] += again
-    return {"overall": overall, "by_depth": dict(sorted(by_depth.items())),
+    gaps, read_once = _read_gaps(trace)
+    return {"overall": overall, "read_once": read_once,
+            "gap_rows_median": gaps[len(gaps) // 2] if gaps else None,
+            "by_depth": dict(sorted(by_depth.items())),
             "by_new_chunks": dict(sorted(by_new.items())),
             "by_partial": dict(sorted(by_partial.items()))}
 
@@ -100,12 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     doc = reuse_by_feature(load_chunk_trace(args.trace, args.traces_dir, args.limit))
     n, again = doc["overall"]
     print(f"{args.trace}: {n:,} new chunks, {again:,} read again by a later row "
-          f"({again / max(n, 1):.3f})")
+          f"({again / max(n, 1):.3f}); {doc['read_once']:,} chunks read by one row only; "
+          f"median rows between two reads of a chunk: {doc['gap_rows_median']}")
     print(_table("depth", doc["by_depth"]))
     print(_table("new chunks in the row (from)", doc["by_new_chunks"]))
     print(_table("partial chunk", doc["by_partial"]))
     if args.json:
-        out = {"trace": args.trace, "overall": doc["overall"],
+        out = {"trace": args.trace, "overall": doc["overall"], "read_once": doc["read_once"],
+               "gap_rows_median": doc["gap_rows_median"],
                **{k: {str(g).lower(): v for g, v in doc[k].items()}
                   for k in ("by_depth", "by_new_chunks", "by_partial")}}
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")

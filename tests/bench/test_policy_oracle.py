@@ -80,6 +80,8 @@ def test_reuse_by_feature_counts_a_hand_made_trace(tmp_path):
     assert doc["by_depth"] == {0: [3, 2], 1: [2, 0]}
     assert doc["by_new_chunks"] == {1: [3, 0], 2: [2, 2]}
     assert doc["by_partial"] == {False: [4, 2], True: [1, 0]}
+    assert doc["read_once"] == 3  # 3, 4, 5; 1 is read by rows 0-2, 2 by rows 0 and 2
+    assert doc["gap_rows_median"] == 1  # gaps: 1 -> 1, 1, 2 -> 2: sorted [1, 1, 2]
 
 
 @needs_traces
