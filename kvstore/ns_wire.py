@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import Collection
 
 HASH_ALGOS = ("sha256", "blake2b", "xxh3_128")
 
@@ -35,6 +36,8 @@ KV_DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16",
 #: The fields of a namespace's wire form (``Namespace.to_dict``), the only ones the daemon
 #: takes (``kvstore.daemon.fields.NAMESPACE_FIELDS``; a test checks they agree).
 NAMESPACE_FIELDS = ("model_id", "revision", "layout", "cache_salt", "hash_algo") + IDENTITY_FIELDS
+#: The fields of a namespace's ``layout`` (``KVLayout.to_dict``; a test checks they agree).
+LAYOUT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "chunk_size")
 
 
 def canonical_json(value) -> str:
@@ -90,20 +93,36 @@ def _layout(d: dict) -> dict:
     return out
 
 
+def unknown_fields(d: dict, known: Collection[str]) -> list[str]:
+    """The keys of ``d`` not in ``known``, in ``d``'s order, each cut to 40 characters."""
+    return [str(k)[:40] for k in d if k not in known]
+
+
+def _names(unknown: list[str]) -> str:
+    return ", ".join(repr(k) for k in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
+
+
 def check_known_fields(d: dict) -> None:
-    """Refuse a namespace dict with a field a namespace does not have, as the daemon does (400):
+    """Refuse a namespace dict with a field a namespace does not have, or a ``layout`` (when
+    it is an object) with a field a layout does not have, as the daemon does (400):
     ``wire_namespace`` and ``Namespace.from_dict`` ignore such a field, so a typo
-    (``cache_slat``) would name another namespace than the one meant.
+    (``cache_slat``, ``hed_dim`` beside ``head_dim``) would name another namespace than the
+    one meant, or be reported as a missing field.
 
     Raises:
         ValueError: one line naming the unknown field(s) (up to 5, 40 characters each) and
-            the fields a namespace has.
+            the fields a namespace (or its layout) has; namespace fields are checked first.
     """
-    unknown = [str(k)[:40] for k in d if k not in NAMESPACE_FIELDS]
+    unknown = unknown_fields(d, NAMESPACE_FIELDS)
     if unknown:
-        names = ", ".join(repr(k) for k in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
-        raise ValueError(f"unknown namespace field{'s' if len(unknown) > 1 else ''} {names}; "
-                         f"a namespace has {', '.join(sorted(NAMESPACE_FIELDS))}")
+        raise ValueError(f"unknown namespace field{'s' if len(unknown) > 1 else ''} "
+                         f"{_names(unknown)}; a namespace has "
+                         f"{', '.join(sorted(NAMESPACE_FIELDS))}")
+    layout = d.get("layout")
+    unknown = unknown_fields(layout, LAYOUT_FIELDS) if isinstance(layout, dict) else []
+    if unknown:
+        raise ValueError(f"unknown namespace layout field{'s' if len(unknown) > 1 else ''} "
+                         f"{_names(unknown)}; a layout has {', '.join(sorted(LAYOUT_FIELDS))}")
 
 
 def wire_namespace(d: dict) -> dict:

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 from kvstore.daemon.wire_version import (  # noqa: F401 (re-exported)
     PROTOCOL_VERSION, SUPPORTED_VERSIONS, VERSION_HEADER)
 from kvstore.keys import IDENTITY_FIELDS, ChunkKey, Namespace
+from kvstore.ns_wire import LAYOUT_FIELDS, unknown_fields
 
 
 class ProtocolError(ValueError):
@@ -84,21 +85,28 @@ NAMESPACE_FIELDS = frozenset(("model_id", "revision", "layout", "cache_salt", "h
 
 
 def check_namespace_fields(obj: dict) -> None:
-    """Refuse a namespace with a field ``Namespace`` does not have (ignoring it would let two
-    clients that differ in it share chunks: the field is not in the namespace id), or whose
-    fields exceed ``MAX_NAMESPACE_FIELD_CHARS`` each or ``MAX_NAMESPACE_CHARS`` together
-    (strings by length, other values by their JSON).
+    """Refuse a namespace with a field ``Namespace`` does not have, or a ``layout`` object with
+    a field ``KVLayout`` does not have (ignoring it would let two clients that differ in it
+    share chunks: the field is not in the namespace id; a typo ``hed_dim`` would be answered
+    as a missing ``head_dim``), or whose fields exceed ``MAX_NAMESPACE_FIELD_CHARS`` each or
+    ``MAX_NAMESPACE_CHARS`` together (strings by length, other values by their JSON).
 
     Raises:
-        ProtocolError: naming the field and the bound.
+        ProtocolError: (400) naming the unknown field(s) (up to 5, 40 characters each) and
+            the fields known, or the field and the bound.
     """
-    unknown = [str(k)[:40] for k in obj if k not in NAMESPACE_FIELDS]
+    unknown = unknown_fields(obj, NAMESPACE_FIELDS)
     if unknown:
         raise ProtocolError(f"bad namespace: unknown field(s) {unknown[:5]}; a namespace has "
                             f"{sorted(NAMESPACE_FIELDS)} (a newer client than this daemon?)")
+    layout = obj.get("layout")
+    unknown = unknown_fields(layout, LAYOUT_FIELDS) if isinstance(layout, dict) else []
+    if unknown:
+        raise ProtocolError(f"bad namespace: unknown layout field(s) {unknown[:5]}; a layout "
+                            f"has {sorted(LAYOUT_FIELDS)} (a newer client than this daemon?)")
     total = 0
     for name, value in obj.items():
-        if name == "layout" and isinstance(value, dict) and len(value) <= 16:
+        if name == "layout" and isinstance(value, dict):  # (only LAYOUT_FIELDS, checked above)
             n = sum(len(str(v)) for v in value.values())
         else:
             try:

@@ -82,3 +82,30 @@ def test_its_lists_are_the_torch_modules_lists():
     assert set(ns_wire.KV_DTYPE_NAMES) - set(layout.DTYPES) <= {"float8_e4m3fn", "float8_e5m2"}
     assert ns_wire.KV_DTYPE_ALIASES == layout._ALIASES
     assert ns_wire.LOSSY_CODEC_NAMES == kv_codec.LOSSY_CODECS
+    assert ns_wire.LAYOUT_FIELDS == tuple(KVLayout(2, 1, 8, "float16", 4).to_dict())
+
+
+@pytest.mark.parametrize("d, message", [
+    ({**BASE, "layout": {**LAY, "hed_dim": 64}},
+     "unknown namespace layout field 'hed_dim'; a layout has chunk_size, dtype, head_dim, "
+     "num_kv_heads, num_layers"),
+    ({**BASE, "layout": {**{k: v for k, v in LAY.items() if k != "head_dim"}, "hed_dim": 64,
+                         "sliding_window": 4096}},
+     "unknown namespace layout fields 'hed_dim', 'sliding_window'; a layout has chunk_size, "
+     "dtype, head_dim, num_kv_heads, num_layers"),
+    ({**BASE, "cache_slat": "a", "layout": {**LAY, "hed_dim": 64}},   # the namespace's first
+     "unknown namespace field 'cache_slat'; a namespace has " + ", ".join(
+         sorted(ns_wire.NAMESPACE_FIELDS))),
+])
+def test_an_unknown_layout_field_is_refused_naming_it(d, message):
+    """``wire_namespace`` (as ``KVLayout.from_dict``) ignores a layout field it does not know,
+    so ``check_known_fields`` refuses it, as the daemon does."""
+    with pytest.raises(ValueError) as e:
+        ns_wire.check_known_fields(d)
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("d", GOOD + [{**BASE, "layout": [1, 2]}, {"model_id": "m"}],
+                         ids=range(len(GOOD) + 2))
+def test_known_fields_pass_the_check(d):
+    assert ns_wire.check_known_fields(d) is None

@@ -116,3 +116,25 @@ def test_clear_refuses_an_unknown_namespace_field_as_the_daemon_does_and_sends_n
                               "'salt', 'modle_id'; a namespace has ") and err.count("\n") == 1
         with pytest.raises(BlockingIOError):   # no connection was made
             daemon.accept()
+
+
+def test_clear_refuses_an_unknown_layout_field_naming_it_and_sends_nothing(capsys):
+    """``hed_dim`` instead of ``head_dim`` was reported as a missing ``head_dim``, and beside
+    it was ignored; the daemon answers either with 400 naming it."""
+    layout = NS.layout.to_dict()
+    with socket.socket() as daemon:   # listening, so a request would be accepted here
+        daemon.bind(("127.0.0.1", 0))
+        daemon.listen()
+        daemon.setblocking(False)
+        url = f"http://127.0.0.1:{daemon.getsockname()[1]}"
+        beside = json.dumps({**NS.to_dict(), "layout": {**layout, "hed_dim": 8}})
+        assert cli.main(["clear", url, "--namespace", beside]) == 2
+        assert capsys.readouterr().err == (
+            "kvstore clear: error: --namespace: unknown namespace layout field 'hed_dim'; a "
+            "layout has chunk_size, dtype, head_dim, num_kv_heads, num_layers\n")
+        del layout["head_dim"]
+        instead = json.dumps({**NS.to_dict(), "layout": {**layout, "hed_dim": 8}})
+        assert cli.main(["clear", url, "--namespace", instead]) == 2
+        assert "unknown namespace layout field 'hed_dim'" in capsys.readouterr().err
+        with pytest.raises(BlockingIOError):   # no connection was made
+            daemon.accept()

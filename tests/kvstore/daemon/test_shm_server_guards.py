@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from kvstore.daemon import protocol as P
 from kvstore.daemon import shm_protocol as S
 from kvstore.daemon.server import STATE_KEY, ThreadedServer, create_app
 from kvstore.daemon.state import ServerLimits
@@ -130,6 +131,31 @@ def test_malformed_frames_and_unknown_ops_get_errors_and_the_daemon_goes_on(tmp_
         assert c.hello()["ok"] and c.keys_op("lookup", KEYS[:2])["num_hit_chunks"] == 2
         c.close()
         srv.store.check_integrity()
+
+
+def test_a_layout_field_the_daemon_does_not_know_is_400_naming_it_on_the_socket(tmp_path):
+    """The same-host path parses namespaces as HTTP does: a layout with ``hed_dim`` (a typo,
+    beside or instead of ``head_dim``) is refused naming it, for lookup, put and clear; the
+    connection goes on and nothing is stored."""
+    with shm_daemon(tmp_path) as srv:
+        c = RawClient(srv.sock_path)
+        c.hello()
+        typo = {**NS.to_dict(), "layout": {**NS.layout.to_dict(), "hed_dim": 8}}
+        reply = c.call({"op": "lookup", "namespace": typo, "keys": [KEYS[0].hex()]})[0]
+        assert reply["status"] == 400 and reply["error"] == (
+            "bad namespace: unknown layout field(s) ['hed_dim']; a layout has ['chunk_size', "
+            "'dtype', 'head_dim', 'num_kv_heads', 'num_layers'] (a newer client than this "
+            "daemon?)"), reply
+        del typo["layout"]["head_dim"]
+        reply = c.call({"op": "clear", "namespace": typo})[0]
+        assert reply["status"] == 400 and "unknown layout field(s) ['hed_dim']" in reply["error"]
+        entry, view = P.entry_for(KEYS[0], chunk(1))
+        reply = c.call({"op": "put", "namespace": typo, "chunks": [entry.to_dict()]},
+                       bytes(view))[0]
+        assert reply["status"] == 400 and "unknown layout field(s) ['hed_dim']" in reply["error"]
+        assert c.keys_op("exists", KEYS[:1])["exists"] == [False]   # served, nothing stored
+        assert c.put(KEYS[:1], [chunk(1)])["ok"] is True
+        c.close()
 
 
 def test_a_stalled_upload_times_out_and_gives_its_pages_back(tmp_path):
