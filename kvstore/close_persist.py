@@ -15,10 +15,12 @@ restart; a chunk whose ancestor is stored nowhere (unreachable already) is left 
 
 Bounds: a time budget (seconds, wall clock, including the wait for the disk writer's
 commits: chunks still queued when it runs out are withdrawn, so the close that follows only
-finishes the batch being committed, at most ``BATCH_OPS`` chunks), and the disk tier's free room (never evicting a disk
-chunk for this: the first chunk that does not fit ends the pass). An error ends the pass too
-(a chunk that cannot be read out of its tier) or leaves a chunk out (a write the disk writer
-drops: its children are withdrawn); the close goes on.
+finishes the batch being committed, at most ``BATCH_OPS`` chunks), and the disk tier's free
+room (never evicting a disk chunk for this: a chunk that does not fit is left out with its
+descendants, which would be unreachable without it, and the pass goes on with the chunks that
+do fit, e.g. another namespace's smaller ones). An error ends the pass (a chunk that cannot be
+read out of its tier) or leaves a chunk out (a write the disk writer drops: its children are
+withdrawn); the close goes on.
 
 Before that pass (``prepare_close``), the chunks removed while pinned leave the disk tier: a
 close forestalls their last unpin, and a restart must not bring them back.
@@ -86,7 +88,8 @@ class PersistReport:
         written_chunks, written_bytes: chunks committed to the disk tier, and their bytes
             there (encoded values).
         left_time: chunks not written because the time budget ran out.
-        left_room: chunks not written because the disk tier had no free room left.
+        left_room: chunks not written because the disk tier had no free room for them or
+            for one of their ancestors (left out: without it they would be unreachable).
         left_orphan: chunks not written because an ancestor is stored in no tier (a lookup
             cannot reach them now, nor after a restart).
         left_error: chunks not written because of an error: the disk writer dropped them (a
@@ -154,29 +157,28 @@ def persist_memory_tiers(st, budget_s: float) -> PersistReport | None:
         todo = [k for k in hot_order(st.tiers) if not disk.contains(k) and k not in st.doomed]
         PROGRESS.start(len(todo), ours, disk)
         orphans: set[ChunkKey] = set()
+        no_room: set[ChunkKey] = set()  # left out for room, with their descendants
         window: deque[tuple[ChunkKey, int]] = deque()
         window_bytes = 0
         stop = None
         try:
             for key in todo:
-                if disk.contains(key) or key in orphans:
+                if disk.contains(key) or key in orphans or key in no_room:
                     continue
-                chain = _missing_chain(st, disk, key)
+                chain = _missing_chain(st, disk, key, orphans, no_room)
                 if chain is None:
-                    orphans.add(key)
                     continue
-                for k, src, parent in chain:
+                for j, (k, src, parent) in enumerate(chain):
                     if time.monotonic() >= deadline:
                         stop = "time"
                         break
                     nbytes = src.data_nbytes(k)
-                    if not disk.can_fit(nbytes):
-                        stop = "room"
-                        break
-                    kv = src.read(k, "cpu")  # a new tensor: handed over (owned)
+                    kv = src.read(k, "cpu") if disk.can_fit(nbytes) else None  # (owned)
                     if kv is None or not st.mover.insert(di, k, kv, parent, owned=True,
                                                          admit=False):
-                        stop = "room"  # (the disk tier took nothing: it could not fit)
+                        # (the disk tier took nothing: it could not fit) its descendants
+                        # would be unreachable: left out too; smaller chunks may still fit
+                        no_room.update(c for c, _, _ in chain[j:])
                         break
                     ours.append(k)
                     window.append((k, nbytes))
@@ -208,17 +210,15 @@ def persist_memory_tiers(st, budget_s: float) -> PersistReport | None:
         rep.written_chunks = len(written)
         rep.written_bytes = sum(disk.nbytes_of(k) for k in written)
         rep.left_orphan = len(orphans)
-        left = sum(1 for k in todo if not disk.contains(k) and k not in orphans)
+        left = [k for k in todo if not disk.contains(k) and k not in orphans]
+        rep.left_room = sum(1 for k in left if k in no_room)  # (never queued by the pass)
+        rest = len(left) - rep.left_room
         # written, then dropped by the writer (or stranded by such a drop): an I/O error
         failed = len({k for k in ours if not disk.contains(k)}) - withdrawn
         if stop == "error":
-            rep.left_time, rep.left_error = withdrawn, left - withdrawn
-        elif stop == "room":
-            rep.left_error = failed
-            rep.left_time = min(withdrawn, left - failed)
-            rep.left_room = left - failed - rep.left_time
+            rep.left_time, rep.left_error = withdrawn, rest - withdrawn
         else:
-            rep.left_error, rep.left_time = failed, left - failed
+            rep.left_error, rep.left_time = failed, rest - failed
     rep.seconds = time.monotonic() - t0
     log.info("persist on close: wrote %d chunks (%d bytes) of the memory tiers to the disk tier "
              "in %.2f s; left out %d: %d when the %g s budget ran out, %d with the disk tier "
@@ -228,15 +228,22 @@ def persist_memory_tiers(st, budget_s: float) -> PersistReport | None:
     return rep
 
 
-def _missing_chain(st, disk: DiskTier, key: ChunkKey):
+def _missing_chain(st, disk: DiskTier, key: ChunkKey, orphans: set[ChunkKey],
+                   no_room: set[ChunkKey]):
     """``[(key, memory tier, parent), ...]`` of ``key`` and its ancestors that the disk tier
     lacks, root-most first; None when one of them is stored in no memory tier (its chain
-    is broken: unreachable) or the recorded parents make a cycle."""
+    is broken: unreachable) or the recorded parents make a cycle, or is in ``orphans``
+    (the keys walked then join ``orphans``), or is in ``no_room`` (left out for room: the
+    keys walked, its descendants, join it)."""
     chain, seen = [], set()
     k = key
     while k is not None and not disk.contains(k):
+        if k in no_room:
+            no_room.update(c for c, _, _ in chain)
+            return None
         src = st.locate(k)
-        if k in seen or not isinstance(src, MemoryTier):
+        if k in seen or k in orphans or not isinstance(src, MemoryTier):
+            orphans.update(c for c, _, _ in chain)
             return None
         seen.add(k)
         parent = st.mover.parent_of(k)

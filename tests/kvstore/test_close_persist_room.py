@@ -1,0 +1,73 @@
+"""The graceful-close persist pass when the disk tier has room for only part of the memory
+tiers (``kvstore.close_persist``).
+
+- a chunk that does not fit is left out (with its descendants) and the pass goes on with the
+  chunks that do fit (smaller ones: another namespace's), never evicting a disk chunk.
+
+Real tiers: CPU arena, lmdb disk tier on a tmp dir, reopened.
+"""
+import torch
+
+from kvstore.api import PrefixStore
+from kvstore.codec import HEADER_BYTES_MAX
+from kvstore.keys import Namespace
+from kvstore.layout import KVLayout
+from tests.kvstore.test_close_persist import (CB, CHUNKS, LAY, NS, disk_of, kv, on_disk,
+                                              reopen_disk_only, store, tokens)
+
+#: a namespace whose chunks are 4x larger: 64 tokens per chunk -> 64 KiB
+BIG_LAY = KVLayout(4, 2, 32, "float16", 64)
+BIG_NS = Namespace("persist-on-close-big", BIG_LAY)
+SLOT = CB + HEADER_BYTES_MAX  # the disk room one small chunk takes at most
+
+
+def big_tokens(i: int) -> list[int]:
+    return [7_000_000 + 1000 * i + j for j in range(2 * BIG_LAY.chunk_size)]
+
+
+def big_kv(i: int) -> torch.Tensor:
+    """Random KV of big prompt i: [4, 2, 128, 2, 32] fp16 (2 chunks)."""
+    g = torch.Generator().manual_seed(500 + i)
+    return torch.randn(BIG_LAY.shape(2 * BIG_LAY.chunk_size), generator=g).to(torch.float16)
+
+
+def short_tokens(i: int, n: int) -> list[int]:
+    """A prompt of ``n`` chunks, its tokens apart from ``tokens(i)``'s."""
+    return [3_000_000 + 1000 * i + j for j in range(n * LAY.chunk_size)]
+
+
+def short_kv(i: int, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(900 + i)
+    return torch.randn(LAY.shape(n * LAY.chunk_size), generator=g).to(torch.float16)
+
+
+def test_a_chunk_that_does_not_fit_is_skipped_and_smaller_ones_are_written(tmp_path, caplog):
+    cap = 4 * SLOT  # room for 4 small chunks, never for a big one (64 KiB)
+    s = store(tmp_path, cpu=64, disk=cap)
+    s.register(BIG_NS)
+    old = NS.chunk_keys(tokens(99))[:1]
+    assert s.persist(NS, old, [kv(99)[:, :, :LAY.chunk_size]]) == 1  # on disk already
+    for i in range(2):  # 8 small chunks
+        PrefixStore(s, NS).put(tokens(i), kv(i))
+    PrefixStore(s, BIG_NS).put(big_tokens(0), big_kv(0))  # 2 big chunks, the hottest
+    PrefixStore(s, NS).get(tokens(0), CHUNKS * LAY.chunk_size)  # prompt 0 after them
+    PrefixStore(s, BIG_NS).get(big_tokens(0), 2 * BIG_LAY.chunk_size)
+    with caplog.at_level("INFO", logger="kvstore.store"):
+        rep = s.persist_memory_tiers(30.0)
+    # the big chain does not fit: left out; 3 of prompt 0's chunks fill the room left
+    assert (rep.written_chunks, rep.left_room, rep.left_time, rep.left_error) == (3, 7, 0, 0)
+    line = [r.getMessage() for r in caplog.records if "persist on close" in r.getMessage()]
+    assert len(line) == 1 and "left out 7" in line[0] and "7 with the disk tier full" in line[0]
+    s.close()
+    r = reopen_disk_only(tmp_path, disk=cap)
+    try:
+        r.register(BIG_NS)
+        assert disk_of(r).contains(old[0])  # no disk chunk evicted for the pass
+        assert on_disk(r, 0) == [True, True, True, False] and not any(on_disk(r, 1))
+        assert PrefixStore(r, BIG_NS).lookup(big_tokens(0)).num_hit_chunks == 0
+        assert r.stats()["unreachable_bytes"] == 0
+        r.check_integrity()
+        got = PrefixStore(r, NS).get(tokens(0), 3 * LAY.chunk_size)
+        assert torch.equal(got, kv(0)[:, :, :3 * LAY.chunk_size])
+    finally:
+        r.close()
