@@ -7,11 +7,14 @@ gracefully closed store (``ChunkStore.close(persist_s=...)``, ``kvstore serve`` 
 SIGTERM/SIGINT) keeps its cache. A crash (SIGKILL, power loss) writes nothing: only what was
 on disk already survives it.
 
-Order: hottest first, i.e. each memory tier's eviction order reversed (the top tier's chunks
-before the next tier's; demoted chunks last), so that what is most likely reused is written
-when the time or the room runs out. A chunk's ancestors that the disk tier lacks are written
-just before it (parents before children), so every chunk written is reachable after a
-restart; a chunk whose ancestor is stored nowhere (unreachable already) is left out.
+Order: first the memory chunks that a disk chunk names as its parent (so the chunks spilled to
+disk before the close stay reachable after the restart: without their parent they would be
+unreachable), then the others; each group hottest first, i.e. each memory tier's eviction
+order reversed (the top tier's chunks before the next tier's; demoted chunks last), so that
+what is most likely reused is written when the time or the room runs out. A chunk's ancestors
+that the disk tier lacks are written just before it (parents before children), so every chunk
+written is reachable after a restart; a chunk whose ancestor is stored nowhere (unreachable
+already) is left out.
 
 Bounds: a time budget (seconds, wall clock, including the wait for the disk writer's
 commits: chunks still queued when it runs out are withdrawn, so the close that follows only
@@ -154,7 +157,8 @@ def persist_memory_tiers(st, budget_s: float) -> PersistReport | None:
     ours: list[ChunkKey] = []
     with st.lock:
         st.expire_leases()
-        todo = [k for k in hot_order(st.tiers) if not disk.contains(k) and k not in st.doomed]
+        todo = anchors_first(st, disk, [k for k in hot_order(st.tiers)
+                                        if not disk.contains(k) and k not in st.doomed])
         PROGRESS.start(len(todo), ours, disk)
         orphans: set[ChunkKey] = set()
         no_room: set[ChunkKey] = set()  # left out for room, with their descendants
@@ -226,6 +230,17 @@ def persist_memory_tiers(st, budget_s: float) -> PersistReport | None:
              rep.written_bytes, rep.seconds, rep.left_chunks, rep.left_time, budget_s,
              rep.left_room, rep.left_orphan, rep.left_error)
     return rep
+
+
+def anchors_first(st, disk: DiskTier, keys: list[ChunkKey]) -> list[ChunkKey]:
+    """``keys`` (memory chunks the disk tier lacks), those that a disk chunk names as its
+    parent first (a disk chunk is unreachable after a restart without them), each group in
+    its order in ``keys``. O(len(keys)), under the store lock."""
+    first = [k for k in keys if any(c not in st.doomed for c in disk.children_of(k))]
+    if not first:
+        return keys
+    lead = set(first)
+    return first + [k for k in keys if k not in lead]
 
 
 def _missing_chain(st, disk: DiskTier, key: ChunkKey, orphans: set[ChunkKey],

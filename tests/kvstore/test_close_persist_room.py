@@ -2,7 +2,9 @@
 tiers (``kvstore.close_persist``).
 
 - a chunk that does not fit is left out (with its descendants) and the pass goes on with the
-  chunks that do fit (smaller ones: another namespace's), never evicting a disk chunk.
+  chunks that do fit (smaller ones: another namespace's), never evicting a disk chunk;
+- a memory chunk whose child is on disk already is written before the others, so the chunks
+  spilled to disk are reachable after the restart.
 
 Real tiers: CPU arena, lmdb disk tier on a tmp dir, reopened.
 """
@@ -12,6 +14,7 @@ from kvstore.api import PrefixStore
 from kvstore.codec import HEADER_BYTES_MAX
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
+from kvstore.store import ChunkStore
 from tests.kvstore.test_close_persist import (CB, CHUNKS, LAY, NS, disk_of, kv, on_disk,
                                               reopen_disk_only, store, tokens)
 
@@ -69,5 +72,39 @@ def test_a_chunk_that_does_not_fit_is_skipped_and_smaller_ones_are_written(tmp_p
         r.check_integrity()
         got = PrefixStore(r, NS).get(tokens(0), 3 * LAY.chunk_size)
         assert torch.equal(got, kv(0)[:, :, :3 * LAY.chunk_size])
+    finally:
+        r.close()
+
+
+def spill_a_tail(s: ChunkStore) -> None:
+    """Leave prompt A (``tokens(0)``)'s head (2 chunks) in the 8-chunk CPU tier and its tail
+    (2 chunks) on disk only, with prompts B (``tokens(1)``, 4 chunks) and C (2 chunks) hotter
+    than A's head in the CPU tier."""
+    PrefixStore(s, NS).put(tokens(0), kv(0))
+    PrefixStore(s, NS).put(tokens(1), kv(1))  # the CPU tier is full
+    PrefixStore(s, NS).put(short_tokens(0, 2), short_kv(0, 2))  # A's tail spills (leaves first)
+    PrefixStore(s, NS).get(tokens(1), CHUNKS * LAY.chunk_size)
+    PrefixStore(s, NS).get(short_tokens(0, 2), 2 * LAY.chunk_size)
+    cpu, disk = s.tiers[0], disk_of(s)
+    a = NS.chunk_keys(tokens(0))
+    assert [cpu.contains(k) for k in a] == [True, True, False, False]
+    assert [disk.contains(k) for k in a] == [False, False, True, True]
+
+
+def test_parents_of_disk_chunks_are_written_first(tmp_path):
+    cap = 4 * SLOT  # A's tail, and room for 2 more
+    s = store(tmp_path, cpu=8, disk=cap)
+    spill_a_tail(s)
+    rep = s.persist_memory_tiers(30.0)
+    assert (rep.written_chunks, rep.left_room) == (2, 6)  # A's head; B and C left out
+    s.close()
+    r = reopen_disk_only(tmp_path, disk=cap)
+    try:
+        assert r.stats()["unreachable_bytes"] == 0
+        p = PrefixStore(r, NS)
+        assert p.lookup(tokens(0)).tiers == ("disk",) * CHUNKS  # the chain found whole
+        assert torch.equal(p.get(tokens(0), CHUNKS * LAY.chunk_size), kv(0))
+        assert p.lookup(tokens(1)).num_hit_chunks == 0
+        r.check_integrity()
     finally:
         r.close()
