@@ -137,7 +137,8 @@ def decode_header(blob: bytes) -> tuple[dict, int]:
     """``(header, payload bytes)`` from a frame's JSON header.
 
     Raises:
-        ProtocolError: not a JSON object, or a bad ``payload_bytes``.
+        ProtocolError: not a JSON object (or one nested too deeply to decode), or a bad
+            ``payload_bytes``.
     """
     try:
         try:  # UTF-8 (every client's): the decoder without json.loads' encoding detection
@@ -146,6 +147,8 @@ def decode_header(blob: bytes) -> tuple[dict, int]:
             header = json.loads(blob)
     except (ValueError, UnicodeDecodeError) as e:
         raise ProtocolError(f"frame header is not JSON: {e}") from None
+    except RecursionError:  # arrays/objects nested thousands deep: the decoder recurses
+        raise ProtocolError("frame header is nested too deeply") from None
     if not isinstance(header, dict):
         raise ProtocolError("frame header must be a JSON object")
     n = header.get("payload_bytes", 0)
