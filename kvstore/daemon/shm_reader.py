@@ -130,15 +130,15 @@ class SocketReader:
         Raises:
             ConnectionError: the client closed the connection first.
         """
-        while self._rend - self._rpos < need:
-            if self._rpos + need > len(self._rbuf):  # move what is left to the front (or grow)
-                have, rest = self._rend - self._rpos, self._rbuf[self._rpos:self._rend]
-                if need > len(self._rbuf):
-                    self._rbuf = bytearray(need)
-                    self._rview = memoryview(self._rbuf)
-                self._rbuf[:have] = rest
+        while (have := self._rend - self._rpos) < need:
+            if self._rpos and self._rpos + need > len(self._rbuf):  # move what is left to the front
+                self._rbuf[:have] = self._rbuf[self._rpos:self._rend]
                 self._base += self._rpos
                 self._rpos, self._rend = 0, have
+            if self._rend == len(self._rbuf):  # full: grow as bytes arrive, never ahead of them
+                grown = bytearray(min(need, 2 * len(self._rbuf)))  # (a header's declared size
+                grown[:have] = self._rview[:have]                  # is the client's word only)
+                self._rbuf, self._rview = grown, memoryview(grown)
             await self._io(self._recv_ahead)
 
     def _take(self, n: int) -> None:
@@ -174,22 +174,34 @@ class SocketReader:
             self._fds = [r for r in self._fds if r[1] >= offset]
 
     # ---- reads -------------------------------------------------------------------------------
-    async def read_frame(self) -> tuple[dict, int] | None:
-        """The next request's ``(header, payload bytes)``, or None at a clean end.
+    async def read_frame(self, timeout_s: float | None = None) -> tuple[dict, int] | None:
+        """The next request's ``(header, payload bytes)``, or None at a clean end. Waits for
+        the frame's first byte as long as it takes (an idle connection), then at most
+        ``timeout_s`` seconds (None: no limit) for the rest of its preamble and header.
 
         Raises:
             ProtocolError: a malformed preamble or header. ConnectionError: the stream ended
-                inside the header.
+                inside the header. TimeoutError: the frame's preamble and header did not
+                arrive within ``timeout_s`` of its first byte.
         """
         if self._fds:  # descriptors of bytes consumed without taking them
             self._close_fds_before(self._base + self._rpos)
         try:
-            await self._fill(PREAMBLE_BYTES)
+            await self._fill(1)
         except ConnectionError:
             return None
-        pos = self._rpos
-        n = decode_preamble(self._rbuf[pos:pos + PREAMBLE_BYTES])
-        await self._fill(PREAMBLE_BYTES + n)  # (may move the bytes to the front)
+        have, pos = self._rend - self._rpos, self._rpos
+        n = decode_preamble(self._rbuf[pos:pos + PREAMBLE_BYTES]) if have >= PREAMBLE_BYTES \
+            else -1
+        if n < 0 or have < PREAMBLE_BYTES + n:  # the rest of the frame's head is on its way
+            async with asyncio.timeout(timeout_s):
+                try:
+                    await self._fill(PREAMBLE_BYTES)
+                except ConnectionError:
+                    return None
+                pos = self._rpos
+                n = decode_preamble(self._rbuf[pos:pos + PREAMBLE_BYTES])
+                await self._fill(PREAMBLE_BYTES + n)  # (may move the bytes to the front)
         pos = self._rpos + PREAMBLE_BYTES
         header = self._rbuf[pos:pos + n]
         self._take(PREAMBLE_BYTES + n)

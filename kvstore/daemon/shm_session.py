@@ -108,9 +108,10 @@ class Connection:
         for view in payload:
             await self.loop.sock_sendall(self.sock, view)
 
-    async def read_frame(self) -> tuple[dict, int] | None:
-        """The next request's ``(header, payload bytes)``, or None at a clean end."""
-        return await self.reader.read_frame()
+    async def read_frame(self, timeout_s: float | None = None) -> tuple[dict, int] | None:
+        """The next request's ``(header, payload bytes)``, or None at a clean end; a frame
+        begun must be whole within ``timeout_s`` (``SocketReader.read_frame``)."""
+        return await self.reader.read_frame(timeout_s)
 
     async def drain_payload(self) -> None:
         """Read and drop the rest of the request's payload."""
@@ -202,11 +203,16 @@ class Connection:
 
     async def serve(self) -> None:
         """Answer requests until the client closes (or a fatal error)."""
+        timeout_s = self.state.limits.request_timeout_s
         while True:
             try:
-                frame = await self.read_frame()
+                frame = await self.read_frame(timeout_s)
             except ProtocolError as e:  # the stream's framing is lost
                 await self._fatal(400, str(e))
+                return
+            except TimeoutError:  # a frame begun, then stalled: its buffer is not kept
+                await self._fatal(504, f"request frame incomplete {timeout_s} s after its "
+                                       "first byte")
                 return
             if frame is None:
                 return

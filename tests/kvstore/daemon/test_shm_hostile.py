@@ -60,3 +60,69 @@ def test_a_header_nested_thousands_deep_is_answered_400(tmp_path):
                 assert "nested too deeply" in reply["error"]
                 c.close()
         assert serves_others(srv)
+
+
+def test_a_declared_header_length_buys_no_memory_before_its_bytes_arrive():
+    """A preamble declaring a 16 MiB header followed by a trickle: the read-ahead buffer grows
+    with the bytes received (it was allocated at the declared size at once: 50 idle
+    connections cost the daemon 800 MB for 450 bytes sent), and the frame still decodes once
+    whole."""
+    import asyncio
+
+    from kvstore.daemon.protocol import MAX_HEADER_BYTES
+    from kvstore.daemon.shm_reader import READ_AHEAD_BYTES, SocketReader
+
+    async def run():
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        reader = SocketReader(asyncio.get_running_loop(), ours)
+        blob = b'{"op":"lookup","pad":"' + b"x" * (300_000 - 24) + b'"}'
+        theirs.sendall(S.PREAMBLE.pack(b"KVS\x01", MAX_HEADER_BYTES) + b"{")
+        task = asyncio.ensure_future(reader.read_frame())
+        await asyncio.sleep(0.2)
+        assert not task.done() and len(reader._rbuf) <= READ_AHEAD_BYTES
+        task.cancel()
+        reader.close()
+        ours.close()
+        theirs.close()
+        # a real 300 KB header, sent in pieces: grows to fit it, decodes, shrinks back
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        reader = SocketReader(asyncio.get_running_loop(), ours)
+        frame = S.PREAMBLE.pack(b"KVS\x01", len(blob)) + blob + S.encode_frame({"op": "x"})
+        task = asyncio.ensure_future(reader.read_frame())
+        for i in range(0, len(frame), 70_000):
+            theirs.sendall(frame[i:i + 70_000])
+            await asyncio.sleep(0.01)
+        header, n = await asyncio.wait_for(task, 5)
+        assert header["op"] == "lookup" and len(header["pad"]) == 300_000 - 24 and n == 0
+        assert (await reader.read_frame())[0] == {"op": "x"}
+        assert len(reader._rbuf) == READ_AHEAD_BYTES
+        reader.close()
+        ours.close()
+        theirs.close()
+    asyncio.run(run())
+
+
+def test_a_frame_begun_then_stalled_times_out_504(tmp_path):
+    """After hello, a connection may idle between requests as long as it likes; a frame whose
+    first bytes arrived must be whole within the request timeout (it waited forever, holding
+    the buffer of its declared header length): answered 504, then closed."""
+    with shm_daemon(tmp_path, request_timeout_s=0.5) as srv:
+        seeded(srv)
+        idle = RawClient(srv.sock_path)
+        idle.hello()
+        for partial in (b"KV", S.PREAMBLE.pack(b"KVS\x01", 16 << 20) + b'{"op":'):
+            c = RawClient(srv.sock_path)
+            c.hello()
+            c.sock.sendall(partial)
+            t0 = time.monotonic()
+            reply = reply_or_eof(c)
+            assert reply is not None and reply["status"] == 504, reply
+            assert "incomplete" in reply["error"] and 0.4 < time.monotonic() - t0 < 3
+            assert reply_or_eof(c) is None  # closed
+            c.close()
+        time.sleep(0.6)
+        assert idle.keys_op("lookup", KEYS[:2])["num_hit_chunks"] == 2  # idle: still served
+        idle.close()
+        assert serves_others(srv)
