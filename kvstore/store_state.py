@@ -27,6 +27,7 @@ from kvstore.eviction.admission import create_admission
 from kvstore.movement import TierMover
 from kvstore.pins import PinTable
 from kvstore.tiers.base import Tier
+from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.memory import MemoryTier
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -78,6 +79,11 @@ class StoreState:
         #: appended from any thread without the store lock (``tier_lost``); their stored
         #: descendants leave at the next operation under the lock (``expire_leases``)
         self.lost: deque[ChunkKey] = deque()
+        # at the open only the disk tier holds chunks: those it holds without their parent
+        # are unreachable (unless a remote tier holds the parent): its first victims
+        for t in tiers if not config.remote_url else ():
+            if isinstance(t, DiskTier):
+                t.demote_unreachable()
 
     # ---- namespaces and argument checks -------------------------------------------------------
     def register(self, ns: Namespace) -> None:

@@ -21,7 +21,8 @@ is a SIGBUS; a file truncated while open cannot be guarded against) and, unless
 
 Reads verify the header (magic, version, key, sizes) and the payload checksum; a bad value is
 deleted, counted as ``corruption`` and reported as a miss. Reopening a path re-indexes every
-value from its header.
+value from its header; the store then makes the chunks whose parent is not on disk (stored
+nowhere after a restart: unreachable) the first victims (``demote_unreachable``).
 """
 from __future__ import annotations
 
@@ -171,6 +172,41 @@ class DiskTier(DiskWriter, Tier):
                         "(shrinking allowed): evicted %d chunks (%d bytes) at open", self.path,
                         before, self.capacity_bytes, shrunk, before - self._used)
         self.num_bad_at_open = len(bad)
+
+    def demote_unreachable(self) -> tuple[int, int]:
+        """Demote (``Tier.demote``: first victims, deepest first) every chunk whose chain of
+        recorded parents leaves this tier (its parent, or an ancestor's, is not here). Meant
+        for the store's open, when no other tier holds a chunk yet (and none below this one
+        may hold the parent: no remote tier): such chunks are unreachable (``unreachable_bytes``)
+        until their parent is stored again. They are kept, not deleted (a recomputed parent
+        makes them reachable again; reading one lifts its demotion). Logs one line when some
+        are. Returns (chunks, bytes) demoted."""
+        with self._lock:
+            reach: dict[ChunkKey, bool] = {}
+            for key in self._index:
+                path, on_path, k = [], set(), key
+                while k not in reach:
+                    e = self._index.get(k)
+                    if e is None or k in on_path:  # absent (or a parent cycle): cut off
+                        reach[k] = False
+                        break
+                    if e.parent is None:
+                        reach[k] = True
+                        break
+                    path.append(k)
+                    on_path.add(k)
+                    k = e.parent
+                for q in path:
+                    reach[q] = reach[k]
+            cut = [k for k in self._index if not reach[k]]
+            for k in cut:
+                self._policy_call("demote", k)
+            nbytes = sum(self._index[k].nbytes for k in cut)
+        if cut:
+            log.info("disk tier %s: %d chunks (%s) whose parent is stored nowhere are kept as "
+                     "the first victims (reachable again if their parent is stored again)",
+                     self.path, len(cut), format_size(nbytes))
+        return len(cut), nbytes
 
     @property
     def used_bytes(self) -> int:

@@ -1,17 +1,21 @@
 """The graceful-close persist pass when the disk tier has room for only part of the memory
-tiers (``kvstore.close_persist``).
+tiers (``kvstore.close_persist``), and what becomes of disk chunks left unreachable by a restart.
 
 - a chunk that does not fit is left out (with its descendants) and the pass goes on with the
   chunks that do fit (smaller ones: another namespace's), never evicting a disk chunk;
 - a memory chunk whose child is on disk already is written before the others, so the chunks
-  spilled to disk are reachable after the restart.
+  spilled to disk are reachable after the restart;
+- after a restart, disk chunks whose parent is stored nowhere are kept (a recomputed parent
+  makes them reachable again) but are the disk tier's first victims.
 
 Real tiers: CPU arena, lmdb disk tier on a tmp dir, reopened.
 """
+import pytest
 import torch
 
 from kvstore.api import PrefixStore
 from kvstore.codec import HEADER_BYTES_MAX
+from kvstore.config import StoreConfig
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
 from kvstore.store import ChunkStore
@@ -106,5 +110,58 @@ def test_parents_of_disk_chunks_are_written_first(tmp_path):
         assert torch.equal(p.get(tokens(0), CHUNKS * LAY.chunk_size), kv(0))
         assert p.lookup(tokens(1)).num_hit_chunks == 0
         r.check_integrity()
+    finally:
+        r.close()
+
+
+def unreachable_tail_and_roots(tmp_path, cap: int, roots: int) -> list:
+    """A disk tier at ``tmp_path`` holding ``roots`` one-chunk prompts (reachable) and prompt
+    A's tail (2 chunks) whose head lived only in the CPU tier of a store closed without
+    persisting it. Returns the roots' keys."""
+    s = store(tmp_path, cpu=8, disk=cap)
+    spill_a_tail(s)
+    keys = []
+    for i in range(roots):
+        k = NS.chunk_keys(short_tokens(10 + i, 1))
+        assert s.persist(NS, k, [short_kv(10 + i, 1)]) == 1
+        keys += k
+    s.close()  # no persist: A's head is lost
+    return keys
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "s3fifo", "arc"])
+def test_unreachable_disk_chunks_are_the_first_victims_after_a_restart(tmp_path, policy):
+    cap = 12 * SLOT
+    roots = unreachable_tail_and_roots(tmp_path, cap, 10)
+    cfg = StoreConfig(cpu_bytes=0, disk_bytes=cap, disk_path=str(tmp_path / "db"),
+                      disk_policy=policy)
+    r = ChunkStore(cfg, [NS])
+    try:
+        disk, tail = disk_of(r), NS.chunk_keys(tokens(0))[2:]
+        assert all(disk.contains(k) for k in tail + roots)  # kept at open
+        assert r.stats()["unreachable_bytes"] == sum(disk.nbytes_of(k) for k in tail) > 0
+        # the disk tier is full: a new 2-chunk prompt evicts 2 chunks, the unreachable ones
+        assert PrefixStore(r, NS).put(short_tokens(50, 2), short_kv(50, 2)) == 2
+        assert [disk.contains(k) for k in tail] == [False, False]
+        assert all(disk.contains(k) for k in roots)
+        assert r.stats()["unreachable_bytes"] == 0
+        r.check_integrity()
+    finally:
+        r.close()
+
+
+def test_a_recomputed_parent_makes_unreachable_disk_chunks_reachable_again(tmp_path):
+    cap = 16 * SLOT
+    unreachable_tail_and_roots(tmp_path, cap, 2)
+    r = reopen_disk_only(tmp_path, disk=cap)
+    try:
+        p = PrefixStore(r, NS)
+        assert p.lookup(tokens(0)).num_hit_chunks == 0 and r.stats()["unreachable_bytes"] > 0
+        assert p.put(tokens(0)[:2 * LAY.chunk_size], kv(0)[:, :, :2 * LAY.chunk_size]) == 2
+        assert p.lookup(tokens(0)).num_hit_chunks == CHUNKS
+        assert r.stats()["unreachable_bytes"] == 0
+        assert torch.equal(p.get(tokens(0), CHUNKS * LAY.chunk_size), kv(0))
+        # read again: no longer a first victim
+        assert not any(disk_of(r).is_demoted(k) for k in NS.chunk_keys(tokens(0)))
     finally:
         r.close()
