@@ -77,6 +77,9 @@ class StoreConfig:
         remote_breaker_failures: consecutive failures of a Redis node that open its circuit
             breaker (its keys then miss at once).
         remote_breaker_reset_s: seconds a node's breaker stays open before one trial call.
+        remote_restart_check_s: seconds between two checks of each Redis master's ``run_id``;
+            a node found restarted gets the local chunks it lacks written again
+            (``kvstore.republish``); 0 = no check.
         persist_on_close_s: seconds ``close`` may spend writing the memory tiers' chunks
             that the disk tier lacks to it, hottest first (``kvstore.close_persist``), so
             they survive a restart; 0 (default) = none. Needs a disk tier to do anything.
@@ -114,6 +117,7 @@ class StoreConfig:
     remote_password: str | None = field(default=None, repr=False)
     remote_breaker_failures: int = 3
     remote_breaker_reset_s: float = 5.0
+    remote_restart_check_s: float = 10.0
     persist_on_close_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -173,6 +177,9 @@ class StoreConfig:
             raise ValueError(f"remote_breaker_failures must be an int >= 1 and "
                              f"remote_breaker_reset_s > 0, got {self.remote_breaker_failures!r} "
                              f"and {self.remote_breaker_reset_s!r}")
+        if not 0 <= float(self.remote_restart_check_s) < float("inf"):
+            raise ValueError(f"remote_restart_check_s must be >= 0 (0: off), got "
+                             f"{self.remote_restart_check_s!r}")
         if self.remote_queue_bytes <= 0:
             raise ValueError(f"remote_queue_bytes must be > 0, got {self.remote_queue_bytes}")
         if self.remote_codec not in DISK_CODECS:

@@ -131,15 +131,9 @@ class ChunkStore(AdminMethods, DirectMethods, KVStoreBase):
                 if t.num_bad_at_open:
                     self.metrics.inc("corruptions", t.num_bad_at_open, tier=t.name)
         try:
-            if config.remote_url:
-                from kvstore.tiers.remote import RemoteTier
-                st.remote = RemoteTier(
-                    config.remote_url, config.remote_key_prefix, config.remote_ttl_s,
-                    config.remote_timeout_s, config.remote_queue_bytes, config.remote_password,
-                    config.remote_codec, registry=self.metrics.registry,
-                    breaker_threshold=config.remote_breaker_failures,
-                    breaker_reset_s=config.remote_breaker_reset_s)
-                st.remote.lossy_codec_of = st.lossy_codec_of
+            if config.remote_url:  # (wired to the store: its codec rule, a Redis restart)
+                from kvstore.republish import open_remote
+                st.remote = open_remote(st, config, self.metrics.registry)
             for ns in namespaces:
                 self.register(ns)
         except BaseException:

@@ -54,6 +54,7 @@ from kvstore.layout import KVLayout
 from kvstore.tiers.redis_nodes import RedisNodes
 from kvstore.tiers.redis_url import parse_redis_url
 from kvstore.tiers.remote_metrics import RemoteMetrics
+from kvstore.tiers.remote_restart import DEFAULT_CHECK_S, RestartWatch
 from kvstore.tiers.remote_values import check_key_prefix, decode_value, failure_reason
 from kvstore.tiers.remote_writer import WriteBehind
 
@@ -86,12 +87,16 @@ class RemoteTier:
             open it; seconds before a trial request).
         clock: monotonic seconds of the breakers and of the outage log lines (tests pass
             their own; call deadlines stay on ``time.monotonic``).
+        restart_check_s: seconds between two checks of every master's ``run_id``
+            (``kvstore.tiers.remote_restart``; 0: no check); a restart noticed calls
+            ``on_node_restart``.
 
     Attributes:
         down_relog_s: least seconds between two WARNING lines of one node's outage (600).
+        on_node_restart: called with a node's name when it restarted (the store sets it).
 
     Raises:
-        ValueError: a bad URL, prefix, ttl, timeout, queue size or codec.
+        ValueError: a bad URL, prefix, ttl, timeout, queue size, codec or restart check.
         kvstore.tiers.redis_nodes.RemoteConfigError (a ValueError): Redis unreachable, the
             password refused, or several addresses that are not a cluster.
     """
@@ -103,12 +108,16 @@ class RemoteTier:
                  password: str | None = None, codec: str = "raw",
                  registry: CollectorRegistry | None = None, breaker_threshold: int = 3,
                  breaker_reset_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 restart_check_s: float = DEFAULT_CHECK_S) -> None:
         check_key_prefix(key_prefix)
         if (not 0 <= ttl_s < math.inf or not 0 < timeout_s < math.inf
                 or not isinstance(queue_bytes, int) or queue_bytes <= 0):
             raise ValueError(f"remote tier needs a finite ttl_s >= 0, a finite timeout_s > 0 and "
                              f"a whole queue_bytes > 0, got {ttl_s}, {timeout_s}, {queue_bytes}")
+        if not 0 <= restart_check_s < math.inf:
+            raise ValueError(f"remote tier needs a finite restart_check_s >= 0 (0: off), got "
+                             f"{restart_check_s!r}")
         if codec != "auto" and codec not in CODECS:
             raise ValueError(f"unknown remote codec {codec!r}; choose one of {CODECS} or 'auto'")
         self.endpoint = parse_redis_url(url, password)
@@ -128,6 +137,9 @@ class RemoteTier:
         for node in self.nodes.primaries():  # (every master's series exists from the start)
             self.nodes.breaker(node)
             self.metrics.add_node(node)
+        self.on_node_restart: Callable[[str], None] = lambda node: None
+        self.restarts = (RestartWatch(self.nodes.primaries, self.nodes.client, restart_check_s,
+                                      self._restarted) if restart_check_s else None)
         log.info("remote tier: %s %s, key prefix %r, ttl %s, deadline %.3fs",
                  "Redis Cluster" if self.nodes.cluster else "Redis", self.endpoint,
                  key_prefix, f"{max(1, round(self.ttl_s))}s" if self.ttl_s else "none",
@@ -177,6 +189,10 @@ class RemoteTier:
                 log.info("remote tier: node %s answers again (down %.1f s, %d failed calls; "
                          "circuit breaker closed)", node, *back)
 
+    def _restarted(self, node: str) -> None:
+        self.metrics.inc("node_restarts", label=node)
+        self.on_node_restart(node)
+
     # ---- keys -------------------------------------------------------------------------------
     def redis_key(self, key: ChunkKey) -> bytes:
         """``<prefix>:<ns id hex>:<prefix hash hex>`` (bytes)."""
@@ -203,16 +219,22 @@ class RemoteTier:
         if not keys:
             return []
         t0 = time.perf_counter()
-        groups, where = self._group([self.redis_key(k) for k in keys], lambda rk: ("EXISTS", rk))
-        res = self.nodes.run(groups, time.monotonic() + self.timeout_s)
-        found = []
-        for node, i in where:
-            r = res.get(node)
-            found.append(r is not None and r[i] == 1)
+        found = [e is True for e in self.exists(keys)]
         self.metrics.inc("lookups", len(keys))
         self.metrics.inc("lookup_hits", sum(found))
         self.metrics.observe("lookup", time.perf_counter() - t0)
         return found
+
+    def exists(self, keys: Sequence[ChunkKey]) -> list[bool | None]:
+        """``lookup`` without its metrics, telling a miss (False) from a failed or late node
+        (None)."""
+        groups, where = self._group([self.redis_key(k) for k in keys], lambda rk: ("EXISTS", rk))
+        res = self.nodes.run(groups, time.monotonic() + self.timeout_s)
+        out: list[bool | None] = []
+        for node, i in where:
+            r = res.get(node)
+            out.append(None if r is None or isinstance(r[i], Exception) else r[i] == 1)
+        return out
 
     def get(self, keys: Sequence[ChunkKey], layout: KVLayout
             ) -> list[tuple[torch.Tensor, ChunkKey | None] | None]:
@@ -356,7 +378,13 @@ class RemoteTier:
                 "queue_capacity_bytes": self.queue_capacity,
                 "breakers": self.nodes.breaker_states(), **self.metrics.snapshot()}
 
+    @property
+    def closed(self) -> bool:
+        return self.writer.closed
+
     def close(self, flush_timeout: float = 10.0) -> None:
         """Write what is queued (up to ``flush_timeout`` seconds), then close. Idempotent."""
+        if self.restarts is not None:
+            self.restarts.close()
         if self.writer.close(flush_timeout):
             self.nodes.close()

@@ -35,6 +35,9 @@ _COUNTERS = {
                        "reason"),
     "deleted": ("Values deleted (remove, clear, invalid values)", None),
     "breaker_opens": ("Times a node's circuit breaker opened", "node"),
+    "node_restarts": ("Restarts of a node noticed (a new run_id)", "node"),
+    "republished": ("Chunks held locally written to Redis again after a node restarted "
+                    "without them", None),
 }
 
 
@@ -71,6 +74,7 @@ class RemoteMetrics:
         """Export a master's breaker series (state 0, closed; no opens) before any change."""
         self.breaker_state.labels(node=node).set(STATE_VALUE["closed"])
         self._counters["breaker_opens"].labels(node)
+        self._counters["node_restarts"].labels(node)
 
     def inc(self, name: str, n: int = 1, label: str | None = None) -> None:
         """Add ``n`` to counter ``name`` (with its label value when it has one).

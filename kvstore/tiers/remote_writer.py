@@ -59,6 +59,11 @@ class WriteBehind:
         self._thread.start()
 
     @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called."""
+        return self._closed
+
+    @property
     def queued_bytes(self) -> int:
         """Bytes of chunks waiting or being written."""
         return self._queued_bytes

@@ -1,0 +1,194 @@
+"""Writing to Redis again what a store holds locally, after a Redis node restarted without it.
+
+A chunk reaches the remote tier once, when a store newly stores it (write-behind). When a
+Redis node restarts without its data (no persistence, a new machine), the chunks it held are
+gone, and the stores that still hold them locally never write them again: they serve them
+from their own tiers. So the hottest chunks of a fleet (a shared system prompt, a popular
+document) would miss on every other host until each recomputed them.
+
+When the remote tier notices a restart (``kvstore.tiers.remote_restart``: a node's
+``run_id`` changed), ``Republisher`` runs one pass on a thread of its own: every chunk of
+the local tiers, hottest first (each tier's eviction order reversed, the faster tier first:
+parents before children, as a request touches its chunks tail first), is asked of Redis
+(``RemoteTier.exists``, a batch of ``BATCH`` per call; keys whose node failed or was late
+are asked again up to ``RETRIES`` times), and each one Redis lacks is read
+out of its tier and queued for the remote tier's writer, waiting for room in its queue
+rather than dropping it. A node that comes back with its data (RDB, AOF, a replica
+promoted) lacks nothing: the pass only asks. The store lock is held for one chunk's read at
+a time, so the store keeps serving. A restart noticed during a pass runs one more pass
+after it. One line is logged per pass; ``kvstore_remote_republished_total`` counts the
+chunks written.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from kvstore.keys import ChunkKey
+
+log = logging.getLogger("kvstore.store")
+
+#: keys asked of Redis per ``EXISTS`` pipeline
+BATCH = 64
+#: more tries for keys whose node failed or was late (a node just restarted may not serve
+#: yet: a cluster master rejoins in seconds), ``RETRY_PAUSE_S`` x 2**try apart (7.75 s in all)
+RETRIES, RETRY_PAUSE_S = 5, 0.25
+
+
+@dataclass
+class RepublishReport:
+    """What one pass did: chunks held locally, found in Redis, written to it (and their
+    bytes), not asked (their node failed or was late), and the pass's wall seconds."""
+
+    held: int = 0
+    present: int = 0
+    written: int = 0
+    written_bytes: int = 0
+    unknown: int = 0
+    seconds: float = 0.0
+
+
+def hot_keys(st) -> list[ChunkKey]:
+    """Every key of the local tiers ``st.tiers``, hottest first: each tier's eviction order
+    reversed, the faster tier's keys first, each key once; removed keys left out. Under the
+    store lock."""
+    seen: set[ChunkKey] = set()
+    out = []
+    for t in st.tiers:
+        for k in reversed(t.eviction_order()):
+            if k not in seen and k not in st.doomed:
+                seen.add(k)
+                out.append(k)
+    return out
+
+
+def _pass(st, keys: list[ChunkKey], rep: RepublishReport) -> list[ChunkKey]:
+    """Ask Redis for ``keys`` and queue those it lacks (counted in ``rep``); returns the keys
+    not asked (their node failed or was late)."""
+    remote = st.remote
+    unknown: list[ChunkKey] = []
+    for i in range(0, len(keys), BATCH):
+        if remote.closed or st.closed:
+            break
+        batch = keys[i:i + BATCH]
+        for key, there in zip(batch, remote.exists(batch)):
+            if there is None:
+                unknown.append(key)
+                continue
+            if there:
+                rep.present += 1
+                continue
+            with st.lock:
+                src = None if st.closed else st.locate(key)
+                kv = src.read(key, "cpu") if src is not None else None  # (a new tensor)
+                parent = st.mover.parent_of(key)
+            if kv is None:
+                continue
+            nbytes = kv.numel() * kv.element_size()
+            while (remote.queued_bytes + nbytes > remote.queue_capacity
+                   and nbytes <= remote.queue_capacity and not remote.closed):
+                time.sleep(0.005)  # (the writer drains it; waiting beats a dropped write)
+            if remote.put_behind(key, kv, parent):
+                rep.written += 1
+                rep.written_bytes += nbytes
+    return unknown
+
+
+def republish(st, reason: str = "") -> RepublishReport:
+    """One pass (module docstring) over store state ``st`` (its ``remote`` set).
+
+    Returns:
+        The ``RepublishReport`` (also logged in one line, with ``reason``).
+    """
+    remote = st.remote
+    rep = RepublishReport()
+    t0 = time.monotonic()
+    with st.lock:
+        keys = hot_keys(st)
+    rep.held = len(keys)
+    for attempt in range(1 + RETRIES):
+        unknown = _pass(st, keys, rep)
+        if not unknown or remote.closed or st.closed or attempt == RETRIES:
+            break
+        keys = unknown
+        time.sleep(RETRY_PAUSE_S * 2 ** attempt)
+    rep.unknown = len(unknown)
+    remote.metrics.inc("republished", rep.written)
+    rep.seconds = time.monotonic() - t0
+    log.info("remote tier%s: queued %d chunks (%d bytes) of the %d held locally that Redis "
+             "lacked, in %.2f s (%d were there, %d not asked: their node failed or was late)",
+             f" ({reason})" if reason else "", rep.written, rep.written_bytes, rep.held,
+             rep.seconds, rep.present, rep.unknown)
+    return rep
+
+
+class Republisher:
+    """Runs ``republish`` on a thread of its own when ``schedule`` is called (the remote
+    tier's ``on_node_restart``), one pass at a time, one more if asked during a pass.
+
+    Args:
+        st: the store's state (with a remote tier).
+    """
+
+    def __init__(self, st) -> None:
+        self.st = st
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._again: list[str] = []
+        self.reports: list[RepublishReport] = []  # (the passes done, oldest first)
+
+    def schedule(self, node: str) -> None:
+        """Start a pass for the restart of ``node`` (or queue one after the running pass)."""
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                self._again.append(node)
+                return
+            self._thread = threading.Thread(target=self._run, args=(node,),
+                                            name="kvstore-republish", daemon=True)
+            self._thread.start()
+
+    def _run(self, node: str) -> None:
+        while True:
+            try:
+                self.reports.append(republish(self.st, f"node {node} restarted"))
+            except Exception:
+                log.exception("remote tier: writing local chunks again after node %s "
+                              "restarted failed", node)
+            with self._lock:
+                if not self._again or self.st.closed:
+                    self._again.clear()
+                    return
+                node = ", ".join(dict.fromkeys(self._again))
+                self._again.clear()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the running pass, if any (tests, close)."""
+        t = self._thread
+        if t is not None:
+            t.join(timeout)
+
+
+def open_remote(st, config, registry):
+    """The remote tier of ``config`` (a ``StoreConfig`` with ``remote_url``) for store state
+    ``st``, wired to it: the lossy-codec rule its writes follow, and a ``Republisher``
+    (``st.republisher``) called when a node restarted. ``registry``: the store's metrics
+    registry.
+
+    Raises:
+        ValueError: as ``RemoteTier`` (bad settings, Redis unreachable).
+    """
+    from kvstore.tiers.remote import RemoteTier
+
+    remote = RemoteTier(
+        config.remote_url, config.remote_key_prefix, config.remote_ttl_s,
+        config.remote_timeout_s, config.remote_queue_bytes, config.remote_password,
+        config.remote_codec, registry=registry,
+        breaker_threshold=config.remote_breaker_failures,
+        breaker_reset_s=config.remote_breaker_reset_s,
+        restart_check_s=config.remote_restart_check_s)
+    remote.lossy_codec_of = st.lossy_codec_of
+    st.republisher = Republisher(st)
+    remote.on_node_restart = st.republisher.schedule
+    return remote

@@ -1,0 +1,150 @@
+"""A Redis node that restarts empty gets the chunks a store still holds locally written again
+(``kvstore.republish``, noticed by ``kvstore.tiers.remote_restart``), so other hosts hit them
+again; a node that only answers again with its data is asked, not written. Real Redis."""
+import logging
+import time
+
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from kvstore.api import LookupResult
+from kvstore.tiers.remote_restart import RestartWatch
+from tests.kvstore.remote_helpers import NS, count, make_store, prompt, rkey, same, sample
+from tests.redis_fixtures import redis_server  # noqa: F401
+
+
+def _wait(cond, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def _restart_empty(srv) -> None:
+    srv.kill()
+    srv.restart()  # same port, no persistence: empty, a new run_id
+
+
+def test_a_restarted_empty_node_gets_the_local_chunks_again(redis_server, caplog):
+    a = make_store(redis_server.url, remote_restart_check_s=0.05)
+    b = make_store(redis_server.url, remote_restart_check_s=0)
+    try:
+        keys, kvs = prompt(NS, 0, 4)
+        keys2, kvs2 = prompt(NS, 1, 3)
+        assert a.put_chunks(NS, keys, kvs) == 4 and a.put_chunks(NS, keys2, kvs2) == 3
+        assert a.flush(5.0)
+        assert _wait(lambda: a.remote.restarts.run_ids)  # the watch has seen the node once
+        with redis_server.client() as r:
+            assert r.dbsize() == 7
+        with caplog.at_level(logging.INFO):
+            _restart_empty(redis_server)
+            assert _wait(lambda: count(a.remote, "republished") == 7)
+            a._st.republisher.join(5.0)
+            assert a.flush(5.0)
+        node = f"127.0.0.1:{redis_server.port}"
+        assert count(a.remote, "node_restarts", node) == 1
+        assert sample(a, "kvstore_remote_republished_total") == 7.0
+        rep = a._st.republisher.reports[-1]
+        assert (rep.held, rep.present, rep.written, rep.unknown) == (7, 0, 7, 0)
+        assert any(f"node {node} restarted" in r.getMessage()
+                   and "queued 7 chunks" in r.getMessage() for r in caplog.records)
+        with redis_server.client() as r:
+            assert r.dbsize() == 7 and all(r.exists(rkey(k)) for k in keys + keys2)
+        # another host, with nothing local, hits them again, bit-exact
+        assert b.lookup_keys(NS, keys) == LookupResult(4, 4, ("remote",) * 4, 4)
+        assert same(b.get_chunks(NS, keys), kvs) and same(b.get_chunks(NS, keys2), kvs2)
+        # A's own reads stayed local: the pass asked Redis without counting lookups
+        assert count(a.remote, "lookups") == 0
+        a.check_integrity()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_only_what_redis_lacks_is_written_and_a_node_that_kept_its_data_gets_nothing(
+        redis_server):
+    a = make_store(redis_server.url, remote_restart_check_s=0)  # the test checks by hand
+    try:
+        keys, kvs = prompt(NS, 2, 5)
+        assert a.put_chunks(NS, keys, kvs) == 5 and a.flush(5.0)
+        watch = a.remote.restarts
+        assert watch is None
+        watch = RestartWatch(a.remote.nodes.primaries, a.remote.nodes.client, 3600.0,
+                             a.remote._restarted)
+        try:
+            assert _wait(lambda: watch.run_ids)
+            assert watch.check() == []  # the same process: no restart
+            writes = count(a.remote, "writes")
+            # the node restarts, then gets two values back from elsewhere before the check
+            with redis_server.client() as r:
+                saved = {rkey(k): r.get(rkey(k)) for k in keys[:2]}
+            _restart_empty(redis_server)
+            with redis_server.client() as r:
+                for rk, v in saved.items():
+                    r.set(rk, v)
+            assert watch.check() == [f"127.0.0.1:{redis_server.port}"]
+            a._st.republisher.join(5.0)
+            assert a.flush(5.0)
+            rep = a._st.republisher.reports[-1]
+            assert (rep.held, rep.present, rep.written) == (5, 2, 3)
+            assert count(a.remote, "writes") == writes + 3
+            with redis_server.client() as r:
+                assert all(r.exists(rkey(k)) for k in keys)
+            # a check with nothing changed does nothing more
+            assert watch.check() == [] and len(a._st.republisher.reports) == 1
+        finally:
+            watch.close()
+    finally:
+        a.close()
+
+
+def test_a_node_that_does_not_answer_is_skipped_and_bad_intervals_are_refused(redis_server):
+    calls = []
+
+    def client(node):
+        raise RedisConnectionError("refused")
+
+    watch = RestartWatch(lambda: ["n1"], client, 3600.0, calls.append)
+    try:
+        assert watch.check() == [] and watch.run_ids == {} and calls == []
+    finally:
+        watch.close()
+    for bad in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="restart check interval"):
+            RestartWatch(lambda: [], client, bad, calls.append)
+    with pytest.raises(ValueError, match="remote_restart_check_s"):
+        make_store(redis_server.url, remote_restart_check_s=-1)
+
+
+def test_a_cluster_master_restarted_empty_gets_back_only_its_own_keys(redis_cluster):
+    a = make_store(redis_cluster.url, remote_restart_check_s=0.05)
+    b = make_store(redis_cluster.url, remote_restart_check_s=0, remote_timeout_s=1.0)
+    try:
+        keys, kvs = prompt(NS, 3, 12)
+        assert a.put_chunks(NS, keys, kvs) == 12 and a.flush(5.0)
+        assert _wait(lambda: len(a.remote.restarts.run_ids) == 3)
+        dead = 1
+        on_dead = [redis_cluster.node_for_key(rkey(k)) == dead for k in keys]
+        assert 0 < sum(on_dead) < 12
+        redis_cluster.kill_node(dead)
+        redis_cluster.nodes[dead].restart()  # empty, the same slots
+        redis_cluster.wait_ready()
+        assert _wait(lambda: a._st.republisher.reports, timeout=20.0)
+        a._st.republisher.join(10.0)
+        assert len(a._st.republisher.reports) == 1
+        assert a.flush(10.0)
+        rep = a._st.republisher.reports[-1]
+        assert (rep.held, rep.written, rep.present + rep.unknown) == (12, sum(on_dead),
+                                                                      12 - sum(on_dead))
+        dead_name = "%s:%d" % redis_cluster.startup_nodes[dead]
+        assert count(a.remote, "node_restarts", dead_name) == 1
+        assert sum(count(a.remote, "node_restarts", "%s:%d" % hp)
+                   for hp in redis_cluster.startup_nodes) == 1
+        with redis_cluster.nodes[dead].client() as r:
+            assert r.dbsize() == sum(on_dead)
+        assert same(b.get_chunks(NS, keys), kvs)
+    finally:
+        a.close()
+        b.close()
