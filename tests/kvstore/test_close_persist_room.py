@@ -6,9 +6,10 @@ tiers (``kvstore.close_persist``), and what becomes of disk chunks left unreacha
 - a memory chunk whose child is on disk already is written before the others, so the chunks
   spilled to disk are reachable after the restart;
 - after a restart, disk chunks whose parent is stored nowhere are kept (a recomputed parent
-  makes them reachable again) but are the disk tier's first victims.
+  makes them reachable again) but are the disk tier's first victims; not those whose parent
+  the remote tier (a real Redis) holds.
 
-Real tiers: CPU arena, lmdb disk tier on a tmp dir, reopened.
+Real tiers: CPU arena, lmdb disk tier on a tmp dir, reopened; Redis (``redis_server``).
 """
 import pytest
 import torch
@@ -163,5 +164,24 @@ def test_a_recomputed_parent_makes_unreachable_disk_chunks_reachable_again(tmp_p
         assert torch.equal(p.get(tokens(0), CHUNKS * LAY.chunk_size), kv(0))
         # read again: no longer a first victim
         assert not any(disk_of(r).is_demoted(k) for k in NS.chunk_keys(tokens(0)))
+    finally:
+        r.close()
+
+
+def test_with_a_remote_tier_a_disk_chunk_whose_parent_redis_holds_is_no_first_victim(
+        tmp_path, redis_server):
+    cap = 16 * SLOT
+    s = store(tmp_path, cpu=8, disk=cap, remote_url=redis_server.url)
+    spill_a_tail(s)  # every chunk is written behind to Redis too
+    assert s.flush(10.0)
+    s.close()
+    cfg = StoreConfig(cpu_bytes=0, disk_bytes=cap, disk_path=str(tmp_path / "db"),
+                      remote_url=redis_server.url)
+    r = ChunkStore(cfg, [NS])
+    try:
+        tail = NS.chunk_keys(tokens(0))[2:]
+        assert all(disk_of(r).contains(k) for k in tail)
+        assert not any(disk_of(r).is_demoted(k) for k in tail)  # reachable through Redis
+        assert PrefixStore(r, NS).lookup(tokens(0)).tiers == ("remote",) * 2 + ("disk",) * 2
     finally:
         r.close()
