@@ -16,12 +16,15 @@ out of its tier and queued for the remote tier's writer, waiting for room in its
 rather than dropping it. A node that comes back with its data (RDB, AOF, a replica
 promoted) lacks nothing: the pass only asks. The store lock is held for one chunk's read at
 a time, so the store keeps serving. A restart noticed during a pass runs one more pass
-after it. One line is logged per pass; ``kvstore_remote_republished_total`` counts the
+after it. Each pass waits a random pause of up to one check interval first, so that the
+hosts of a fleet, which all notice the restart, do not all write the same hot chunks. One
+line is logged per pass; ``kvstore_remote_republished_total`` counts the
 chunks written.
 """
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from dataclasses import dataclass
@@ -126,14 +129,19 @@ def republish(st, reason: str = "") -> RepublishReport:
 
 class Republisher:
     """Runs ``republish`` on a thread of its own when ``schedule`` is called (the remote
-    tier's ``on_node_restart``), one pass at a time, one more if asked during a pass.
+    tier's ``on_node_restart``), one pass at a time, one more if asked during a pass. Each
+    pass starts after a random pause of up to ``jitter_s`` seconds: every host of a fleet
+    notices a restart within one check interval, and spread over it the later ones find in
+    Redis what the earlier ones wrote (a chunk every host holds is written about once, not
+    once per host).
 
     Args:
         st: the store's state (with a remote tier).
+        jitter_s: longest pause before a pass (seconds, >= 0).
     """
 
-    def __init__(self, st) -> None:
-        self.st = st
+    def __init__(self, st, jitter_s: float = 0.0) -> None:
+        self.st, self.jitter_s = st, float(jitter_s)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._again: list[str] = []
@@ -151,6 +159,7 @@ class Republisher:
 
     def _run(self, node: str) -> None:
         while True:
+            time.sleep(random.uniform(0.0, self.jitter_s))
             try:
                 self.reports.append(republish(self.st, f"node {node} restarted"))
             except Exception:
@@ -189,6 +198,6 @@ def open_remote(st, config, registry):
         breaker_reset_s=config.remote_breaker_reset_s,
         restart_check_s=config.remote_restart_check_s)
     remote.lossy_codec_of = st.lossy_codec_of
-    st.republisher = Republisher(st)
+    st.republisher = Republisher(st, jitter_s=config.remote_restart_check_s)
     remote.on_node_restart = st.republisher.schedule
     return remote

@@ -148,3 +148,24 @@ def test_a_cluster_master_restarted_empty_gets_back_only_its_own_keys(redis_clus
     finally:
         a.close()
         b.close()
+
+
+def test_a_second_host_finds_what_the_first_wrote_again_and_writes_nothing(redis_server):
+    from kvstore.republish import republish
+    a = make_store(redis_server.url, remote_restart_check_s=0)
+    b = make_store(redis_server.url, remote_restart_check_s=0)
+    try:
+        keys, kvs = prompt(NS, 4, 6)
+        assert a.put_chunks(NS, keys, kvs) == 6 and b.put_chunks(NS, keys, kvs) == 6
+        assert a.flush(5.0) and b.flush(5.0)
+        _restart_empty(redis_server)
+        assert _wait(lambda: a.remote.exists(keys[:1]) == [False])
+        first = republish(a._st, "test")
+        assert a.flush(5.0)
+        second = republish(b._st, "test")
+        assert (first.held, first.written, first.present) == (6, 6, 0)
+        assert (second.held, second.written, second.present) == (6, 0, 6)
+        assert count(b.remote, "republished") == 0
+    finally:
+        a.close()
+        b.close()
