@@ -6,7 +6,13 @@ server's metrics (route ``shm_<op>``) and ``active`` requests. Errors the stream
 (a bad field, an unknown op, a checksum mismatch) are answered and the request's unread
 payload is drained; errors that lose the framing (a bad preamble or header, a payload over
 ``max_body_bytes``, a timeout mid-request) are answered, then the connection ends (after the
-client closes, when it holds borrows: it may still be copying borrowed pages).
+client closes, when it holds borrows: it may still be copying borrowed pages; that wait counts
+in no request, so a SIGTERM drain does not wait for it).
+
+Every wait on the client is bounded by the request timeout but one: the first byte of the
+next request (a pooled connection idles between requests). The rest of a frame begun, a
+payload declared (drained or not), and the send of a reply the socket did not take at once
+must each complete within it, else the connection ends (504).
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvstore.daemon import shm_ops, shm_vm
+from kvstore.daemon import shm_hello, shm_ops
 from kvstore.daemon import shm_protocol as S
 from kvstore.daemon.protocol import ProtocolError
 from kvstore.daemon.shm_reader import SocketReader
@@ -52,6 +58,11 @@ class Connection:
         self.peer = None
         #: the request stream, read ahead (``kvstore.daemon.shm_reader``)
         self.reader = SocketReader(self.loop, sock)
+        #: a reply could not be sent within the request timeout (the client reads nothing)
+        self.send_stuck = False
+        #: a fatal error ended the requests while borrows were held: the connection stays
+        #: open (not served, not counted in flight) until the client closes it
+        self.linger = False
         sock.setblocking(False)
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             try:
@@ -92,7 +103,13 @@ class Connection:
         return await self.reader.recv_exact(n)
 
     async def reply(self, header: dict, payload: list | tuple = (), fds: list[int] = ()) -> None:
-        """Send one reply frame (``payload``: memoryviews of ``payload_bytes`` in all)."""
+        """Send one reply frame (``payload``: memoryviews of ``payload_bytes`` in all). What
+        the socket does not take at once must go within the request timeout.
+
+        Raises:
+            TimeoutError: the client read too little of it in time (``send_stuck`` is set:
+                the stream may end inside the frame). OSError: the connection failed.
+        """
         head = S.encode_frame(header)
         if fds:
             sent = self.sock.sendmsg([head], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
@@ -103,10 +120,17 @@ class Connection:
                 head = head[self.sock.send(head):]
             except (BlockingIOError, InterruptedError):
                 pass
-        if head:
-            await self.loop.sock_sendall(self.sock, head)
-        for view in payload:
-            await self.loop.sock_sendall(self.sock, view)
+        if not head and not payload:
+            return
+        try:
+            async with asyncio.timeout(self.state.limits.request_timeout_s):
+                if head:
+                    await self.loop.sock_sendall(self.sock, head)
+                for view in payload:
+                    await self.loop.sock_sendall(self.sock, view)
+        except TimeoutError:
+            self.send_stuck = True
+            raise
 
     async def read_frame(self, timeout_s: float | None = None) -> tuple[dict, int] | None:
         """The next request's ``(header, payload bytes)``, or None at a clean end; a frame
@@ -114,7 +138,7 @@ class Connection:
         return await self.reader.read_frame(timeout_s)
 
     async def drain_payload(self) -> None:
-        """Read and drop the rest of the request's payload."""
+        """Read and drop the rest of the request's payload (callers bound the wait)."""
         scratch = memoryview(bytearray(min(self.payload_left, 256 << 10) or 1))
         while self.payload_left > 0:
             await self.recv_payload(scratch[:min(self.payload_left, len(scratch))])
@@ -156,53 +180,19 @@ class Connection:
 
     # ---- protocol ------------------------------------------------------------------------------
     async def hello(self) -> bool:
-        """Read and answer ``hello`` (within the request timeout); False when the connection
-        must close (answered with the reason)."""
-        try:
-            async with asyncio.timeout(self.state.limits.request_timeout_s):
-                frame = await self.read_frame()
-        except (ProtocolError, TimeoutError) as e:
-            await self.reply(S.error_reply(400, f"expected hello: {e}"))
-            return False
-        if frame is None:
-            return False
-        h, n = frame
-        if h.get("op") != "hello" or n:
-            await self.reply(S.error_reply(400, "the first request must be hello"))
-            return False
-        version = h.get("version")
-        if type(version) is not int or version not in S.SHM_VERSIONS:
-            await self.reply(S.error_reply(400, f"unsupported shm protocol version "
-                                                f"{version!r}; supported: "
-                                                f"{', '.join(map(str, S.SHM_VERSIONS))}"))
-            return False
-        tenant = self._authenticate(h.get("token"))
-        if tenant is None:
-            await self.reply(S.error_reply(401, "missing or wrong token"))
-            return False
-        self.tenant = tenant
-        srv = self.server
-        self.version = version
-        vm = {}
-        if version >= 3:
-            self.peer = _readable_peer(self.sock, h.get("vm_probe"))
-            vm = {"vm_read": self.peer is not None}
-        await self.reply({"ok": True, "version": version, "instance": self.state.instance,
-                          "arena_bytes": srv.arena_bytes, "page_bytes": srv.page_bytes,
-                          "tenant": {"name": tenant.name, "role": tenant.role,
-                                     "salt": tenant.salt}, **vm},
-                         fds=[srv.arena_fd] if srv.arena_bytes else [])
-        return True
-
-    def _authenticate(self, token: Any) -> Tenant | None:
-        if self.state.tenants is None:
-            return OPEN
-        if not isinstance(token, str) or token != token.strip():  # (the header form strips)
-            return None
-        return self.state.tenants.authenticate("Bearer " + token)
+        """Read and answer ``hello`` (``kvstore.daemon.shm_hello``); False when the
+        connection must close (answered with the reason)."""
+        return await shm_hello.hello(self)
 
     async def serve(self) -> None:
-        """Answer requests until the client closes (or a fatal error)."""
+        """Answer requests until the client closes or a fatal error (after which, with
+        borrows held, the connection waits for the client to close: ``wait_for_close``,
+        counted in no request)."""
+        await self._serve()
+        if self.linger and self.borrows:
+            await self.wait_for_close()
+
+    async def _serve(self) -> None:
         timeout_s = self.state.limits.request_timeout_s
         while True:
             try:
@@ -225,7 +215,8 @@ class Connection:
         if op == "release":
             self.release_borrow(header.get("borrow"))
             self.payload_left = payload_bytes
-            await self.drain_payload()
+            if payload_bytes:
+                return await self._drain_or_fatal()
             return True
         route = _ROUTES.get(op, "shm_unknown") if op.__class__ is str else "shm_unknown"
         limits, state = self.state.limits, self.state
@@ -288,9 +279,27 @@ class Connection:
         except Exception as e:  # noqa: BLE001 - the server stays up; the error goes to the client
             log.exception("internal error on shm op %r", op)
             status, message = 500, f"internal error: {type(e).__name__}: {e}"
-        await self.drain_payload()
-        await self.reply(S.error_reply(status, message))
+        if not await self._drain_or_fatal():
+            return 504, False
+        try:
+            await self.reply(S.error_reply(status, message))
+        except TimeoutError:
+            await self._fatal(504, f"reply not read within {limits.request_timeout_s} s")
+            return 504, False
         return status, True
+
+    async def _drain_or_fatal(self) -> bool:
+        """Drop the request's unread payload within the request timeout; False (after a 504,
+        the connection ending) when it does not arrive in time."""
+        timeout_s = self.state.limits.request_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.drain_payload()
+        except TimeoutError:
+            await self._fatal(504, f"payload not sent within {timeout_s} s "
+                                   f"({self.payload_left} bytes short)")
+            return False
+        return True
 
     async def refuse(self, reply: dict, linger_s: float = 1.0) -> None:
         """Answer a peer that may not be served, then close after it has sent its hello (up
@@ -307,35 +316,29 @@ class Connection:
             pass
 
     async def _fatal(self, status: int, message: str) -> None:
-        """Answer an error after which the stream cannot go on, then end the connection: at
-        once when nothing is borrowed, else once the client closes its end (it may still be
-        copying borrowed pages)."""
-        self.reader.unwatch()  # (the reads below are the loop's own)
+        """Answer an error after which the stream cannot go on (unless a reply is stuck
+        already: the client reads nothing), and mark the connection to end: at once when
+        nothing is borrowed, else once the client closes its end (``wait_for_close``: it may
+        still be copying borrowed pages)."""
+        self.reader.unwatch()  # (the reads of ``wait_for_close`` are the loop's own)
+        if not self.send_stuck:
+            try:
+                await self.reply(S.error_reply(status, message))
+            except (OSError, TimeoutError):
+                pass
+        self.linger = bool(self.borrows)
+
+    async def wait_for_close(self) -> None:
+        """After a fatal error with borrows held: stop sending, then read and drop whatever
+        the client sends until it closes (its borrows are released by ``close`` then)."""
+        self.reader.unwatch()
         try:
-            await self.reply(S.error_reply(status, message))
-            if self.borrows:
-                self.sock.shutdown(socket.SHUT_WR)
-                scratch = memoryview(bytearray(64 << 10))
-                while await self.loop.sock_recv_into(self.sock, scratch):
-                    pass
+            self.sock.shutdown(socket.SHUT_WR)
+            scratch = memoryview(bytearray(64 << 10))
+            while await self.loop.sock_recv_into(self.sock, scratch):
+                pass
         except OSError:
             pass
-
-
-def _readable_peer(sock: socket.socket, probe: Any) -> "shm_vm.PeerMemory | None":
-    """The connection's peer when hello's ``vm_probe`` reads back as given (puts may then
-    be read from the client's memory), else None."""
-    if probe is None or not shm_vm.available():
-        return None
-    try:
-        peer = shm_vm.PeerMemory.of_socket(sock)
-    except OSError:
-        return None
-    if peer.probe(probe):
-        return peer
-    log.debug("vm_probe of pid %d did not read back: puts go through staging", peer.pid)
-    peer.close()
-    return None
 
 
 #: op -> its route label in the server's metrics

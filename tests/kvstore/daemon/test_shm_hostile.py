@@ -126,3 +126,90 @@ def test_a_frame_begun_then_stalled_times_out_504(tmp_path):
         assert idle.keys_op("lookup", KEYS[:2])["num_hit_chunks"] == 2  # idle: still served
         idle.close()
         assert serves_others(srv)
+
+
+def test_a_payload_declared_but_not_sent_times_out_504_and_holds_no_request(tmp_path):
+    """A request (or a release) whose payload stops short: its drain waited forever, counted
+    in flight (a SIGTERM drain waited its whole timeout for it). Now 504 within the request
+    timeout; with borrows held the connection stays open (counted in no request) until the
+    client closes it, then its pins go."""
+    with shm_daemon(tmp_path, request_timeout_s=0.5) as srv:
+        seeded(srv)
+        state = srv.app[STATE_KEY]
+        lookup = {"op": "lookup", "namespace": NS.to_dict(), "keys": [KEYS[0].hex()]}
+        for header in (lookup, {"op": "release", "borrow": 1}):
+            c = RawClient(srv.sock_path)
+            c.hello()
+            c.sock.sendall(S.encode_frame(header, 1000) + b"x" * 10)
+            reply = reply_or_eof(c)
+            assert reply is not None and reply["status"] == 504, reply
+            assert "990 bytes short" in reply["error"]
+            assert reply_or_eof(c) is None  # closed
+            assert wait_until(lambda: state.active == 0, 2)
+            c.close()
+        c = RawClient(srv.sock_path)
+        c.hello()
+        reply, got = c.get(KEYS[:2])
+        assert got[0] == as_bytes(chunk(1)) and num_pinned(srv.store) == 2
+        c.sock.sendall(S.encode_frame(lookup, 1000) + b"x" * 10)
+        assert reply_or_eof(c)["status"] == 504
+        assert wait_until(lambda: state.active == 0, 2)
+        assert num_pinned(srv.store) == 2  # it may still copy its borrowed chunks
+        c.sock.settimeout(0.3)
+        try:
+            assert c.sock.recv(1) == b""  # the daemon sends nothing more
+        except socket.timeout:
+            pass
+        c.close()
+        assert wait_until(lambda: num_pinned(srv.store) == 0)
+        assert serves_others(srv)
+
+
+def test_a_client_that_reads_no_reply_does_not_hold_a_request_in_flight(tmp_path):
+    """A client that sends requests and never reads: the daemon stops reading it once its
+    replies fill the socket (nothing buffered beyond), and the send that waits gives up after
+    the request timeout (it waited forever, counted in flight). Other clients are served all
+    along; the client's borrow stays until it closes."""
+    with shm_daemon(tmp_path, request_timeout_s=0.5) as srv:
+        seeded(srv)
+        state = srv.app[STATE_KEY]
+        c = RawClient(srv.sock_path)
+        c.hello()
+        reply, _ = c.get(KEYS[:2])
+        assert reply["borrow"] is not None
+        c.sock.setblocking(False)
+        frame, sent = S.encode_frame({"op": "stats"}), 0
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # until the daemon stops taking requests
+            try:
+                c.sock.send(frame * 64)
+                sent += 64
+            except BlockingIOError:
+                time.sleep(0.2)
+                try:
+                    c.sock.send(frame)
+                except BlockingIOError:
+                    break
+        assert time.monotonic() < deadline and sent > 64
+        assert serves_others_pinned(srv, 2)
+        # (the requests the socket held are served first: a few seconds on a loaded host)
+        assert wait_until(lambda: state.active == 0, 20)
+        assert num_pinned(srv.store) == 2
+        c.close()
+        assert wait_until(lambda: num_pinned(srv.store) == 0)
+        assert serves_others(srv)
+
+
+def serves_others_pinned(srv, pinned: int) -> bool:
+    """As ``serves_others`` while another connection holds ``pinned`` chunks pinned."""
+    c = RawClient(srv.sock_path)
+    try:
+        assert c.hello()["ok"]
+        reply, got = c.get(KEYS[:2])
+        assert got == [as_bytes(chunk(1)), as_bytes(chunk(2))], reply
+        c.release(reply["borrow"])
+        assert c.keys_op("exists", KEYS[:1])["exists"] == [True]  # (after the release)
+    finally:
+        c.close()
+    return wait_until(lambda: num_pinned(srv.store) == pinned)
+
