@@ -27,7 +27,8 @@ def get_now(c: "Connection", h: dict) -> dict | None:
     missing one, or the store has a host memory tier outside the shared arena).
 
     Raises:
-        as ``get``.
+        as ``get``; ProtocolError 429: the connection holds ``MAX_BORROWS`` borrows
+            (``kvstore.daemon.shm_session``).
     """
     store = c.store
     if not _all_memory_shared(store):
@@ -35,6 +36,7 @@ def get_now(c: "Connection", h: dict) -> dict | None:
     ns, keys = _ns_keys(c, h)
     if not keys:
         raise P.ProtocolError("'keys' must be a non-empty list")
+    c.check_borrow_room()
     b = store.try_borrow_chunks(ns, keys, views=False)  # the client reads the runs
     if b is None:
         return None
@@ -62,6 +64,7 @@ async def get(c: "Connection", h: dict) -> None:
     ns, keys = _ns_keys(c, h)
     if not keys:
         raise P.ProtocolError("'keys' must be a non-empty list")
+    c.check_borrow_room()
     state = c.state
     # a timeout landing during a store call must neither leak the pins nor drop them while
     # read_lower still reads (and promotes) under them

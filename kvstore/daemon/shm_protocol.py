@@ -18,9 +18,9 @@ request is of its namespace, so its id is not repeated; ``hashes_frame``, ``pars
 ``ShmKVStoreClient`` sends every key request but ``pin`` so. Every reply has
 ``"ok": true`` and the op's fields, or ``"ok": false, "status": int, "error": str`` (the HTTP
 status the same failure gets over HTTP: 400 bad input, 401 bad token, 403 another tenant's
-namespace or a reader's write, 404 unknown op, 413 too many keys, 503 shutting down, 504 a
-request, a payload or a frame begun not sent, or a reply not read, within the request timeout:
-the connection ends).
+namespace or a reader's write, 404 unknown op, 413 too many keys, 429 a get while the
+connection holds 1024 borrows unreleased, 503 shutting down, 504 a request, a payload or a
+frame begun not sent, or a reply not read, within the request timeout: the connection ends).
 
 Requests and replies, in order on one connection (a client may send requests before reading
 earlier replies; they are served and answered in order; ``release`` has no reply):

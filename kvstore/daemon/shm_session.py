@@ -12,7 +12,8 @@ in no request, so a SIGTERM drain does not wait for it).
 Every wait on the client is bounded by the request timeout but one: the first byte of the
 next request (a pooled connection idles between requests). The rest of a frame begun, a
 payload declared (drained or not), and the send of a reply the socket did not take at once
-must each complete within it, else the connection ends (504).
+must each complete within it, else the connection ends (504). A get is refused (429) while
+the connection holds ``MAX_BORROWS`` borrows unreleased.
 """
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ log = logging.getLogger("kvstore.daemon.shm_server")
 
 #: Socket buffer asked for in each direction (bytes): a 5.9 MB chunk crosses in a few calls.
 SOCKET_BUFFER_BYTES = 4 << 20
+#: Borrows one connection may hold unreleased; a get beyond is answered 429 (a client holds
+#: one per get in progress; one that never releases would grow the daemon without bound).
+MAX_BORROWS = 1024
 
 
 class Connection:
@@ -144,6 +148,12 @@ class Connection:
             await self.recv_payload(scratch[:min(self.payload_left, len(scratch))])
 
     # ---- borrows -----------------------------------------------------------------------------
+    def check_borrow_room(self) -> None:
+        """Raises ProtocolError (429) when the connection holds ``MAX_BORROWS`` borrows."""
+        if len(self.borrows) >= MAX_BORROWS:
+            raise ProtocolError(f"{len(self.borrows)} borrows unreleased on this connection (at "
+                                f"most {MAX_BORROWS}); release some before the next get", 429)
+
     def add_borrow(self, borrowed) -> int:
         """Register a get's ``BorrowedChunks``; returns its id for ``release``."""
         bid = self._next_borrow
@@ -349,4 +359,4 @@ def _fd_bytes(fds: list[int]) -> bytes:
     return array.array("i", fds).tobytes()
 
 
-__all__ = ["Connection", "SOCKET_BUFFER_BYTES"]
+__all__ = ["Connection", "MAX_BORROWS", "SOCKET_BUFFER_BYTES"]

@@ -213,3 +213,27 @@ def serves_others_pinned(srv, pinned: int) -> bool:
         c.close()
     return wait_until(lambda: num_pinned(srv.store) == pinned)
 
+
+def test_a_connection_holds_at_most_max_borrows(tmp_path, monkeypatch):
+    """Gets never released grew the daemon without bound (100 000 of them: +110 MB); a get
+    beyond ``MAX_BORROWS`` unreleased is answered 429, pins nothing, and the connection goes
+    on; a release makes room."""
+    from kvstore.daemon import shm_session
+    monkeypatch.setattr(shm_session, "MAX_BORROWS", 3)
+    with shm_daemon(tmp_path) as srv:
+        seeded(srv)
+        c = RawClient(srv.sock_path)
+        c.hello()
+        borrows = [c.get(KEYS[:2])[0]["borrow"] for _ in range(3)]
+        assert None not in borrows and len(set(borrows)) == 3
+        refused, _ = c.get(KEYS[:1])
+        assert refused["status"] == 429 and "release some" in refused["error"]
+        missing, _ = c.get(NS.chunk_keys(list(range(400, 404))))
+        assert missing["status"] == 429
+        c.release(borrows[0])
+        reply, got = c.get(KEYS[:2])
+        assert reply["ok"] and got == [as_bytes(chunk(1)), as_bytes(chunk(2))]
+        assert c.keys_op("lookup", KEYS[:2])["num_hit_chunks"] == 2
+        c.close()
+        assert wait_until(lambda: num_pinned(srv.store) == 0)
+        assert serves_others(srv)
