@@ -179,29 +179,20 @@ class DiskTier(DiskWriter, Tier):
         for the store's open, when no other tier holds a chunk yet (and none below this one
         may hold the parent: no remote tier): such chunks are unreachable (``unreachable_bytes``)
         until their parent is stored again. They are kept, not deleted (a recomputed parent
-        makes them reachable again; reading one lifts its demotion). Logs one line when some
-        are. Returns (chunks, bytes) demoted."""
+        makes them reachable again; reading one lifts its demotion). A parent cycle (which only
+        a lying client can record) is not looked for. O(chunks here). Logs one line when some
+        are demoted. Returns (chunks, bytes) demoted."""
         with self._lock:
-            reach: dict[ChunkKey, bool] = {}
-            for key in self._index:
-                path, on_path, k = [], set(), key
-                while k not in reach:
-                    e = self._index.get(k)
-                    if e is None or k in on_path:  # absent (or a parent cycle): cut off
-                        reach[k] = False
-                        break
-                    if e.parent is None:
-                        reach[k] = True
-                        break
-                    path.append(k)
-                    on_path.add(k)
-                    k = e.parent
-                for q in path:
-                    reach[q] = reach[k]
-            cut = [k for k in self._index if not reach[k]]
+            index = self._index
+            frontier = [k for k, e in index.items()
+                        if e.parent is not None and e.parent not in index]
+            cut = list(frontier)
+            while frontier:  # their descendants (each key has one parent: none twice)
+                frontier = [c for k in frontier for c in self.policy.children(k)]
+                cut.extend(frontier)
             for k in cut:
                 self._policy_call("demote", k)
-            nbytes = sum(self._index[k].nbytes for k in cut)
+            nbytes = sum(index[k].nbytes for k in cut)
         if cut:
             log.info("disk tier %s: %d chunks (%s) whose parent is stored nowhere are kept as "
                      "the first victims (reachable again if their parent is stored again)",
