@@ -29,6 +29,7 @@ from kvstore.daemon.shm_borrow import ArenaBorrow, CopiedBorrow
 from kvstore.daemon.shm_client import CAPABILITIES as SHM_CAPABILITIES
 from kvstore.daemon.shm_client import ShmKVStoreClient
 from kvstore.daemon.shm_discovery import discover_socket
+from kvstore.daemon.shm_errors import SocketGone
 from kvstore.daemon.transport import check_timeout, check_url
 from kvstore.daemon.wire_codec import WIRE_CODECS
 from kvstore.errors import RemoteError, StoreUnavailable
@@ -249,14 +250,16 @@ class KVStoreClient(KVStoreBase):
         raise AssertionError("unreachable")  # the second attempt never answers _RETRY
 
     def _on_socket(self, shm: ShmKVStoreClient, call, timeout_s: float | None) -> Any:
-        """``call(shm)``; for a discovered socket (not a ``unix://`` URL) a failure that sent
-        nothing (refused, no socket file, a refused hello: 401) or an answer from another
-        daemon start re-discovers (``_rediscover``). Returns ``_RETRY`` when the call should
-        be made again on the new path; raises the call's error otherwise."""
+        """``call(shm)``; for a discovered socket (not a ``unix://`` URL) the socket gone
+        (``SocketGone``: refused, no socket file) for a call that sent nothing or is
+        idempotent, a refused hello (401: nothing sent), or an answer from another daemon
+        start re-discovers (``_rediscover``). Returns ``_RETRY`` when the call should be made
+        again on the new path; raises the call's error otherwise (any other failure: the
+        call may have been sent, and is not sent twice)."""
         try:
             out = call(shm)
-        except StoreUnavailable as e:
-            if self._async is None or not _sent_nothing(e) or not self._rediscover(
+        except SocketGone as e:
+            if self._async is None or not e.resendable or not self._rediscover(
                     shm, e, timeout_s):
                 raise
             return _RETRY
@@ -390,10 +393,3 @@ def _instance_of(shm: ShmKVStoreClient | None) -> str | None:
     """The daemon start (``hello``'s ``instance``) ``shm`` greeted last, or None."""
     arena = shm._arenas.get("current") if shm is not None else None
     return arena.instance if arena is not None else None
-
-
-def _sent_nothing(error: StoreUnavailable) -> bool:
-    """Whether a socket client's ``error`` came before anything was sent (the socket file
-    is gone or refuses connections), so the call may be retried on another path."""
-    text = str(error)
-    return "no such socket file" in text or "connection refused" in text

@@ -17,8 +17,10 @@ maps read-only), pipelined over requests, and the daemon copies them into reserv
 (``kvstore.daemon.shm_put``).
 
 Deadlines and errors as ``kvstore.daemon.client.KVStoreClient``: every call ends within its
-deadline (``timeout_s``) with a result, ``StoreUnavailable`` (daemon gone, refused, hung),
-``RemoteError`` (an error reply, with the HTTP status the same failure gets over HTTP) or
+deadline (``timeout_s``) with a result, ``StoreUnavailable`` (daemon gone, refused, hung;
+``kvstore.daemon.shm_errors.SocketGone`` when the socket is absent or refuses, saying whether
+the call was sent), ``RemoteError`` (an error reply, with the HTTP status the same failure
+gets over HTTP) or
 ``ValueError`` (bad arguments, checked before sending). Idempotent calls are retried on a
 fresh connection when a pooled one turns out dead (a restarted daemon); pin/unpin are not
 retried once sent. A connection that failed mid-call is closed, which releases its pins.
@@ -35,8 +37,10 @@ import torch
 
 from kvstore.api import KVStoreBase, LookupResult, StoreCapabilities
 from kvstore.daemon import protocol as P
+from kvstore.daemon.call_checks import check_out, check_put  # noqa: F401 (re-exported)
 from kvstore.daemon.shm_borrow import ArenaBorrow, borrow_on, copy_on
 from kvstore.daemon.shm_conn import Conn, key_frame, unix_path
+from kvstore.daemon.shm_errors import SocketGone
 from kvstore.daemon.shm_protocol import SHM_VERSION, hashes_frame
 from kvstore.daemon.shm_put import STAGING_BYTES, put_on
 from kvstore.daemon.shm_release import client_flusher
@@ -165,7 +169,7 @@ class ShmKVStoreClient(KVStoreBase):
         it back itself); an error still returns or closes it here."""
         timeout = self.timeout_s if timeout_s is None else check_timeout(timeout_s)
         deadline = time.monotonic() + timeout
-        attempt, refused, last = 0, 0, None
+        attempt, refused, last, sent = 0, 0, None, False
         while True:
             if time.monotonic() >= deadline:
                 raise StoreUnavailable(f"{what} {self.url}: no answer within {timeout} s "
@@ -177,8 +181,9 @@ class ShmKVStoreClient(KVStoreBase):
                 if self.refused_tries is not None and refused >= self.refused_tries:
                     why = ("no such socket file" if isinstance(e, FileNotFoundError)
                            else "connection refused")
-                    raise StoreUnavailable(f"{what} {self.url}: {why} ({refused} tries); is the "
-                                           "kvstore daemon running?") from None
+                    raise SocketGone(f"{what} {self.url}: {why} ({refused} tries); is the "
+                                     "kvstore daemon running?", sent=sent,
+                                     idempotent=idempotent) from None
                 time.sleep(max(0.0, min(self.refused_backoff_s, deadline - time.monotonic())))
                 continue
             except TimeoutError:
@@ -194,6 +199,7 @@ class ShmKVStoreClient(KVStoreBase):
                 last = e
             else:
                 try:
+                    sent = True
                     out = fn(conn, deadline)
                 except RemoteError as e:
                     self._give(conn)  # the reply was read whole: the connection is fine
@@ -365,34 +371,3 @@ def _key_request_frame(op: str, ns: Namespace, keys: Sequence[ChunkKey]) -> byte
         return hashes_frame(op, ns, keys)
     except ValueError:
         return key_frame(op, P.key_request(ns, keys))
-
-
-def check_put(ns: Namespace, keys: Sequence[ChunkKey], kvs: Sequence[torch.Tensor],
-              parents: Sequence | None) -> None:
-    """The checks a client makes on a put before sending anything.
-
-    Raises:
-        ValueError: a key that is not a ``ChunkKey``, ``len(keys) != len(kvs)``, a
-            ``parents`` of another length, or a tensor not matching ``ns.layout``
-            (``KVLayout.validate``).
-    """
-    P.check_key_types(keys)
-    if len(keys) != len(kvs):
-        raise ValueError(f"{len(keys)} keys but {len(kvs)} tensors")
-    if parents is not None and len(parents) != len(keys):
-        raise ValueError(f"{len(keys)} keys but {len(parents)} parents")
-    for kv in kvs:
-        ns.layout.validate(kv)
-
-
-def check_out(ns: Namespace, keys: Sequence[ChunkKey], out: Sequence[torch.Tensor]) -> None:
-    if len(out) != len(keys):
-        raise ValueError(f"get_chunks: {len(keys)} keys but {len(out)} out tensors")
-    lay = ns.layout
-    for t in out:
-        if (tuple(t.shape) != lay.shape() or t.dtype != lay.torch_dtype
-                or t.device.type != "cpu" or not t.is_contiguous()):
-            raise ValueError(f"get_chunks: each out tensor must be a contiguous CPU "
-                             f"{lay.dtype} tensor of shape {list(lay.shape())}, got "
-                             f"{t.dtype} {list(t.shape)} on {t.device}")
-

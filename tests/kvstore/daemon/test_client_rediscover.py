@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -36,11 +37,16 @@ def start(port: int, sock: str | None) -> subprocess.Popen:
     """``kvstore serve`` on ``port`` (and ``sock`` when given), once it listens."""
     args = [sys.executable, "-m", "kvstore", "serve", "--host", "127.0.0.1", "--port",
             str(port), "--cpu-bytes", "4MiB", "--page-bytes", "256", "--log-level", "warning"]
-    proc = subprocess.Popen(args + (["--unix-socket", sock] if sock else []), cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
-    line = proc.stdout.readline().decode()
-    assert "listening on" in line, line
+    with tempfile.TemporaryFile() as err:   # (a file: a pipe nobody reads could fill)
+        proc = subprocess.Popen(args + (["--unix-socket", sock] if sock else []), cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=err,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+        line = proc.stdout.readline().decode()
+        if "listening on" not in line:
+            proc.wait(30)
+            err.seek(0)
+            raise AssertionError(f"kvstore serve on port {port} did not start: {line!r}; "
+                                 f"stderr: {err.read().decode(errors='replace')[-2000:]}")
     return proc
 
 
