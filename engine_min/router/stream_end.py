@@ -4,7 +4,9 @@ the router is stopping with the stream still open.
 The client then gets what an engine sends when it is shut down mid-stream
 (``engine_min.serve.run``): a chunk whose ``finish_reason`` is ``"abort"`` (unless the engine
 already sent a finishing chunk), an OpenAI error event and ``data: [DONE]``, instead of a
-connection cut in the middle of an event.
+connection cut in the middle of an event. The error event of a stream its engine cut names
+the engine and how far the stream got (``cut_message``); the cause in aiohttp's words goes to
+the router's log only.
 
 ``SseRelayState`` sees every chunk the engine sends; it passes on only whole events (up to the
 last blank line), so a cut never leaves half an event with the client, and remembers the
@@ -49,12 +51,13 @@ class SseRelayState:
 
     Attributes:
         bytes_relayed: bytes passed on to the client so far.
+        events_relayed: whole events passed on so far.
         request_id: the stream's ``id`` (from its first JSON event; None before one).
         finished: a chunk with a non-null ``finish_reason`` was passed on.
     """
 
     def __init__(self) -> None:
-        self.bytes_relayed = 0
+        self.bytes_relayed = self.events_relayed = 0
         self.request_id: str | None = None
         self.finished = False
         self._shape: dict | None = None   # id, object, model, created of the first event
@@ -72,6 +75,7 @@ class SseRelayState:
         if out:
             self._scan(out)
             self.bytes_relayed += len(out)
+            self.events_relayed += out.count(b"\n\n") + out.count(b"\r\n\r\n")
         return out
 
     def flush(self) -> bytes:
@@ -148,6 +152,14 @@ async def drain(num_inflight, streams: dict, timeout_s: float, logger,
         await asyncio.sleep(poll_s)
 
 
+def cut_message(url: str, state: SseRelayState) -> str:
+    """The error event's message of a stream its engine cut: the engine's URL and how far the
+    stream got (events, bytes). The cause in aiohttp's words goes to the router's log only."""
+    return (f"The engine {url} failed mid-stream: its stream was cut after "
+            f"{state.events_relayed} event{'' if state.events_relayed == 1 else 's'} "
+            f"({state.bytes_relayed} bytes) had been relayed; the request was aborted.")
+
+
 async def relay_stream(request: web.Request, up: aiohttp.ClientResponse, e, headers: dict,
                        metrics, streams: dict) -> web.StreamResponse:
     """Relay an SSE stream whole event by whole event (``SseRelayState``). A stream the
@@ -193,8 +205,7 @@ async def relay_stream(request: web.Request, up: aiohttp.ClientResponse, e, head
                        "client's stream ended with an error event", e.url,
                        state.request_id or "unknown", state.bytes_relayed, why,
                        "taken out; " if was_up else "")
-        await resp.write(state.ending(f"The engine serving this request failed "
-                                      f"mid-stream: {why}", "engine_failed"))
+        await resp.write(state.ending(cut_message(e.url, state), "engine_failed"))
         await resp.write_eof()
         return resp
     finally:

@@ -5,58 +5,17 @@ drops the connection) and the router stopping with a stream open. One warning li
 traceback."""
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import threading
 import time
 
 import pytest
-from aiohttp import web
 
 from engine_min.router.stream_end import SseRelayState
-from engine_min.serve.server import ServerThread
 from engine_min.tokenizer import load_tokenizer
+from tests.engine_min.router.fake_engine import EVENTS, ID, event as _event, fake_engine
 from tests.engine_min.router.served import metric, metrics, request, start_router, wait_health
-
-ID = "chatcmpl-fake42"
-
-
-def _event(delta: dict, finish=None) -> bytes:
-    return b"data: " + json.dumps({
-        "id": ID, "object": "chat.completion.chunk", "created": 7, "model": "fake",
-        "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                     "finish_reason": finish}]}).encode() + b"\n\n"
-
-
-EVENTS = [_event({"role": "assistant", "content": ""}), _event({"content": "Hello"}),
-          _event({"content": " world"})]
-HALF = _event({"content": " PARTIAL"})[:-30]
-
-
-def fake_engine(mode: str) -> ServerThread:
-    """An engine that answers /health and a chat stream: ``EVENTS``, then (mode "cut") half an
-    event and a dropped connection, or (mode "hang") nothing more until the client leaves."""
-    async def health(_r):
-        return web.json_response({"status": "ok"})
-
-    async def chat(request: web.Request) -> web.StreamResponse:
-        await request.read()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for ev in EVENTS:
-            await resp.write(ev)
-        if mode == "cut":
-            await resp.write(HALF)
-            await asyncio.sleep(0.1)
-            request.transport.abort()     # as the kernel does for a SIGKILLed engine
-            return resp
-        await asyncio.sleep(3600)
-        return resp
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_post("/v1/chat/completions", chat)
-    return ServerThread(app).start()
 
 
 @pytest.fixture(scope="module")
@@ -98,12 +57,21 @@ def test_engine_dying_mid_stream_ends_the_clients_stream(tokenizer, caplog):
             status, headers, body = request(srv.url, "/v1/chat/completions", BODY, timeout=30)
         assert status == 200 and headers["Content-Type"] == "text/event-stream"
         _check_ending(body, "engine_failed")
+        relayed = len(b"".join(EVENTS))
+        # the client is told which engine failed and how far its stream got, in our words
+        assert _events(body)[-2]["error"]["message"] == (
+            f"The engine {eng.url} failed mid-stream: its stream was cut after "
+            f"{len(EVENTS)} events ({relayed} bytes) had been relayed; the request was "
+            f"aborted."), _events(body)[-2]
         warnings = [r for r in caplog.records if r.levelno >= logging.WARNING
                     and r.name == "engine_min.router" and "mid-stream" in r.getMessage()]
         assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
         line = warnings[0].getMessage()
         assert eng.url in line and ID in line
-        assert f"{len(b''.join(EVENTS))} bytes relayed" in line
+        assert f"{relayed} bytes relayed" in line
+        # aiohttp's account of the cut is for the log only
+        assert "payload is not completed" in line, line
+        assert b"payload" not in body and b"TransferEncoding" not in body, body[-400:]
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR], \
             [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
         assert metrics(srv.url)["router_failed_requests_total"] == 1
