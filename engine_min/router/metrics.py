@@ -23,8 +23,13 @@ Series (``GET /metrics``; ``engine`` is the engine's base URL as given to ``--en
     router_store_hit_tokens_total                counter, prompt tokens the store held, in the
                                                  picked engine's namespace
     router_failed_requests_total                 counter, requests the router could not
-                                                 complete (no engine left, or an engine failed
-                                                 after bytes went to the client)
+                                                 complete: every cause below
+    router_failed_requests_by_code_total{code}   counter, the same by the error code the client
+                                                 got: no_healthy_engine (none left) |
+                                                 engine_failed (an engine failed after bytes
+                                                 went to the client) | server_shutting_down
+                                                 (still in flight when the router's shutdown
+                                                 timeout ran out: a stream ended, or a 503)
 
 predicted / reported over the same requests is the index's accuracy.
 """
@@ -33,6 +38,8 @@ from __future__ import annotations
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                Histogram, generate_latest)
 
+#: the error codes a failed request's client gets (``router_failed_requests_by_code_total``)
+FAILURE_CODES = ("no_healthy_engine", "engine_failed", "server_shutting_down")
 OVERHEAD_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
                       0.25, 0.5, 1.0)
 
@@ -65,6 +72,24 @@ class RouterMetrics:
                                         "store held (picked engine's namespace)", registry=r)
         self.failed_requests = Counter("router_failed_requests", "Requests the router could "
                                        "not complete", registry=r)
+        self.failed_by_code = Counter("router_failed_requests_by_code", "Requests the router "
+                                      "could not complete, by the error code the client got",
+                                      ["code"], registry=r)
+        for code in FAILURE_CODES:
+            self.failed_by_code.labels(code)
+
+    def failed(self, code: str) -> None:
+        """Count a request the router could not complete; ``code`` is the error code the
+        client got, one of ``FAILURE_CODES``.
+
+        Raises:
+            ValueError: another code.
+        """
+        if code not in FAILURE_CODES:
+            raise ValueError(f"unknown failure code {code!r} (expected one of "
+                             f"{', '.join(FAILURE_CODES)})")
+        self.failed_requests.inc()
+        self.failed_by_code.labels(code).inc()
 
     def add_engine(self, engine: str) -> None:
         """Create the engine's series at 0, so they show before its first request."""

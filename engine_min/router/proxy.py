@@ -233,7 +233,7 @@ class Router:
         while True:
             decision = self._decide(prompt, tried, store_hits)
             if decision is None:
-                self.metrics.failed_requests.inc()
+                self.metrics.failed("no_healthy_engine")
                 return _no_engine(bool(tried))
             e = self.engines[decision.position]
             reason = RETRY if tried else decision.reason

@@ -188,6 +188,7 @@ async def relay_stream(request: web.Request, up: aiohttp.ClientResponse, e, head
             await resp.write(out)
             scanner.feed(out)
     except RouterStopping:
+        metrics.failed("server_shutting_down")
         if resp is None:
             return error_response(ShuttingDown("The router is shutting down."))
         await resp.write(state.ending("The router is shutting down; the request was "
@@ -198,7 +199,7 @@ async def relay_stream(request: web.Request, up: aiohttp.ClientResponse, e, head
         if resp is None:
             raise UpstreamFailed(describe_error(exc)) from exc
         why = describe_error(exc)
-        metrics.failed_requests.inc()
+        metrics.failed("engine_failed")
         was_up = e.healthy
         e.mark_down(f"stream cut: {why}", log=False)
         logger.warning("engine %s failed mid-stream (request %s, %d bytes relayed): %s; %sthe "

@@ -74,7 +74,10 @@ def test_engine_dying_mid_stream_ends_the_clients_stream(tokenizer, caplog):
         assert b"payload" not in body and b"TransferEncoding" not in body, body[-400:]
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR], \
             [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-        assert metrics(srv.url)["router_failed_requests_total"] == 1
+        m = metrics(srv.url)
+        assert m["router_failed_requests_total"] == 1
+        assert metric(m, "router_failed_requests_by_code_total", code="engine_failed") == 1
+        assert 'router_failed_requests_by_code_total{code="server_shutting_down"}' in m
         assert metric(metrics(srv.url), "router_engine_healthy", engine=eng.url) in (0, 1)
     finally:
         srv.stop()
@@ -105,6 +108,13 @@ def test_router_stopping_ends_an_open_stream(tokenizer, caplog):
         assert took < 5, took
         lines = [r.getMessage() for r in caplog.records if r.name == "engine_min.router"]
         assert "stopping: 1 request in flight (1 stream); waiting up to 0.3 s" in lines, lines
+        # the stream the stop cut is a failed request, as one an engine cut is
+        registry = srv.router.metrics.registry
+        assert registry.get_sample_value("router_failed_requests_total") == 1
+        assert registry.get_sample_value("router_failed_requests_by_code_total",
+                                         {"code": "server_shutting_down"}) == 1
+        assert registry.get_sample_value("router_failed_requests_by_code_total",
+                                         {"code": "engine_failed"}) == 0
     finally:
         eng.stop()
 
