@@ -79,6 +79,9 @@ class RedisServer:
         cluster: start with ``--cluster-enabled yes`` (see ``RedisClusterGroup``).
         extra_args: more ``redis-server`` arguments, appended verbatim.
         startup_timeout_s: how long ``start()`` waits for PING.
+        tls: ``(cert file, key file, CA file)``: serve TLS only on ``port`` (no plain port;
+            client certificates optional, checked against the CA when given); ``url`` is then
+            ``rediss://...?ssl_ca_certs=<CA file>``.
 
     Attributes: ``host``, ``port``, ``url`` (``redis://[:password@]127.0.0.1:port``),
     ``proc`` (the ``subprocess.Popen``, ``None`` before start), ``dir``, ``log_path``.
@@ -93,7 +96,8 @@ class RedisServer:
     def __init__(self, workdir: str | os.PathLike, port: int | None = None,
                  password: str | None = None, maxmemory: int | None = None,
                  maxmemory_policy: str | None = None, cluster: bool = False,
-                 extra_args: tuple[str, ...] | list[str] = (), startup_timeout_s: float = 10.0):
+                 extra_args: tuple[str, ...] | list[str] = (), startup_timeout_s: float = 10.0,
+                 tls: tuple[str, str, str] | None = None):
         if maxmemory is not None and maxmemory < 0:
             raise ValueError(f"maxmemory must be >= 0 bytes, got {maxmemory}")
         self._fixed_port = port is not None
@@ -105,6 +109,7 @@ class RedisServer:
         self.cluster = cluster
         self.extra_args = tuple(extra_args)
         self.startup_timeout_s = startup_timeout_s
+        self.tls = tuple(str(f) for f in tls) if tls else None
         self.workdir = Path(workdir)
         self.proc: subprocess.Popen | None = None
         self._started_once = False
@@ -112,6 +117,8 @@ class RedisServer:
     @property
     def url(self) -> str:
         auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        if self.tls:
+            return f"rediss://{auth}{self.host}:{self.port}?ssl_ca_certs={self.tls[2]}"
         return f"redis://{auth}{self.host}:{self.port}"
 
     @property
@@ -129,7 +136,12 @@ class RedisServer:
 
     def command(self) -> list[str]:
         """The ``redis-server`` command line (the password appears in it)."""
-        cmd = [redis_binary(), "--port", str(self.port), "--bind", self.host,
+        port = ["--port", str(self.port)]
+        if self.tls:
+            port = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", self.tls[0],
+                    "--tls-key-file", self.tls[1], "--tls-ca-cert-file", self.tls[2],
+                    "--tls-auth-clients", "optional"]
+        cmd = [redis_binary(), *port, "--bind", self.host,
                "--save", "", "--appendonly", "no", "--dir", str(self.dir),
                "--proto-max-bulk-len", "1gb", "--daemonize", "no"]
         if self.password:
@@ -138,6 +150,8 @@ class RedisServer:
             cmd += ["--maxmemory", str(self.maxmemory)]
         if self.maxmemory_policy:
             cmd += ["--maxmemory-policy", self.maxmemory_policy]
+        if self.cluster and self.tls:  # (the cluster bus over TLS too)
+            cmd += ["--tls-cluster", "yes", "--tls-replication", "yes"]
         if self.cluster:
             cmd += ["--cluster-enabled", "yes",
                     "--cluster-config-file", str(self.dir / "nodes.conf"),
@@ -208,6 +222,13 @@ class RedisServer:
         from redis.retry import Retry
         kwargs.setdefault("socket_timeout", 5.0)
         kwargs.setdefault("retry", Retry(NoBackoff(), 0))
+        if self.tls:
+            kwargs.setdefault("ssl", True)
+            kwargs.setdefault("ssl_ca_certs", self.tls[2])
+            # (its own certificate as the client's: signed by the same CA, it passes a
+            # server that asks clients for one)
+            kwargs.setdefault("ssl_certfile", self.tls[0])
+            kwargs.setdefault("ssl_keyfile", self.tls[1])
         return redis.Redis(host=self.host, port=self.port, password=self.password, **kwargs)
 
     def stop(self) -> None:
@@ -255,7 +276,9 @@ class RedisClusterGroup:
     Attributes:
         nodes: the masters (``RedisServer``), in ``startup_nodes`` order.
         startup_nodes: ``[(host, port)]`` of every master.
-        url: ``redis://[:password@]127.0.0.1:p1,127.0.0.1:p2,...`` (the remote tier's form).
+        url: ``redis://[:password@]127.0.0.1:p1,127.0.0.1:p2,...`` (the remote tier's form;
+            ``rediss://...?ssl_ca_certs=<CA file>`` with ``tls``: ``(cert, key, CA)`` files,
+            every node and the cluster bus speaking TLS only, as ``RedisServer``'s).
         startup_s: seconds ``start()`` took (processes up to every node ``cluster_state:ok``).
 
     Raises (``start``):
@@ -266,13 +289,15 @@ class RedisClusterGroup:
     """
 
     def __init__(self, workdir: str | os.PathLike, masters: int = 3,
-                 password: str | None = None, ready_timeout_s: float = 20.0):
+                 password: str | None = None, ready_timeout_s: float = 20.0,
+                 tls: tuple[str, str, str] | None = None):
         if masters < 3:
             raise ValueError(f"a Redis Cluster needs at least 3 masters, got {masters}")
         self.workdir = Path(workdir)
         self.password = password
         self.ready_timeout_s = ready_timeout_s
-        self.nodes = [RedisServer(self.workdir, password=password, cluster=True)
+        self.tls = tuple(str(f) for f in tls) if tls else None
+        self.nodes = [RedisServer(self.workdir, password=password, cluster=True, tls=tls)
                       for _ in range(masters)]
         self.startup_s = 0.0
         self._slot_owner: list[tuple[int, int, int]] = []  # (first slot, last slot, node index)
@@ -284,7 +309,10 @@ class RedisClusterGroup:
     @property
     def url(self) -> str:
         auth = f":{quote(self.password, safe='')}@" if self.password else ""
-        return "redis://" + auth + ",".join(f"{h}:{p}" for h, p in self.startup_nodes)
+        hosts = ",".join(f"{h}:{p}" for h, p in self.startup_nodes)
+        if self.tls:
+            return f"rediss://{auth}{hosts}?ssl_ca_certs={self.tls[2]}"
+        return f"redis://{auth}{hosts}"
 
     def start(self) -> "RedisClusterGroup":
         """Start every node, create the cluster and wait until it is ready (blocks seconds)."""
@@ -306,6 +334,8 @@ class RedisClusterGroup:
                "--cluster-replicas", "0", "--cluster-yes"]
         if self.password:
             cmd += ["-a", self.password, "--no-auth-warning"]
+        if self.tls:
+            cmd += ["--tls", "--cacert", self.tls[2], "--cert", self.tls[0], "--key", self.tls[1]]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
                              stdin=subprocess.DEVNULL)
         if res.returncode != 0 or "[OK] All 16384 slots covered" not in res.stdout:
@@ -378,6 +408,9 @@ class RedisClusterGroup:
         ``kwargs`` go to it. Close it, or use it in ``with``."""
         from redis.cluster import ClusterNode, RedisCluster
         kwargs.setdefault("socket_timeout", 5.0)
+        if self.tls:
+            kwargs.update(ssl=True, ssl_ca_certs=self.tls[2], ssl_certfile=self.tls[0],
+                          ssl_keyfile=self.tls[1])
         return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in self.startup_nodes],
                             password=self.password, **kwargs)
 

@@ -69,3 +69,46 @@ def shared_redis_cluster(request, tmp_path_factory):
     grp.wait_ready()
     grp.flushall()
     yield grp
+
+
+def make_tls_files(folder) -> dict:
+    """Test certificates made with the ``openssl`` command in ``folder``: a CA (``ca``), a
+    server certificate for 127.0.0.1 signed by it (``cert``, ``key``), a client certificate
+    signed by it (``client_cert``, ``client_key``) and an unrelated CA (``other_ca``); paths
+    as strings. Skips the calling test without ``openssl`` (fails it under ``CI=true``)."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+    if shutil.which("openssl") is None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("openssl not found (CI=true: the TLS tests need it)", pytrace=False)
+        pytest.skip("openssl not found")
+    d = Path(folder)
+    d.mkdir(parents=True, exist_ok=True)
+
+    def run(*args):
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
+
+    for ca in ("ca", "other_ca"):
+        run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{ca}.key", "-out",
+            f"{ca}.crt", "-days", "2", "-subj", f"/CN=kvstore-test-{ca}")
+    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name, cn in (("server", "127.0.0.1"), ("client", "kvstore-test-client")):
+        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
+            f"{name}.csr", "-subj", f"/CN={cn}")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", f"{name}.crt", "-days", "2", "-extfile", "ext.cnf")
+    return {"ca": str(d / "ca.crt"), "cert": str(d / "server.crt"), "key": str(d / "server.key"),
+            "client_cert": str(d / "client.crt"), "client_key": str(d / "client.key"),
+            "other_ca": str(d / "other_ca.crt")}
+
+
+@pytest.fixture
+def tls_redis_server(tmp_path):
+    """A started standalone ``RedisServer`` that speaks TLS only (certificates from
+    ``make_tls_files``, in ``.tls_files``), stopped after."""
+    require_redis()
+    files = make_tls_files(tmp_path / "tls")
+    with RedisServer(tmp_path, tls=(files["cert"], files["key"], files["ca"])) as srv:
+        srv.tls_files = files
+        yield srv

@@ -73,8 +73,8 @@ class RedisNodes:
         self._lock = threading.Lock()
         self._last_refresh = 0.0
         kw = dict(username=endpoint.username or None, password=endpoint.password,
-                  ssl=endpoint.tls, socket_timeout=timeout_s,
-                  socket_connect_timeout=timeout_s)
+                  socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                  **endpoint.ssl_kwargs())
         seed = self._check_seed(kw)
         self.cluster = seed is None
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvstore-remote")

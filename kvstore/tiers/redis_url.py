@@ -1,8 +1,12 @@
 """Parse the remote tier's Redis address: ``redis://[user:password@]host:port[,host:port...]``.
 
 One address names a standalone server; several name startup nodes of a Redis Cluster (the rest
-of the cluster is discovered from them). ``rediss://`` asks for TLS. A standalone address may
-end in ``/<db>``. The password may come from the URL, from ``KVSTORE_REMOTE_PASSWORD`` or from
+of the cluster is discovered from them). ``rediss://`` asks for TLS, verifying the server's
+certificate against the system's CAs, or against a private CA given as a query parameter
+(redis-py's names): ``rediss://h:p?ssl_ca_certs=/etc/kvstore/ca.crt``, with
+``ssl_certfile`` and ``ssl_keyfile`` for a client certificate (Redis's ``tls-auth-clients
+yes``) and ``ssl_cert_reqs`` (``required``, the default, ``optional`` or ``none``; ``none``
+skips verification). The files must exist. A standalone address may end in ``/<db>``. The password may come from the URL, from ``KVSTORE_REMOTE_PASSWORD`` or from
 the caller; it is never part of ``str()``/``repr()`` of the result (``redacted``), so logging
 an endpoint never logs a password.
 """
@@ -10,10 +14,45 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from urllib.parse import unquote
+from urllib.parse import parse_qsl, quote, unquote
 
 PASSWORD_ENV = "KVSTORE_REMOTE_PASSWORD"
 DEFAULT_PORT = 6379
+#: TLS query parameters of a ``rediss://`` URL (redis-py's names), in order; the first three
+#: name files
+TLS_PARAMS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
+CERT_REQS = ("required", "optional", "none")
+
+
+def _tls_options(query: str, tls: bool) -> tuple[tuple[str, str], ...]:
+    """The TLS query parameters of a URL's ``query`` (after ``?``), checked."""
+    if not query:
+        return ()
+    if not tls:
+        raise ValueError("remote URL: query parameters (TLS settings) need rediss://")
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=True)
+    except ValueError:
+        raise ValueError(f"remote URL: cannot parse the query {query!r} "
+                         f"(name=value&name=value)") from None
+    given: dict[str, str] = {}
+    for name, value in pairs:
+        if name not in TLS_PARAMS:
+            raise ValueError(f"remote URL: unknown parameter {name!r}; known: "
+                             f"{', '.join(TLS_PARAMS)}")
+        if name in given:
+            raise ValueError(f"remote URL: parameter {name!r} given twice")
+        if name == "ssl_cert_reqs":
+            if value not in CERT_REQS:
+                raise ValueError(f"remote URL: ssl_cert_reqs must be one of "
+                                 f"{', '.join(CERT_REQS)}, got {value!r}")
+        elif not os.path.isfile(value):
+            raise ValueError(f"remote URL: {name} file {value!r} not found")
+        given[name] = value
+    if ("ssl_keyfile" in given) != ("ssl_certfile" in given):
+        raise ValueError("remote URL: ssl_certfile and ssl_keyfile go together (a client "
+                         "certificate and its key)")
+    return tuple((k, given[k]) for k in TLS_PARAMS if k in given)
 
 
 @dataclass(frozen=True)
@@ -26,6 +65,8 @@ class RedisEndpoint:
         password: the password (``None``: none); not shown by ``repr``.
         tls: ``rediss://``.
         db: database number (standalone only).
+        tls_options: the URL's TLS query parameters, ``((name, value), ...)`` in
+            ``TLS_PARAMS`` order (only with ``tls``).
     """
 
     nodes: tuple[tuple[str, int], ...]
@@ -33,6 +74,15 @@ class RedisEndpoint:
     password: str | None = field(default=None, repr=False)
     tls: bool = False
     db: int = 0
+    tls_options: tuple[tuple[str, str], ...] = ()
+
+    def ssl_kwargs(self) -> dict:
+        """``redis.Redis``/``RedisCluster`` keyword arguments of the TLS settings."""
+        return {"ssl": self.tls, **dict(self.tls_options)} if self.tls else {"ssl": False}
+
+    def _query(self) -> str:
+        return ("?" + "&".join(f"{k}={quote(v, safe='/')}" for k, v in self.tls_options)
+                if self.tls_options else "")
 
     def redacted(self) -> str:
         """The URL without its password (``redis://user:***@h:p,h:p``)."""
@@ -40,7 +90,8 @@ class RedisEndpoint:
         auth = ""
         if self.username or self.password:
             auth = f"{self.username}{':***' if self.password else ''}@"
-        return f"{scheme}://{auth}{self._hosts()}" + (f"/{self.db}" if self.db else "")
+        return (f"{scheme}://{auth}{self._hosts()}" + (f"/{self.db}" if self.db else "")
+                + self._query())
 
     def _hosts(self) -> str:
         return ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.nodes)
@@ -52,7 +103,8 @@ class RedisEndpoint:
         """The URL with the user but no password (to keep in configs that may be logged)."""
         scheme = "rediss" if self.tls else "redis"
         auth = f"{self.username}@" if self.username else ""
-        return f"{scheme}://{auth}{self._hosts()}" + (f"/{self.db}" if self.db else "")
+        return (f"{scheme}://{auth}{self._hosts()}" + (f"/{self.db}" if self.db else "")
+                + self._query())
 
 
 def parse_redis_url(url: str, password: str | None = None,
@@ -61,7 +113,8 @@ def parse_redis_url(url: str, password: str | None = None,
     applies when the URL carries none.
 
     Raises:
-        ValueError: another scheme, no host, a bad port, a db with several nodes, or a bad db.
+        ValueError: another scheme, no host, a bad port, a db with several nodes, a bad db,
+            or bad TLS parameters (unknown, twice, a file not found, without rediss://).
             The message never contains the password.
     """
     env = os.environ if env is None else env
@@ -70,6 +123,8 @@ def parse_redis_url(url: str, password: str | None = None,
     scheme, rest = url.split("://", 1)
     if scheme not in ("redis", "rediss"):
         raise ValueError(f"remote URL scheme must be redis:// or rediss://, got {scheme}://")
+    rest, _, query = rest.partition("?")
+    tls_options = _tls_options(query, scheme == "rediss")
     user, pw = "", None
     if "@" in rest:
         auth, rest = rest.rsplit("@", 1)
@@ -120,4 +175,4 @@ def parse_redis_url(url: str, password: str | None = None,
         raise ValueError("a Redis Cluster has only database 0; drop /<db> from the remote URL")
     if pw is None:
         pw = password if password is not None else env.get(PASSWORD_ENV) or None
-    return RedisEndpoint(tuple(nodes), user, pw, scheme == "rediss", db)
+    return RedisEndpoint(tuple(nodes), user, pw, scheme == "rediss", db, tls_options)

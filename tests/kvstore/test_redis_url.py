@@ -1,5 +1,7 @@
 """``parse_redis_url``: the remote tier's address (standalone, cluster nodes, credentials, TLS,
 database), its redacted forms, and ``StoreConfig`` keeping a URL's password out of sight."""
+import re
+
 import pytest
 
 from kvstore.config import StoreConfig
@@ -152,3 +154,32 @@ def test_store_config_refuses_an_infinite_ttl_and_a_bad_prefix():
                 dict(remote_key_prefix="a:b"), dict(remote_key_prefix="")):
         with pytest.raises(ValueError, match="remote_ttl_s|remote_key_prefix"):
             StoreConfig(remote_url="redis://h:1", **bad)
+
+
+def test_tls_parameters_are_checked_and_kept_in_the_redacted_forms(tmp_path):
+    ca = tmp_path / "ca.crt"
+    ca.write_text("x")
+    key, cert = tmp_path / "c.key", tmp_path / "c.crt"
+    key.write_text("x")
+    cert.write_text("x")
+    ep = parse_redis_url(f"rediss://u:pw@h:1?ssl_ca_certs={ca}&ssl_cert_reqs=required")
+    assert ep.tls and ep.tls_options == (("ssl_ca_certs", str(ca)), ("ssl_cert_reqs", "required"))
+    assert ep.ssl_kwargs() == {"ssl": True, "ssl_ca_certs": str(ca), "ssl_cert_reqs": "required"}
+    assert ep.redacted() == f"rediss://u:***@h:1?ssl_ca_certs={ca}&ssl_cert_reqs=required"
+    assert ep.without_password() == f"rediss://u@h:1?ssl_ca_certs={ca}&ssl_cert_reqs=required"
+    assert parse_redis_url(ep.without_password()).tls_options == ep.tls_options
+    ep = parse_redis_url(f"rediss://h:1,h:2?ssl_certfile={cert}&ssl_keyfile={key}")
+    assert len(ep.nodes) == 2 and dict(ep.tls_options) == {"ssl_certfile": str(cert),
+                                                           "ssl_keyfile": str(key)}
+    assert parse_redis_url("redis://h:1").ssl_kwargs() == {"ssl": False}
+    for url, words in [
+            (f"redis://h:1?ssl_ca_certs={ca}", "need rediss://"),
+            ("rediss://h:1?foo=1", "unknown parameter 'foo'"),
+            ("rediss://h:1?ssl_ca_certs=/no/such/ca.crt", "file '/no/such/ca.crt' not found"),
+            (f"rediss://h:1?ssl_certfile={cert}", "go together"),
+            ("rediss://h:1?ssl_cert_reqs=maybe", "must be one of required, optional, none"),
+            (f"rediss://h:1?ssl_ca_certs={ca}&ssl_ca_certs={ca}", "given twice"),
+            ("rediss://:secret@h:1?x", "cannot parse the query")]:
+        with pytest.raises(ValueError, match=re.escape(words)) as e:
+            parse_redis_url(url)
+        assert "secret" not in str(e.value)
