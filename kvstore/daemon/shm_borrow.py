@@ -75,10 +75,10 @@ class ArenaBorrow(CopiedBorrow):
     """
 
     def __init__(self, keys: Sequence[ChunkKey], parts: list, conn, borrow: Any,
-                 give: Callable[[Any], None], timeout_s: float):
+                 give: Callable[[Any], None]):
         self.keys, self.parts, self.lower = list(keys), parts, []
         self.released = False
-        self._conn, self._borrow, self._give, self._timeout_s = conn, borrow, give, timeout_s
+        self._conn, self._borrow, self._give = conn, borrow, give
         self._lock = threading.Lock()
 
     def release(self) -> None:
@@ -100,8 +100,8 @@ class ArenaBorrow(CopiedBorrow):
 
 
 def borrow_on(conn, deadline: float, frame: bytes, ns: Namespace, keys: Sequence[ChunkKey],
-              take: Callable[[Any], torch.Tensor], give: Callable[[Any], None],
-              timeout_s: float) -> ArenaBorrow:
+              take: Callable[[Any], torch.Tensor], give: Callable[[Any], None]
+              ) -> ArenaBorrow:
     """One get exchange whose arena chunks stay borrowed: views of their runs (no copy), the
     inline chunks read into ``take(layout)`` tensors. The returned borrow owns ``conn`` (it
     goes back through ``give`` at ``release``). Raises as ``Conn.request``, and
@@ -133,7 +133,7 @@ def borrow_on(conn, deadline: float, frame: bytes, ns: Namespace, keys: Sequence
     if inline != reply["payload_bytes"]:
         raise P.ProtocolError(f"get reply carries {reply['payload_bytes']} payload bytes; "
                               f"its inline chunks {inline}")
-    return ArenaBorrow(keys, parts, conn, borrow, give, timeout_s)
+    return ArenaBorrow(keys, parts, conn, borrow, give)
 
 
 def copy_on(conn, deadline: float, frame: bytes, ns: Namespace, keys: Sequence[ChunkKey],

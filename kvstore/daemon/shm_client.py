@@ -330,11 +330,10 @@ class ShmKVStoreClient(KVStoreBase):
         """
         frame = _key_request_frame("get", ns, keys) if keys else None
         if frame is None:
-            return ArenaBorrow([], [], None, None, self._give, 0.0)
-        timeout = self.timeout_s if timeout_s is None else timeout_s
+            return ArenaBorrow([], [], None, None, self._give)
         take = self.results.take
         return self._call("get", lambda c, d: borrow_on(c, d, frame, ns, keys, take,
-                                                        self._give, timeout),
+                                                        self._give),
                           idempotent=True, timeout_s=timeout_s, hold=True)
 
     def put_chunks(self, ns, keys, kvs, parents=None, *, durable=None, timeout_s=None) -> int:
