@@ -5,7 +5,10 @@ and counted client errors, rate-limited ``accept()`` failures.
   connection is counted. A connection arriving at the cap closes the oldest *idle* one (no
   request being served; one that never sent a complete request first), so a legitimate client
   is served at once even while idle sockets hold every slot; when every connection is busy
-  the newcomer gets ``503`` and is closed. The default cap (``default_max_connections``)
+  the newcomer gets ``503`` and is closed. Connections of the same-host path
+  (``kvstore.daemon.shm_server``) count against the same cap (``others``; ``make_room`` admits
+  one of them as ``_admit`` does an HTTP one), so the two paths together stay within the
+  descriptors the cap leaves. The default cap (``default_max_connections``)
   leaves file descriptors below ``RLIMIT_NOFILE`` for the store and for one burst of accepts
   (asyncio accepts up to ``ACCEPT_BATCH`` sockets per loop pass before any reaches the
   guard, while the kernel queues up to ``LISTEN_BACKLOG``), so ``accept()`` never runs out of
@@ -184,6 +187,8 @@ class ConnectionGuard:
         gauge.set_function(lambda: len(self._conns))
         self._last_accept_log = -float("inf")
         self._unlogged_accept_errors = 0
+        #: open connections held outside this guard that share its cap (the same-host path's)
+        self.others: Callable[[], int] = _none
 
     @property
     def open(self) -> int:
@@ -219,8 +224,24 @@ class ConnectionGuard:
             conn.active -= 1
 
     # ---- connection events ------------------------------------------------------------------
+    def make_room(self) -> bool:
+        """For a connection of another path that shares the cap (counted in ``others``
+        already): True when the open connections are within the cap, or an idle HTTP one
+        was closed to make room; False when the newcomer should be refused (every HTTP
+        connection busy)."""
+        if not self.max_connections or len(self._conns) + self.others() <= self.max_connections:
+            return True
+        victim = self._idle_victim()
+        if victim is None:
+            self.closed.labels("refused_busy").inc()
+            return False
+        self.closed.labels("idle_evicted").inc()
+        self._drop(victim)
+        victim.transport.close()  # type: ignore[union-attr]
+        return True
+
     def _admit(self, conn: _Conn) -> bool:
-        if self.max_connections and len(self._conns) >= self.max_connections:
+        if self.max_connections and len(self._conns) + self.others() >= self.max_connections:
             victim = self._idle_victim()
             if victim is None:
                 self.closed.labels("refused_busy").inc()
@@ -274,6 +295,10 @@ class ConnectionGuard:
                 loop.default_exception_handler(context)
 
         loop.set_exception_handler(handler)
+
+
+def _none() -> int:
+    return 0
 
 
 class GuardedTCPSite(web.TCPSite):

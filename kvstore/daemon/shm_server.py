@@ -11,6 +11,12 @@ Lifetime of one connection::
   socket file left by a dead daemon is removed at start, one that still answers is refused;
   the file is unlinked at stop.
 * Peers must run as the daemon's effective uid or as root (403 otherwise, then closed).
+* Connections count against the HTTP server's connection cap too (``ConnectionGuard``: one
+  cap for both paths, so that together they stay within the descriptors it leaves): one that
+  finds it reached closes the oldest idle HTTP connection, or is answered 503 when every one
+  is busy. At most ``MAX_LINGERING_REFUSALS`` refused connections wait for their hello at
+  once (a flood of connections is closed at once instead of holding descriptors), and a
+  failing ``accept()`` (EMFILE) is logged at most once per ``ACCEPT_LOG_INTERVAL_S``.
 * Requests run under the server's limits (``ServerLimits``: batch keys, body bytes, request
   timeout, payload budget), count in the server's request metrics with ``shm_<op>`` routes and
   in its ``active`` requests (so a SIGTERM drain waits for them); while draining every op but
@@ -37,6 +43,7 @@ import stat
 
 from kvstore.api import KVStoreBase
 from kvstore.daemon import shm_protocol as S
+from kvstore.daemon.conns import ACCEPT_LOG_INTERVAL_S
 from kvstore.daemon.shm_session import Connection
 from kvstore.daemon.state import STATE_KEY, STORE_KEY, _ServerState
 from kvstore.store import ChunkStore
@@ -45,6 +52,8 @@ log = logging.getLogger("kvstore.daemon.shm_server")
 
 #: Longest path a Unix socket can bind (``sun_path`` minus its terminating NUL).
 MAX_SOCKET_PATH_BYTES = 107
+#: Refused connections that may wait (1 s) for their hello at once; more close at once.
+MAX_LINGERING_REFUSALS = 32
 
 
 class ShmServer:
@@ -79,6 +88,8 @@ class ShmServer:
         self.max_connections = max_connections
         #: (route, status) -> the request counter's and latency histogram's labelled children
         self.route_metrics: dict[tuple[str, int], tuple] = {}
+        self._lingering = 0  # refused connections waiting for their hello
+        self._last_accept_log, self._unlogged_accept_errors = -float("inf"), 0
 
     @property
     def url(self) -> str:
@@ -103,11 +114,13 @@ class ShmServer:
         sock.setblocking(False)
         self._sock = sock
         self.state.unix_socket = self.path
+        self.state.conns.others = self._conns.__len__  # one connection cap for both paths
         self._accepting = asyncio.ensure_future(self._accept_loop())
         log.info("same-host path on %s (arena %d bytes)", self.url, self.arena_bytes)
 
     def stop_accepting(self) -> None:
         """Close the listening socket and unlink its file (open connections go on)."""
+        self.state.conns.others = lambda: 0
         if self._accepting is not None:
             self._accepting.cancel()
             self._accepting = None
@@ -137,24 +150,51 @@ class ShmServer:
             except asyncio.CancelledError:
                 raise
             except OSError as e:  # EMFILE and friends: back off instead of spinning
-                log.warning("unix socket accept failed: %s", e)
+                self._accept_failed(e)
                 await asyncio.sleep(0.1)
                 continue
             task = asyncio.ensure_future(self._serve_conn(conn))
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
 
+    def _accept_failed(self, e: OSError) -> None:
+        """Count a failed ``accept()`` (the HTTP server's ``accept_errors``) and log it, at
+        most once per ``ACCEPT_LOG_INTERVAL_S`` with the count since the last line."""
+        self.state.conns.accept_errors.inc()
+        now = asyncio.get_running_loop().time()
+        if now - self._last_accept_log < ACCEPT_LOG_INTERVAL_S:
+            self._unlogged_accept_errors += 1
+            return
+        log.warning("unix socket accept failed: %s (%d more since the last report; open "
+                    "connections %d here, %d HTTP)", e, self._unlogged_accept_errors,
+                    len(self._conns), self.state.conns.open)
+        self._last_accept_log, self._unlogged_accept_errors = now, 0
+
+    async def _refuse(self, c: Connection, reply: dict) -> None:
+        """``c.refuse`` with its wait for the hello while few refusals wait, else at once."""
+        if self._lingering >= MAX_LINGERING_REFUSALS:
+            await c.refuse(reply, linger_s=0)
+            return
+        self._lingering += 1
+        try:
+            await c.refuse(reply)
+        finally:
+            self._lingering -= 1
+
     async def _serve_conn(self, sock: socket.socket) -> None:
         c = Connection(self, sock)
         try:
             uid = S.peer_uid(sock)
             if uid not in (os.geteuid(), 0):
-                await c.refuse(S.error_reply(403, f"uid {uid} may not use this socket"))
+                await self._refuse(c, S.error_reply(403, f"uid {uid} may not use this socket"))
                 return
-            if self.max_connections and len(self._conns) > self.max_connections:
-                log.debug("unix socket at its cap of %d connections", self.max_connections)
-                await c.refuse(S.error_reply(503, f"too many connections (cap "
-                                                  f"{self.max_connections}); retry later"))
+            cap = self.max_connections
+            if (cap and len(self._conns) > cap) or not self.state.conns.make_room():
+                cap = cap or self.state.conns.max_connections
+                log.debug("unix socket at the connection cap of %d", cap)
+                await self._refuse(c, S.error_reply(503, f"too many connections (cap {cap}, "
+                                                         "HTTP and same-host together); "
+                                                         "retry later"))
                 return
             if await c.hello():
                 await c.serve()

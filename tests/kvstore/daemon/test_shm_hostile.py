@@ -237,3 +237,62 @@ def test_a_connection_holds_at_most_max_borrows(tmp_path, monkeypatch):
         c.close()
         assert wait_until(lambda: num_pinned(srv.store) == 0)
         assert serves_others(srv)
+
+
+def test_http_and_same_host_connections_share_one_cap(tmp_path):
+    """Each path had a cap of its own, so the two together could hold twice the descriptors
+    the cap leaves (at RLIMIT_NOFILE 256: 128 idle same-host clients and 128 idle HTTP ones
+    left /v1/stats unanswered for 10 s and no new client accepted). Now one cap covers
+    both: a same-host client at the cap closes the oldest idle HTTP connection, and with
+    every slot held by same-host clients an HTTP client is refused 503 at once."""
+    import http.client
+
+    from kvstore.daemon.server import ThreadedServer, create_app
+    from tests.kvstore.daemon.shm_helpers import make_store
+
+    def http_status() -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=5)
+        try:
+            conn.request("GET", "/healthz", headers={"Connection": "close"})
+            return conn.getresponse().status
+        finally:
+            conn.close()
+
+    def eof(s: socket.socket) -> bool:
+        s.settimeout(5)
+        try:
+            return s.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+    store = make_store()
+    sock = str(tmp_path / "kv.sock")
+    srv = ThreadedServer(create_app(store), max_connections=4, unix_socket=sock)
+    guard = srv.app[STATE_KEY].conns
+    clients = []
+    try:
+        idle_http = [socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+                     for _ in range(2)]
+        assert wait_until(lambda: guard.open == 2)
+        for _ in range(3):  # the third finds the cap: the oldest idle HTTP one goes
+            clients.append(RawClient(sock))
+            assert clients[-1].hello()["ok"]
+        assert eof(idle_http[0]) and guard.open == 1
+        clients.append(RawClient(sock))
+        assert clients[-1].hello()["ok"] and eof(idle_http[1])
+        assert http_status() == 503  # all 4 slots held by same-host clients
+        extra = RawClient(sock)
+        refused = extra.hello(map_arena=False)
+        assert refused["status"] == 503 and "cap 4" in refused["error"]
+        extra.close()
+        clients.pop().close()
+        assert wait_until(lambda: len(srv.shm._conns) == 3)
+        assert http_status() == 200
+        assert clients[0].keys_op("exists", KEYS[:1])["exists"] == [False]
+        for s in idle_http:
+            s.close()
+    finally:
+        for c in clients:
+            c.close()
+        srv.stop()
+        store.close()
