@@ -71,9 +71,9 @@ def add_route_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(default 60)")
     parser.add_argument("--shutdown-timeout-s", type=_number(float, 0, what="a number of "
                         "seconds >= 0"), default=5.0, metavar="S",
-                        help="at Ctrl-C / SIGTERM, seconds the requests in flight (streams "
-                        "being relayed) may still run; streams still open then end with "
-                        "finish_reason \"abort\", an error event and [DONE] (default 5)")
+                        help="at Ctrl-C / SIGTERM, seconds the requests in flight may still "
+                        "run; then streams end with finish_reason \"abort\", an error event "
+                        "and [DONE], other requests get 503 (default 5)")
     parser.add_argument("--kvstore-url", default=None, metavar="URL",
                         help="the kvstore daemon the engines share (http://host:port): an "
                         "engine then wins on its cache only by what it holds beyond the store")

@@ -28,8 +28,9 @@ and ``data: [DONE]`` (``engine_min.router.stream_end``). No healthy engine: 503 
 error object.
 
 At shutdown (the app's ``on_shutdown``) the router logs how many requests and streams are in
-flight, lets them run for up to ``shutdown_timeout_s`` and ends the streams still open the same
-way (error code ``server_shutting_down``).
+flight, lets them run for up to ``shutdown_timeout_s``, then ends the streams still open the same
+way (error code ``server_shutting_down``) and answers the other requests 503
+(``engine_min.router.shutdown``).
 
 ``GET /v1/models`` is the first healthy engine's; ``GET /health`` is 200 while at least one
 engine is healthy (503 otherwise); ``GET /metrics`` is ``engine_min.router.metrics``.
@@ -37,32 +38,27 @@ engine is healthy (503 otherwise); ``GET /metrics`` is ``engine_min.router.metri
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 
 import aiohttp
 from aiohttp import web
 
+from engine_min.router.answers import no_engine, relay_whole, upstream_headers
 from engine_min.router.metrics import RouterMetrics
 from engine_min.router.policy import RETRY, Candidate, Decision
 from engine_min.router.reasons import describe_error
 from engine_min.router.prompt import (PreparedPrompt, PromptEncoder, prepare_source,
                                       prompt_source)
-from engine_min.router.stream_end import UpstreamFailed, drain, relay_stream
+from engine_min.router.shutdown import Inflight
+from engine_min.router.stream_end import UpstreamFailed, relay_stream
 from engine_min.router.store_lookup import StoreLookup, choose_with_store, store_can_change_pick
 from engine_min.router.subscriber import Engine, EngineSubscriber
-from engine_min.router.usage import cached_tokens
-from engine_min.serve import protocol as proto
-from engine_min.serve.errors import error_response, openai_error_middleware
+from engine_min.serve.errors import openai_error_middleware
 
 logger = logging.getLogger("engine_min.router")
 
 ROUTER_KEY: web.AppKey["Router"] = web.AppKey("router")
-#: response headers not copied from the engine (hop-by-hop, or set by the router's server)
-_DROP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive",
-                           "date", "server", "content-encoding"})
-
 
 #: a request is prepared on the event loop, without the hop to a worker thread (about 0.1 ms,
 #: more when the CPUs are busy), when its body is at most this long and at most
@@ -74,10 +70,6 @@ INLINE_MAX_NEW_CHARS = 1024
 class StaleConnection(UpstreamFailed):
     """The engine closed or reset the connection before answering: maybe a pooled connection
     it had closed while idle; worth one more try on a fresh connection to the same engine."""
-
-
-def _headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
-    return {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_HEADERS}
 
 
 class Router:
@@ -110,8 +102,8 @@ class Router:
         #: a session without a connection pool, for the one retry after a stale connection
         self.fresh_session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
-        #: engine StreamReader -> SseRelayState of each stream being relayed
-        self.streams: dict = {}
+        self.inflight = Inflight(self.metrics)
+        self.streams = self.inflight.streams   # engine StreamReader -> SseRelayState
         self.shutdown_timeout_s = shutdown_timeout_s
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -135,10 +127,9 @@ class Router:
                                                    name="store probe"))
 
     async def drain(self, _app: web.Application | None = None) -> None:
-        """Let requests in flight run for up to ``shutdown_timeout_s``, then end the streams
-        still open (``engine_min.router.stream_end.drain``)."""
-        await drain(lambda: sum(e.inflight for e in self.engines), self.streams,
-                    self.shutdown_timeout_s, logger)
+        """Let requests in flight run for up to ``shutdown_timeout_s``, then end those still
+        in flight (``engine_min.router.shutdown.Inflight.drain``)."""
+        await self.inflight.drain(self.shutdown_timeout_s, logger)
 
     async def stop(self, _app: web.Application | None = None) -> None:
         for t in self._tasks:
@@ -215,7 +206,11 @@ class Router:
         return self._prepare(source, keys, namespaces)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        """``POST /v1/completions`` and ``POST /v1/chat/completions``."""
+        """``POST /v1/completions`` and ``POST /v1/chat/completions`` (ended at shutdown by
+        ``Inflight.run``)."""
+        return await self.inflight.run(request, self._generate)
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
         raw = await request.read()
         kind = "chat" if request.path.endswith("/chat/completions") else "completion"
@@ -234,7 +229,7 @@ class Router:
             decision = self._decide(prompt, tried, store_hits)
             if decision is None:
                 self.metrics.failed("no_healthy_engine")
-                return _no_engine(bool(tried))
+                return no_engine(bool(tried))
             e = self.engines[decision.position]
             reason = RETRY if tried else decision.reason
             self.metrics.requests.labels(e.url, reason).inc()
@@ -277,16 +272,7 @@ class Router:
             async with cm as up:
                 if up.headers.get("Content-Type", "").startswith("text/event-stream"):
                     return await self._relay_stream(request, up, e)
-                try:
-                    body = await up.read()
-                except aiohttp.ClientError as exc:
-                    raise UpstreamFailed(describe_error(exc)) from exc
-                resp = web.Response(body=body, status=up.status, headers=_headers(up))
-                await resp.prepare(request)
-                await resp.write_eof()
-                if up.status == 200:
-                    self._count_cached(e, _json_or_none(body))
-                return resp
+                return await relay_whole(request, up, e, self.metrics)
         except (aiohttp.ClientConnectionError, ConnectionRefusedError) as exc:
             raise UpstreamFailed(describe_error(exc)) from exc
         finally:
@@ -294,12 +280,8 @@ class Router:
 
     async def _relay_stream(self, request: web.Request, up: aiohttp.ClientResponse,
                             e: Engine) -> web.StreamResponse:
-        return await relay_stream(request, up, e, _headers(up), self.metrics, self.streams)
-
-    def _count_cached(self, e: Engine, obj) -> None:
-        n = cached_tokens(obj)
-        if n is not None:
-            self.metrics.reported_cached_tokens.labels(e.url).inc(n)
+        return await relay_stream(request, up, e, upstream_headers(up), self.metrics,
+                                  self.streams)
 
     # ---- the other routes ----------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
@@ -310,15 +292,15 @@ class Router:
             try:
                 async with self.session.get(e.url + "/v1/models") as up:
                     body = await up.read()
-                    return web.Response(body=body, status=up.status, headers=_headers(up))
+                    return web.Response(body=body, status=up.status, headers=upstream_headers(up))
             except aiohttp.ClientError as exc:
                 e.mark_down(f"/v1/models: {describe_error(exc)}")
-        return _no_engine(False)
+        return no_engine(False)
 
     async def health(self, request: web.Request) -> web.Response:
         up = [e.url for e in self.engines if e.healthy]
         if not up:
-            return _no_engine(False)
+            return no_engine(False)
         return web.json_response({"status": "ok", "healthy_engines": up})
 
     async def metrics_route(self, request: web.Request) -> web.Response:
@@ -326,20 +308,6 @@ class Router:
         resp = web.Response(body=body)
         resp.headers["Content-Type"] = content_type
         return resp
-
-
-def _json_or_none(body: bytes):
-    try:
-        return json.loads(body)
-    except ValueError:
-        return None
-
-
-def _no_engine(after_failures: bool) -> web.Response:
-    msg = ("Every engine failed this request." if after_failures
-           else "No healthy engine is available.")
-    return error_response(proto.ApiError(msg, code="no_healthy_engine", status=503,
-                                         type="server_error"))
 
 
 def create_router_app(urls: list[str], tokenizer, policy, health_interval_s: float = 1.0,

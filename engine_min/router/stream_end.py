@@ -15,15 +15,14 @@ abort chunk in the stream's own shape.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import time
 
 import aiohttp
 from aiohttp import web
 
 from engine_min.router.reasons import describe_error
+from engine_min.router.shutdown import MESSAGE, RouterStopping, answering
 from engine_min.router.usage import UsageScanner
 from engine_min.serve import protocol as proto
 from engine_min.serve import responses as wire
@@ -39,11 +38,6 @@ _SEPARATORS = (b"\n\n", b"\r\n\r\n")
 
 class UpstreamFailed(Exception):
     """The engine failed before the client received any byte: the request may be retried."""
-
-
-class RouterStopping(Exception):
-    """Set on an engine's stream by the router's shutdown: the relay ends the client's stream
-    (abort chunk, error event ``server_shutting_down``, ``[DONE]``)."""
 
 
 class SseRelayState:
@@ -122,36 +116,6 @@ class SseRelayState:
         return out + wire.SSE_DONE
 
 
-async def drain(num_inflight, streams: dict, timeout_s: float, logger,
-                poll_s: float = 0.05) -> None:
-    """The router's shutdown: log how many requests and streams are in flight, wait up to
-    ``timeout_s`` seconds for them, then end each stream still open (``RouterStopping`` set on
-    its engine's ``StreamReader``: the relay writes the abort chunk, error event and
-    ``[DONE]``) and wait up to 2 s for their relays to finish.
-
-    Args:
-        num_inflight: callable, the requests in flight to engines (streams included).
-        streams: engine ``StreamReader`` -> ``SseRelayState`` of each stream being relayed.
-        timeout_s: grace period in seconds (>= 0).
-        logger: where the lines go.
-    """
-    n, s = num_inflight(), len(streams)
-    logger.info("stopping: %d request%s in flight (%d stream%s); waiting up to %.1f s",
-                n, "" if n == 1 else "s", s, "" if s == 1 else "s", timeout_s)
-    deadline = time.monotonic() + timeout_s
-    while num_inflight() and time.monotonic() < deadline:
-        await asyncio.sleep(poll_s)
-    if not streams:
-        return
-    logger.warning("stopping: ending %d stream%s still open after %.1f s", len(streams),
-                   "" if len(streams) == 1 else "s", timeout_s)
-    for reader in list(streams):
-        reader.set_exception(RouterStopping())
-    deadline = time.monotonic() + 2.0
-    while streams and time.monotonic() < deadline:
-        await asyncio.sleep(poll_s)
-
-
 def cut_message(url: str, state: SseRelayState) -> str:
     """The error event's message of a stream its engine cut: the engine's URL and how far the
     stream got (events, bytes). The cause in aiohttp's words goes to the router's log only."""
@@ -177,6 +141,7 @@ async def relay_stream(request: web.Request, up: aiohttp.ClientResponse, e, head
     resp: web.StreamResponse | None = None
     scanner, state = UsageScanner(), SseRelayState()
     streams[up.content] = state
+    answering(request)   # the shutdown ends it with RouterStopping instead of cancelling it
     try:
         async for chunk in up.content.iter_any():
             out = state.feed(chunk)
@@ -190,9 +155,8 @@ async def relay_stream(request: web.Request, up: aiohttp.ClientResponse, e, head
     except RouterStopping:
         metrics.failed("server_shutting_down")
         if resp is None:
-            return error_response(ShuttingDown("The router is shutting down."))
-        await resp.write(state.ending("The router is shutting down; the request was "
-                                      "aborted.", "server_shutting_down"))
+            return error_response(ShuttingDown(MESSAGE))
+        await resp.write(state.ending(MESSAGE, "server_shutting_down"))
         await resp.write_eof()
         return resp
     except aiohttp.ClientError as exc:

@@ -58,6 +58,8 @@ def test_a_stop_ends_a_relayed_stream_after_the_shutdown_timeout(engines, sig):
         assert rc == 0, log[-2000:]
         assert took < 10, f"router took {took:.1f} s to exit (timeout 1 s)"
         assert "stopping: 1 request in flight (1 stream); waiting up to 1.0 s" in log, log
+        assert "stopping: after 1.0 s, ending 1 stream still open and answering 0 requests " \
+               "503 (server_shutting_down)" in log, log
         assert "Error handling request" not in log and "Traceback" not in log, log
         # ended before its 400 tokens: an abort chunk, the error event, [DONE]
         assert not any(b'"length"' in e for e in events) and len(events) < 400
