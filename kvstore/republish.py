@@ -53,27 +53,54 @@ class RepublishReport:
     seconds: float = 0.0
 
 
-def hot_keys(st) -> list[ChunkKey]:
+def hot_keys(st, nodes: set[str] | None = None) -> list[ChunkKey]:
     """Every key of the local tiers ``st.tiers``, hottest first: each tier's eviction order
-    reversed, the faster tier's keys first, each key once; removed keys left out. Under the
-    store lock."""
+    reversed, the faster tier's keys first, each key once; removed keys left out; with
+    ``nodes``, only the keys those Redis masters hold (and those no master covers now). Empty
+    once the store is closed. Under the store lock."""
+    if st.closed:
+        return []
+    remote = st.remote
     seen: set[ChunkKey] = set()
     out = []
     for t in st.tiers:
         for k in reversed(t.eviction_order()):
             if k not in seen and k not in st.doomed:
                 seen.add(k)
-                out.append(k)
+                if nodes is None or remote.nodes.node_of(remote.redis_key(k)) in nodes | {None}:
+                    out.append(k)
     return out
 
 
-def _pass(st, keys: list[ChunkKey], rep: RepublishReport) -> list[ChunkKey]:
+def _read(st, key: ChunkKey):
+    """``(kv, parent)`` of ``key`` read out of its fastest local tier (a new CPU tensor), or
+    None (removed, gone, the store closed). The read runs outside the store lock, the chunk
+    reader-pinned, as ``get_chunks`` does: a disk read never holds the lock."""
+    with st.lock:
+        src = None if st.closed else st.locate(key)
+        if src is None:
+            return None
+        st.pins.add_reader(key)
+        parent = st.mover.parent_of(key)
+    kv = None
+    try:
+        kv = src.read(key, "cpu")
+    finally:
+        with st.lock:
+            st.pins.drop_reader(key)
+            st.maybe_free(key)
+    return None if kv is None else (kv, parent)
+
+
+def _pass(st, keys: list[ChunkKey], rep: RepublishReport,
+          stopped=lambda: False) -> list[ChunkKey]:
     """Ask Redis for ``keys`` and queue those it lacks (counted in ``rep``); returns the keys
-    not asked (their node failed or was late)."""
+    not asked (their node failed or was late). Stops early when the store or the remote tier
+    closes or ``stopped()``."""
     remote = st.remote
     unknown: list[ChunkKey] = []
     for i in range(0, len(keys), BATCH):
-        if remote.closed or st.closed:
+        if remote.closed or st.closed or stopped():
             break
         batch = keys[i:i + BATCH]
         for key, there in zip(batch, remote.exists(batch)):
@@ -83,100 +110,130 @@ def _pass(st, keys: list[ChunkKey], rep: RepublishReport) -> list[ChunkKey]:
             if there:
                 rep.present += 1
                 continue
-            with st.lock:
-                src = None if st.closed else st.locate(key)
-                kv = src.read(key, "cpu") if src is not None else None  # (a new tensor)
-                parent = st.mover.parent_of(key)
-            if kv is None:
+            got = _read(st, key)
+            if got is None:
                 continue
+            kv, parent = got
             nbytes = kv.numel() * kv.element_size()
             while (remote.queued_bytes + nbytes > remote.queue_capacity
-                   and nbytes <= remote.queue_capacity and not remote.closed):
+                   and nbytes <= remote.queue_capacity and not remote.closed and not stopped()):
                 time.sleep(0.005)  # (the writer drains it; waiting beats a dropped write)
-            if remote.put_behind(key, kv, parent):
+            # queued under the store lock, still stored: a ``remove`` or ``clear`` since the
+            # read (its Redis deletion forgets queued writes, and runs after its local part)
+            # or a close (the queue would count it dropped) keeps it out of Redis
+            with st.lock:
+                ok = not st.closed and st.locate(key) is not None and remote.put_behind(
+                    key, kv, parent)
+            if ok:
                 rep.written += 1
                 rep.written_bytes += nbytes
     return unknown
 
 
-def republish(st, reason: str = "") -> RepublishReport:
-    """One pass (module docstring) over store state ``st`` (its ``remote`` set).
+def republish(st, reason: str = "", nodes: set[str] | None = None,
+              stop: threading.Event | None = None) -> RepublishReport:
+    """One pass (module docstring) over store state ``st`` (its ``remote`` set), for the
+    chunks that Redis masters ``nodes`` hold (None: every master). ``stop``: set to end the
+    pass early (the store closing).
 
     Returns:
-        The ``RepublishReport`` (also logged in one line, with ``reason``).
+        The ``RepublishReport`` (also logged in one line, with ``reason``, unless the store
+        closed before the pass began).
     """
     remote = st.remote
+    stop = stop if stop is not None else threading.Event()
     rep = RepublishReport()
     t0 = time.monotonic()
     with st.lock:
-        keys = hot_keys(st)
+        keys = hot_keys(st, nodes)
     rep.held = len(keys)
+    unknown: list[ChunkKey] = []
     for attempt in range(1 + RETRIES):
-        unknown = _pass(st, keys, rep)
+        unknown = _pass(st, keys, rep, stop.is_set)
         if not unknown or remote.closed or st.closed or attempt == RETRIES:
             break
         keys = unknown
-        time.sleep(RETRY_PAUSE_S * 2 ** attempt)
+        if stop.wait(RETRY_PAUSE_S * 2 ** attempt):
+            break
     rep.unknown = len(unknown)
     remote.metrics.inc("republished", rep.written)
     rep.seconds = time.monotonic() - t0
-    log.info("remote tier%s: queued %d chunks (%d bytes) of the %d held locally that Redis "
-             "lacked, in %.2f s (%d were there, %d not asked: their node failed or was late)",
-             f" ({reason})" if reason else "", rep.written, rep.written_bytes, rep.held,
-             rep.seconds, rep.present, rep.unknown)
+    if rep.held or not st.closed:
+        log.info("remote tier%s: queued %d chunks (%d bytes) of the %d held locally that "
+                 "Redis lacked, in %.2f s (%d were there, %d not asked: their node failed or "
+                 "was late)", f" ({reason})" if reason else "", rep.written,
+                 rep.written_bytes, rep.held, rep.seconds, rep.present, rep.unknown)
     return rep
 
 
 class Republisher:
     """Runs ``republish`` on a thread of its own when ``schedule`` is called (the remote
-    tier's ``on_node_restart``), one pass at a time, one more if asked during a pass. Each
-    pass starts after a random pause of up to ``jitter_s`` seconds: every host of a fleet
-    notices a restart within one check interval, and spread over it the later ones find in
-    Redis what the earlier ones wrote (a chunk every host holds is written about once, not
-    once per host).
+    tier's ``on_node_restart``), one pass at a time, one more if asked during a pass (over
+    the nodes named since). Each pass starts after a random pause of up to ``jitter_s``
+    seconds: every host of a fleet notices a restart within one check interval, and spread
+    over it the later ones find in Redis what the earlier ones wrote (a chunk every host holds
+    is written about once, not once per host). ``close`` (the remote tier's, at the store's
+    close) ends the pause or the pass and waits for the thread.
 
     Args:
         st: the store's state (with a remote tier).
         jitter_s: longest pause before a pass (seconds, >= 0).
     """
 
+    #: passes kept in ``reports`` (the latest)
+    MAX_REPORTS = 16
+
     def __init__(self, st, jitter_s: float = 0.0) -> None:
         self.st, self.jitter_s = st, float(jitter_s)
         self._lock = threading.Lock()
+        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._again: list[str] = []
-        self.reports: list[RepublishReport] = []  # (the passes done, oldest first)
+        self._again: set[str] = set()
+        self.reports: list[RepublishReport] = []  # (the latest passes, oldest first)
 
     def schedule(self, node: str) -> None:
-        """Start a pass for the restart of ``node`` (or queue one after the running pass)."""
+        """Start a pass for the restart of ``node`` (or queue one after the running pass);
+        nothing once closed."""
         with self._lock:
-            if self._thread is not None and self._thread.is_alive():
-                self._again.append(node)
+            if self._stop.is_set():
                 return
-            self._thread = threading.Thread(target=self._run, args=(node,),
+            if self._thread is not None and self._thread.is_alive():
+                self._again.add(node)
+                return
+            self._thread = threading.Thread(target=self._run, args=({node},),
                                             name="kvstore-republish", daemon=True)
             self._thread.start()
 
-    def _run(self, node: str) -> None:
-        while True:
-            time.sleep(random.uniform(0.0, self.jitter_s))
+    def _run(self, nodes: set[str]) -> None:
+        while not self._stop.wait(random.uniform(0.0, self.jitter_s)):
+            names = ", ".join(sorted(nodes))
             try:
-                self.reports.append(republish(self.st, f"node {node} restarted"))
+                rep = republish(self.st, f"node {names} restarted", nodes, self._stop)
+                self.reports = (self.reports + [rep])[-self.MAX_REPORTS:]
             except Exception:
+                if self._stop.is_set() or self.st.closed:
+                    return  # (the store closed under the pass: nothing to report)
                 log.exception("remote tier: writing local chunks again after node %s "
-                              "restarted failed", node)
+                              "restarted failed", names)
             with self._lock:
-                if not self._again or self.st.closed:
+                if not self._again or self.st.closed or self._stop.is_set():
                     self._again.clear()
                     return
-                node = ", ".join(dict.fromkeys(self._again))
-                self._again.clear()
+                nodes, self._again = self._again, set()
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for the running pass, if any (tests, close)."""
         t = self._thread
         if t is not None:
             t.join(timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """End the pause or the pass under way and wait up to ``timeout`` seconds for the
+        thread; no pass starts after. Idempotent."""
+        with self._lock:
+            self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self.join(timeout)
 
 
 def open_remote(st, config, registry):
@@ -200,4 +257,5 @@ def open_remote(st, config, registry):
     remote.lossy_codec_of = st.lossy_codec_of
     st.republisher = Republisher(st, jitter_s=config.remote_restart_check_s)
     remote.on_node_restart = st.republisher.schedule
+    remote.on_close = st.republisher.close
     return remote

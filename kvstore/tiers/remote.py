@@ -94,6 +94,7 @@ class RemoteTier:
     Attributes:
         down_relog_s: least seconds between two WARNING lines of one node's outage (600).
         on_node_restart: called with a node's name when it restarted (the store sets it).
+        on_close: called first by ``close`` (the store sets it: its restart pass ends).
 
     Raises:
         ValueError: a bad URL, prefix, ttl, timeout, queue size, codec or restart check.
@@ -138,6 +139,7 @@ class RemoteTier:
             self.nodes.breaker(node)
             self.metrics.add_node(node)
         self.on_node_restart: Callable[[str], None] = lambda node: None
+        self.on_close: Callable[[], None] = lambda: None  # (first thing ``close`` does)
         self.restarts = (RestartWatch(self.nodes.primaries, self.nodes.client, restart_check_s,
                                       self._restarted) if restart_check_s else None)
         log.info("remote tier: %s %s, key prefix %r, ttl %s, deadline %.3fs",
@@ -384,6 +386,7 @@ class RemoteTier:
 
     def close(self, flush_timeout: float = 10.0) -> None:
         """Write what is queued (up to ``flush_timeout`` seconds), then close. Idempotent."""
+        self.on_close()  # (the store's restart pass ends before the queue closes)
         if self.restarts is not None:
             self.restarts.close()
         if self.writer.close(flush_timeout):

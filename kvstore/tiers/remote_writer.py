@@ -53,6 +53,7 @@ class WriteBehind:
         self._queue: deque = deque()  # (("put", key, kv, parent, codec) | ("del", rk), nbytes)
         self._queued_bytes = 0
         self._inflight = 0
+        self._batches = [0, 0]  # batches taken by the writer, batches done
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="kvstore-remote-writer",
                                         daemon=True)
@@ -85,8 +86,11 @@ class WriteBehind:
         """Queue an ``UNLINK`` of Redis key ``rk`` (a no-op once closed)."""
         self._enqueue(("del", rk), 0)
 
-    def forget(self, match: Callable[[ChunkKey], bool]) -> None:
-        """Drop queued puts whose key ``match``es (they would bring removed chunks back)."""
+    def forget(self, match: Callable[[ChunkKey], bool], wait_s: float = 10.0) -> None:
+        """Drop queued puts whose key ``match``es (they would bring removed chunks back), then
+        wait (up to ``wait_s`` seconds) for the batch the writer is sending, if any: a caller
+        that deletes the keys from Redis next then deletes what that batch wrote instead of
+        being overtaken by it."""
         with self._cond:
             kept = deque()
             for op, n in self._queue:
@@ -96,6 +100,8 @@ class WriteBehind:
                     kept.append((op, n))
             self._queue = kept
             self.metrics.queue_bytes.set(self._queued_bytes)
+            taken = self._batches[0]
+            self._cond.wait_for(lambda: self._batches[1] >= taken, wait_s)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write is done (written or dropped). False on timeout."""
@@ -142,6 +148,7 @@ class WriteBehind:
                     batch.append(op)
                     size += n
                 self._inflight += 1
+                self._batches[0] += 1
             try:
                 self._write_batch(batch)
             except Exception:
@@ -150,6 +157,7 @@ class WriteBehind:
             finally:
                 with self._cond:
                     self._inflight -= 1
+                    self._batches[1] += 1
                     self._queued_bytes -= size
                     self.metrics.queue_bytes.set(self._queued_bytes)
                     self._cond.notify_all()
