@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 
 import pytest
 import torch
@@ -46,6 +47,17 @@ def requests_of(metrics: str, route: str) -> int:
     return sum(int(float(n)) for n in re.findall(
         r'kvstore_server_requests_total\{route="%s",status="\d+"\} (\S+)' % re.escape(route),
         metrics))
+
+
+def metrics_once(c: KVStoreClient, route: str, n: int) -> str:
+    """The daemon's /metrics text once it counts ``n`` requests of ``route`` (a socket
+    request is counted just after its reply is sent), or after 5 s."""
+    t0 = time.monotonic()
+    while True:
+        text = c.metrics_text()
+        if requests_of(text, route) >= n or time.monotonic() - t0 > 5:
+            return text
+        time.sleep(0.05)
 
 
 def test_the_socket_client_says_whether_a_call_was_sent(tmp_path):
@@ -121,7 +133,7 @@ def test_a_call_that_sent_nothing_goes_to_the_new_socket_at_once(tmp_path, monke
             assert c._shm.path == second and len(seen) == 1 and seen[0].sent is False
             assert c.put_chunks(NS, KEYS[1:2], [chunk(1)]) == 1
             assert c.pin(NS, KEYS[1:2]) == 1
-            metrics = c.metrics_text()
+            metrics = metrics_once(c, "shm_pin", 2)
             assert requests_of(metrics, "shm_pin") == 2 and requests_of(metrics, "/v1/pin") == 0
     finally:
         stop(proc)
@@ -149,7 +161,7 @@ def test_a_pin_that_was_sent_is_never_sent_again(tmp_path, monkeypatch):
                 c.pin(NS, KEYS[:1])
             assert not isinstance(e.value, SocketGone) and seen == []
             monkeypatch.setattr(shm_conn.Conn, "request", orig)
-            metrics = c.metrics_text()
+            metrics = metrics_once(c, "shm_pin", 1)
             assert requests_of(metrics, "shm_pin") == 1 and requests_of(metrics, "/v1/pin") == 0
             assert c.transport == "unix" and c.pin(NS, KEYS[:1]) == 1   # the path still works
     finally:
