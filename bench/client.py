@@ -29,7 +29,9 @@ class RequestResult:
 
     ``send_s`` is relative to the start of the run. ``num_cached_tokens`` is the server's
     ``usage.prompt_tokens_details.cached_tokens`` (reused prompt tokens), ``None`` if absent.
-    ``text`` is the streamed output (compared across configurations: reuse must not change it).
+    ``text`` is the streamed output (compared across configurations: reuse must not change it);
+    ``token_ids`` its token ids when the client asked for them (``return_token_ids``) and the
+    server sent them in every chunk (``None`` otherwise).
     """
 
     request_id: str
@@ -46,6 +48,7 @@ class RequestResult:
     num_output_tokens: int = 0
     num_cached_tokens: int | None = None
     text: str = ""
+    token_ids: list[int] | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -111,11 +114,15 @@ class StreamingClient:
         model: model name sent in each body.
         endpoint: ``"completions"`` or ``"chat"``.
         timeout_s: per-request limit; a request past it is recorded as failed.
+        return_token_ids: ask for the output's token ids too (vLLM's and ``engine_min
+            serve``'s ``return_token_ids``), kept in ``RequestResult.token_ids``.
     """
 
     def __init__(self, session: aiohttp.ClientSession, base_url: str, model: str,
-                 endpoint: str = "completions", timeout_s: float = 600.0):
+                 endpoint: str = "completions", timeout_s: float = 600.0,
+                 return_token_ids: bool = False):
         self.session = session
+        self.return_token_ids = return_token_ids
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.endpoint = endpoint
@@ -129,6 +136,9 @@ class StreamingClient:
         res = RequestResult(req.request_id, req.session, req.index, self.base_url,
                             num_prompt_tokens=req.num_prompt_tokens)
         body = build_payload(req, self.model, self.endpoint)
+        if self.return_token_ids:
+            body["return_token_ids"] = True
+            res.token_ids = []
         t_send = time.perf_counter()
         res.send_s = t_send - run_start
         last = None
@@ -149,6 +159,12 @@ class StreamingClient:
                     if "error" in chunk:
                         res.error = str(chunk["error"])[:300]
                         return res
+                    if res.token_ids is not None and chunk.get("choices"):
+                        ids = chunk["choices"][0].get("token_ids")
+                        if ids is None:  # (a server without the extension)
+                            res.token_ids = None
+                        else:
+                            res.token_ids.extend(ids)
                     text = _token_text(chunk, self.endpoint)
                     if text is not None:
                         res.text += text

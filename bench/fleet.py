@@ -17,8 +17,8 @@ multiple of the chunk size so the whole document is in full chunks):
 4. ``local hit``: host 2 answers question 2: now from daemon2's CPU tier (checked likewise).
 
 TTFTs are the client's (send -> first streamed token), medians over the documents. Greedy
-outputs of the remote hits must equal the reference (``outputs_identical``; the server streams
-text, so the comparison is of the streamed text, token event by token event). Then the
+outputs of the remote hits must equal the reference (``outputs_identical``: the same token
+ids, which the engines return with ``return_token_ids``, and the same streamed text). Then the
 remote tier's get throughput is measured on the same chunks (``bench.fleet_get``).
 Targets: ``remote_vs_recompute`` >= 10 (recompute TTFT / remote-hit TTFT), ``remote_vs_local``
 <= 1.5 (remote-hit TTFT / local-hit TTFT), ``remote_get_vs_raw`` >= 0.8.
@@ -90,10 +90,14 @@ class Asker:
         Raises:
             RuntimeError: the request failed (the server's error in the message).
         """
-        client = StreamingClient(self.session, self.fleet.url(role), self.model)
+        client = StreamingClient(self.session, self.fleet.url(role), self.model,
+                                 return_token_ids=True)
         res = self.loop.run_until_complete(client.send(req, time.perf_counter()))
         if not res.ok:
             raise RuntimeError(f"{role} {req.request_id}: {res.error}")
+        if res.token_ids is None:
+            raise RuntimeError(f"{role} {req.request_id}: the answer carries no token ids "
+                               f"(return_token_ids)")
         return res
 
     def close(self) -> None:
@@ -142,8 +146,9 @@ def run_document(fleet: FleetGroup, asker: Asker, wl: FleetWorkload, i: int,
             "local_hit_daemon_s": _daemon_seconds(m3, m4),
             "remote_hit_cached_tokens": remote.num_cached_tokens,
             "local_hit_cached_tokens": local.num_cached_tokens,
-            "output_identical": remote.text == ref.text,
-            "recompute_text": ref.text, "remote_hit_text": remote.text}
+            "output_identical": remote.token_ids == ref.token_ids and remote.text == ref.text,
+            "recompute_text": ref.text, "remote_hit_text": remote.text,
+            "recompute_token_ids": ref.token_ids, "remote_hit_token_ids": remote.token_ids}
 
 
 def _namespace(fleet: FleetGroup, chunk_size: int) -> Namespace:

@@ -75,6 +75,8 @@ class ApiRequest:
             ``max_tokens`` (temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos).
         stream: send Server-Sent Events.
         include_usage: with ``stream``, send a final chunk carrying ``usage``.
+        return_token_ids: answer with the prompt's and the output's token ids too (vLLM's
+            extension, ``engine_min.serve.responses.add_token_ids``).
     """
 
     kind: str
@@ -85,6 +87,7 @@ class ApiRequest:
     sampling: dict = field(default_factory=dict)
     stream: bool = False
     include_usage: bool = False
+    return_token_ids: bool = False
 
 
 def loads_body(raw: bytes) -> dict:
@@ -304,9 +307,10 @@ def _parse_common(body: dict, kind: str) -> dict:
         raise ApiError("'stream_options' is only allowed with stream=true.",
                        param="stream_options", code="invalid_value")
     include_usage = _opt(opts, "include_usage", lambda v: isinstance(v, bool), "a boolean")
+    ids = _opt(body, "return_token_ids", lambda v: isinstance(v, bool), "a boolean")
     return {"kind": kind, "model": model, "max_tokens": max_tokens,
             "sampling": _parse_sampling(body), "stream": stream,
-            "include_usage": bool(include_usage)}
+            "include_usage": bool(include_usage), "return_token_ids": bool(ids)}
 
 
 def parse_completion_request(body: dict) -> ApiRequest:

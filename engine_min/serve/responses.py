@@ -4,7 +4,14 @@ Responses follow the OpenAI wire format: ``text_completion`` / ``chat.completion
 for ``stream: true`` Server-Sent Events of chunk objects (``data: {...}\\n\\n``) ending in
 ``data: [DONE]\\n\\n``. Every non-streamed response carries ``usage`` with ``prompt_tokens``,
 ``completion_tokens``, ``total_tokens`` and ``prompt_tokens_details.cached_tokens``.
-``TextStreamer`` cuts a growing decoded text into deltas safe to stream. Pure functions; the
+``TextStreamer`` cuts a growing decoded text into deltas safe to stream.
+
+With ``return_token_ids`` (vLLM's extension, ``add_token_ids``) a response also carries token
+ids: the choice's ``token_ids`` (the output's; in a stream, each chunk's are the tokens
+generated since the previous chunk, so a stream's chunks add up to the output) and
+``prompt_token_ids`` (the prompt after tokenization and, for chat, the template: at the top
+level of a chat response or of a chat stream's first chunk, in the choice of a completion
+response or of a completion stream's first chunk). Pure functions; the
 requests they answer are parsed by ``engine_min.serve.protocol``.
 """
 from __future__ import annotations
@@ -66,6 +73,40 @@ def usage_chunk(request_id: str, model: str, created: int, kind: str, usage_obj:
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     return {"id": request_id, "object": obj, "created": created, "model": model,
             "choices": [], "usage": usage_obj}
+
+
+def add_token_ids(obj: dict, kind: str, token_ids: list[int],
+                  prompt_token_ids: list[int] | None) -> dict:
+    """``obj`` (a response or chunk of ``kind`` ``"chat"`` | ``"completion"``, one choice)
+    with ``token_ids`` in its choice and, unless None, ``prompt_token_ids`` where the
+    module docstring says; returns ``obj``."""
+    choice = obj["choices"][0]
+    choice["token_ids"] = list(token_ids)
+    if prompt_token_ids is not None:
+        (obj if kind == "chat" else choice)["prompt_token_ids"] = list(prompt_token_ids)
+    return obj
+
+
+class StreamTokenIds:
+    """What a stream with ``return_token_ids`` has sent of its token ids: ``update`` with the
+    output's ids so far, ``attach`` to each chunk sent (the prompt's ids to the first, the ids
+    not sent yet to each: the chunks' ``token_ids`` add up to the output)."""
+
+    def __init__(self, prompt_token_ids: list[int]) -> None:
+        self.prompt: list[int] | None = list(prompt_token_ids)
+        self.output: list[int] = []
+        self.sent = 0
+
+    def update(self, output_token_ids: list[int]) -> None:
+        self.output = output_token_ids
+
+    def attach(self, chunk: dict, kind: str, tokens: bool = True) -> dict:
+        """Add the ids to ``chunk`` (``tokens`` False: none of the output's, an empty list)."""
+        new = self.output[self.sent:] if tokens else []
+        self.sent += len(new)
+        add_token_ids(chunk, kind, new, self.prompt)
+        self.prompt = None
+        return chunk
 
 
 def sse(obj: dict | str) -> bytes:

@@ -236,20 +236,25 @@ class OpenAIServing:
         build = wire.chat_response if p.req.kind == "chat" else wire.completion_response
         usage = wire.usage(out.num_prompt_tokens, len(out.output_token_ids),
                             out.num_cached_tokens)
-        return web.json_response(build(p.request_id, self.model_name, p.created, out.text,
-                                       out.finish_reason, usage))
+        body = build(p.request_id, self.model_name, p.created, out.text, out.finish_reason, usage)
+        if p.req.return_token_ids:
+            wire.add_token_ids(body, p.req.kind, out.output_token_ids, p.prompt_token_ids)
+        return web.json_response(body)
 
     def _chunk(self, p: _Prepared, text: str | None, finish_reason: str | None,
-               role: bool = False) -> bytes:
-        """One SSE chunk; ``text`` None means an empty chat delta."""
+               role: bool = False, ids: Any = None) -> bytes:
+        """One SSE chunk; ``text`` None means an empty chat delta. With ``return_token_ids``,
+        ``ids`` (``responses.StreamTokenIds``) gives it the token ids not sent yet."""
         args = (p.request_id, self.model_name, p.created)
         if p.req.kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else (
                 {} if text is None else {"content": text})
-            return wire.sse(wire.chat_chunk(*args, delta, finish_reason,
-                                              p.req.include_usage))
-        return wire.sse(wire.completion_chunk(*args, text or "", finish_reason,
-                                                p.req.include_usage))
+            chunk = wire.chat_chunk(*args, delta, finish_reason, p.req.include_usage)
+        else:
+            chunk = wire.completion_chunk(*args, text or "", finish_reason, p.req.include_usage)
+        if ids is not None:
+            ids.attach(chunk, p.req.kind, tokens=not role)
+        return wire.sse(chunk)
 
     async def _stream(self, request: web.Request, p: _Prepared, outputs: asyncio.Queue
                       ) -> tuple[web.StreamResponse, bool]:
@@ -277,6 +282,7 @@ class OpenAIServing:
         streamer = wire.TextStreamer(p.req.sampling.get("stop", ()))
         role_sent = p.req.kind != "chat"
         last = None  # the latest output (its usage ends a stream cut by shutdown)
+        ids = wire.StreamTokenIds(p.prompt_token_ids) if p.req.return_token_ids else None
         while True:
             out = await outputs.get()
             if isinstance(out, Exception):
@@ -284,24 +290,26 @@ class OpenAIServing:
                     str(out), status=500, type="server_error")
                 if isinstance(out, ShuttingDown):  # cut by shutdown: say so in the choices too
                     await resp.write(self._chunk(p, None if p.req.kind == "chat" else "",
-                                                 "abort"))
+                                                 "abort", ids=ids))
                     if p.req.include_usage:
                         await resp.write(self._usage_chunk(p, last))
                 await resp.write(wire.sse(proto.error_body(err.message, err.type, err.param,
                                                             err.code)))
                 break
+            if ids is not None:
+                ids.update(out.output_token_ids)
             if not role_sent and (out.output_token_ids or out.finished):
-                await resp.write(self._chunk(p, None, None, role=True))
+                await resp.write(self._chunk(p, None, None, role=True, ids=ids))
                 role_sent = True
             delta = streamer.delta(out.text, out.finished)
             if p.req.kind == "chat":
                 if delta:
-                    await resp.write(self._chunk(p, delta, None))
+                    await resp.write(self._chunk(p, delta, None, ids=ids))
                 if out.finished:
-                    await resp.write(self._chunk(p, None, out.finish_reason))
+                    await resp.write(self._chunk(p, None, out.finish_reason, ids=ids))
             elif delta or out.finished:
                 await resp.write(self._chunk(p, delta, out.finish_reason if out.finished
-                                             else None))
+                                             else None, ids=ids))
             last = out
             if out.finished:
                 if p.req.include_usage:

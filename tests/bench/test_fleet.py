@@ -64,6 +64,7 @@ def test_second_host_answers_from_redis_what_the_first_read(redis_cluster):  # n
     assert got.num_cached_tokens == DOC_TOKENS
     assert got.num_output_tokens == want.num_output_tokens == wl.answer_tokens
     assert got.text == want.text
+    assert got.token_ids == want.token_ids and len(got.token_ids) == wl.answer_tokens
 
 
 def test_fleet_quick_json_runs_whole():

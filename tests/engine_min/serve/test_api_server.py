@@ -344,3 +344,58 @@ def test_tokenizing_runs_off_the_event_loop(server, monkeypatch):
         status, got = fut.result(60)
     assert status == 200 and got["usage"]["completion_tokens"] == 2
     _wait_idle(server)
+
+
+def _stream_chunks(server, path: str, body: dict) -> list[dict]:
+    """POST a streamed request; its SSE chunks, decoded ([DONE] left out)."""
+    req = urllib.request.Request(server.url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    chunks = []
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+def test_return_token_ids_gives_the_prompt_and_output_ids(server):
+    tok = server.engine.tokenizer
+    prompt_ids = tok.encode("The capital of France is")
+    base = {"model": MODEL, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    # completions: both lists in the choice; the output ids decode to the text
+    status, body = _post(server, "/v1/completions", json.dumps(
+        {**base, "prompt": prompt_ids, "return_token_ids": True}).encode())
+    assert status == 200
+    choice = body["choices"][0]
+    assert choice["prompt_token_ids"] == prompt_ids and len(choice["token_ids"]) == 8
+    assert tok.decode(choice["token_ids"]) == choice["text"]
+    # streamed: the first chunk carries the prompt's ids, the chunks' ids add up to the same
+    chunks = _stream_chunks(server, "/v1/completions",
+                            {**base, "prompt": prompt_ids, "stream": True,
+                             "return_token_ids": True})
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == prompt_ids
+    assert all("prompt_token_ids" not in c["choices"][0] for c in chunks[1:])
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == choice["token_ids"]
+    # chat: prompt_token_ids at the top level (the templated prompt), token ids in the choice
+    status, chat = _post(server, "/v1/chat/completions", json.dumps(
+        {**base, "messages": CHAT, "return_token_ids": True}).encode())
+    assert status == 200
+    templated = chat["prompt_token_ids"]
+    assert len(templated) == chat["usage"]["prompt_tokens"] > len(tok.encode(CHAT[0]["content"]))
+    ids = chat["choices"][0]["token_ids"]
+    assert tok.decode(ids) == chat["choices"][0]["message"]["content"] and len(ids) == 8
+    chunks = _stream_chunks(server, "/v1/chat/completions",
+                            {**base, "messages": CHAT, "stream": True, "return_token_ids": True})
+    assert chunks[0]["prompt_token_ids"] == templated
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[0]["choices"][0]["token_ids"] == []
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == ids
+    # without the flag nothing is added; a non-boolean is refused
+    status, plain = _post(server, "/v1/completions", json.dumps(
+        {**base, "prompt": prompt_ids}).encode())
+    assert status == 200 and "token_ids" not in plain["choices"][0]
+    assert "prompt_token_ids" not in plain["choices"][0]
+    status, err = _post(server, "/v1/completions", json.dumps(
+        {**base, "prompt": prompt_ids, "return_token_ids": "yes"}).encode())
+    assert status == 400 and err["error"]["param"] == "return_token_ids"
