@@ -8,18 +8,22 @@ document) would miss on every other host until each recomputed them.
 
 When the remote tier notices a restart (``kvstore.tiers.remote_restart``: a node's
 ``run_id`` changed), ``Republisher`` runs one pass on a thread of its own: every chunk of
-the local tiers, hottest first (each tier's eviction order reversed, the faster tier first:
-parents before children, as a request touches its chunks tail first), is asked of Redis
-(``RemoteTier.exists``, a batch of ``BATCH`` per call; keys whose node failed or was late
-are asked again up to ``RETRIES`` times), and each one Redis lacks is read
-out of its tier and queued for the remote tier's writer, waiting for room in its queue
-rather than dropping it. A node that comes back with its data (RDB, AOF, a replica
-promoted) lacks nothing: the pass only asks. The store lock is held for one chunk's read at
-a time, so the store keeps serving. A restart noticed during a pass runs one more pass
-after it. Each pass waits a random pause of up to one check interval first, so that the
-hosts of a fleet, which all notice the restart, do not all write the same hot chunks. One
-line is logged per pass; ``kvstore_remote_republished_total`` counts the
-chunks written.
+the local tiers that the restarted masters hold (by slot; a value another master lost, to
+its TTL or its ``maxmemory``, is that master's business), hottest first (each tier's
+eviction order reversed, the faster tier first), is asked of Redis (``RemoteTier.exists``, a
+batch of ``BATCH`` per call; keys whose node failed or was late are asked again up to
+``RETRIES`` times), and each one Redis lacks is read out of its tier (reader-pinned, outside
+the store lock, as ``get_chunks`` reads) and queued for the remote tier's writer, waiting for
+room in its queue rather than dropping it. A master with a ``maxmemory`` gets at most what
+fits under it at the pass's start (``INFO memory``): past that, a colder chunk written would
+only make Redis evict a hotter one. A node that comes back with its data (RDB, AOF, a
+replica promoted) lacks nothing: the pass only asks. A chunk is queued under the store lock
+and only if it is still stored, so a ``remove``, a ``clear`` or a close during the pass keeps
+it out of Redis. A restart noticed during a pass runs one more pass after it. Each pass
+waits a random pause of up to one check interval first, so that the hosts of a fleet, which
+all notice the restart, do not all write the same hot chunks. One line is logged per pass;
+``kvstore_remote_republished_total`` counts the chunks written. Keys not asked after the
+retries (their node still failing) are not asked again until the next restart.
 """
 from __future__ import annotations
 
@@ -29,6 +33,9 @@ import threading
 import time
 from dataclasses import dataclass
 
+from redis.exceptions import RedisError
+
+from kvstore.codec import HEADER_BYTES_MAX
 from kvstore.keys import ChunkKey
 
 log = logging.getLogger("kvstore.store")
@@ -43,14 +50,31 @@ RETRIES, RETRY_PAUSE_S = 5, 0.25
 @dataclass
 class RepublishReport:
     """What one pass did: chunks held locally, found in Redis, written to it (and their
-    bytes), not asked (their node failed or was late), and the pass's wall seconds."""
+    bytes), not asked (their node failed or was late), left out for room (their master's
+    ``maxmemory`` reached), and the pass's wall seconds."""
 
     held: int = 0
     present: int = 0
     written: int = 0
     written_bytes: int = 0
     unknown: int = 0
+    no_room: int = 0
     seconds: float = 0.0
+
+
+def redis_room(remote, nodes) -> dict[str, int | None]:
+    """Bytes each master of ``nodes`` (names) takes before its ``maxmemory``
+    (``maxmemory - used_memory`` from ``INFO memory``, >= 0); None for a master without a
+    ``maxmemory`` or that did not answer (no limit then)."""
+    out: dict[str, int | None] = {}
+    for node in nodes:
+        try:
+            info = remote.nodes.client(node).info("memory")
+            cap = int(info.get("maxmemory", 0))
+            out[node] = max(0, cap - int(info["used_memory"])) if cap else None
+        except (RedisError, OSError, KeyError, ValueError, TypeError):
+            out[node] = None
+    return out
 
 
 def hot_keys(st, nodes: set[str] | None = None) -> list[ChunkKey]:
@@ -92,11 +116,12 @@ def _read(st, key: ChunkKey):
     return None if kv is None else (kv, parent)
 
 
-def _pass(st, keys: list[ChunkKey], rep: RepublishReport,
+def _pass(st, keys: list[ChunkKey], rep: RepublishReport, room: dict[str, int | None],
           stopped=lambda: False) -> list[ChunkKey]:
-    """Ask Redis for ``keys`` and queue those it lacks (counted in ``rep``); returns the keys
-    not asked (their node failed or was late). Stops early when the store or the remote tier
-    closes or ``stopped()``."""
+    """Ask Redis for ``keys`` and queue those it lacks (counted in ``rep``) while their
+    master has ``room`` (bytes left per master, taken from as chunks are queued; a master
+    not in it or None: no limit); returns the keys not asked (their node failed or was
+    late). Stops early when the store or the remote tier closes or ``stopped()``."""
     remote = st.remote
     unknown: list[ChunkKey] = []
     for i in range(0, len(keys), BATCH):
@@ -110,11 +135,22 @@ def _pass(st, keys: list[ChunkKey], rep: RepublishReport,
             if there:
                 rep.present += 1
                 continue
+            node = remote.nodes.node_of(remote.redis_key(key))
+            left = room.get(node)
+            if left is not None and left <= 0:
+                rep.no_room += 1  # (not read: its master is full)
+                continue
             got = _read(st, key)
             if got is None:
                 continue
             kv, parent = got
             nbytes = kv.numel() * kv.element_size()
+            if left is not None:
+                if nbytes + HEADER_BYTES_MAX > left:
+                    room[node] = 0  # (a colder chunk written now would evict a hotter one)
+                    rep.no_room += 1
+                    continue
+                room[node] = left - nbytes - HEADER_BYTES_MAX
             while (remote.queued_bytes + nbytes > remote.queue_capacity
                    and nbytes <= remote.queue_capacity and not remote.closed and not stopped()):
                 time.sleep(0.005)  # (the writer drains it; waiting beats a dropped write)
@@ -147,9 +183,13 @@ def republish(st, reason: str = "", nodes: set[str] | None = None,
     with st.lock:
         keys = hot_keys(st, nodes)
     rep.held = len(keys)
+    try:
+        room = redis_room(remote, nodes if nodes is not None else remote.nodes.primaries())
+    except RedisError:
+        room = {}
     unknown: list[ChunkKey] = []
     for attempt in range(1 + RETRIES):
-        unknown = _pass(st, keys, rep, stop.is_set)
+        unknown = _pass(st, keys, rep, room, stop.is_set)
         if not unknown or remote.closed or st.closed or attempt == RETRIES:
             break
         keys = unknown
@@ -161,8 +201,9 @@ def republish(st, reason: str = "", nodes: set[str] | None = None,
     if rep.held or not st.closed:
         log.info("remote tier%s: queued %d chunks (%d bytes) of the %d held locally that "
                  "Redis lacked, in %.2f s (%d were there, %d not asked: their node failed or "
-                 "was late)", f" ({reason})" if reason else "", rep.written,
-                 rep.written_bytes, rep.held, rep.seconds, rep.present, rep.unknown)
+                 "was late, %d left out: their master's maxmemory reached)",
+                 f" ({reason})" if reason else "", rep.written, rep.written_bytes, rep.held,
+                 rep.seconds, rep.present, rep.unknown, rep.no_room)
     return rep
 
 

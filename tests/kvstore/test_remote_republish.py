@@ -179,3 +179,37 @@ def test_a_second_host_finds_what_the_first_wrote_again_and_writes_nothing(redis
     finally:
         a.close()
         b.close()
+
+
+def test_a_master_with_a_maxmemory_gets_only_the_hottest_chunks_that_fit(redis_server,
+                                                                         monkeypatch):
+    import kvstore.republish as republish_mod
+    from kvstore.codec import HEADER_BYTES_MAX
+    from kvstore.republish import hot_keys, redis_room, republish
+    from tests.kvstore.remote_helpers import CB
+    a = make_store(redis_server.url, remote_restart_check_s=0)
+    node = f"127.0.0.1:{redis_server.port}"
+    try:
+        keys, kvs = prompt(NS, 5, 8)
+        assert a.put_chunks(NS, keys, kvs) == 8 and a.flush(5.0)
+        _restart_empty(redis_server)
+        assert _wait(lambda: a.remote.exists(keys[:1]) == [False])
+        # what INFO memory tells: no maxmemory -> no limit; else the bytes left under it
+        assert redis_room(a.remote, [node]) == {node: None}
+        with redis_server.client() as r:
+            used = int(r.info("memory")["used_memory"])
+            r.config_set("maxmemory", used + 100_000)
+        # (used_memory moves by tens of KB with the clients connected: a loose window)
+        assert 50_000 < redis_room(a.remote, [node])[node] < 150_000
+        # room for 3 values: the 3 hottest are written, the 5 colder left out unread
+        with a._st.lock:
+            hot = hot_keys(a._st)
+        monkeypatch.setattr(republish_mod, "redis_room",
+                            lambda remote, nodes: {node: 3 * (CB + HEADER_BYTES_MAX)})
+        rep = republish(a._st, "test", {node})
+        assert (rep.held, rep.written, rep.no_room, rep.present) == (8, 3, 5, 0)
+        assert a.flush(5.0)
+        with redis_server.client() as r:
+            assert [bool(r.exists(rkey(k))) for k in hot] == [True] * 3 + [False] * 5
+    finally:
+        a.close()
