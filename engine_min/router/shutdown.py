@@ -42,9 +42,11 @@ class RouterStopping(Exception):
     (abort chunk, error event ``server_shutting_down``, ``[DONE]``)."""
 
 
-def answering(request: web.Request) -> None:
-    """Mark ``request``'s answer as being written: the shutdown lets it finish."""
-    request[ANSWERING] = True
+def answering(request: web.Request, on: bool = True) -> None:
+    """Mark ``request``'s answer as being written (or a stream as being relayed): the shutdown
+    lets it finish. ``on=False``: no longer (the engine failed first; the request is sent to
+    another engine)."""
+    request[ANSWERING] = on
 
 
 def _plural(n: int, word: str) -> str:

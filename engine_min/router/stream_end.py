@@ -161,6 +161,7 @@ async def relay_stream(request: web.Request, up: aiohttp.ClientResponse, e, head
         return resp
     except aiohttp.ClientError as exc:
         if resp is None:
+            answering(request, False)   # sent again: cancellable until its answer comes
             raise UpstreamFailed(describe_error(exc)) from exc
         why = describe_error(exc)
         metrics.failed("engine_failed")

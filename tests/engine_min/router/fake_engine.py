@@ -33,7 +33,9 @@ def completion_body(delay_s: float) -> bytes:
 
 def fake_engine(mode: str) -> ServerThread:
     """An engine that answers /health and a chat stream: ``EVENTS``, then (mode "cut") half an
-    event and a dropped connection, or (mode "hang") nothing more until the client leaves.
+    event and a dropped connection, or (mode "hang") nothing more until the client leaves; in
+    mode "cut-at-once" the stream's headers and a dropped connection, in mode "silent" nothing
+    until the client leaves (not even the headers).
     ``POST /v1/completions`` answers a completion (text ``"done"``) after the body's
     ``delay_s`` seconds. ``srv.received`` lists the paths of the generation requests it got,
     ``srv.cancelled`` those of completions cancelled before their answer (the router closed the
@@ -47,8 +49,14 @@ def fake_engine(mode: str) -> ServerThread:
     async def chat(request: web.Request) -> web.StreamResponse:
         await request.read()
         received.append(request.path)
+        if mode == "silent":
+            await asyncio.sleep(3600)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if mode == "cut-at-once":
+            await asyncio.sleep(0.1)
+            request.transport.abort()
+            return resp
         for ev in EVENTS:
             await resp.write(ev)
         if mode == "cut":

@@ -107,6 +107,31 @@ def test_a_stop_answers_a_request_still_in_flight_503(tokenizer, caplog):
         eng.stop()
 
 
+def test_a_stream_sent_to_another_engine_after_a_cut_is_still_answered_503(tokenizer):
+    """A stream cut before its first event is sent to the next engine; still waiting for that
+    engine's answer when the grace period is over, it gets the 503 like any request."""
+    cut, silent = fake_engine("cut-at-once"), fake_engine("silent")
+    srv = start_router([cut.url, silent.url], tokenizer, policy="round-robin")
+    srv.router.shutdown_timeout_s = 0.5
+    got: dict = {}
+    try:
+        wait_health(srv.url, timeout_s=30)
+        t = _send(srv.url, "/v1/chat/completions", STREAM_BODY, got, "stream")
+        _wait_received(cut, 1)
+        _wait_received(silent, 1)
+        t0 = time.monotonic()
+        srv.stop()
+        took = time.monotonic() - t0
+        t.join(30)
+        _check_503(got.get("stream"))
+        assert took < 5, f"the stop took {took:.1f} s (grace period 0.5 s)"
+        assert srv.router.metrics.registry.get_sample_value(
+            "router_failed_requests_by_code_total", {"code": "server_shutting_down"}) == 1
+    finally:
+        cut.stop()
+        silent.stop()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_route_stopped_by_a_signal_answers_every_request_in_flight(sig):
     eng = fake_engine("hang")
