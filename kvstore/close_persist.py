@@ -99,6 +99,8 @@ class PersistReport:
             full or read-only disk: its log line says which), or the pass ended when reading
             one out of its memory tier raised (logged).
         seconds: wall-clock seconds the pass took.
+        reattached: chunks on the disk tier before the pass that it made reachable (after a
+            restart) by writing an ancestor that only a memory tier held.
     """
 
     written_chunks: int = 0
@@ -108,6 +110,7 @@ class PersistReport:
     left_orphan: int = 0
     left_error: int = 0
     seconds: float = 0.0
+    reattached: int = 0
 
     @property
     def left_chunks(self) -> int:
@@ -214,6 +217,7 @@ def persist_memory_tiers(st, budget_s: float) -> PersistReport | None:
         rep.written_chunks = len(written)
         rep.written_bytes = sum(disk.nbytes_of(k) for k in written)
         rep.left_orphan = len(orphans)
+        rep.reattached = _disk_below(st, disk, written, set(ours))
         left = [k for k in todo if not disk.contains(k) and k not in orphans]
         rep.left_room = sum(1 for k in left if k in no_room)  # (never queued by the pass)
         rest = len(left) - rep.left_room
@@ -226,9 +230,10 @@ def persist_memory_tiers(st, budget_s: float) -> PersistReport | None:
     rep.seconds = time.monotonic() - t0
     log.info("persist on close: wrote %d chunks (%d bytes) of the memory tiers to the disk tier "
              "in %.2f s; left out %d: %d when the %g s budget ran out, %d with the disk tier "
-             "full, %d with an ancestor stored nowhere, %d on an error", rep.written_chunks,
-             rep.written_bytes, rep.seconds, rep.left_chunks, rep.left_time, budget_s,
-             rep.left_room, rep.left_orphan, rep.left_error)
+             "full, %d with an ancestor stored nowhere, %d on an error; %d chunks already on "
+             "disk made reachable", rep.written_chunks, rep.written_bytes, rep.seconds,
+             rep.left_chunks, rep.left_time, budget_s, rep.left_room, rep.left_orphan,
+             rep.left_error, rep.reattached)
     return rep
 
 
@@ -241,6 +246,17 @@ def anchors_first(st, disk: DiskTier, keys: list[ChunkKey]) -> list[ChunkKey]:
         return keys
     lead = set(first)
     return first + [k for k in keys if k not in lead]
+
+
+def _disk_below(st, disk: DiskTier, written: set[ChunkKey], ours: set[ChunkKey]) -> int:
+    """How many chunks of the disk tier not queued by the pass (``ours``) lie below the chunks
+    it wrote (``written``) through disk chunks only: those it made reachable."""
+    n, frontier = 0, list(written)
+    while frontier:
+        frontier = [c for k in frontier for c in disk.children_of(k)
+                    if c not in ours and c not in st.doomed and disk.contains(c)]
+        n += len(frontier)
+    return n
 
 
 def _missing_chain(st, disk: DiskTier, key: ChunkKey, orphans: set[ChunkKey],

@@ -64,6 +64,7 @@ def test_a_chunk_that_does_not_fit_is_skipped_and_smaller_ones_are_written(tmp_p
         rep = s.persist_memory_tiers(30.0)
     # the big chain does not fit: left out; 3 of prompt 0's chunks fill the room left
     assert (rep.written_chunks, rep.left_room, rep.left_time, rep.left_error) == (3, 7, 0, 0)
+    assert rep.reattached == 0
     line = [r.getMessage() for r in caplog.records if "persist on close" in r.getMessage()]
     assert len(line) == 1 and "left out 7" in line[0] and "7 with the disk tier full" in line[0]
     s.close()
@@ -101,7 +102,8 @@ def test_parents_of_disk_chunks_are_written_first(tmp_path):
     s = store(tmp_path, cpu=8, disk=cap)
     spill_a_tail(s)
     rep = s.persist_memory_tiers(30.0)
-    assert (rep.written_chunks, rep.left_room) == (2, 6)  # A's head; B and C left out
+    # A's head, which makes A's tail on disk reachable; B and C left out
+    assert (rep.written_chunks, rep.left_room, rep.reattached) == (2, 6, 2)
     s.close()
     r = reopen_disk_only(tmp_path, disk=cap)
     try:
@@ -176,7 +178,7 @@ def test_with_a_remote_tier_a_disk_chunk_whose_parent_redis_holds_is_no_first_vi
     assert s.flush(10.0)
     s.close()
     cfg = StoreConfig(cpu_bytes=0, disk_bytes=cap, disk_path=str(tmp_path / "db"),
-                      remote_url=redis_server.url)
+                      remote_url=redis_server.url, remote_timeout_s=10.0)  # (a loaded host)
     r = ChunkStore(cfg, [NS])
     try:
         tail = NS.chunk_keys(tokens(0))[2:]
