@@ -10,17 +10,16 @@ shared system prompt) are exactly the ones that stay local forever.
 thread) and compares its ``run_id``, which a Redis process draws at start: a new ``run_id``
 on a node seen before means a restart, and ``on_restart(node)`` is called (the store then
 writes what Redis lacks of what it holds: ``kvstore.republish``). A node that does not answer
-is skipped (its breaker and outage log tell that story); a node seen for the first time is
-only recorded. A restart is noticed only if the watch sees the node on both sides of it:
-within ``check_s`` of the node answering again, not while the store is closed.
+is skipped (its breaker and outage log tell that story), as is any error asking it (the watch
+never stops on one); a node seen for the first time is only recorded. A restart is noticed
+only if the watch sees the node on both sides of it: within ``check_s`` of the node answering
+again, not while the store is closed.
 """
 from __future__ import annotations
 
 import logging
 import threading
 from typing import Callable
-
-from redis.exceptions import RedisError
 
 log = logging.getLogger("kvstore.tiers.remote")
 
@@ -65,15 +64,17 @@ class RestartWatch:
         restarted = []
         try:
             nodes = self._primaries()
-        except RedisError:
+        except Exception as e:  # (RedisError; anything else must not end the watch either)
+            log.debug("remote tier: restart check: no master list: %r", e)
             return []
         for node in nodes:
             if self._stop.is_set():
                 break
             try:
                 run_id = str(self._client(node).info("server")["run_id"])
-            except (RedisError, OSError, KeyError):
-                continue  # down or late: the breaker's business
+            except Exception as e:  # down or late (the breaker's business), or a node the
+                log.debug("remote tier: restart check of %s: %r", node, e)  # topology lost
+                continue
             before = self.run_ids.get(node)
             self.run_ids[node] = run_id
             if before is not None and before != run_id:

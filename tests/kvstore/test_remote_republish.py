@@ -213,3 +213,31 @@ def test_a_master_with_a_maxmemory_gets_only_the_hottest_chunks_that_fit(redis_s
             assert [bool(r.exists(rkey(k))) for k in hot] == [True] * 3 + [False] * 5
     finally:
         a.close()
+
+
+def test_the_watch_outlives_any_error_asking_a_node():
+    """A node name the cluster client no longer knows (a topology change between the master
+    list and the call) raised AttributeError out of the check and ended the watch's thread:
+    no restart was noticed after it."""
+    calls, answers = [], iter([AttributeError(
+        "'NoneType' object has no attribute 'redis_connection'")])
+
+    class Node:
+        def info(self, section):
+            return {"run_id": "b" * 40}
+
+    def client(node):
+        err = next(answers, None)
+        if err is not None:
+            raise err
+        return Node()
+
+    watch = RestartWatch(lambda: ["n1"], client, 0.02, calls.append)
+    try:
+        assert _wait(lambda: watch.run_ids == {"n1": "b" * 40}, timeout=5.0)
+        assert watch._thread.is_alive() and calls == []
+        watch.run_ids["n1"] = "a" * 40  # as if it had restarted since
+        assert _wait(lambda: calls == ["n1"], timeout=5.0)
+    finally:
+        watch.close()
+    assert not watch._thread.is_alive()
