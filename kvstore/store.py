@@ -381,6 +381,8 @@ class ChunkStore(AdminMethods, DirectMethods, KVStoreBase):
         budget = self.config.persist_on_close_s if persist_s is None else persist_s
         if not 0 <= budget < float("inf"):
             raise ValueError(f"persist_s must be a number of seconds >= 0, got {persist_s!r}")
+        if self._st.remote is not None:
+            self._st.remote.on_close()  # (its restart pass reads no tier while they close)
         with self._st.lock:
             if self._st.closed:
                 return

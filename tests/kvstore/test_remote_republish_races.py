@@ -182,3 +182,36 @@ def test_a_disk_chunk_is_read_without_the_store_lock(redis_server, tmp_path):
             assert r.dbsize() == 6
     finally:
         a.close()
+
+
+def test_a_close_waits_for_the_pass_reading_a_disk_chunk_before_closing_the_tiers(
+        redis_server, tmp_path):
+    cfg = StoreConfig(cpu_bytes=2 * CB, page_bytes=CB, disk_bytes=64 * CB,
+                      disk_path=str(tmp_path / "disk"), remote_url=redis_server.url,
+                      remote_restart_check_s=0)
+    a = ChunkStore(cfg, [NS])
+    keys, kvs = prompt(NS, 4, 6)
+    assert a.put_chunks(NS, keys, kvs) == 6 and a.flush(5.0)
+    disk = a.tiers[-1]
+    _restart_empty(redis_server, a)
+    inside, gate, closed_at_read = threading.Event(), threading.Event(), []
+    read = disk.read
+
+    def reading(key, device="cpu"):
+        inside.set()
+        assert gate.wait(20.0)
+        closed_at_read.append(disk._closed)
+        return read(key, device)
+
+    disk.read = reading
+    a._st.republisher.schedule(f"127.0.0.1:{redis_server.port}")
+    assert inside.wait(10.0)  # the pass reads a disk chunk (outside the store lock)
+    closer = threading.Thread(target=a.close)
+    closer.start()
+    # the close must not close the disk tier (unmapping what the read uses) under the read
+    assert not _wait(lambda: disk._closed, timeout=1.5)
+    gate.set()
+    closer.join(15.0)
+    assert not closer.is_alive() and disk._closed
+    assert closed_at_read and not any(closed_at_read)
+    assert not a._st.republisher._thread.is_alive()
