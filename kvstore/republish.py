@@ -77,23 +77,27 @@ def redis_room(remote, nodes) -> dict[str, int | None]:
     return out
 
 
-def hot_keys(st, nodes: set[str] | None = None) -> list[ChunkKey]:
+def hot_keys(st) -> list[ChunkKey]:
     """Every key of the local tiers ``st.tiers``, hottest first: each tier's eviction order
-    reversed, the faster tier's keys first, each key once; removed keys left out; with
-    ``nodes``, only the keys those Redis masters hold (and those no master covers now). Empty
-    once the store is closed. Under the store lock."""
+    reversed, the faster tier's keys first, each key once; removed keys left out. Empty once
+    the store is closed. Under the store lock."""
     if st.closed:
         return []
-    remote = st.remote
     seen: set[ChunkKey] = set()
     out = []
     for t in st.tiers:
         for k in reversed(t.eviction_order()):
             if k not in seen and k not in st.doomed:
                 seen.add(k)
-                if nodes is None or remote.nodes.node_of(remote.redis_key(k)) in nodes | {None}:
-                    out.append(k)
+                out.append(k)
     return out
+
+
+def on_nodes(remote, keys: list[ChunkKey], nodes: set[str]) -> list[ChunkKey]:
+    """The ``keys`` whose slot Redis masters ``nodes`` serve (and those no master covers
+    now), in order. Outside the store lock: a slot per key."""
+    wanted = nodes | {None}
+    return [k for k in keys if remote.nodes.node_of(remote.redis_key(k)) in wanted]
 
 
 def _read(st, key: ChunkKey):
@@ -181,7 +185,9 @@ def republish(st, reason: str = "", nodes: set[str] | None = None,
     rep = RepublishReport()
     t0 = time.monotonic()
     with st.lock:
-        keys = hot_keys(st, nodes)
+        keys = hot_keys(st)
+    if nodes is not None:
+        keys = on_nodes(remote, keys, nodes)
     rep.held = len(keys)
     try:
         room = redis_room(remote, nodes if nodes is not None else remote.nodes.primaries())
