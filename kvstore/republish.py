@@ -235,6 +235,7 @@ class Republisher:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._busy = False  # (a thread runs passes; under ``_lock``)
         self._again: set[str] = set()
         self.reports: list[RepublishReport] = []  # (the latest passes, oldest first)
 
@@ -244,29 +245,35 @@ class Republisher:
         with self._lock:
             if self._stop.is_set():
                 return
-            if self._thread is not None and self._thread.is_alive():
+            if self._busy:  # (its loop takes ``_again`` under this lock before it ends)
                 self._again.add(node)
                 return
+            self._busy = True
             self._thread = threading.Thread(target=self._run, args=({node},),
                                             name="kvstore-republish", daemon=True)
             self._thread.start()
 
     def _run(self, nodes: set[str]) -> None:
-        while not self._stop.wait(random.uniform(0.0, self.jitter_s)):
-            names = ", ".join(sorted(nodes))
-            try:
-                rep = republish(self.st, f"node {names} restarted", nodes, self._stop)
-                self.reports = (self.reports + [rep])[-self.MAX_REPORTS:]
-            except Exception:
-                if self._stop.is_set() or self.st.closed:
-                    return  # (the store closed under the pass: nothing to report)
-                log.exception("remote tier: writing local chunks again after node %s "
-                              "restarted failed", names)
+        try:
+            while not self._stop.wait(random.uniform(0.0, self.jitter_s)):
+                names = ", ".join(sorted(nodes))
+                try:
+                    rep = republish(self.st, f"node {names} restarted", nodes, self._stop)
+                    self.reports = (self.reports + [rep])[-self.MAX_REPORTS:]
+                except Exception:
+                    if self._stop.is_set() or self.st.closed:
+                        return  # (the store closed under the pass: nothing to report)
+                    log.exception("remote tier: writing local chunks again after node %s "
+                                  "restarted failed", names)
+                with self._lock:
+                    if not self._again or self.st.closed or self._stop.is_set():
+                        self._again.clear()
+                        self._busy = False  # (a schedule from now on starts a thread)
+                        return
+                    nodes, self._again = self._again, set()
+        finally:
             with self._lock:
-                if not self._again or self.st.closed or self._stop.is_set():
-                    self._again.clear()
-                    return
-                nodes, self._again = self._again, set()
+                self._busy = False
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for the running pass, if any (tests, close)."""

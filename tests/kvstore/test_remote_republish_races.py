@@ -215,3 +215,30 @@ def test_a_close_waits_for_the_pass_reading_a_disk_chunk_before_closing_the_tier
     assert not closer.is_alive() and disk._closed
     assert closed_at_read and not any(closed_at_read)
     assert not a._st.republisher._thread.is_alive()
+
+
+def test_a_restart_noticed_while_the_last_pass_ends_gets_its_own_pass(redis_server):
+    """The pass's thread takes the restarts queued meanwhile under the lock, then ends; a
+    restart noticed between the two (the thread still alive, its loop done) was queued for
+    nobody and never got a pass."""
+    a = make_store(redis_server.url, remote_restart_check_s=0)
+    try:
+        keys, kvs = prompt(NS, 5, 2)
+        assert a.put_chunks(NS, keys, kvs) == 2 and a.flush(5.0)
+        rep = a._st.republisher
+        rep.schedule("first:1")
+        rep.join(10.0)
+        assert len(rep.reports) == 1
+        finishing = threading.Event()  # a thread alive, whose loop has ended
+        ending = threading.Thread(target=finishing.wait, args=(10.0,))
+        ending.start()
+        try:
+            rep._thread = ending
+            rep.schedule(f"127.0.0.1:{redis_server.port}")
+            assert _wait(lambda: len(rep.reports) == 2, timeout=10.0)
+        finally:
+            finishing.set()
+            ending.join()
+        assert rep.reports[-1].held == 2
+    finally:
+        a.close()
