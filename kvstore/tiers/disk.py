@@ -162,8 +162,11 @@ class DiskTier(DiskWriter, Tier):
                 f"them at open; give the capacity they need, or allow the eviction with "
                 f"--disk-shrink (StoreConfig.allow_disk_shrink)")
         shrunk, before = 0, self._used
-        while self._used > self.capacity_bytes:  # capacity shrank since last run: allowed
-            victim = self.policy.next_victim()
+        # capacity shrank since last run (allowed): the chunks whose parent is not on disk go
+        # first (deepest first), then the policy's victims
+        cut = self._unreachable() if self._used > self.capacity_bytes else []
+        while self._used > self.capacity_bytes:
+            victim = cut.pop() if cut else self.policy.next_victim()
             self.delete(victim)
             self.listener("eviction", self.name, 1)
             shrunk += 1
@@ -183,21 +186,26 @@ class DiskTier(DiskWriter, Tier):
         a lying client can record) is not looked for. O(chunks here). Logs one line when some
         are demoted. Returns (chunks, bytes) demoted."""
         with self._lock:
-            index = self._index
-            frontier = [k for k, e in index.items()
-                        if e.parent is not None and e.parent not in index]
-            cut = list(frontier)
-            while frontier:  # their descendants (each key has one parent: none twice)
-                frontier = [c for k in frontier for c in self.policy.children(k)]
-                cut.extend(frontier)
+            cut = self._unreachable()
             for k in cut:
                 self._policy_call("demote", k)
-            nbytes = sum(index[k].nbytes for k in cut)
+            nbytes = sum(self._index[k].nbytes for k in cut)
         if cut:
             log.info("disk tier %s: %d chunks (%s) whose parent is stored nowhere are kept as "
                      "the first victims (reachable again if their parent is stored again)",
                      self.path, len(cut), format_size(nbytes))
         return len(cut), nbytes
+
+    def _unreachable(self) -> list[ChunkKey]:
+        """Keys whose parent, or an ancestor's, is not in the index (a parent cycle is not
+        looked for), breadth first from those whose parent is missing: deepest last."""
+        index = self._index
+        frontier = [k for k, e in index.items() if e.parent is not None and e.parent not in index]
+        cut = list(frontier)
+        while frontier:  # their descendants (each key has one parent: none twice)
+            frontier = [c for k in frontier for c in self.policy.children(k)]
+            cut.extend(frontier)
+        return cut
 
     @property
     def used_bytes(self) -> int:

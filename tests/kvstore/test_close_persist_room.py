@@ -187,3 +187,18 @@ def test_with_a_remote_tier_a_disk_chunk_whose_parent_redis_holds_is_no_first_vi
         assert PrefixStore(r, NS).lookup(tokens(0)).tiers == ("remote",) * 2 + ("disk",) * 2
     finally:
         r.close()
+
+
+def test_a_shrink_at_open_evicts_the_unreachable_disk_chunks_first(tmp_path):
+    roots = unreachable_tail_and_roots(tmp_path, 12 * SLOT, 10)
+    cfg = StoreConfig(cpu_bytes=0, disk_bytes=10 * SLOT, disk_path=str(tmp_path / "db"),
+                      allow_disk_shrink=True)  # 2 chunks too many
+    r = ChunkStore(cfg, [NS])
+    try:
+        disk = disk_of(r)
+        assert not any(disk.contains(k) for k in NS.chunk_keys(tokens(0)))
+        assert all(disk.contains(k) for k in roots)
+        assert r.stats()["unreachable_bytes"] == 0
+        r.check_integrity()
+    finally:
+        r.close()
