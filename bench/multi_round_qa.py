@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="users in a chat at once (routing 3; quick 3)")
     r.add_argument("--router-arg", action="append", default=[],
                    help="extra router flag (repeatable; use --router-arg=--flag)")
+    r.add_argument("--store-path", choices=("socket", "http"), default="socket",
+                   help="how the engines reach the shared daemon in the +store runs: its "
+                        "same-host socket (default), or HTTP over TCP only, as engines on "
+                        "other hosts would")
     add_common_args(p, configs="recompute,engine-cache,kvstore-cpu",
                     json_path="results/multi_round_qa.json")
     p.set_defaults(kv_cache_bytes=None)
@@ -126,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
         from bench.routing import run_routing
         requests = session_requests(requests, args.active_users)
         params.update(engines=args.engines, active_users=args.active_users,
-                      kv_cache_bytes=args.kv_cache_bytes,
+                      kv_cache_bytes=args.kv_cache_bytes, store_path=args.store_path,
                       final_prompt_tokens=max(len(r.prompt) for r in requests
                                               if isinstance(r.prompt, tuple)) if
                       args.prompt_format == "tokens" else None,

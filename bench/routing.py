@@ -55,7 +55,7 @@ from bench import metrics_scrape
 from bench.client import RequestResult
 from bench.replay import drive, server_options, warmup_requests
 from bench.routing_figures import labelled, routed_figures, targets
-from bench.servers import ServerGroup
+from bench.servers import ServerGroup, ServerOptions
 from bench.workloads import Request, random_tokens
 
 POLICIES = ("round-robin", "cache-aware")
@@ -117,6 +117,16 @@ class RoutedRun:
     raw_metrics: dict = field(default_factory=dict)
 
 
+def routing_server_options(args: argparse.Namespace) -> ServerOptions:
+    """The servers' options of a routing run: ``server_options``, and with ``--store-path
+    http`` a daemon that offers no same-host socket, so the engines reach it over HTTP only
+    (as engines on other hosts would)."""
+    opts = server_options(args)
+    if getattr(args, "store_path", "socket") == "http":
+        opts = replace(opts, daemon_unix_socket=False)
+    return opts
+
+
 def run_routed(key: str, policy: str, store: bool, requests: Sequence[Request],
                args: argparse.Namespace) -> RoutedRun:
     """Start engines + router (+ daemon with ``store``), warm up, replay, collect figures.
@@ -127,7 +137,7 @@ def run_routed(key: str, policy: str, store: bool, requests: Sequence[Request],
     Raises:
         RuntimeError: a process failed to start (message with its log's tail).
     """
-    opts = server_options(args)
+    opts = routing_server_options(args)
     config = "kvstore-remote" if store else "engine-cache"
     with ServerGroup(config, opts, num_engines=args.engines, router_policy=policy,
                      router_args=tuple(args.router_arg), tag=key) as group:

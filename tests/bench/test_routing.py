@@ -198,3 +198,15 @@ def test_targets_of_the_issue():
     t = targets({"round-robin": {"ttft_p50_s": 1.0, "requests_per_engine": [20, 0]}}, 2.5)
     assert t["max_engine_imbalance"] == {"value": float("inf"), "met": False}
     assert t["router_overhead_ms"]["met"] is False
+
+
+def test_store_path_http_starts_the_daemon_without_its_socket(capsys):
+    from bench.routing import routing_server_options
+    args = resolve_defaults(build_parser().parse_args(["--engines", "2"]))
+    assert args.store_path == "socket" and routing_server_options(args).daemon_unix_socket
+    args = resolve_defaults(build_parser().parse_args(["--engines", "2",
+                                                       "--store-path", "http"]))
+    assert routing_server_options(args).daemon_unix_socket is False
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--engines", "2", "--store-path", "ftp"])
+    assert "invalid choice: 'ftp'" in capsys.readouterr().err
