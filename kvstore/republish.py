@@ -9,8 +9,8 @@ document) would miss on every other host until each recomputed them.
 When the remote tier notices a restart (``kvstore.tiers.remote_restart``: a node's
 ``run_id`` changed), ``Republisher`` runs one pass on a thread of its own: every chunk of
 the local tiers that the restarted masters hold (by slot; a value another master lost, to
-its TTL or its ``maxmemory``, is that master's business), hottest first (each tier's
-eviction order reversed, the faster tier first), is asked of Redis (``RemoteTier.exists``, a
+its TTL or its ``maxmemory``, is that master's business), hottest first (``hot_keys``: each
+after its ancestors), is asked of Redis (``RemoteTier.exists``, a
 batch of ``BATCH`` per call; keys whose node failed or was late are asked again up to
 ``RETRIES`` times), and each one Redis lacks is read out of its tier (reader-pinned, outside
 the store lock, as ``get_chunks`` reads) and queued for the remote tier's writer, waiting for
@@ -78,18 +78,29 @@ def redis_room(remote, nodes) -> dict[str, int | None]:
 
 
 def hot_keys(st) -> list[ChunkKey]:
-    """Every key of the local tiers ``st.tiers``, hottest first: each tier's eviction order
-    reversed, the faster tier's keys first, each key once; removed keys left out. Empty once
-    the store is closed. Under the store lock."""
+    """Every key of the local tiers ``st.tiers``, hottest first (each tier's eviction order
+    reversed, the faster tier's keys first), each one right after its ancestors held
+    locally, root first (a request touches its chunks head first, so the hottest key is a
+    prompt's tail: written first without its parents it would be unreachable in Redis until
+    they are, and never if a master's room ran out before them); each key once; removed keys
+    left out. Empty once the store is closed. Under the store lock."""
     if st.closed:
         return []
-    seen: set[ChunkKey] = set()
-    out = []
+    hot: dict[ChunkKey, None] = {}
     for t in st.tiers:
         for k in reversed(t.eviction_order()):
-            if k not in seen and k not in st.doomed:
-                seen.add(k)
-                out.append(k)
+            if k not in st.doomed:
+                hot.setdefault(k, None)
+    out: list[ChunkKey] = []
+    done: set[ChunkKey] = set()
+    parent_of = st.mover.parent_of
+    for k in hot:
+        chain = []
+        while k is not None and k in hot and k not in done:
+            done.add(k)
+            chain.append(k)
+            k = parent_of(k)
+        out.extend(reversed(chain))
     return out
 
 

@@ -201,9 +201,12 @@ def test_a_master_with_a_maxmemory_gets_only_the_hottest_chunks_that_fit(redis_s
             r.config_set("maxmemory", used + 100_000)
         # (used_memory moves by tens of KB with the clients connected: a loose window)
         assert 50_000 < redis_room(a.remote, [node])[node] < 150_000
-        # room for 3 values: the 3 hottest are written, the 5 colder left out unread
+        # room for 3 values: the 3 hottest are written, the 5 colder left out unread; the
+        # hottest chunk is the prompt's tail (a read touches it last), and it goes after its
+        # ancestors: what is written is the prompt's head, reachable
         with a._st.lock:
             hot = hot_keys(a._st)
+        assert hot == keys
         monkeypatch.setattr(republish_mod, "redis_room",
                             lambda remote, nodes: {node: 3 * (CB + HEADER_BYTES_MAX)})
         rep = republish(a._st, "test", {node})

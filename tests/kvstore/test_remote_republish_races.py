@@ -46,14 +46,14 @@ class _Held:
             send(batch)
 
         monkeypatch.setattr(writer, "_write_batch", held)
-        parent_of = store._st.mover.parent_of  # (asked once per chunk the pass reads)
+        add_reader = store._st.pins.add_reader  # (once per chunk the pass reads)
 
         def reading(key):
             if threading.current_thread().name == "kvstore-republish":
                 self.read.append(key)
-            return parent_of(key)
+            return add_reader(key)
 
-        monkeypatch.setattr(store._st.mover, "parent_of", reading)
+        monkeypatch.setattr(store._st.pins, "add_reader", reading)
 
     def release(self) -> None:
         self.gate.set()
