@@ -36,8 +36,9 @@ _COUNTERS = {
     "deleted": ("Values deleted (remove, clear, invalid values)", None),
     "breaker_opens": ("Times a node's circuit breaker opened", "node"),
     "node_restarts": ("Restarts of a node noticed (a new run_id)", "node"),
-    "republished": ("Chunks held locally written to Redis again after a node restarted "
-                    "without them", None),
+    "republished": ("Chunks held locally queued to be written to Redis again after a node "
+                    "restarted without them (a write then refused counts in dropped_writes)",
+                    None),
 }
 
 
