@@ -382,6 +382,7 @@ class RemoteTier:
 
     @property
     def closed(self) -> bool:
+        """Whether ``close`` ran (its queue takes nothing more)."""
         return self.writer.closed
 
     def close(self, flush_timeout: float = 10.0) -> None:

@@ -11,15 +11,18 @@ thread) and compares its ``run_id``, which a Redis process draws at start: a new
 on a node seen before means a restart, and ``on_restart(node)`` is called (the store then
 writes what Redis lacks of what it holds: ``kvstore.republish``). A node that does not answer
 is skipped (its breaker and outage log tell that story), as is any error asking it (the watch
-never stops on one); a node seen for the first time is only recorded. A restart is noticed
-only if the watch sees the node on both sides of it: within ``check_s`` of the node answering
-again, not while the store is closed.
+never stops on one); a node that answers but refuses ``INFO`` (an ACL, a proxy) or gives no
+``run_id`` is named in one WARNING line: its restarts go unnoticed. A node seen for the first
+time is only recorded. A restart is noticed only if the watch sees the node on both sides of
+it: within ``check_s`` of the node answering again, not while the store is closed.
 """
 from __future__ import annotations
 
 import logging
 import threading
 from typing import Callable
+
+from redis.exceptions import ResponseError
 
 log = logging.getLogger("kvstore.tiers.remote")
 
@@ -48,6 +51,7 @@ class RestartWatch:
         self._primaries, self._client, self.check_s = primaries, client, float(check_s)
         self.on_restart = on_restart
         self.run_ids: dict[str, str] = {}  # node -> the run_id last seen
+        self._refused: set[str] = set()  # nodes that refused INFO (warned once)
         self._lock = threading.Lock()  # (one check at a time: the thread's, a caller's)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvstore-remote-restart",
@@ -72,6 +76,14 @@ class RestartWatch:
                 break
             try:
                 run_id = str(self._client(node).info("server")["run_id"])
+            except (ResponseError, KeyError) as e:  # it answers, but not this: say so once
+                if node not in self._refused:
+                    self._refused.add(node)
+                    log.warning("remote tier: node %s does not tell its run_id (INFO server: "
+                                "%r); a restart of it that loses its data goes unnoticed, "
+                                "and its chunks come back only as they are stored anew",
+                                node, e)
+                continue
             except Exception as e:  # down or late (the breaker's business), or a node the
                 log.debug("remote tier: restart check of %s: %r", node, e)  # topology lost
                 continue

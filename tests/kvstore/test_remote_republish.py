@@ -244,3 +244,27 @@ def test_the_watch_outlives_any_error_asking_a_node():
     finally:
         watch.close()
     assert not watch._thread.is_alive()
+
+
+def test_a_node_refusing_info_is_named_once_in_a_warning(redis_server, caplog):
+    """INFO refused to a running store (an ACL changed under it: NOPERM) left every restart of
+    that master unnoticed without a word: the refusal was skipped like a node down. (The
+    store's open asks INFO too, so a user without it is refused there, by name.)"""
+    with redis_server.client() as r:
+        r.execute_command("ACL", "SETUSER", "kv", "on", ">pw", "~*", "+@all")
+    url = redis_server.url.replace("redis://", "redis://kv:pw@")
+    a = make_store(url, remote_restart_check_s=3600.0)
+    try:
+        assert _wait(lambda: a.remote.restarts.run_ids)
+        with redis_server.client() as r:
+            r.execute_command("ACL", "SETUSER", "kv", "-info")
+        with caplog.at_level(logging.WARNING, logger="kvstore.tiers.remote"):
+            assert a.remote.restarts.check() == [] and a.remote.restarts.check() == []
+        keys, kvs = prompt(NS, 6, 2)
+        assert a.put_chunks(NS, keys, kvs) == 2 and a.flush(5.0)
+        assert count(a.remote, "writes") == 2  # its data calls still work
+    finally:
+        a.close()
+    lines = [r.getMessage() for r in caplog.records
+             if "does not tell its run_id" in r.getMessage()]
+    assert len(lines) == 1 and f"127.0.0.1:{redis_server.port}" in lines[0]
