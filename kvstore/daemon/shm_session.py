@@ -13,7 +13,8 @@ Every wait on the client is bounded by the request timeout but one: the first by
 next request (a pooled connection idles between requests). The rest of a frame begun, a
 payload declared (drained or not), and the send of a reply the socket did not take at once
 must each complete within it, else the connection ends (504). A get is refused (429) while
-the connection holds ``MAX_BORROWS`` borrows unreleased.
+the connection holds ``MAX_BORROWS`` borrows unreleased. A connection whose requests keep
+arriving hands the event loop to the others at least every ``TURN_S``.
 """
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ SOCKET_BUFFER_BYTES = 4 << 20
 #: Borrows one connection may hold unreleased; a get beyond is answered 429 (a client holds
 #: one per get in progress; one that never releases would grow the daemon without bound).
 MAX_BORROWS = 1024
+#: Seconds a connection serves requests without handing the event loop to others (a client
+#: that keeps its socket full is answered without a single wait otherwise: it held the loop,
+#: and HTTP and other connections went unanswered, for as long as it kept sending).
+TURN_S = 0.002
 
 
 class Connection:
@@ -203,7 +208,8 @@ class Connection:
             await self.wait_for_close()
 
     async def _serve(self) -> None:
-        timeout_s = self.state.limits.request_timeout_s
+        timeout_s, loop = self.state.limits.request_timeout_s, self.loop
+        turn_ends = loop.time() + TURN_S
         while True:
             try:
                 frame = await self.read_frame(timeout_s)
@@ -218,6 +224,9 @@ class Connection:
                 return
             if not await self._one(*frame):
                 return
+            if loop.time() >= turn_ends:  # requests read ahead and answered inline never
+                await asyncio.sleep(0)    # wait: let the loop serve everyone else
+                turn_ends = loop.time() + TURN_S
 
     async def _one(self, header: dict, payload_bytes: int) -> bool:
         """Serve one request; False when the connection must end."""

@@ -296,3 +296,59 @@ def test_http_and_same_host_connections_share_one_cap(tmp_path):
             c.close()
         srv.stop()
         store.close()
+
+
+def test_a_client_that_keeps_its_socket_full_does_not_hold_the_event_loop(tmp_path):
+    """Pipelined requests that the daemon answers inline (lookups here) were served without a
+    single wait as long as the socket held more: one client sending without pause held the
+    event loop, and neither HTTP nor another same-host client was answered (a /v1/stats
+    timed out after 30 s). Each connection now hands the loop over every ``TURN_S``."""
+    import http.client
+    import threading
+
+    with shm_daemon(tmp_path) as srv:
+        seeded(srv)
+        flood = RawClient(srv.sock_path)
+        flood.hello()
+        frame = S.encode_frame({"op": "lookup", "namespace": NS.to_dict(),
+                                "keys": [KEYS[0].hex()]})
+        stop, answered = threading.Event(), [0]
+
+        def send():
+            try:
+                while not stop.is_set():
+                    flood.sock.sendall(frame * 2000)
+            except OSError:
+                pass
+
+        def read():
+            try:
+                while not stop.is_set():
+                    answered[0] += len(flood.sock.recv(1 << 20))
+            except OSError:
+                pass
+        threads = [threading.Thread(target=send, daemon=True),
+                   threading.Thread(target=read, daemon=True)]
+        for t in threads:
+            t.start()
+        other = RawClient(srv.sock_path, timeout=5)
+        try:
+            assert wait_until(lambda: answered[0] > 100_000, 10)  # the flood is served
+            assert other.hello()["ok"]
+            for _ in range(3):
+                t0 = time.monotonic()
+                assert other.keys_op("lookup", KEYS[:2])["num_hit_chunks"] == 2
+                conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=5)
+                conn.request("GET", "/healthz")
+                assert conn.getresponse().status == 200
+                conn.close()
+                assert time.monotonic() - t0 < 4
+            assert not stop.is_set() and threads[0].is_alive()  # still flooding meanwhile
+        finally:
+            stop.set()
+            flood.sock.shutdown(socket.SHUT_RDWR)
+            for t in threads:
+                t.join(10)
+            flood.close()
+            other.close()
+        assert serves_others(srv)
