@@ -53,6 +53,9 @@ def format_size(num_bytes: int) -> str:
         raise ValueError(f"byte size must be >= 0, got {num_bytes}")
     for unit, mult in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if num_bytes >= mult:
-            text = f"{num_bytes / mult:.2f}".rstrip("0").rstrip(".")
+            try:
+                text = f"{num_bytes / mult:.2f}".rstrip("0").rstrip(".")
+            except OverflowError:  # past a float's range (a hostile layout's chunk size)
+                text = str(num_bytes // mult)
             return f"{text}{unit}"
     return f"{num_bytes}B"

@@ -234,7 +234,7 @@ async def pin(request: web.Request) -> web.Response:
     if lease is not None and (isinstance(lease, bool) or not isinstance(lease, (int, float))
                               or not lease > 0):
         raise P.ProtocolError(f"lease_s must be a positive number, got {lease!r}")
-    lease = min(float(lease or state.limits.max_lease_s), state.limits.max_lease_s)
+    lease = float(min(lease or state.limits.max_lease_s, state.limits.max_lease_s))
     n = await state.call(request.app[STORE_KEY].pin, ns, keys, lease)
     return _ok({"pinned": int(n), "lease_s": lease})
 

@@ -301,7 +301,7 @@ async def pin(c: "Connection", h: dict) -> dict:
     if lease is not None and (isinstance(lease, bool) or not isinstance(lease, (int, float))
                               or not lease > 0):
         raise P.ProtocolError(f"lease_s must be a positive number, got {lease!r}")
-    lease = min(float(lease or max_lease), max_lease)
+    lease = float(min(lease or max_lease, max_lease))  # (an int past a float's range: capped)
     n = await c.state.call(c.store.pin, ns, keys, lease)
     return _ok(pinned=int(n), lease_s=lease)
 

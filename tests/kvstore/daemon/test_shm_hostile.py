@@ -352,3 +352,37 @@ def test_a_client_that_keeps_its_socket_full_does_not_hold_the_event_loop(tmp_pa
             flood.close()
             other.close()
         assert serves_others(srv)
+
+
+def test_integers_past_a_floats_range_are_not_internal_errors(tmp_path):
+    """A pin's ``lease_s`` of 10**400 (capped like any lease over ``max_lease_s``) and a
+    layout whose chunk size is 10**400 (400: it fits no tier) were 500s with a traceback
+    logged (``OverflowError`` converting them to float), over the socket and over HTTP."""
+    import http.client
+    import json
+
+    with shm_daemon(tmp_path, max_lease_s=7.0) as srv:
+        seeded(srv)
+        huge = {**NS.to_dict(), "layout": {**NS.to_dict()["layout"], "chunk_size": 10 ** 400}}
+        c = RawClient(srv.sock_path)
+        c.hello()
+        assert c.keys_op("pin", KEYS[:1], lease_s=10 ** 400) == {"ok": True, "pinned": 1,
+                                                                "lease_s": 7.0}
+        assert c.keys_op("unpin", KEYS[:1])["unpinned"] == 1
+        reply = c.call({"op": "lookup", "namespace": huge, "keys": []})[0]
+        assert reply["status"] == 400 and "smaller than one chunk" in reply["error"], reply
+        c.close()
+        for path, body in (("/v1/pin", {"namespace": NS.to_dict(), "keys": [KEYS[1].hex()],
+                                         "lease_s": 10 ** 400}),
+                           ("/v1/lookup", {"namespace": huge, "keys": []})):
+            conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=5)
+            conn.request("POST", path, body=json.dumps(body),
+                         headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            answer = json.loads(resp.read())
+            conn.close()
+            if path == "/v1/pin":
+                assert resp.status == 200 and answer["lease_s"] == 7.0, answer
+            else:
+                assert resp.status == 400 and "smaller than one chunk" in answer["error"]
+        assert serves_others_pinned(srv, 1)  # KEYS[1]'s lease of 7 s
