@@ -61,6 +61,7 @@ from bench.workloads import LongDocQA, MultiRoundQA  # noqa: E402
 from kvstore import kv_codec  # noqa: E402
 from kvstore.codec import pack_value, unpack_value  # noqa: E402
 from kvstore.layout import dtype_name  # noqa: E402
+from bench.arg_checks import chunk_size, int_at_least  # noqa: E402
 from bench.outputs import output_file  # noqa: E402
 
 CODECS = ("raw", "int8", "fp8", "kivi")
@@ -268,16 +269,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench.codec", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="3 short prompts (a smoke run)")
-    ap.add_argument("--max-tokens", type=int, default=32, help="generated tokens per prompt")
-    ap.add_argument("--chunk-size", type=int, default=64,
-                    help="store chunk size (default %(default)s: a hit prefills < 64 tokens)")
+    ap.add_argument("--max-tokens", type=int_at_least(1), default=32,
+                    help="generated tokens per prompt (>= 1)")
+    ap.add_argument("--chunk-size", type=chunk_size, default=64,
+                    help="store chunk size, a multiple of the engine's block size 16 (default "
+                    "%(default)s: a hit prefills < 64 tokens)")
     ap.add_argument("--codecs", default=",".join(CODECS), help="comma-separated, raw first")
-    ap.add_argument("--seed", type=int, default=0,
+    ap.add_argument("--seed", type=int_at_least(0), default=0,
                     help="workload seed (another prompt set; default %(default)s)")
     ap.add_argument("--cold", action="store_true",
                     help="also time disk hits with the data file evicted from the page cache "
                     "and cached, codecs alternated (module docstring)")
-    ap.add_argument("--ttft-rounds", type=int, default=3,
+    ap.add_argument("--ttft-rounds", type=int_at_least(1), default=3,
                     help="rounds of cold/warm hits with --cold (default %(default)s)")
     ap.add_argument("--json", default=None, type=output_file, help="write the figures here")
     args = ap.parse_args(argv)

@@ -99,7 +99,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeat", type=int, default=20, help="runs per figure (best and median)")
     ap.add_argument("--json", default=None, type=output_file, help="write the figures here")
     args = ap.parse_args(argv)
-    shape = tuple(int(v) for v in args.shape.split(","))
+    try:
+        shape = tuple(int(v) for v in args.shape.split(","))
+    except ValueError:
+        shape = ()
     codecs = args.codecs.split(",")
     if len(shape) != 4 or min(shape) < 1:
         ap.error(f"--shape must be 4 positive integers L,T,H,D, got {args.shape!r}")

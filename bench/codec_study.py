@@ -30,6 +30,7 @@ if __name__ == "__main__":  # run as a script: before torch loads OpenMP
 import torch  # noqa: E402
 
 from bench.report import emit_json  # noqa: E402
+from bench.arg_checks import chunk_size, int_at_least  # noqa: E402
 from bench.outputs import output_file  # noqa: E402
 
 FP16_BYTES = 2          # bytes of a scale, zero point or value kept exact
@@ -338,13 +339,14 @@ def layer_sensitivity(engine, prompts, args, bits: int = 4) -> list[dict]:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench.codec_study", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seed", type=int, default=0, help="workload seed (bench.codec's sets)")
+    ap.add_argument("--seed", type=int_at_least(0), default=0, help="workload seed (bench.codec's sets)")
     ap.add_argument("--quick", action="store_true", help="3 short prompts")
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--chunk-size", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int_at_least(1), default=32, help="(>= 1)")
+    ap.add_argument("--chunk-size", type=chunk_size, default=64,
+                    help="store chunk size, a multiple of the engine's block size 16")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names")
     ap.add_argument("--json", default=None, type=output_file, help="write the figures here")
-    ap.add_argument("--sensitivity", type=int, default=0, metavar="N",
+    ap.add_argument("--sensitivity", type=int_at_least(0), default=0, metavar="N",
                     help="instead: per-layer logit change (4-bit K and V in one layer) over "
                          "N prompts (every len/N-th of the set)")
     args = ap.parse_args(argv)
