@@ -59,3 +59,23 @@ def output_dir(text: str) -> str:
         raise argparse.ArgumentTypeError("an empty path")
     _make_dir(Path(text), "")
     return text
+
+
+def plot_file(text: str) -> str:
+    """An argparse type: a file path matplotlib can write a figure to, its suffix one of the
+    formats matplotlib saves (``.png``, ``.pdf``, ``.svg``, ...; no suffix is refused, since
+    matplotlib would then write ``<path>.png``); checked as ``output_file`` too. Returned
+    unchanged.
+
+    Raises:
+        argparse.ArgumentTypeError: a suffix matplotlib cannot write, no suffix, or any of
+            ``output_file``'s reasons.
+    """
+    from matplotlib.backend_bases import FigureCanvasBase
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    suffix = Path(text).suffix.lower().lstrip(".")
+    if suffix not in formats:
+        got = f"the suffix .{suffix}" if suffix else "no suffix"
+        raise argparse.ArgumentTypeError(
+            f"{text} has {got}; matplotlib writes only {', '.join('.' + f for f in formats)}")
+    return output_file(text)

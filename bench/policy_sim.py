@@ -39,7 +39,7 @@ from bench.trace_files import DEFAULT_TRACES_DIR, exit_if_missing
 from kvstore.config import StoreConfig
 from kvstore.eviction import ADMISSIONS, POLICIES
 from kvstore.layout import KVLayout
-from bench.outputs import output_file
+from bench.outputs import output_file, plot_file
 
 #: KV layouts to size chunks by: SmolLM2-135M (30 layers, 3 KV heads of 64) and an 8B-class
 #: model (Llama-3-8B: 32 layers, 8 KV heads of 128), both 16-bit.
@@ -197,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-share", type=float, default=0.25,
                     help="share of the capacity in the CPU tier of the two-tier replay")
     ap.add_argument("--json", type=output_file, help="write the JSON document here")
-    ap.add_argument("--png", type=output_file, help="write the hit-rate plot here")
+    ap.add_argument("--png", type=plot_file,
+                    help="write the hit-rate plot here (.png, .pdf, .svg, ...)")
     args = ap.parse_args(argv)
     try:
         fractions = [float(x) for x in args.fractions.split(",")]

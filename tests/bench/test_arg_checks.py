@@ -1,6 +1,6 @@
-"""Numeric flags of the bench scripts are checked when the command line is
-parsed: a bad value is argparse's one-line error and exit 2 before any work (the engine is
-replaced by functions that fail if called)."""
+"""Numeric flags and plot paths of the bench scripts are checked when the command line is
+parsed: a bad value is argparse's one-line error and exit 2 before any work (the engine and
+the simulation are replaced by functions that fail if called)."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +8,7 @@ import argparse
 import pytest
 
 from bench.arg_checks import ENGINE_BLOCK_SIZE, chunk_size, int_at_least
+from bench.outputs import plot_file
 
 
 def _no_work(*args, **kwargs):
@@ -79,3 +80,26 @@ def test_codec_speed_refuses_a_shape_that_is_not_integers(monkeypatch, capsys):
     err = _refused(codec_speed.main, ["--shape", "30,a,3,64"], capsys)
     assert "--shape must be 4 positive integers L,T,H,D, got '30,a,3,64'" in err, err
 
+
+def test_plot_file_takes_matplotlib_formats_only(tmp_path):
+    for name in ("a.png", "a.PDF", "a.svg"):
+        assert plot_file(str(tmp_path / name)) == str(tmp_path / name)
+    for name, got in (("x.txt", "the suffix .txt"), ("x", "no suffix"),
+                      ("x.json", "the suffix .json")):
+        with pytest.raises(argparse.ArgumentTypeError,
+                           match=f"has {got}; matplotlib writes only .*\\.png"):
+            plot_file(str(tmp_path / name))
+    (tmp_path / "d.png").mkdir()
+    with pytest.raises(argparse.ArgumentTypeError, match="d.png is a folder"):
+        plot_file(str(tmp_path / "d.png"))
+
+
+def test_policy_sim_refuses_a_png_it_cannot_write_before_simulating(tmp_path, monkeypatch,
+                                                                   capsys):
+    from bench import policy_sim
+    monkeypatch.setattr(policy_sim, "load_chunk_trace", _no_work)
+    monkeypatch.setattr(policy_sim, "simulate", _no_work)
+    monkeypatch.setattr(policy_sim, "exit_if_missing", lambda *a: None)
+    err = _refused(policy_sim.main, ["--trace", "mooncake-synth", "--png",
+                                     str(tmp_path / "x.txt")], capsys)
+    assert "error: argument --png: " in err and "has the suffix .txt" in err, err
