@@ -3,7 +3,8 @@ several stores in one process (tests, a daemon with two stores) never collide.
 
 Names follow the Prometheus guide (base units, ``_total`` on counters) and keep LMCache/vLLM
 stems where one exists (``requested_tokens``, ``hit_tokens``). Tier labels are tier names; no
-keys or request ids in labels. ``snapshot()`` returns the same counts as a plain dict for
+keys or request ids in labels; each tier's labelled counters are exported at 0 from the
+start (``bind_tier``, ``add_tier``). ``snapshot()`` returns the same counts as a plain dict for
 ``ChunkStore.stats()``.
 """
 from __future__ import annotations
@@ -46,6 +47,8 @@ _COUNTERS = {
     "stale_index_entries": ("Indexed chunks a read could not serve (value missing, corrupt or "
                             "of the wrong shape), dropped from the index", True),
 }
+
+_TIER_COUNTERS = tuple(name for name, (_, by_tier) in _COUNTERS.items() if by_tier)
 
 
 class StoreMetrics:
@@ -96,10 +99,28 @@ class StoreMetrics:
 
     def bind_tier(self, name: str, used: Callable[[], float], capacity: Callable[[], float],
                   chunks: Callable[[], float]) -> None:
-        """Gauges of a tier, read at scrape time."""
+        """Gauges of tier ``name`` (bytes used, capacity in bytes, chunk count: callables read
+        at scrape time), and every tier-labelled counter of that tier exported at 0 (see
+        ``add_tier``)."""
         self.used_bytes.labels(tier=name).set_function(used)
         self.capacity_bytes.labels(tier=name).set_function(capacity)
         self.chunks.labels(tier=name).set_function(chunks)
+        self.add_tier(name)
+
+    def add_tier(self, name: str, counters: tuple[str, ...] | None = None) -> None:
+        """Export counters ``counters`` (all tier-labelled ones when None) of tier ``name`` at 0
+        now, so that their series exist before the first event (``rate()`` and alerts on them
+        work from the first scrape). Counts already there are kept.
+
+        Raises:
+            KeyError: an unknown counter name.
+            ValueError: a counter without the tier label.
+        """
+        for counter in _TIER_COUNTERS if counters is None else counters:
+            if not _COUNTERS[counter][1]:
+                raise ValueError(f"counter {counter!r} has no tier label")
+            if (counter, name) not in self._children:
+                self._children[(counter, name)] = self._counters[counter].labels(tier=name)
 
     def count(self, name: str, tier: str | None = None) -> int:
         """Current value of a counter (summed over tiers when ``tier`` is None)."""

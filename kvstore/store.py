@@ -134,6 +134,7 @@ class ChunkStore(AdminMethods, DirectMethods, KVStoreBase):
             if config.remote_url:  # (wired to the store: its codec rule, a Redis restart)
                 from kvstore.republish import open_remote
                 st.remote = open_remote(st, config, self.metrics.registry)
+                self.metrics.add_tier("remote", ("hits", "promotions"))  # (its chunks served)
             for ns in namespaces:
                 self.register(ns)
         except BaseException:
