@@ -10,8 +10,9 @@ connectors' counters (``connectors.engine_min_stats``) and by ``kvstore.layered.
 
 ``OutageLog``: when to log one outage of one service (the daemon behind
 ``kvstore.circuit_store.CircuitBreakerStore``, a Redis node of ``kvstore.tiers.remote``): when
-it goes down, then at most once per ``relog_s`` (10 min) while it stays down, and once when it
-answers again.
+it goes down, then at most once per ``relog_s`` (10 min) while it stays down, sooner (at most
+once a minute) when the cause of its failures changes (a refused connection, then refused
+credentials), and once when it answers again.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ import time
 from typing import Callable
 
 _NUMBERS = re.compile(r"\d+(?:\.\d+)?")
+#: least seconds between an outage's last line and one that says its cause changed
+CAUSE_RELOG_S = 60.0
 
 
 def cause_of(exc: BaseException) -> str:
@@ -120,7 +123,8 @@ class OutageLog:
 
     The caller logs; this says which line: ``failed`` for each failure (``"down"`` for the
     first of an outage, ``(seconds down, failed calls)`` once ``relog_s`` has passed since the
-    outage's last line, else None), ``recovered`` when the service answers again.
+    outage's last line, or sooner when the failure's cause changed, else None), ``recovered``
+    when the service answers again.
 
     Args:
         relog_s: least seconds between two lines of one outage (> 0).
@@ -142,31 +146,40 @@ class OutageLog:
         self._since: float | None = None   # clock time of the outage's first failure
         self._logged = 0.0                  # clock time of its last line
         self._failures = 0                  # failed calls in the outage
+        self._cause: str | None = None      # the cause its last line named
 
     @property
     def down(self) -> bool:
         """Whether an outage is under way (a failure since the last recovery)."""
         return self._since is not None
 
-    def failed(self, failures: int | None = None) -> str | tuple[float, int] | None:
+    def failed(self, failures: int | None = None, cause: str | None = None
+               ) -> str | tuple[float, int] | None:
         """A failure now. ``failures``: the outage's failed calls so far, as the caller counts
-        them (None: one more than before).
+        them (None: one more than before). ``cause``: what failed this time, short (e.g. the
+        error's class: a refused connection, then refused credentials); None: not told.
 
         Returns:
             ``"down"`` when it starts an outage; ``(seconds down, failed calls)`` when
-            ``relog_s`` seconds have passed since the outage's last line (this one is then
-            the last); else None (log nothing).
+            ``relog_s`` seconds have passed since the outage's last line, or when ``cause``
+            differs from the one the outage's last line named and ``CAUSE_RELOG_S`` have
+            passed since that line (this one is then the last, and names the new cause);
+            else None (log nothing).
         """
         now = self._clock()
         with self._lock:
             if self._since is None:
-                self._since, self._logged = now, now
+                self._since, self._logged, self._cause = now, now, cause
                 self._failures = 1 if failures is None else failures
                 return "down"
             self._failures = self._failures + 1 if failures is None else failures
-            if now - self._logged < self.relog_s:
+            changed = (cause is not None and cause != self._cause
+                       and now - self._logged >= min(CAUSE_RELOG_S, self.relog_s))
+            if now - self._logged < self.relog_s and not changed:
                 return None
             self._logged = now
+            if cause is not None:
+                self._cause = cause
             return now - self._since, self._failures
 
     def recovered(self) -> tuple[float, int] | None:

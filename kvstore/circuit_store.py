@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kvstore.api import KVStoreBase, LookupResult, StoreCapabilities
-from kvstore.cause_log import OutageLog
+from kvstore.cause_log import OutageLog, cause_of
 from kvstore.errors import RemoteError, StoreUnavailable
 from kvstore.keys import ChunkKey, Namespace
 
@@ -133,7 +133,7 @@ class CircuitBreakerStore(KVStoreBase):
                     self._next_cooldown = min(cooldown * 2, self.max_cooldown_s)
                     self._open_until = now + cooldown
                     self.trips += 1
-                    line = self._outage.failed()
+                    line = self._outage.failed(cause=cause_of(exc))
             if line == "down":
                 log.warning("remote store %s %s failed (%s: %s); skipping it for %.1f s, then "
                             "probing it (a failed probe is logged at most every %.0f s)",

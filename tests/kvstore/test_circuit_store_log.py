@@ -79,3 +79,70 @@ def test_a_dead_daemon_logs_once_then_every_10_minutes_then_once_when_back(caplo
         if srv is not None:
             srv.stop()
         br.close()
+
+
+def test_outage_log_names_a_new_cause_early_at_most_once_a_minute():
+    from kvstore.cause_log import CAUSE_RELOG_S, OutageLog
+    now = [0.0]
+    log = OutageLog(600.0, clock=lambda: now[0])
+    assert log.failed(cause="ConnectionError") == "down"
+    now[0] = 30.0
+    assert log.failed(cause="ConnectionError") is None
+    assert log.failed(cause="AuthenticationError") is None  # changed, but within a minute
+    now[0] = CAUSE_RELOG_S
+    assert log.failed(cause="AuthenticationError") == (CAUSE_RELOG_S, 4)  # named early
+    now[0] = 100.0
+    assert log.failed(cause="AuthenticationError") is None  # the same cause: the 10 min rule
+    assert log.failed() is None                              # no cause told: never early
+    now[0] = 200.0
+    assert log.failed(cause="ConnectionError") == (200.0, 7)  # back to the first: changed
+    now[0] = 799.0
+    assert log.failed(cause="ConnectionError") is None
+    now[0] = 800.0
+    assert log.failed(cause="ConnectionError") == (800.0, 9)
+    assert log.recovered() == (800.0, 9)
+
+
+def test_a_daemon_that_comes_back_answering_503_is_logged_again_with_the_new_cause(caplog):
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Busy(BaseHTTPRequestHandler):
+        def _busy(self):
+            n = int(self.headers.get("Content-Length") or 0)
+            self.rfile.read(n)
+            body = b'{"error": "overloaded"}'
+            self.send_response(503)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _busy
+
+        def log_message(self, *args):
+            pass
+
+    port = _closed_port()
+    url = f"http://127.0.0.1:{port}"
+    now = [1000.0]
+    client = KVStoreClient(url, timeout_s=2.0, same_host=False)
+    br = CircuitBreakerStore(client, cooldown_s=2.0, max_cooldown_s=30.0, clock=lambda: now[0])
+    srv = None
+    try:
+        with caplog.at_level(logging.INFO, logger="kvstore.layered"):
+            _down_for(br, now, 120)                 # refused for 2 minutes: one line
+            assert len(_lines(caplog, logging.WARNING)) == 1
+            srv = ThreadingHTTPServer(("127.0.0.1", port), Busy)  # now it answers, 503
+            threading.Thread(target=srv.serve_forever, daemon=True).start()
+            _down_for(br, now, 120)
+            warn = _lines(caplog, logging.WARNING)
+            assert len(warn) == 2, warn             # the new cause, long before 10 minutes
+            assert warn[1].startswith(f"remote store {url} still down after ")
+            assert "no answer within" in warn[1] and "overloaded" in warn[1]
+            _down_for(br, now, 300)                 # the same 503s: nothing more
+            assert len(_lines(caplog, logging.WARNING)) == 2
+    finally:
+        if srv is not None:
+            srv.shutdown()
+            srv.server_close()
