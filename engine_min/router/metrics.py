@@ -1,6 +1,7 @@
 """Prometheus metrics of the router, on its own ``CollectorRegistry``.
 
-Series (``GET /metrics``; ``engine`` is the engine's base URL as given to ``--engines``):
+Series (``GET /metrics``; ``engine`` is the engine's base URL as given to ``--engines``; an
+engine's series, each reason and failure code exist at 0 from the start):
     router_requests_total{engine,reason}         counter; reason: hit | load | round_robin | retry
                                                  (retry: sent there after another engine failed)
     router_predicted_hit_tokens_total{engine}    counter, prompt tokens the index said the
@@ -37,6 +38,11 @@ from __future__ import annotations
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                Histogram, generate_latest)
+
+from engine_min.router.policy import HIT, LOAD, RETRY, ROUND_ROBIN
+
+#: why a request went to an engine (``router_requests_total{reason}``)
+REQUEST_REASONS = (HIT, LOAD, ROUND_ROBIN, RETRY)
 
 #: the error codes a failed request's client gets (``router_failed_requests_by_code_total``)
 FAILURE_CODES = ("no_healthy_engine", "engine_failed", "server_shutting_down")
@@ -92,7 +98,10 @@ class RouterMetrics:
         self.failed_by_code.labels(code).inc()
 
     def add_engine(self, engine: str) -> None:
-        """Create the engine's series at 0, so they show before its first request."""
+        """Create the engine's series at 0 (``router_requests_total`` for each of
+        ``REQUEST_REASONS``), so they show before its first request."""
+        for reason in REQUEST_REASONS:
+            self.requests.labels(engine, reason)
         self.engine_healthy.labels(engine).set(0)
         self.index_blocks.labels(engine).set(0)
         self.predicted_hit_tokens.labels(engine)
