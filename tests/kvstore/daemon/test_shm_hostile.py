@@ -386,3 +386,47 @@ def test_integers_past_a_floats_range_are_not_internal_errors(tmp_path):
             else:
                 assert resp.status == 400 and "smaller than one chunk" in answer["error"]
         assert serves_others_pinned(srv, 1)  # KEYS[1]'s lease of 7 s
+
+
+def test_kvstore_serve_keeps_answering_with_both_paths_full(tmp_path):
+    """A real ``kvstore serve`` at RLIMIT_NOFILE 256 (cap 128): same-host clients up to the
+    cap, then 200 idle HTTP connections. /healthz is answered at once (the idle HTTP ones
+    make room, or it is refused 503), never left hanging for lack of descriptors, and once a
+    same-host client closes a new one is served."""
+    import resource
+
+    from tests.kvstore.daemon.hostile_helpers import Serve, raw_request
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1024:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(4096, hard), hard))
+    path = str(tmp_path / "kv.sock")
+    srv = Serve(tmp_path, 256, "--unix-socket", path, "--page-bytes", "256")
+    held, idle_http = [], []
+    try:
+        srv.proc.stdout.readline()  # the same-host path's line
+        while len(held) < 200:
+            c = RawClient(path)
+            if not c.hello(map_arena=False)["ok"]:
+                c.close()
+                break
+            held.append(c)
+        assert len(held) < 200  # refused at the cap
+        idle_http = [socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+                     for _ in range(200)]
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        status, _ = raw_request(srv.port, b"GET /healthz HTTP/1.1\r\nHost: x", timeout_s=5)
+        assert status in (200, 503) and time.monotonic() - t0 < 3
+        held.pop().close()
+        time.sleep(0.3)
+        c = RawClient(path)
+        assert c.hello(map_arena=False)["ok"] and c.keys_op("exists", KEYS[:1])["exists"] == [False]
+        held.append(c)
+    finally:
+        for s in idle_http:
+            s.close()
+        for c in held:
+            c.close()
+        log = srv.stop()
+    assert "Traceback" not in log and log.count("accept") <= 2, log[-2000:]
