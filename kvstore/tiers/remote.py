@@ -174,7 +174,8 @@ class RemoteTier:
         if state == "open":
             breaker = self.nodes.breaker(node)
             failures = breaker.failures
-            line = self._outage(node).failed(failures)
+            cause = self.nodes.last_error(node).split(":", 1)[0]  # (the error's class)
+            line = self._outage(node).failed(failures, cause=cause or None)
             if line == "down":
                 log.warning("remote tier: node %s is down (%d calls failed in a row, the last: "
                             "%s); its keys miss, and one call every %.1f s tries it (circuit "

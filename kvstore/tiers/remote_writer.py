@@ -26,6 +26,9 @@ from kvstore.tiers.remote_metrics import RemoteMetrics
 
 log = logging.getLogger("kvstore.tiers.remote")
 
+#: least seconds between two lines about writes one node refused for one reason
+REFUSAL_RELOG_S = 600.0
+
 #: Puts written per batch at most (one pipeline per node per batch).
 BATCH_OPS = 64
 #: Bytes of values written per batch at most.
@@ -52,6 +55,7 @@ class WriteBehind:
         self._cond = threading.Condition()
         self._queue: deque = deque()  # (("put", key, kv, parent, codec) | ("del", rk), nbytes)
         self._queued_bytes = 0
+        self._refusals: dict[tuple, tuple] = {}  # (node, reason) -> (last line's time, count)
         self._inflight = 0
         self._batches = [0, 0]  # batches taken by the writer, batches done
         self._closed = False
@@ -199,10 +203,32 @@ class WriteBehind:
                           "error" if isinstance(r, ResponseError) else "unavailable")
                 self.metrics.inc("dropped_writes", label=reason)
                 log.debug("remote tier: write of %r dropped: %s", rk, r)
+                if reason != "unavailable":  # (a node down is the breaker's to log)
+                    self._refused(node, reason, r)
             else:
                 self.metrics.inc("writes")
                 self.metrics.inc("written_bytes", len(value))
         self.metrics.observe("put", time.perf_counter() - t0)
+
+    def _refused(self, node: str | None, reason: str, err: Exception) -> None:
+        """Count a write ``node`` refused (``full``: Redis at ``maxmemory`` with
+        ``noeviction``; ``error``: another error answer) and log it: the first at once, then
+        one line per ``REFUSAL_RELOG_S`` per node and reason with the count since the last."""
+        now = time.monotonic()
+        key = (node, reason)
+        last, count = self._refusals.get(key, (None, 0))
+        count += 1
+        if last is not None and now - last < REFUSAL_RELOG_S:
+            self._refusals[key] = (last, count)
+            return
+        self._refusals[key] = (now, 0)
+        why = ("it is full (maxmemory reached with an eviction policy that evicts nothing: "
+               "raise maxmemory, or use allkeys-lru)" if reason == "full" else f"{err}")
+        log.warning("remote tier: Redis node %s refused %d write(s)%s: %s; those chunks stay "
+                    "local only (kvstore_remote_dropped_writes_total{reason=\"%s\"}; logged "
+                    "again at most every %.0f s)", node, count,
+                    "" if last is None else f" in the last {now - last:.0f} s", why, reason,
+                    REFUSAL_RELOG_S)
 
     def _redirected(self, kind: str, rk: bytes, value, ex: tuple):
         """Redo one command through the cluster client (it follows MOVED/ASK)."""
