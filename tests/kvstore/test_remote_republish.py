@@ -268,3 +268,33 @@ def test_a_node_refusing_info_is_named_once_in_a_warning(redis_server, caplog):
     lines = [r.getMessage() for r in caplog.records
              if "does not tell its run_id" in r.getMessage()]
     assert len(lines) == 1 and f"127.0.0.1:{redis_server.port}" in lines[0]
+
+
+def test_the_pass_keeps_each_namespaces_codec_rule(redis_server):
+    """With a lossy remote codec, a namespace that accepts it gets its chunks written with it
+    again, and an exact one gets them exact, as on a put (the codec byte of each value)."""
+    from kvstore.codec import CODECS
+    from kvstore.keys import Namespace
+    from kvstore.republish import republish
+    from tests.kvstore.remote_helpers import LAY
+    lossy = Namespace("remote-test-model", LAY, lossy_codec="int8")
+    a = make_store(redis_server.url, remote_restart_check_s=0, remote_codec="int8")
+    try:
+        a.register(lossy)
+        kl, vl = prompt(lossy, 7, 2)
+        ke, ve = prompt(NS, 7, 2)
+        assert a.put_chunks(lossy, kl, vl) == 2 and a.put_chunks(NS, ke, ve) == 2
+        assert a.flush(5.0)
+
+        def codecs():
+            with redis_server.client() as r:
+                return [CODECS[r.get(rkey(k))[6]] for k in kl + ke]
+
+        assert codecs() == ["int8", "int8", "raw", "raw"]
+        _restart_empty(redis_server)
+        assert _wait(lambda: a.remote.exists(kl[:1]) == [False])
+        rep = republish(a._st, "test")
+        assert (rep.held, rep.written) == (4, 4) and a.flush(5.0)
+        assert codecs() == ["int8", "int8", "raw", "raw"]
+    finally:
+        a.close()
