@@ -369,16 +369,23 @@ def resolve(flags: Mapping[str, Any], env: Mapping[str, str] | None = None,
 
     Raises:
         EnvValueError: a ``KVSTORE_*`` value that cannot be parsed (named with its value).
-        ValueError: a bad setting from any layer (see ``ServeConfig``), or a bad file.
+        ValueError: a bad setting from any layer (see ``ServeConfig``), a bad file, or
+            remote-tier settings while no layer gives ``remote_url`` (named as given).
     """
     env = os.environ if env is None else env
     for name, close in unknown_env(env):
         log.warning("%s is not a kvstore serve setting: ignored%s", name,
                     f" (did you mean {close}?)" if close else "")
-    merged: dict[str, Any] = {}
     path = config_file or env.get(ENV_PREFIX + "CONFIG")
-    if path:
-        merged.update(load_file(path))
-    merged.update(from_env(env))
-    merged.update({k: v for k, v in _known(flags, "flags").items() if v is not None})
+    file = load_file(path) if path else {}
+    given = {k: v for k, v in _known(flags, "flags").items() if v is not None}
+    envs = from_env(env)
+    merged: dict[str, Any] = {**file, **envs, **given}
+    orphans, password = config_env.remote_without_url(file, envs, given)
+    if orphans:
+        raise ValueError(f"remote-tier settings without a remote URL (--remote-url, "
+                         f"KVSTORE_REMOTE_URL or remote_url): {', '.join(orphans)}")
+    if password:
+        log.warning("remote password (KVSTORE_REMOTE_PASSWORD or remote_password) set but "
+                    "no remote URL: ignored, no remote tier")
     return ServeConfig(**merged)

@@ -143,3 +143,37 @@ def unknown_env(env: Mapping[str, str],
             close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
             out.append((name, close[0] if close else None))
     return out
+
+
+#: remote-tier settings that mean nothing without ``remote_url`` (``remote_password``, which
+#: may be set fleet-wide, is only warned about)
+REMOTE_NEEDS_URL = ("remote_key_prefix", "remote_ttl_s", "remote_timeout_s",
+                    "remote_queue_bytes", "remote_codec")
+
+
+def remote_without_url(file: Mapping[str, Any], env: Mapping[str, Any],
+                       flags: Mapping[str, Any]) -> tuple[list[str], bool]:
+    """Remote-tier settings given while no layer gives a remote URL (they would be ignored
+    silently: no remote tier is built).
+
+    Args:
+        file, env, flags: the settings each layer gives (field name -> value; a flag of
+            None is not given), as ``kvstore.daemon.config.resolve`` merges them.
+
+    Returns:
+        (where each setting of ``REMOTE_NEEDS_URL`` was given, named as its user wrote it:
+        ``--remote-key-prefix``, ``KVSTORE_REMOTE_TTL_S``, ``remote_codec (config file)``;
+        whether a ``remote_password`` is set), both empty/False when a layer gives a non-empty
+        ``remote_url`` (a layer above that empties it disables the tier deliberately).
+    """
+    layers = (("file", file), ("env", env), ("flag", flags))
+    if any(layer.get("remote_url") not in (None, "") for _, layer in layers):
+        return [], False
+    given = []
+    for kind, layer in layers:
+        for name in REMOTE_NEEDS_URL:
+            if layer.get(name) is None:
+                continue
+            given.append({"file": f"{name} (config file)", "env": env_name(name),
+                          "flag": "--" + name.replace("_", "-")}[kind])
+    return given, any(layer.get("remote_password") not in (None, "") for _, layer in layers)

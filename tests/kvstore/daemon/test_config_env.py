@@ -17,8 +17,8 @@ def test_good_values_are_parsed_to_their_types():
     assert serve_config.from_env(env) == {
         "cpu_bytes": 2 << 20, "port": 8601, "insecure": True, "remote_ttl_s": 1.5,
         "max_connections": "auto", "log_level": "DEBUG", "device": "cuda:1"}
-    cfg = serve_config.resolve({}, env)
-    assert (cfg.cpu_bytes, cfg.port, cfg.insecure) == (2 << 20, 8601, True)
+    cfg = serve_config.resolve({}, {**env, "KVSTORE_REMOTE_URL": "redis://127.0.0.1:1"})
+    assert (cfg.cpu_bytes, cfg.port, cfg.insecure, cfg.remote_ttl_s) == (2 << 20, 8601, True, 1.5)
 
 
 @pytest.mark.parametrize("var, value, reason", [
