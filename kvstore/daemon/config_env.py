@@ -4,7 +4,8 @@ the variable's name and value (``KVSTORE_CPU_BYTES='12XB': unknown size unit ...
 a message that leaves the reader to guess where ``'12XB'`` came from.
 
 Checks that involve more than one setting (a disk capacity without a path, a non-loopback bind
-without a token) stay in ``kvstore.daemon.config.ServeConfig``.
+without a token) stay in ``kvstore.daemon.config.ServeConfig``; ``remote_without_url`` names
+the remote-tier settings given, by any layer, without a remote URL.
 """
 from __future__ import annotations
 
