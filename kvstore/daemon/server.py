@@ -214,6 +214,9 @@ async def clear(request: web.Request) -> web.Response:
     named = [k for k in ("all", "namespace", "ns_id") if k in body]
     if len(named) > 1:  # which one was meant cannot be told: clear nothing
         raise P.ProtocolError(f"clear takes one of namespace, ns_id or all; got {named}")
+    if "all" in body and body["all"] is not True:  # "yes", 1, false: not a namespace error
+        raise P.ProtocolError(f"'all' must be true (the JSON boolean) to clear every "
+                              f"namespace, got {str(body['all'])[:40]!r}")
     if body.get("all") is True:
         caller(request).require_admin('clear {"all": true}')
         ns = None

@@ -80,6 +80,16 @@ def test_a_clear_naming_two_targets_clears_nothing(server):
     assert stored(server, KEYS[:2]) == [True, True]
 
 
+def test_a_clear_all_that_is_not_true_is_named_and_clears_nothing(server):
+    assert do_put(server, put_body(KEYS[:2], [chunk(0), chunk(1)]))[0] == 200
+    for value, shown in (("yes", "'yes'"), (1, "'1'"), (False, "'False'")):
+        status, ans = post_json(server, "/v1/clear", {"all": value})
+        assert status == 400, (value, ans)
+        assert ans["error"] == ("'all' must be true (the JSON boolean) to clear every "
+                                f"namespace, got {shown}"), ans
+    assert stored(server, KEYS[:2]) == [True, True]
+
+
 def test_tenants_cannot_name_each_others_keys(server):
     assert do_put(server, put_body(KEYS[:1], [chunk(0)]))[0] == 200
     status, ans = post_json(server, "/v1/exists", {"namespace": OTHER.to_dict(),
