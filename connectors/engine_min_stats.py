@@ -13,6 +13,8 @@ logged the failure that opened it.
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import threading
 
@@ -29,20 +31,37 @@ COUNTERS = ("requests", "queried_tokens", "hit_tokens", "loaded_tokens", "loaded
             "demoted_tail_chunks", "demote_errors")
 
 
+#: upper bounds (seconds) of the latency histograms' buckets: a same-host lookup (well under
+#: 1 ms) to a load or save that waited seconds for a slow store
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                     2.5, 5.0, 10.0)
+
+
 class Latency:
-    """count / sum / max of durations in seconds."""
+    """count / sum / max of durations in seconds, and their histogram over
+    ``LATENCY_BUCKETS_S`` (a duration counts in the first bucket whose bound is >= it; one
+    above all bounds only in ``count``, Prometheus' ``+Inf`` bucket)."""
 
     def __init__(self) -> None:
         self.count, self.sum, self.max = 0, 0.0, 0.0
+        self.buckets = [0] * len(LATENCY_BUCKETS_S)   # (not cumulative)
 
     def add(self, s: float) -> None:
+        """One duration of ``s`` seconds."""
         self.count += 1
         self.sum += s
         self.max = max(self.max, s)
+        i = bisect.bisect_left(LATENCY_BUCKETS_S, s)
+        if i < len(self.buckets):
+            self.buckets[i] += 1
 
     def as_dict(self, prefix: str) -> dict:
+        """``{prefix}_count``, ``{prefix}_seconds_sum``, ``{prefix}_seconds_max`` and
+        ``{prefix}_seconds_bucket``: ``{upper bound in s: durations <= it}`` (cumulative, as
+        Prometheus' ``le`` buckets; ``+Inf`` left out: it is ``count``)."""
+        cumulative = dict(zip(LATENCY_BUCKETS_S, itertools.accumulate(self.buckets)))
         return {f"{prefix}_count": self.count, f"{prefix}_seconds_sum": self.sum,
-                f"{prefix}_seconds_max": self.max}
+                f"{prefix}_seconds_max": self.max, f"{prefix}_seconds_bucket": cumulative}
 
 
 class ConnectorStats(CauseLog):
@@ -92,7 +111,8 @@ class ConnectorStats(CauseLog):
 
     def snapshot(self) -> dict:
         """The counters as ``get_stats`` reports them (``kvstore_``-prefixed, latencies as
-        ``kvstore_<kind>_count`` / ``_seconds_sum`` / ``_seconds_max``), plus
+        ``kvstore_<kind>_count`` / ``_seconds_sum`` / ``_seconds_max`` / ``_seconds_bucket``,
+        see ``Latency.as_dict``), plus
         ``external_prefix_cache_queries`` / ``_hits`` and ``kvstore_hit_tokens_by_tier``."""
         with self.lock:
             c = dict(self.c)

@@ -29,9 +29,15 @@ and the KV connector's own figures (every ``kvstore_*`` key of ``LLMEngine.stats
                                               and bytes, fallbacks (lookup/load), dropped
                                               saves, save errors, remote skipped calls, ...
     engine_kvstore_hit_tokens_by_tier_total{tier}  counter, hit tokens by the tier that held them
-    engine_kvstore_{lookup,load,save}_seconds_total / _count_total   counters (mean = ratio)
+    engine_kvstore_{lookup,load,save}_seconds histogram (``_bucket{le}``, ``_sum``, ``_count``)
+                                              of the connector's calls, buckets 0.5 ms .. 10 s
+                                              (``connectors.engine_min_stats.LATENCY_BUCKETS_S``)
     engine_kvstore_{lookup,load,save}_seconds_max, engine_kvstore_save_queue_bytes,
     engine_kvstore_remote_breaker_open        gauges
+
+A connector whose stats give a latency's ``_seconds_sum`` and ``_count`` without its
+``_seconds_bucket`` gets the counters ``engine_kvstore_<kind>_seconds_total`` and
+``_count_total`` instead of the histogram.
 """
 from __future__ import annotations
 
@@ -40,6 +46,8 @@ from typing import Mapping
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                Histogram, generate_latest)
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 # vLLM's buckets for the same series.
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -66,6 +74,46 @@ def _increase(last: float, value: float) -> float:
     the count restarted from 0 (a new engine or connector), so all of it is new (as
     Prometheus' ``rate()`` reads a counter reset)."""
     return value - last if value >= last else value
+
+
+class _MirroredHistograms:
+    """Histograms copied from cumulative bucket counts reported by the connector (its stats
+    hold ``{upper bound: count}``, not observations), kept monotonic as counters are: a
+    count that went down (a new connector) is added whole. A collector: its families show
+    from the first ``update`` of each name."""
+
+    def __init__(self) -> None:
+        self._acc: dict[str, tuple[dict[float, float], float, float]] = {}
+        self._last: dict[str, tuple[dict[float, float], float, float]] = {}
+        self._help: dict[str, str] = {}
+
+    def update(self, name: str, help_: str, buckets: Mapping, total: float,
+               count: float) -> None:
+        """The connector's latest cumulative ``buckets`` (``{upper bound s: count}``, +Inf
+        left out), ``total`` (sum of seconds) and ``count`` of histogram ``name``.
+
+        Raises:
+            ValueError: a bucket bound that is not a number.
+        """
+        now = ({float(b): float(n) for b, n in buckets.items()}, float(total), float(count))
+        last = self._last.get(name, ({}, 0.0, 0.0))
+        restarted = now[2] < last[2]
+        acc_b, acc_sum, acc_count = self._acc.get(name, ({}, 0.0, 0.0))
+        acc_b = dict(acc_b)
+        for b, n in now[0].items():
+            acc_b[b] = acc_b.get(b, 0.0) + (n if restarted else max(n - last[0].get(b, 0.0), 0.0))
+        acc_sum += now[1] if restarted else max(now[1] - last[1], 0.0)
+        acc_count += now[2] if restarted else now[2] - last[2]
+        self._help[name] = help_  # (before _acc: a scrape reads both)
+        self._last[name] = now
+        self._acc[name] = (acc_b, acc_sum, acc_count)
+
+    def collect(self):
+        for name, (acc_b, acc_sum, acc_count) in list(self._acc.items()):
+            buckets = [(floatToGoString(b), n) for b, n in sorted(acc_b.items())]
+            buckets.append(("+Inf", acc_count))
+            yield HistogramMetricFamily(name, self._help[name], buckets=buckets,
+                                        sum_value=acc_sum)
 
 
 class ServerMetrics:
@@ -115,6 +163,8 @@ class ServerMetrics:
         self._last: dict[str, float] = {}
         self._lock = threading.Lock()
         self._kv_series: dict[str, Counter | Gauge] = {}
+        self._kv_histograms = _MirroredHistograms()
+        r.register(self._kv_histograms)
 
     def update_from_stats(self, stats: Mapping[str, float]) -> None:
         """Copy an ``LLMEngine.stats()`` snapshot into the gauges and cumulative counters.
@@ -141,8 +191,20 @@ class ServerMetrics:
                 if inc > 0:
                     getattr(self, attr).inc(inc)
                 self._last[key] = value
+            mirrored = set()
+            for key, value in stats.items():  # latency histograms (with their sum and count)
+                if key.startswith("kvstore_") and key.endswith("_seconds_bucket") \
+                        and isinstance(value, Mapping):
+                    kind = key[len("kvstore_"):-len("_seconds_bucket")]
+                    sum_key, count_key = f"kvstore_{kind}_seconds_sum", f"kvstore_{kind}_count"
+                    if sum_key in stats and count_key in stats:
+                        self._kv_histograms.update(
+                            f"engine_kvstore_{kind}_seconds", f"KV connector: {kind} latency "
+                            "(see connectors.engine_min.EngineMinConnector.get_stats).", value,
+                            stats[sum_key], stats[count_key])
+                        mirrored.update((key, sum_key, count_key))
             for key, value in stats.items():
-                if key.startswith("kvstore_"):
+                if key.startswith("kvstore_") and key not in mirrored:
                     self._connector_stat(key, value)
 
     def _connector_stat(self, key: str, value) -> None:

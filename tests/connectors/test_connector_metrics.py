@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from connectors.engine_min import EngineMinConnector
+from connectors.engine_min_stats import LATENCY_BUCKETS_S, Latency
 from connectors.factory import create_connector
 from engine_min.serve.metrics import ServerMetrics
 from kvstore.config import StoreConfig
@@ -103,3 +105,56 @@ def test_a_dead_daemon_breaker_exports_gauge_and_counters_that_parse():
     assert samples[("engine_kvstore_remote_breaker_open", ())] == float(st["kvstore_remote_breaker_open"])
     assert samples[("engine_kvstore_lookup_fallbacks_total", ())] == st["kvstore_lookup_fallbacks"] >= 1
     conn.close()
+
+
+def test_latencies_are_histograms_that_match_the_connector_and_survive_a_restart():
+    m = ServerMetrics()
+    conn = EngineMinConnector(ChunkStore(StoreConfig(cpu_bytes="1MiB")), chunk_size=8,
+                              tail_chunk_size=4, deadline_s=10.0)
+    before = scrape(m)[1]
+    assert not any(name.startswith("engine_kvstore_") for name in before)  # none before stats
+    for i in range(2):
+        run_round(conn, prompt(23), f"r{i}")
+    st = conn.get_stats()
+    m.update_from_stats(st)
+    samples, types = scrape(m)
+    bounds = [str(b) for b in LATENCY_BUCKETS_S] + ["+Inf"]
+    for kind in ("lookup", "load", "save"):
+        name = f"engine_kvstore_{kind}_seconds"
+        assert types[name] == "histogram" and types[f"{name}_max"] == "gauge"
+        count = st[f"kvstore_{kind}_count"]
+        assert count >= 1 and samples[(f"{name}_count", ())] == count
+        assert samples[(f"{name}_sum", ())] == st[f"kvstore_{kind}_seconds_sum"] > 0
+        got = [samples[(f"{name}_bucket", (("le", b),))] for b in bounds]
+        assert got == sorted(got) and got[-1] == count
+        assert got[:-1] == [st[f"kvstore_{kind}_seconds_bucket"][b] for b in LATENCY_BUCKETS_S]
+        # the histogram replaces the sum and count counters
+        assert f"engine_kvstore_{kind}_seconds_total" not in types
+        assert f"engine_kvstore_{kind}_count" not in types
+    lookups = samples[("engine_kvstore_lookup_seconds_count", ())]
+    # a new connector (counts restart at 0): the histogram keeps its counts and grows again
+    conn.close()
+    conn = EngineMinConnector(ChunkStore(StoreConfig(cpu_bytes="1MiB")), chunk_size=8,
+                              tail_chunk_size=4, deadline_s=10.0)
+    run_round(conn, prompt(23), "fresh")
+    st = conn.get_stats()
+    m.update_from_stats(st)
+    samples, _ = scrape(m)
+    assert samples[("engine_kvstore_lookup_seconds_count", ())] == \
+        lookups + st["kvstore_lookup_count"] > lookups
+    assert samples[("engine_kvstore_lookup_seconds_bucket", (("le", "+Inf"),))] == \
+        lookups + st["kvstore_lookup_count"]
+    conn.close()
+
+
+def test_latency_buckets_count_each_duration_in_its_le_bucket():
+    lat = Latency()
+    for s in (0.0002, 0.0005, 0.003, 0.003, 2.0, 30.0):
+        lat.add(s)
+    d = lat.as_dict("kvstore_load")
+    assert d["kvstore_load_count"] == 6 and d["kvstore_load_seconds_max"] == 30.0
+    assert d["kvstore_load_seconds_sum"] == pytest.approx(32.0067)
+    b = d["kvstore_load_seconds_bucket"]
+    assert list(b) == list(LATENCY_BUCKETS_S)
+    assert (b[0.0005], b[0.001], b[0.0025], b[0.005], b[1.0], b[2.5], b[10.0]) == \
+        (2, 2, 2, 4, 4, 5, 5)  # 30 s: only in +Inf (the count)
