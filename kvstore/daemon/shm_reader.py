@@ -7,7 +7,8 @@ header arrive in one call. Those reads take descriptors too (``SCM_RIGHTS``: a `
 request's payload byte carries its memfd): they ride on the first byte of the message that
 carried them, and the kernel ends a read after that message (or where the buffer ends), so
 that byte lies in the read's stream range; they are kept by that range until ``recv_fds``
-consumes a byte in it, and closed once the stream passes its end or the reader closes.
+consumes a byte in it, and closed once the stream passes its end or the reader closes. At
+most ``MAX_HELD_FDS`` are kept at once; more are closed as they arrive.
 
 The event loop watches the socket through one reader callback that stays registered between
 requests (no ``epoll_ctl`` per request) and runs the waiting read itself, so its bytes are
@@ -30,6 +31,9 @@ from kvstore.daemon.protocol import PREAMBLE_BYTES, decode_preamble
 READ_AHEAD_BYTES = 64 << 10
 #: Ancillary room of a read-ahead call: up to 16 descriptors (``stage`` passes one).
 _ANC_SPACE = socket.CMSG_SPACE(16 * array.array("i").itemsize)
+#: Descriptors a connection's read-ahead keeps at most; more that arrive are closed at once
+#: (a client attaching descriptors to every byte of a frame filled the daemon's table).
+MAX_HELD_FDS = 16
 
 
 class SocketReader:
@@ -118,8 +122,11 @@ class SocketReader:
             close_all(fds or ())
             raise ConnectionError("client closed the connection")
         if fds:
-            first = self._base + self._rend
-            self._fds.append((first, first + n - 1, fds))
+            if sum(len(f) for _first, _last, f in self._fds) + len(fds) > MAX_HELD_FDS:
+                close_all(fds)
+            else:
+                first = self._base + self._rend
+                self._fds.append((first, first + n - 1, fds))
         self._rend += n
         return n
 
@@ -284,4 +291,4 @@ def close_all(fds) -> None:
             pass
 
 
-__all__ = ["READ_AHEAD_BYTES", "SocketReader", "close_all", "fds_of"]
+__all__ = ["MAX_HELD_FDS", "READ_AHEAD_BYTES", "SocketReader", "close_all", "fds_of"]

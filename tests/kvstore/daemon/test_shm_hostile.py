@@ -430,3 +430,39 @@ def test_kvstore_serve_keeps_answering_with_both_paths_full(tmp_path):
             c.close()
         log = srv.stop()
     assert "Traceback" not in log and log.count("accept") <= 2, log[-2000:]
+
+
+def test_descriptors_attached_to_request_bytes_are_not_hoarded(tmp_path):
+    """Only ``stage`` passes a descriptor, on its payload byte; a client that attaches 16 to
+    each byte of a frame it sends one byte at a time had every one kept by the read-ahead
+    until the frame ended (5,000 bytes filled a daemon's table of 1024: HTTP hung). At most
+    ``MAX_HELD_FDS`` are kept; the frame is still served, and nothing stays open."""
+    import array
+    import os
+
+    from kvstore.daemon import shm_reader
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    with shm_daemon(tmp_path) as srv:
+        seeded(srv)
+        c = RawClient(srv.sock_path)
+        c.hello()
+        base = open_fds()
+        r, w = os.pipe()
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [r] * 16).tobytes())]
+        frame = S.encode_frame({"op": "lookup", "namespace": NS.to_dict(),
+                                "keys": [KEYS[0].hex()]})
+        for i in range(40):  # one byte per message, each carrying 16 descriptors
+            c.sock.sendmsg([frame[i:i + 1]], anc)
+        time.sleep(0.3)
+        held = open_fds() - base - 2  # (the pipe's two ends are this test's)
+        assert held <= getattr(shm_reader, "MAX_HELD_FDS", 16), held  # (was 640)
+        c.sock.sendall(frame[40:])
+        assert c.recv()[0]["num_hit_chunks"] == 1
+        c.close()
+        os.close(r)
+        os.close(w)
+        assert wait_until(lambda: open_fds() <= base)
+        assert serves_others(srv)
