@@ -16,6 +16,8 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS_S = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0)
+#: store calls timed in ``kvstore_op_latency_seconds{op}`` (exported at 0 from the start)
+OPS = ("lookup", "get", "put")
 
 #: counter name -> (help, labelled by tier)
 _COUNTERS = {
@@ -75,6 +77,8 @@ class StoreMetrics:
         self.chunks = Gauge("kvstore_chunks", "Chunks stored in a tier", ["tier"], registry=self.registry)
         self.latency = Histogram("kvstore_op_latency_seconds", "Store call latency by operation",
                                  ["op"], buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        for op in OPS:
+            self.latency.labels(op=op)
 
     def inc(self, name: str, n: int = 1, tier: str | None = None) -> None:
         """Add ``n`` to counter ``name`` (per ``tier`` where the counter has that label).

@@ -134,6 +134,7 @@ class _ServerState:
                                  registry=r)
         self.rejected = Counter("kvstore_server_rejected_chunks_total", "Chunks refused by "
                                 "validation (checksum, layout)", ["reason"], registry=r)
+        self.rejected.labels("checksum")  # (at 0 from the start)
         self.inflight_bytes = Gauge("kvstore_server_inflight_payload_bytes", "Payload bytes "
                                     "held by requests (budget: max_inflight_bytes)", registry=r)
         self.inflight_bytes.set_function(lambda: self.budget.held)

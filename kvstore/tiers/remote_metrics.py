@@ -70,6 +70,8 @@ class RemoteMetrics:
         for name, reasons in REASONS.items():
             for reason in reasons:
                 self._counters[name].labels(reason)
+        for op in ("lookup", "get", "put"):
+            self.latency.labels(op=op)
 
     def add_node(self, node: str) -> None:
         """Export a master's breaker series (state 0, closed; no opens) before any change."""

@@ -1,5 +1,6 @@
 """Every labelled counter of a store has its series from the first scrape, at 0, for each
-tier (``rate()`` and alerts need a series before its first event): scraped from the daemon's
+tier (``rate()`` and alerts need a series before its first event), and so have the latency
+histogram of each store call and the daemon's checksum rejections: scraped from the daemon's
 ``/metrics`` of an in-process server, and from the registry of a store over Redis."""
 import re
 
@@ -34,6 +35,9 @@ def test_daemon_exports_each_tier_counter_of_each_tier_at_zero_before_any_event(
             got = samples(text, f"kvstore_{name}_total")
             assert got == {"gpu": 0.0, "cpu": 0.0, "disk": 0.0}, (name, got)
         assert "kvstore_remote_" not in text  # no remote tier, no remote series
+        for op in ("lookup", "get", "put"):  # the latency histogram of each store call
+            assert f'kvstore_op_latency_seconds_count{{op="{op}"}} 0.0\n' in text, op
+        assert 'kvstore_server_rejected_chunks_total{reason="checksum"} 0.0\n' in text
         # the first events then count on the series already there
         for i in range(4):  # 1 gpu chunk, 2 cpu: evictions and spills
             H.put(store, H.prompt(i))
@@ -55,6 +59,8 @@ def test_remote_tier_hits_and_promotions_exported_at_zero(redis_server):  # noqa
         assert samples(text, "kvstore_hits_total") == {"cpu": 0.0, "remote": 0.0}
         assert samples(text, "kvstore_promotions_total") == {"cpu": 0.0, "remote": 0.0}
         assert samples(text, "kvstore_evictions_total") == {"cpu": 0.0}  # (counted by Redis)
+        for op in ("lookup", "get", "put"):
+            assert f'kvstore_remote_latency_seconds_count{{op="{op}"}} 0.0\n' in text, op
     finally:
         store.close()
 
