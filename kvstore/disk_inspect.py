@@ -42,17 +42,20 @@ def inspect_disk(path: str, limit: int = 20, verify: bool = False) -> dict:
         verify: also decode and checksum every payload.
 
     Raises:
-        ValueError: a negative ``limit``; ``path`` is another file, or holds no lmdb
-            environment, or one lmdb cannot open (e.g. a store
-            of this process has it open: lmdb allows one open per process; read its
-            ``stats()`` instead), naming the reason. ``DiskFileTruncated`` (a ``ValueError``):
-            ``data.mdb`` is shorter than the pages lmdb's metadata says it uses (reading it
-            would end the process with SIGBUS), naming both sizes.
+        ValueError: a negative ``limit``; ``path`` does not exist, is another file, or holds
+            no lmdb environment, or one lmdb cannot open (e.g. a store of this process has
+            it open: lmdb allows one open per process; read its ``stats()`` instead), naming
+            the reason. ``DiskFileTruncated`` (a ``ValueError``): ``data.mdb`` is shorter than
+            the pages lmdb's metadata says it uses (reading it would end the process with
+            SIGBUS), naming both sizes.
     """
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
         raise ValueError(f"limit must be an int >= 0 (0 lists every chunk), got {limit!r}")
     if os.path.basename(os.path.normpath(path)) == "data.mdb" and os.path.isfile(path):
         path = os.path.dirname(os.path.abspath(path))  # the tier's file: read its directory
+    elif not os.path.exists(path):
+        raise ValueError(f"{path!r} does not exist (give the disk tier's directory, as given "
+                         f"to --disk-path)")
     elif os.path.isfile(path):
         raise ValueError(f"{path!r} is a file; pass the disk tier's directory (the one holding "
                          f"data.mdb, as given to --disk-path)")

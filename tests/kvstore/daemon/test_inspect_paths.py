@@ -1,6 +1,7 @@
 """``kvstore inspect`` takes a disk tier's directory or its ``data.mdb`` (it said "holds no disk
-tier (no data.mdb)" for the file), names the directory for another file, and refuses a negative
-``--limit`` (exit 2, one line; it listed nothing). A real disk tier written by a ChunkStore."""
+tier (no data.mdb)" for the file), names the directory for another file, says a missing path
+does not exist, and refuses a negative ``--limit`` (exit 2, one line; it listed nothing). A
+real disk tier written by a ChunkStore."""
 from __future__ import annotations
 
 import json
@@ -40,6 +41,17 @@ def test_another_file_names_the_directory(disk, capsys):
     assert (rc, out) == (2, "")
     assert err == (f"kvstore inspect: {str(disk / 'lock.mdb')!r} is a file; pass the disk "
                    f"tier's directory (the one holding data.mdb, as given to --disk-path)\n")
+
+
+def test_a_missing_path_is_named_as_missing_not_as_an_empty_tier(tmp_path, capsys):
+    missing = str(tmp_path / "nope")
+    rc, out, err = run(capsys, missing)
+    assert (rc, out) == (2, "")
+    assert err == (f"kvstore inspect: {missing!r} does not exist (give the disk tier's "
+                   f"directory, as given to --disk-path)\n")
+    rc, _, err = run(capsys, str(tmp_path))              # exists, holds no tier
+    assert rc == 2
+    assert err == f"kvstore inspect: {str(tmp_path)!r} holds no disk tier (no data.mdb)\n"
 
 
 def test_a_negative_limit_is_refused_and_zero_lists_all(disk, capsys):
