@@ -11,7 +11,8 @@ Series (``/metrics``):
     engine_time_to_first_token_seconds        histogram
     engine_inter_token_latency_seconds        histogram
     engine_e2e_request_latency_seconds        histogram
-    engine_request_success_total{finished_reason}  counter
+    engine_request_success_total{finished_reason}  counter; stop | length | abort | error,
+                                              each at 0 from the start
     engine_prompt_tokens_total                counter
     engine_generation_tokens_total            counter
     engine_num_requests_running               gauge
@@ -56,6 +57,9 @@ ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                  60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+#: why a request finished (``engine_request_success_total{finished_reason}``)
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 # engine stats key -> counter attribute; the stat is cumulative since engine start.
 _CUMULATIVE_STATS = {
@@ -138,6 +142,8 @@ class ServerMetrics:
         self.request_success = Counter("engine_request_success",
                                        "Finished requests by finish reason.",
                                        ["finished_reason"], registry=r)
+        for reason in FINISH_REASONS:
+            self.request_success.labels(reason)
         self.prompt_tokens = Counter("engine_prompt_tokens", "Prefill tokens of requests.",
                                      registry=r)
         self.generation_tokens = Counter("engine_generation_tokens",

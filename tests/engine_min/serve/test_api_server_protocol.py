@@ -168,6 +168,16 @@ def test_metrics_mirror_cumulative_stats():
         assert line + "\n" in text, line
 
 
+def test_each_finish_reason_is_exported_at_zero_before_any_request():
+    m = ServerMetrics()
+    text = m.render()[0].decode()
+    for reason in ("stop", "length", "abort", "error"):
+        assert f'engine_request_success_total{{finished_reason="{reason}"}} 0.0\n' in text
+    m.request_success.labels("length").inc()
+    assert 'engine_request_success_total{finished_reason="length"} 1.0\n' in \
+        m.render()[0].decode()
+
+
 def test_metrics_mirror_the_connectors_stats_as_counters_and_gauges():
     m = ServerMetrics()
     m.update_from_stats({"kvstore_loaded_bytes": 1000, "kvstore_load_fallbacks": 1,
