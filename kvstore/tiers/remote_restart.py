@@ -12,9 +12,12 @@ on a node seen before means a restart, and ``on_restart(node)`` is called (the s
 writes what Redis lacks of what it holds: ``kvstore.republish``). A node that does not answer
 is skipped (its breaker and outage log tell that story), as is any error asking it (the watch
 never stops on one); a node that answers but refuses ``INFO`` (an ACL, a proxy) or gives no
-``run_id`` is named in one WARNING line: its restarts go unnoticed. A node seen for the first
-time is only recorded. A restart is noticed only if the watch sees the node on both sides of
-it: within ``check_s`` of the node answering again, not while the store is closed.
+``run_id`` is named in one WARNING line: its restarts go unnoticed. A master seen for the first
+time at the first check (the store opening) is only recorded; one first seen later (it did not
+answer before, a replica promoted in a failover, a node replaced at a new address) is handled
+as a restart: the store's pass only asks a master that kept or replicated its data. A restart
+is noticed only if the watch sees the node on both sides of it or the node is new to it:
+within ``check_s`` of the node answering again, not while the store is closed.
 """
 from __future__ import annotations
 
@@ -52,6 +55,7 @@ class RestartWatch:
         self.on_restart = on_restart
         self.run_ids: dict[str, str] = {}  # node -> the run_id last seen
         self._refused: set[str] = set()  # nodes that refused INFO (warned once)
+        self._checks = 0  # checks done (with the list of masters)
         self._lock = threading.Lock()  # (one check at a time: the thread's, a caller's)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvstore-remote-restart",
@@ -89,14 +93,20 @@ class RestartWatch:
                 continue
             before = self.run_ids.get(node)
             self.run_ids[node] = run_id
-            if before is not None and before != run_id:
+            if before is None and self._checks:  # (not at the first check: the store opens)
+                log.info("remote tier: node %s answers for the first time (run_id %s...): "
+                         "it may have come back empty", node, run_id[:8])
+            elif before is None or before == run_id:
+                continue
+            else:
                 log.info("remote tier: node %s restarted (run_id %s... -> %s...)", node,
                          before[:8], run_id[:8])
-                restarted.append(node)
-                try:
-                    self.on_restart(node)
-                except Exception:
-                    log.exception("remote tier: handling the restart of node %s failed", node)
+            restarted.append(node)
+            try:
+                self.on_restart(node)
+            except Exception:
+                log.exception("remote tier: handling the restart of node %s failed", node)
+        self._checks += 1
         return restarted
 
     def _loop(self) -> None:

@@ -238,9 +238,10 @@ def test_the_watch_outlives_any_error_asking_a_node():
     watch = RestartWatch(lambda: ["n1"], client, 0.02, calls.append)
     try:
         assert _wait(lambda: watch.run_ids == {"n1": "b" * 40}, timeout=5.0)
-        assert watch._thread.is_alive() and calls == []
+        # (it had not answered the first check: first seen later, it is asked like a restart)
+        assert watch._thread.is_alive() and _wait(lambda: calls == ["n1"], timeout=5.0)
         watch.run_ids["n1"] = "a" * 40  # as if it had restarted since
-        assert _wait(lambda: calls == ["n1"], timeout=5.0)
+        assert _wait(lambda: calls == ["n1", "n1"], timeout=5.0)
     finally:
         watch.close()
     assert not watch._thread.is_alive()
@@ -298,3 +299,30 @@ def test_the_pass_keeps_each_namespaces_codec_rule(redis_server):
         assert codecs() == ["int8", "int8", "raw", "raw"]
     finally:
         a.close()
+
+
+def test_a_master_first_seen_after_the_first_check_is_handled_as_a_restart():
+    """A master the watch had not seen answer (down when the store opened, a replica promoted,
+    a node replaced at a new address) was only recorded: if it came back empty, nothing
+    was written again. It now gets a pass (which writes nothing to one that has its data)."""
+    masters, up, calls = ["n1", "n3"], {"n1": "a" * 40}, []
+
+    class Node:
+        def __init__(self, name):
+            self.name = name
+
+        def info(self, section):
+            if self.name not in up:
+                raise RedisConnectionError("refused")
+            return {"run_id": up[self.name]}
+
+    watch = RestartWatch(lambda: list(masters), Node, 3600.0, calls.append)
+    try:
+        assert _wait(lambda: watch._checks == 1)  # the first check, at the open: n3 is down
+        assert watch.run_ids == {"n1": "a" * 40} and calls == []
+        masters.append("n2")  # a replica promoted: a new master name
+        up.update(n2="b" * 40, n3="c" * 40)  # and n3 answers at last
+        assert watch.check() == ["n3", "n2"] and calls == ["n3", "n2"]
+        assert watch.check() == [] and calls == ["n3", "n2"]
+    finally:
+        watch.close()
