@@ -25,7 +25,11 @@ is taken out, logged (one warning: engine, request id, bytes relayed) and counte
 (``router_failed_requests_total``); the client's stream ends as an engine's does at its
 shutdown: a chunk with ``finish_reason`` ``"abort"``, an error event (code ``engine_failed``)
 and ``data: [DONE]`` (``engine_min.router.stream_end``). No healthy engine: 503 with an OpenAI
-error object.
+error object. An engine taken out while requests wait on it (its health checks failed: it
+hangs, as after ``kill -STOP``) fails them the same way at once (``Engine.on_down``,
+``EngineTakenOut``): retried elsewhere before any byte went to the client, else ended. There is
+no read timeout between an engine's bytes: a non-streamed answer sends nothing until it is
+done, and a long prefill must not be cut; a hung engine is found by its health checks.
 
 At shutdown (the app's ``on_shutdown``) the router logs how many requests and streams are in
 flight, lets them run for up to ``shutdown_timeout_s``, then ends the streams still open the same
@@ -47,7 +51,7 @@ from aiohttp import web
 from engine_min.router.answers import no_engine, relay_whole, upstream_headers
 from engine_min.router.metrics import RouterMetrics
 from engine_min.router.policy import RETRY, Candidate, Decision
-from engine_min.router.reasons import describe_error
+from engine_min.router.reasons import EngineTakenOut, describe_error
 from engine_min.router.prompt import (PreparedPrompt, PromptEncoder, prepare_source,
                                       prompt_source)
 from engine_min.router.shutdown import Inflight
@@ -70,6 +74,24 @@ INLINE_MAX_NEW_CHARS = 1024
 class StaleConnection(UpstreamFailed):
     """The engine closed or reset the connection before answering: maybe a pooled connection
     it had closed while idle; worth one more try on a fresh connection to the same engine."""
+
+
+async def _unless_lost(post, lost: asyncio.Future):
+    """The engine's response (``await post``), unless ``lost`` (the engine was taken out)
+    comes first: then the request is abandoned and EngineTakenOut (the reason) raised."""
+    task = asyncio.ensure_future(post)
+    try:
+        await asyncio.wait((task, lost), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:   # the client left, or the router's shutdown
+        if not task.done():
+            task.cancel()
+        elif not task.cancelled() and task.exception() is None:
+            task.result().close()
+        raise
+    if not task.done():
+        task.cancel()
+        raise EngineTakenOut(lost.result())
+    return task.result()
 
 
 class Router:
@@ -262,20 +284,32 @@ class Router:
         any byte went to the client); a stream cut later is ended by ``_relay_stream``."""
         headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
         e.inflight += 1
+        lost: asyncio.Future = asyncio.get_running_loop().create_future()
+        forget = e.on_down(lambda why: lost.done() or lost.set_result(why))
+        up: aiohttp.ClientResponse | None = None
         try:
             try:
-                cm = await session.post(e.url + request.path, data=raw, headers=headers)
+                cm = await _unless_lost(session.post(e.url + request.path, data=raw,
+                                                     headers=headers), lost)
             except aiohttp.ClientConnectorError as exc:  # could not connect: nothing stale
                 raise UpstreamFailed(describe_error(exc)) from exc
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 raise StaleConnection(repr(exc)) from exc
             async with cm as up:
+                # taken out from now on: its answer (a stream, a whole body) fails as if cut
+                lost.add_done_callback(lambda f: f.cancelled() or up.content.set_exception(
+                    EngineTakenOut(f.result())))
                 if up.headers.get("Content-Type", "").startswith("text/event-stream"):
                     return await self._relay_stream(request, up, e)
                 return await relay_whole(request, up, e, self.metrics)
         except (aiohttp.ClientConnectionError, ConnectionRefusedError) as exc:
             raise UpstreamFailed(describe_error(exc)) from exc
         finally:
+            forget()
+            if lost.done() and up is not None:
+                up.close()           # a hung engine's connection is not reused
+            elif not lost.done():
+                lost.cancel()
             e.inflight -= 1
 
     async def _relay_stream(self, request: web.Request, up: aiohttp.ClientResponse,

@@ -9,11 +9,19 @@ import os
 import aiohttp
 
 
+class EngineTakenOut(aiohttp.ClientConnectionError):
+    """Set on a request in flight to an engine that was taken out while the request waited
+    for it (its health checks failed: it hangs or is gone); the request ends as if the
+    engine had cut its connection. ``str()`` is the reason it was taken out."""
+
+
 def describe_error(exc: BaseException) -> str:
     """A one-line reason for ``exc`` raised by a call to an engine.
 
     Examples: ``"cannot connect to 127.0.0.1:8001: connection refused"``, ``"timed out"``,
     ``"the engine closed the connection"``, ``"HTTP 503"``."""
+    if isinstance(exc, EngineTakenOut):
+        return f"taken out while the request waited for it: {exc}"
     if isinstance(exc, aiohttp.ClientConnectorError):
         os_error = exc.os_error
         if isinstance(os_error.errno, int) and os_error.errno > 0:   # e.g. ECONNREFUSED

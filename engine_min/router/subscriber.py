@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-
+from typing import Callable
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -55,6 +55,10 @@ class Engine:
         inflight: requests the router has sent it and not yet finished.
         reported_load: running + waiting requests from its last ``/metrics`` (0 if unknown).
         generation: incremented each time it goes down.
+
+    Requests in flight to it register a callback (``on_down``) that its next ``mark_down``
+    calls with the reason: a request sent to an engine that is taken out (health failed, it
+    hangs) ends instead of waiting for it.
     """
 
     def __init__(self, url: str, position: int, metrics: RouterMetrics):
@@ -69,6 +73,7 @@ class Engine:
         self.store_namespace = None
         self.store_namespace_read = False
         self._up = asyncio.Event()
+        self._down_callbacks: set = set()
         metrics.add_engine(url)
 
     @property
@@ -79,9 +84,13 @@ class Engine:
 
     def mark_down(self, reason: str, log: bool = True) -> None:
         """Take the engine out of service and drop its index (no-op when already down); logs
-        one warning unless ``log`` is False (the caller logs it)."""
+        one warning unless ``log`` is False (the caller logs it). Each callback registered by
+        ``on_down`` is called once with ``reason`` (then forgotten)."""
         if self.healthy and log:
             logger.warning("engine %s taken out: %s", urlsplit(self.url).netloc, reason)
+        callbacks, self._down_callbacks = self._down_callbacks, set()
+        for callback in callbacks:
+            callback(reason)
         self.healthy = False
         self.generation += 1
         self.reported_load = 0
@@ -90,6 +99,13 @@ class Engine:
         self.index.drop()
         self.metrics.engine_healthy.labels(self.url).set(0)
         self.metrics.index_blocks.labels(self.url).set(0)
+
+    def on_down(self, callback) -> Callable[[], None]:
+        """Have ``callback(reason: str)`` called at the engine's next ``mark_down`` (on the
+        event loop; it must not block). Returns a function that forgets the callback (call it
+        once the request is over)."""
+        self._down_callbacks.add(callback)
+        return lambda: self._down_callbacks.discard(callback)
 
     def mark_up(self) -> None:
         """Put the engine (back) in service with an empty index, to be rebuilt from its

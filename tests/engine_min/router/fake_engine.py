@@ -1,10 +1,13 @@
 """A fake engine for the router's tests of streams it cannot finish and of its shutdown: a real
 aiohttp server on its own thread (``ServerThread``) that answers ``/health``, a chat stream
-that is cut or hangs, and non-streamed completions that take as long as the request asks."""
+that is cut, hangs or finishes, and non-streamed completions that take as long as the request
+asks; its ``/health`` can be made to fail (``srv.sick``) while its requests hang, as a hung
+(``kill -STOP``) engine's do."""
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 from aiohttp import web
 
@@ -35,15 +38,19 @@ def fake_engine(mode: str) -> ServerThread:
     """An engine that answers /health and a chat stream: ``EVENTS``, then (mode "cut") half an
     event and a dropped connection, or (mode "hang") nothing more until the client leaves; in
     mode "cut-at-once" the stream's headers and a dropped connection, in mode "silent" nothing
-    until the client leaves (not even the headers).
+    until the client leaves (not even the headers), in mode "ok" ``EVENTS``, a finishing
+    event and ``data: [DONE]``. ``/health`` answers 503 once ``srv.sick`` (an Event) is set.
     ``POST /v1/completions`` answers a completion (text ``"done"``) after the body's
     ``delay_s`` seconds. ``srv.received`` lists the paths of the generation requests it got,
     ``srv.cancelled`` those of completions cancelled before their answer (the router closed the
     connection)."""
     received: list[str] = []
     cancelled: list[str] = []
+    sick = threading.Event()
 
     async def health(_r):
+        if sick.is_set():
+            return web.json_response({"status": "sick"}, status=503)
         return web.json_response({"status": "ok"})
 
     async def chat(request: web.Request) -> web.StreamResponse:
@@ -59,6 +66,9 @@ def fake_engine(mode: str) -> ServerThread:
             return resp
         for ev in EVENTS:
             await resp.write(ev)
+        if mode == "ok":
+            await resp.write(event({}, "stop") + b"data: [DONE]\n\n")
+            return resp
         if mode == "cut":
             await resp.write(HALF)
             await asyncio.sleep(0.1)
@@ -84,5 +94,5 @@ def fake_engine(mode: str) -> ServerThread:
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", completion)
     srv = ServerThread(app).start()
-    srv.received, srv.cancelled = received, cancelled
+    srv.received, srv.cancelled, srv.sick = received, cancelled, sick
     return srv
