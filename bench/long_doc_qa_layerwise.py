@@ -30,6 +30,7 @@ import torch  # noqa: E402
 from bench.long_doc_qa_ttft import _ttft  # noqa: E402
 from bench.report import emit_json  # noqa: E402
 from kvstore.defaults import DEFAULT_CHUNK_SIZE  # noqa: E402
+from bench.arg_checks import chunk_size, int_at_least  # noqa: E402
 from bench.outputs import output_file  # noqa: E402
 
 MODES = ("whole", "layerwise")
@@ -39,12 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.long_doc_qa_layerwise",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--doc-tokens", type=int, default=4000)
-    ap.add_argument("--question-tokens", type=int, default=24)
-    ap.add_argument("--rounds", type=int, default=6, help="hits per mode (default 6)")
-    ap.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
+    ap.add_argument("--doc-tokens", type=int_at_least(1), default=4000)
+    ap.add_argument("--question-tokens", type=int_at_least(1), default=24)
+    ap.add_argument("--rounds", type=int_at_least(2), default=6,
+                    help="hits per mode (>= 2, default 6)")
+    ap.add_argument("--chunk-size", type=chunk_size, default=DEFAULT_CHUNK_SIZE)
     ap.add_argument("--device", default="auto", help="engine device (default auto)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--threads", type=int_at_least(1), default=None,
+                    help="torch threads (default: torch's)")
     ap.add_argument("--json", default=None, type=output_file, help="write the figures here")
     return ap
 
@@ -72,8 +75,6 @@ def main(argv: list[str] | None = None, echo: bool = True) -> dict:
     """Run the comparison (``argv``: the command line); the figures (see the module
     docstring), printed when ``echo`` and written to ``--json``."""
     args = build_parser().parse_args(argv)
-    if args.rounds < 2:
-        raise SystemExit("--rounds must be >= 2")
     if args.threads:
         torch.set_num_threads(args.threads)
     load_start = os.getloadavg()[0]

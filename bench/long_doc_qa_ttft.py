@@ -53,6 +53,7 @@ import torch  # noqa: E402
 
 from bench.report import emit_json  # noqa: E402
 from kvstore.defaults import DEFAULT_CHUNK_SIZE  # noqa: E402
+from bench.arg_checks import chunk_size, int_at_least  # noqa: E402
 from bench.outputs import output_file  # noqa: E402
 
 
@@ -193,10 +194,10 @@ def measure_row(engine, doc, questions, want, args, store_bytes, tail: int | Non
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench.long_doc_qa_ttft", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--doc-tokens", type=int, default=4000)
+    ap.add_argument("--doc-tokens", type=int_at_least(1), default=4000)
     ap.add_argument("--questions", type=int, default=3, help="questions after the first")
-    ap.add_argument("--question-tokens", type=int, default=24)
-    ap.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
+    ap.add_argument("--question-tokens", type=int_at_least(1), default=24)
+    ap.add_argument("--chunk-size", type=chunk_size, default=DEFAULT_CHUNK_SIZE)
     ap.add_argument("--cold-reps", type=int, default=3,
                     help="cold runs (each paired with a recompute; default 3)")
     ap.add_argument("--full-chunks-only", action="store_true",
@@ -206,7 +207,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tail-chunk-size", type=int, default=None,
                     help="tail piece size of the first row (default: the connector's, the "
                     "block size; 0 = off)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--threads", type=int_at_least(1), default=None,
+                    help="torch threads (default: torch's)")
     ap.add_argument("--json", default=None, type=output_file, help="write the figures here")
     args = ap.parse_args(argv)
     if args.cold_reps < 1 or args.questions < 1:

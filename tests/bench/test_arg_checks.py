@@ -103,3 +103,23 @@ def test_policy_sim_refuses_a_png_it_cannot_write_before_simulating(tmp_path, mo
     err = _refused(policy_sim.main, ["--trace", "mooncake-synth", "--png",
                                      str(tmp_path / "x.txt")], capsys)
     assert "error: argument --png: " in err and "has the suffix .txt" in err, err
+
+
+@pytest.mark.parametrize("module,argv,flag", [
+    ("long_doc_qa_ttft", ["--chunk-size", "100"], "--chunk-size"),
+    ("long_doc_qa_ttft", ["--doc-tokens", "0"], "--doc-tokens"),
+    ("long_doc_qa_ttft", ["--threads", "-1"], "--threads"),
+    ("long_doc_qa_layerwise", ["--chunk-size", "0"], "--chunk-size"),
+    ("long_doc_qa_layerwise", ["--rounds", "1"], "--rounds"),
+    ("long_doc_qa_layerwise", ["--question-tokens", "-4"], "--question-tokens"),
+])
+def test_long_doc_qa_scripts_refuse_bad_numbers_before_loading_the_model(module, argv, flag,
+                                                                         monkeypatch, capsys):
+    import importlib
+
+    import engine_min.engine
+    monkeypatch.setattr(engine_min.engine, "LLMEngine", _no_work)
+    bench_module = importlib.import_module(f"bench.{module}")
+    monkeypatch.setattr(bench_module, "LLMEngine", _no_work, raising=False)
+    err = _refused(bench_module.main, argv, capsys)
+    assert f"error: argument {flag}: " in err, err
