@@ -145,6 +145,10 @@ def _remote_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--remote-timeout-s", type=float,
                    help="deadline of a remote lookup in seconds; a late node's keys miss "
                         "(default 0.25)")
+    g.add_argument("--remote-restart-check-s", type=float, metavar="S",
+                   help="seconds between checks of each Redis master's run_id: a master that "
+                        "restarted empty gets the local chunks it lacks again (default 10; 0: "
+                        "off)")
     g.add_argument("--remote-codec", choices=_DiskCodecs(), metavar="CODEC",
                    help="value codec in Redis: %(choices)s (default raw); int8/fp8/kivi "
                         "lossily, only for "

@@ -89,6 +89,8 @@ class ServeConfig:
         remote_ttl_s: seconds a value lives in Redis after its last write or read (0 = no
             expiry: Redis's ``maxmemory`` policy evicts).
         remote_timeout_s: deadline of a remote lookup (seconds; a get adds time per GiB).
+        remote_restart_check_s: seconds between checks of each Redis master's run_id (a master
+            restarted empty gets the local chunks it lacks again; 0 = no check).
         remote_queue_bytes: most chunk bytes waiting to be written to Redis (beyond: dropped).
         remote_password: Redis password when the URL has none; no flag (it would show in
             ``ps``): ``$KVSTORE_REMOTE_PASSWORD`` or the config file. Never in ``repr``.
@@ -138,6 +140,7 @@ class ServeConfig:
     remote_key_prefix: str = "kvstore"
     remote_ttl_s: float = 0.0
     remote_timeout_s: float = 0.25
+    remote_restart_check_s: float = 10.0
     remote_queue_bytes: int | str = "256MiB"
     remote_password: str | None = field(default=None, repr=False)
     unix_socket: str | None = None
@@ -230,14 +233,15 @@ class ServeConfig:
         for name in ("remote_url", "remote_password"):
             if getattr(self, name) == "":
                 object.__setattr__(self, name, None)
-        for name in ("remote_ttl_s", "remote_timeout_s"):
+        for name in ("remote_ttl_s", "remote_timeout_s", "remote_restart_check_s"):
             object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "remote_queue_bytes", parse_size(self.remote_queue_bytes))
         if not self.remote_ttl_s >= 0 or not 0 < self.remote_timeout_s < math.inf:
             raise ValueError(f"remote_ttl_s must be >= 0 and remote_timeout_s a positive number "
                              f"of seconds, got {self.remote_ttl_s} and {self.remote_timeout_s}")
-        if self.remote_queue_bytes <= 0:
-            raise ValueError(f"remote_queue_bytes must be > 0, got {self.remote_queue_bytes}")
+        if self.remote_queue_bytes <= 0 or not 0 <= self.remote_restart_check_s < math.inf:
+            raise ValueError(f"remote_queue_bytes must be > 0 and remote_restart_check_s >= 0, "
+                             f"got {self.remote_queue_bytes} and {self.remote_restart_check_s}")
         if self.remote_url is None:
             return
         from kvstore.tiers.redis_url import parse_redis_url
@@ -278,6 +282,7 @@ class ServeConfig:
         if self.remote_url is not None:
             out.update(remote_url=self.remote_url, remote_key_prefix=self.remote_key_prefix,
                        remote_ttl_s=self.remote_ttl_s, remote_timeout_s=self.remote_timeout_s,
+                       remote_restart_check_s=self.remote_restart_check_s,
                        remote_queue_bytes=self.remote_queue_bytes,
                        remote_codec=self.remote_codec, remote_password=self.remote_password)
         return out

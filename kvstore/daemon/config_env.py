@@ -91,7 +91,7 @@ PARSERS: dict[str, Callable[[str], Any]] = {
     "max_connections": _or_auto(_INT),
     **{name: _FLOAT for name in ("request_timeout_s", "max_lease_s", "shutdown_timeout_s",
                                  "idle_timeout_s", "remote_ttl_s", "remote_timeout_s",
-                                 "persist_on_shutdown_s")},
+                                 "remote_restart_check_s", "persist_on_shutdown_s")},
     "insecure": to_bool,
     "disk_shrink": to_bool,
     "policy": _one_of(_policies),
@@ -149,7 +149,7 @@ def unknown_env(env: Mapping[str, str],
 #: remote-tier settings that mean nothing without ``remote_url`` (``remote_password``, which
 #: may be set fleet-wide, is only warned about)
 REMOTE_NEEDS_URL = ("remote_key_prefix", "remote_ttl_s", "remote_timeout_s",
-                    "remote_queue_bytes", "remote_codec")
+                    "remote_queue_bytes", "remote_codec", "remote_restart_check_s")
 
 
 def remote_without_url(file: Mapping[str, Any], env: Mapping[str, Any],

@@ -36,16 +36,25 @@ def _flags(*argv: str) -> dict:
 def test_remote_flags_parse_into_the_store_config():
     cfg = C.resolve(_flags("--remote-url", "redis://10.0.0.1:7000,10.0.0.2:7000",
                            "--remote-key-prefix", "prod-a", "--remote-ttl-s", "3600",
-                           "--remote-timeout-s", "0.5", "--remote-queue-bytes", "64MiB"),
+                           "--remote-timeout-s", "0.5", "--remote-queue-bytes", "64MiB",
+                           "--remote-restart-check-s", "0"),
                     env={})
     kw = cfg.store_config_kwargs()
     assert {k: v for k, v in kw.items() if k.startswith("remote_")} == {
         "remote_url": "redis://10.0.0.1:7000,10.0.0.2:7000", "remote_key_prefix": "prod-a",
         "remote_ttl_s": 3600.0, "remote_timeout_s": 0.5, "remote_queue_bytes": 64 << 20,
-        "remote_codec": "raw", "remote_password": None}
+        "remote_codec": "raw", "remote_password": None, "remote_restart_check_s": 0.0}
     sc = StoreConfig(**kw)  # the store accepts them as they are
-    assert (sc.remote_url, sc.remote_key_prefix, sc.remote_queue_bytes) == (
-        "redis://10.0.0.1:7000,10.0.0.2:7000", "prod-a", 64 << 20)
+    assert (sc.remote_url, sc.remote_key_prefix, sc.remote_queue_bytes,
+            sc.remote_restart_check_s) == ("redis://10.0.0.1:7000,10.0.0.2:7000", "prod-a",
+                                           64 << 20, 0.0)
+    # the default, and from the environment; a negative interval is refused
+    assert C.resolve(_flags("--remote-url", "redis://h:1"), env={}).remote_restart_check_s == 10
+    assert C.resolve(_flags("--remote-url", "redis://h:1"),
+                     env={"KVSTORE_REMOTE_RESTART_CHECK_S": "2.5"}).remote_restart_check_s == 2.5
+    with pytest.raises(ValueError, match="remote_restart_check_s >= 0"):
+        C.resolve(_flags("--remote-url", "redis://h:1", "--remote-restart-check-s", "-1"),
+                  env={})
 
 
 def test_no_remote_url_means_no_remote_fields_for_the_store():
