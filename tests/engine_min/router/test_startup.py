@@ -9,8 +9,8 @@ import time
 import pytest
 
 from engine_min.cli import main as cli_main
-from engine_min.router.cli import (check_distinct_addresses, check_distinct_engines,
-                                   parse_engine_urls)
+from engine_min.router.engine_urls import (check_distinct_addresses, check_distinct_engines,
+                                           parse_engine_urls)
 from tests.engine_min.router.served import Relay, free_port
 
 
@@ -74,3 +74,25 @@ def test_a_refused_engine_is_reported_within_the_startup_timeout(monkeypatch, ca
         assert took < 4, took
     finally:
         release.set()
+
+
+def test_a_malformed_engines_list_exits_at_once():
+    """``--engines 127.0.0.1:18001`` (no scheme): exit 2 right after the one-line error, before
+    torch is imported (its import and teardown took seconds, tens under load)."""
+    import subprocess
+    import sys
+
+    from tests.engine_min.router.served import ROOT
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "engine_min", "route",
+                           "--port", str(free_port()), "--engines", "127.0.0.1:18001"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.splitlines()
+    errors = [x for x in lines if not x.startswith("import time:")]
+    assert errors == ["error: --engines: bad URL '127.0.0.1:18001' (expected http://host:port)"]
+    imported = {x.rsplit("|", 1)[1].strip() for x in lines if x.startswith("import time:")}
+    assert "aiohttp" in imported           # the parser's imports are there: the probe works
+    assert "torch" not in imported and "engine_min.weights" not in imported
+    assert took < 15, took
