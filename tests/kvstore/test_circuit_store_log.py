@@ -34,12 +34,19 @@ def _down_for(br: CircuitBreakerStore, now: list, seconds: float, step: float = 
         now[0] += step
 
 
-def test_a_dead_daemon_logs_once_then_every_10_minutes_then_once_when_back(caplog):
+def _breaker_on_a_closed_port() -> tuple[int, str, list, CircuitBreakerStore]:
+    """(port, url, the breaker's clock as ``[now]``, the breaker) of a client of a port
+    nobody listens on."""
     port = _closed_port()
     url = f"http://127.0.0.1:{port}"
     now = [1000.0]
     client = KVStoreClient(url, timeout_s=2.0, same_host=False)
-    br = CircuitBreakerStore(client, cooldown_s=2.0, max_cooldown_s=30.0, clock=lambda: now[0])
+    return port, url, now, CircuitBreakerStore(client, cooldown_s=2.0, max_cooldown_s=30.0,
+                                               clock=lambda: now[0])
+
+
+def test_a_dead_daemon_logs_once_then_every_10_minutes_then_once_when_back(caplog):
+    port, url, now, br = _breaker_on_a_closed_port()
     srv = None
     try:
         with caplog.at_level(logging.INFO, logger="kvstore.layered"):
@@ -123,11 +130,7 @@ def test_a_daemon_that_comes_back_answering_503_is_logged_again_with_the_new_cau
         def log_message(self, *args):
             pass
 
-    port = _closed_port()
-    url = f"http://127.0.0.1:{port}"
-    now = [1000.0]
-    client = KVStoreClient(url, timeout_s=2.0, same_host=False)
-    br = CircuitBreakerStore(client, cooldown_s=2.0, max_cooldown_s=30.0, clock=lambda: now[0])
+    port, url, now, br = _breaker_on_a_closed_port()
     srv = None
     try:
         with caplog.at_level(logging.INFO, logger="kvstore.layered"):
