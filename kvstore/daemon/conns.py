@@ -231,6 +231,18 @@ class ConnectionGuard:
         connection busy)."""
         if not self.max_connections or len(self._conns) + self.others() <= self.max_connections:
             return True
+        return self._evict_idle()
+
+    def _admit(self, conn: _Conn) -> bool:
+        if (self.max_connections and len(self._conns) + self.others() >= self.max_connections
+                and not self._evict_idle()):
+            return False
+        self._conns[conn.inner] = conn
+        return True
+
+    def _evict_idle(self) -> bool:
+        """Close the idle HTTP connection chosen by ``_idle_victim`` (True), or count a
+        refusal when every one is busy (False)."""
         victim = self._idle_victim()
         if victim is None:
             self.closed.labels("refused_busy").inc()
@@ -238,18 +250,6 @@ class ConnectionGuard:
         self.closed.labels("idle_evicted").inc()
         self._drop(victim)
         victim.transport.close()  # type: ignore[union-attr]
-        return True
-
-    def _admit(self, conn: _Conn) -> bool:
-        if self.max_connections and len(self._conns) + self.others() >= self.max_connections:
-            victim = self._idle_victim()
-            if victim is None:
-                self.closed.labels("refused_busy").inc()
-                return False
-            self.closed.labels("idle_evicted").inc()
-            self._drop(victim)
-            victim.transport.close()  # type: ignore[union-attr]
-        self._conns[conn.inner] = conn
         return True
 
     def _idle_victim(self) -> _Conn | None:
