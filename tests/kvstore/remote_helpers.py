@@ -81,3 +81,14 @@ def same(got, want) -> bool:
     return len(got) == len(want) and all(
         (g is None and w is None) or (g is not None and w is not None and torch.equal(g, w))
         for g, w in zip(got, want))
+
+
+def wait_for(cond, timeout: float = 10.0) -> bool:
+    """Poll ``cond()`` every 10 ms until it is true or ``timeout`` seconds passed; its value."""
+    import time
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return bool(cond())

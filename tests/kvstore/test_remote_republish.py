@@ -2,24 +2,17 @@
 (``kvstore.republish``, noticed by ``kvstore.tiers.remote_restart``), so other hosts hit them
 again; a node that only answers again with its data is asked, not written. Real Redis."""
 import logging
-import time
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kvstore.api import LookupResult
 from kvstore.tiers.remote_restart import RestartWatch
-from tests.kvstore.remote_helpers import NS, count, make_store, prompt, rkey, same, sample
+from tests.kvstore.remote_helpers import (NS, count, make_store, prompt, rkey, same, sample,
+                                          wait_for)
 from tests.redis_fixtures import redis_server  # noqa: F401
 
 
-def _wait(cond, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def _restart_empty(srv) -> None:
@@ -35,12 +28,12 @@ def test_a_restarted_empty_node_gets_the_local_chunks_again(redis_server, caplog
         keys2, kvs2 = prompt(NS, 1, 3)
         assert a.put_chunks(NS, keys, kvs) == 4 and a.put_chunks(NS, keys2, kvs2) == 3
         assert a.flush(5.0)
-        assert _wait(lambda: a.remote.restarts.run_ids)  # the watch has seen the node once
+        assert wait_for(lambda: a.remote.restarts.run_ids)  # the watch has seen the node once
         with redis_server.client() as r:
             assert r.dbsize() == 7
         with caplog.at_level(logging.INFO):
             _restart_empty(redis_server)
-            assert _wait(lambda: count(a.remote, "republished") == 7)
+            assert wait_for(lambda: count(a.remote, "republished") == 7)
             a._st.republisher.join(5.0)
             assert a.flush(5.0)
         node = f"127.0.0.1:{redis_server.port}"
@@ -74,7 +67,7 @@ def test_only_what_redis_lacks_is_written_and_a_node_that_kept_its_data_gets_not
         watch = RestartWatch(a.remote.nodes.primaries, a.remote.nodes.client, 3600.0,
                              a.remote._restarted)
         try:
-            assert _wait(lambda: watch.run_ids)
+            assert wait_for(lambda: watch.run_ids)
             assert watch.check() == []  # the same process: no restart
             writes = count(a.remote, "writes")
             # the node restarts, then gets two values back from elsewhere before the check
@@ -124,7 +117,7 @@ def test_a_cluster_master_restarted_empty_gets_back_only_its_own_keys(redis_clus
     try:
         keys, kvs = prompt(NS, 3, 12)
         assert a.put_chunks(NS, keys, kvs) == 12 and a.flush(5.0)
-        assert _wait(lambda: len(a.remote.restarts.run_ids) == 3)
+        assert wait_for(lambda: len(a.remote.restarts.run_ids) == 3)
         dead = 1
         on_dead = [redis_cluster.node_for_key(rkey(k)) == dead for k in keys]
         assert 0 < sum(on_dead) < 12
@@ -137,7 +130,7 @@ def test_a_cluster_master_restarted_empty_gets_back_only_its_own_keys(redis_clus
         redis_cluster.kill_node(dead)
         redis_cluster.nodes[dead].restart()  # empty, the same slots
         redis_cluster.wait_ready()
-        assert _wait(lambda: a._st.republisher.reports, timeout=20.0)
+        assert wait_for(lambda: a._st.republisher.reports, timeout=20.0)
         a._st.republisher.join(10.0)
         assert len(a._st.republisher.reports) == 1
         assert a.flush(10.0)
@@ -169,7 +162,7 @@ def test_a_second_host_finds_what_the_first_wrote_again_and_writes_nothing(redis
         assert a.put_chunks(NS, keys, kvs) == 6 and b.put_chunks(NS, keys, kvs) == 6
         assert a.flush(5.0) and b.flush(5.0)
         _restart_empty(redis_server)
-        assert _wait(lambda: a.remote.exists(keys[:1]) == [False])
+        assert wait_for(lambda: a.remote.exists(keys[:1]) == [False])
         first = republish(a._st, "test")
         assert a.flush(5.0)
         second = republish(b._st, "test")
@@ -193,7 +186,7 @@ def test_a_master_with_a_maxmemory_gets_only_the_hottest_chunks_that_fit(redis_s
         keys, kvs = prompt(NS, 5, 8)
         assert a.put_chunks(NS, keys, kvs) == 8 and a.flush(5.0)
         _restart_empty(redis_server)
-        assert _wait(lambda: a.remote.exists(keys[:1]) == [False])
+        assert wait_for(lambda: a.remote.exists(keys[:1]) == [False])
         # what INFO memory tells: no maxmemory -> no limit; else the bytes left under it
         assert redis_room(a.remote, [node]) == {node: None}
         with redis_server.client() as r:
@@ -237,11 +230,11 @@ def test_the_watch_outlives_any_error_asking_a_node():
 
     watch = RestartWatch(lambda: ["n1"], client, 0.02, calls.append)
     try:
-        assert _wait(lambda: watch.run_ids == {"n1": "b" * 40}, timeout=5.0)
+        assert wait_for(lambda: watch.run_ids == {"n1": "b" * 40}, timeout=5.0)
         # (it had not answered the first check: first seen later, it is asked like a restart)
-        assert watch._thread.is_alive() and _wait(lambda: calls == ["n1"], timeout=5.0)
+        assert watch._thread.is_alive() and wait_for(lambda: calls == ["n1"], timeout=5.0)
         watch.run_ids["n1"] = "a" * 40  # as if it had restarted since
-        assert _wait(lambda: calls == ["n1", "n1"], timeout=5.0)
+        assert wait_for(lambda: calls == ["n1", "n1"], timeout=5.0)
     finally:
         watch.close()
     assert not watch._thread.is_alive()
@@ -256,7 +249,7 @@ def test_a_node_refusing_info_is_named_once_in_a_warning(redis_server, caplog):
     url = redis_server.url.replace("redis://", "redis://kv:pw@")
     a = make_store(url, remote_restart_check_s=3600.0)
     try:
-        assert _wait(lambda: a.remote.restarts.run_ids)
+        assert wait_for(lambda: a.remote.restarts.run_ids)
         with redis_server.client() as r:
             r.execute_command("ACL", "SETUSER", "kv", "-info")
         with caplog.at_level(logging.WARNING, logger="kvstore.tiers.remote"):
@@ -293,7 +286,7 @@ def test_the_pass_keeps_each_namespaces_codec_rule(redis_server):
 
         assert codecs() == ["int8", "int8", "raw", "raw"]
         _restart_empty(redis_server)
-        assert _wait(lambda: a.remote.exists(kl[:1]) == [False])
+        assert wait_for(lambda: a.remote.exists(kl[:1]) == [False])
         rep = republish(a._st, "test")
         assert (rep.held, rep.written) == (4, 4) and a.flush(5.0)
         assert codecs() == ["int8", "int8", "raw", "raw"]
@@ -318,7 +311,7 @@ def test_a_master_first_seen_after_the_first_check_is_handled_as_a_restart():
 
     watch = RestartWatch(lambda: list(masters), Node, 3600.0, calls.append)
     try:
-        assert _wait(lambda: watch._checks == 1)  # the first check, at the open: n3 is down
+        assert wait_for(lambda: watch._checks == 1)  # the first check, at the open: n3 is down
         assert watch.run_ids == {"n1": "a" * 40} and calls == []
         masters.append("n2")  # a replica promoted: a new master name
         up.update(n2="b" * 40, n3="c" * 40)  # and n3 answers at last

@@ -11,23 +11,16 @@ import kvstore.republish as republish_mod
 from kvstore.config import StoreConfig
 from kvstore.republish import republish
 from kvstore.store import ChunkStore
-from tests.kvstore.remote_helpers import CB, NS, count, make_store, prompt, rkey
+from tests.kvstore.remote_helpers import CB, NS, count, make_store, prompt, rkey, wait_for
 from tests.redis_fixtures import redis_server  # noqa: F401
 
 
-def _wait(cond, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 def _restart_empty(srv, store) -> None:
     srv.kill()
     srv.restart()  # same port, no persistence: empty
-    assert _wait(lambda: store.remote.exists(list(store.stored_keys())[:1]) == [False])
+    assert wait_for(lambda: store.remote.exists(list(store.stored_keys())[:1]) == [False])
 
 
 class _Held:
@@ -76,11 +69,11 @@ def test_a_chunk_removed_while_the_pass_waits_for_queue_room_stays_out_of_redis(
         held, reports = _Held(a, monkeypatch), []
         t = _start_pass(a, reports)
         # the first chunk is being sent; the second is read and waits for room in the queue
-        assert held.sending.wait(10.0) and _wait(lambda: len(held.read) == 2)
+        assert held.sending.wait(10.0) and wait_for(lambda: len(held.read) == 2)
         victim = held.read[1]
         remover = threading.Thread(target=a.remove, args=(NS, [victim]))
         remover.start()
-        assert _wait(lambda: victim not in a.stored_keys())
+        assert wait_for(lambda: victim not in a.stored_keys())
         held.release()
         remover.join(10.0)
         t.join(10.0)
@@ -100,11 +93,11 @@ def test_a_namespace_cleared_during_a_pass_does_not_come_back(redis_server, monk
         _restart_empty(redis_server, a)
         held, reports = _Held(a, monkeypatch), []
         t = _start_pass(a, reports)
-        assert held.sending.wait(10.0) and _wait(lambda: len(held.read) == 2)
+        assert held.sending.wait(10.0) and wait_for(lambda: len(held.read) == 2)
         # the clear runs while one chunk is on its way to Redis and one waits for room
         clearer = threading.Thread(target=a.clear, args=(NS,))
         clearer.start()
-        assert _wait(lambda: not a.stored_keys())
+        assert wait_for(lambda: not a.stored_keys())
         held.release()
         clearer.join(10.0)
         t.join(10.0)
@@ -139,12 +132,12 @@ def test_a_close_during_a_pass_counts_no_dropped_write_and_logs_no_error(
     held, writes = _Held(a, monkeypatch), count(a.remote, "writes")
     rep = a._st.republisher
     rep.schedule(f"127.0.0.1:{redis_server.port}")
-    assert held.sending.wait(10.0) and _wait(lambda: len(held.read) == 2)
+    assert held.sending.wait(10.0) and wait_for(lambda: len(held.read) == 2)
     with caplog.at_level(logging.INFO):
         closer = threading.Thread(target=a.close)
         closer.start()
         # the pass ends while the close waits for the queue; then the queue drains
-        _wait(lambda: not rep._thread.is_alive(), timeout=3.0)
+        wait_for(lambda: not rep._thread.is_alive(), timeout=3.0)
         held.release()
         closer.join(15.0)
         rep.join(5.0)
@@ -209,7 +202,7 @@ def test_a_close_waits_for_the_pass_reading_a_disk_chunk_before_closing_the_tier
     closer = threading.Thread(target=a.close)
     closer.start()
     # the close must not close the disk tier (unmapping what the read uses) under the read
-    assert not _wait(lambda: disk._closed, timeout=1.5)
+    assert not wait_for(lambda: disk._closed, timeout=1.5)
     gate.set()
     closer.join(15.0)
     assert not closer.is_alive() and disk._closed
@@ -235,7 +228,7 @@ def test_a_restart_noticed_while_the_last_pass_ends_gets_its_own_pass(redis_serv
         try:
             rep._thread = ending
             rep.schedule(f"127.0.0.1:{redis_server.port}")
-            assert _wait(lambda: len(rep.reports) == 2, timeout=10.0)
+            assert wait_for(lambda: len(rep.reports) == 2, timeout=10.0)
         finally:
             finishing.set()
             ending.join()

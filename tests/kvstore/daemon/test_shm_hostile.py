@@ -13,17 +13,21 @@ from tests.kvstore.daemon.shm_helpers import (KEYS, NS, RawClient, as_bytes, chu
                                               shm_daemon, wait_until)
 
 
-def serves_others(srv) -> bool:
-    """A fresh client gets KEYS[:2] (put by ``seeded``) bit-exact and its pins go back."""
+def serves_others(srv, pinned: int = 0, check_exists: bool = False) -> bool:
+    """A fresh client gets KEYS[:2] (put by ``seeded``) bit-exact and its pins go back (to
+    ``pinned``: chunks another connection holds pinned meanwhile); with ``check_exists``, an
+    ``exists`` after the release finds KEYS[0]."""
     c = RawClient(srv.sock_path)
     try:
         assert c.hello()["ok"]
         reply, got = c.get(KEYS[:2])
         assert got == [as_bytes(chunk(1)), as_bytes(chunk(2))], reply
         c.release(reply["borrow"])
+        if check_exists:
+            assert c.keys_op("exists", KEYS[:1])["exists"] == [True]
     finally:
         c.close()
-    return wait_until(lambda: num_pinned(srv.store) == 0)
+    return wait_until(lambda: num_pinned(srv.store) == pinned)
 
 
 def seeded(srv) -> None:
@@ -202,16 +206,7 @@ def test_a_client_that_reads_no_reply_does_not_hold_a_request_in_flight(tmp_path
 
 def serves_others_pinned(srv, pinned: int) -> bool:
     """As ``serves_others`` while another connection holds ``pinned`` chunks pinned."""
-    c = RawClient(srv.sock_path)
-    try:
-        assert c.hello()["ok"]
-        reply, got = c.get(KEYS[:2])
-        assert got == [as_bytes(chunk(1)), as_bytes(chunk(2))], reply
-        c.release(reply["borrow"])
-        assert c.keys_op("exists", KEYS[:1])["exists"] == [True]  # (after the release)
-    finally:
-        c.close()
-    return wait_until(lambda: num_pinned(srv.store) == pinned)
+    return serves_others(srv, pinned, check_exists=True)
 
 
 def test_a_connection_holds_at_most_max_borrows(tmp_path, monkeypatch):
