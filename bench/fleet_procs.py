@@ -1,6 +1,6 @@
 """The processes of a two-host fleet on one machine, for ``bench.fleet`` and its test.
 
-    one Redis Cluster (3 masters, ``bench.redis_servers.RedisClusterGroup``)
+    one Redis Cluster (3 masters, ``bench.redis_cluster.RedisClusterGroup``)
     host 1: daemon1 = kvstore serve --remote-url CLUSTER --cpu-bytes SMALL
             engine1 = engine_min serve --kvstore-url daemon1
     host 2: daemon2, engine2 likewise
@@ -22,7 +22,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-from bench.redis_servers import RedisClusterGroup
+from bench.redis_cluster import RedisClusterGroup
 from bench.servers import ServerGroup, ServerOptions, _daemon_cmd, _engine_cmd, free_port
 
 #: The roles of the started processes, in start order.

@@ -17,7 +17,8 @@ import os
 
 import pytest
 
-from bench.redis_servers import INSTALL_HINT, RedisClusterGroup, RedisNotInstalled, RedisServer
+from bench.redis_cluster import RedisClusterGroup
+from bench.redis_servers import INSTALL_HINT, RedisNotInstalled, RedisServer
 from bench.redis_servers import redis_binary
 
 _SHARED_CLUSTERS: dict[str, RedisClusterGroup] = {}

@@ -12,8 +12,8 @@ from redis.retry import Retry
 
 from bench import redis_servers, servers
 from bench.daemon_load_redis import Redis
-from bench.redis_servers import (RedisClusterGroup, RedisNotInstalled, RedisServer,
-                                 redis_binary)
+from bench.redis_cluster import RedisClusterGroup
+from bench.redis_servers import RedisNotInstalled, RedisServer, redis_binary
 from tests.redis_fixtures import (redis_cluster, redis_server,  # noqa: F401
                                   require_redis, shared_redis_cluster)
 

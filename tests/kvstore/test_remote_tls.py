@@ -63,7 +63,7 @@ def test_a_client_certificate_when_the_server_asks_for_one(tmp_path):
 
 
 def test_a_tls_cluster_shares_chunks_across_its_masters(tmp_path):
-    from bench.redis_servers import RedisClusterGroup
+    from bench.redis_cluster import RedisClusterGroup
     require_redis()
     files = make_tls_files(tmp_path / "tls")
     with RedisClusterGroup(tmp_path, masters=3,
