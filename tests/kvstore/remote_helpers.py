@@ -7,6 +7,8 @@ tier uses 512-byte pages, so one chunk is one page.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvstore.codec import HEADER_BYTES_MAX
@@ -15,6 +17,7 @@ from kvstore.keys import ChunkKey, Namespace
 from kvstore.layout import KVLayout
 from kvstore.store import ChunkStore
 from kvstore.tiers.remote import RemoteTier
+from tests.kvstore.daemon.shm_helpers import wait_until
 
 LAY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", chunk_size=4)
 CB = LAY.chunk_bytes  # 512
@@ -83,12 +86,6 @@ def same(got, want) -> bool:
         for g, w in zip(got, want))
 
 
-def wait_for(cond, timeout: float = 10.0) -> bool:
-    """Poll ``cond()`` every 10 ms until it is true or ``timeout`` seconds passed; its value."""
-    import time
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return bool(cond())
+#: ``shm_helpers.wait_until`` with the remote tests' 10 s default (a Redis node restarting,
+#: a cluster rejoining)
+wait_for = functools.partial(wait_until, timeout=10.0)
