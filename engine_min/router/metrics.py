@@ -1,7 +1,8 @@
 """Prometheus metrics of the router, on its own ``CollectorRegistry``.
 
 Series (``GET /metrics``; ``engine`` is the engine's base URL as given to ``--engines``; an
-engine's series, each reason and failure code exist at 0 from the start):
+engine's series, each reason, store lookup result and failure code exist at 0 from the
+start):
     router_requests_total{engine,reason}         counter; reason: hit | load | round_robin | retry
                                                  (retry: sent there after another engine failed)
     router_predicted_hit_tokens_total{engine}    counter, prompt tokens the index said the
@@ -44,6 +45,9 @@ from engine_min.router.policy import HIT, LOAD, RETRY, ROUND_ROBIN
 #: why a request went to an engine (``router_requests_total{reason}``)
 REQUEST_REASONS = (HIT, LOAD, ROUND_ROBIN, RETRY)
 
+#: how a lookup in the shared store ended (``router_store_lookups_total{result}``)
+STORE_LOOKUP_RESULTS = ("ok", "timeout", "error", "skipped")
+
 #: the error codes a failed request's client gets (``router_failed_requests_by_code_total``)
 FAILURE_CODES = ("no_healthy_engine", "engine_failed", "server_shutting_down")
 OVERHEAD_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
@@ -74,6 +78,8 @@ class RouterMetrics:
             "fresh connection after it closed the pooled one", ["engine"], registry=r)
         self.store_lookups = Counter("router_store_lookups", "Lookups of the prompt in the "
                                      "shared kvstore daemon, by result", ["result"], registry=r)
+        for result in STORE_LOOKUP_RESULTS:
+            self.store_lookups.labels(result)
         self.store_hit_tokens = Counter("router_store_hit_tokens", "Prompt tokens the shared "
                                         "store held (picked engine's namespace)", registry=r)
         self.failed_requests = Counter("router_failed_requests", "Requests the router could "
