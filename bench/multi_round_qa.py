@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the engines reach the shared daemon in the +store runs: its "
                         "same-host socket (default), or HTTP over TCP only, as engines on "
                         "other hosts would")
+    r.add_argument("--store", choices=("both", "without", "with"), default="both",
+                   help="run each policy without and with the shared daemon (default), or "
+                        "only one of the two")
+    r.add_argument("--repeat", type=int, default=1,
+                   help="run the comparison this many times, in reversed order every other "
+                        "time; the JSON adds each repeat and the ratios paired within it")
     add_common_args(p, configs="recompute,engine-cache,kvstore-cpu",
                     json_path="results/multi_round_qa.json")
     p.set_defaults(kv_cache_bytes=None)
@@ -90,6 +96,8 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
     """
     if args.engines < 1:
         raise ValueError(f"--engines must be >= 1, got {args.engines}")
+    if args.repeat < 1:
+        raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
     routing = args.engines >= 2
     if routing and args.base_url:
         raise ValueError("--engines starts its own engines and router; --base-url drives "
@@ -131,6 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
         requests = session_requests(requests, args.active_users)
         params.update(engines=args.engines, active_users=args.active_users,
                       kv_cache_bytes=args.kv_cache_bytes, store_path=args.store_path,
+                      store=args.store, repeat=args.repeat,
                       final_prompt_tokens=max(len(r.prompt) for r in requests
                                               if isinstance(r.prompt, tuple)) if
                       args.prompt_format == "tokens" else None,

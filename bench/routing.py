@@ -178,30 +178,74 @@ def parse_policies(text: str) -> list[str]:
     return names
 
 
+STORE_SETTINGS = {"both": (False, True), "without": (False,), "with": (True,)}
+
+
+def routing_settings(policies: Sequence[str], store: str, repeat: int) -> list[list[tuple]]:
+    """The ``(policy, store)`` runs of each repeat: every policy without and/or with the store
+    (``store``: ``both`` | ``without`` | ``with``), in that order in even repeats and reversed
+    in odd ones, so that a drift of the host's load over the bench does not favour the
+    configurations run first.
+
+    Raises:
+        ValueError: an unknown ``store`` or ``repeat`` < 1.
+    """
+    if store not in STORE_SETTINGS:
+        raise ValueError(f"store must be one of {', '.join(STORE_SETTINGS)}, got {store!r}")
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
+    one = [(p, s) for p in policies for s in STORE_SETTINGS[store]]
+    return [one if k % 2 == 0 else one[::-1] for k in range(repeat)]
+
+
+def paired_ratios(repeats: Sequence[dict]) -> dict:
+    """Per repeat, each ``targets`` ratio (round-robin / cache-aware TTFT p50, without and with
+    the store) computed inside that repeat, and their median: ``{NAME: {"per_repeat": [...],
+    "median": float | None}}`` (a repeat missing either entry gives ``None`` and is left out of
+    the median)."""
+    out = {}
+    for name in ("ttft_p50_speedup", "ttft_p50_speedup_store"):
+        vals = [targets(r, None)[name]["value"] for r in repeats]
+        known = [v for v in vals if v is not None]
+        out[name] = {"per_repeat": vals,
+                     "median": float(np.median(known)) if known else None}
+    return out
+
+
 def run_routing(requests: Sequence[Request], args: argparse.Namespace, params: dict) -> dict:
-    """Every policy of ``args.router`` without and with the store (keys ``NAME`` and
-    ``NAME+store``), one after the other on the same requests; returns the report
-    ``{"routers": {key: figures}, "router_overhead_ms": float | None, **params}`` and writes
-    it to ``args.json``. A configuration whose processes fail to start is recorded with
-    ``"error"`` and the others still run."""
+    """Every policy of ``args.router`` without and/or with the store (``args.store``; keys
+    ``NAME`` and ``NAME+store``) on the same requests, ``args.repeat`` times (order reversed
+    every other repeat, ``routing_settings``); returns the report ``{"routers": {key:
+    figures}, "router_overhead_ms": float | None, **params}`` (``routers``: the first
+    repeat's) plus, with ``repeat`` > 1, ``repeats`` (each repeat's ``{key: figures}``) and
+    ``paired`` (``paired_ratios``), and writes it to ``args.json``. A configuration whose
+    processes fail to start is recorded with ``"error"`` and the others still run."""
     t0 = time.perf_counter()
-    routers: dict[str, dict] = {}
-    settings = [(p, s) for p in parse_policies(args.router) for s in (False, True)]
+    repeats: list[dict[str, dict]] = []
     total_s, total_n = 0.0, 0
-    for policy, store in settings:
-        key = policy + ("+store" if store else "")
-        try:
-            run = run_routed(key, policy, store, requests, args)
-            routers[key] = run.figures
-            total_s += run.figures["router_overhead_sum_s"]
-            total_n += run.figures["router_overhead_count"]
-        except RuntimeError as e:
-            print(f"[{key}] failed: {e}")
-            routers[key] = {"store": store, "error": str(e)[:2000]}
-    rep = {"routers": routers,
-           "router_overhead_ms": 1000.0 * total_s / total_n if total_n else None,
-           **params, "targets": targets(routers, 1000.0 * total_s / total_n if total_n else None),
+    plan = routing_settings(parse_policies(args.router), getattr(args, "store", "both"),
+                            getattr(args, "repeat", 1))
+    for k, settings in enumerate(plan):
+        routers: dict[str, dict] = {}
+        for policy, store in settings:
+            key = policy + ("+store" if store else "")
+            tag = key if len(plan) == 1 else f"{key}#{k + 1}"
+            try:
+                run = run_routed(tag, policy, store, requests, args)
+                routers[key] = run.figures
+                total_s += run.figures["router_overhead_sum_s"]
+                total_n += run.figures["router_overhead_count"]
+            except RuntimeError as e:
+                print(f"[{tag}] failed: {e}")
+                routers[key] = {"store": store, "error": str(e)[:2000]}
+        repeats.append(routers)
+    overhead = 1000.0 * total_s / total_n if total_n else None
+    rep = {"routers": repeats[0], "router_overhead_ms": overhead,
+           **params, "targets": targets(repeats[0], overhead),
            "bench_wall_s": time.perf_counter() - t0}
+    if len(repeats) > 1:
+        rep["repeats"] = repeats
+        rep["paired"] = paired_ratios(repeats)
     print(format_table(rep))
     path = args.json
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -220,7 +264,9 @@ def format_table(rep: dict) -> str:
     requests per engine, router overhead (ms), failures."""
     lines = [f"{'router':<20} {'ttft_p50':>9} {'ttft_p95':>9} {'eng_hit':>8} {'store_hit':>9} "
              f"{'per_engine':>12} {'ovh_ms':>7} {'failed':>6}"]
-    for key, f in rep["routers"].items():
+    rows = [(k, f) for k, f in rep["routers"].items()] if "repeats" not in rep else [
+        (f"{k}#{i + 1}", f) for i, r in enumerate(rep["repeats"]) for k, f in r.items()]
+    for key, f in rows:
         if "error" in f:
             lines.append(f"{key:<20} failed: {f['error'][:60]}")
             continue
@@ -232,4 +278,7 @@ def format_table(rep: dict) -> str:
                  f"/request")
     for k, t in rep.get("targets", {}).items():
         lines.append(f"target {k}: {_fmt(t['value'], digits=2)} (met: {t['met']})")
+    for k, p in rep.get("paired", {}).items():
+        per = ", ".join(_fmt(v, digits=2) for v in p["per_repeat"])
+        lines.append(f"paired {k}: {per}; median {_fmt(p['median'], digits=2)}")
     return "\n".join(lines)

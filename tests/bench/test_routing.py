@@ -210,3 +210,52 @@ def test_store_path_http_starts_the_daemon_without_its_socket(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--engines", "2", "--store-path", "ftp"])
     assert "invalid choice: 'ftp'" in capsys.readouterr().err
+
+
+def test_repeats_alternate_the_order_and_pair_the_ratios(tmp_path, monkeypatch):
+    from bench import routing
+    assert routing.routing_settings(["round-robin", "cache-aware"], "with", 3) == [
+        [("round-robin", True), ("cache-aware", True)],
+        [("cache-aware", True), ("round-robin", True)],
+        [("round-robin", True), ("cache-aware", True)]]
+    assert routing.routing_settings(["cache-aware"], "both", 1) == [
+        [("cache-aware", False), ("cache-aware", True)]]
+    with pytest.raises(ValueError, match="store must be"):
+        routing.routing_settings(["cache-aware"], "sometimes", 1)
+    with pytest.raises(ValueError, match="repeat must be"):
+        routing.routing_settings(["cache-aware"], "both", 0)
+    with pytest.raises(ValueError, match="--repeat"):
+        resolve_defaults(build_parser().parse_args(["--engines", "2", "--repeat", "0"]))
+
+    # run_routing's bookkeeping over repeats, with each run's figures given (the processes
+    # themselves are covered by test_quick_run_compares_the_routers)
+    p50 = {("round-robin+store", 1): 0.6, ("cache-aware+store", 1): 0.4,
+           ("round-robin+store", 2): 0.5, ("cache-aware+store", 2): 0.5,
+           ("round-robin+store", 3): 0.9, ("cache-aware+store", 3): 0.6}
+    calls = []
+
+    def fake_run(tag, policy, store, requests, args):
+        key, k = tag.split("#")
+        calls.append(tag)
+        return routing.RoutedRun(key, {"store": store, "ttft_p50_s": p50[key, int(k)],
+                                       "ttft_p95_s": 1.0, "engine_hit_rate": 0.5,
+                                       "store_hit_rate": 0.2, "router_overhead_ms": 1.0,
+                                       "num_failed": 0, "requests_per_engine": [2, 2],
+                                       "router_overhead_sum_s": 0.004,
+                                       "router_overhead_count": 4})
+    monkeypatch.setattr(routing, "run_routed", fake_run)
+    args = resolve_defaults(build_parser().parse_args(
+        ["--engines", "2", "--store", "with", "--repeat", "3", "--json",
+         str(tmp_path / "r.json")]))
+    rep = routing.run_routing([], args, {})
+    assert calls == ["round-robin+store#1", "cache-aware+store#1", "cache-aware+store#2",
+                     "round-robin+store#2", "round-robin+store#3", "cache-aware+store#3"]
+    assert list(rep["routers"]) == ["round-robin+store", "cache-aware+store"]
+    assert rep["routers"]["round-robin+store"]["ttft_p50_s"] == 0.6
+    paired = rep["paired"]["ttft_p50_speedup_store"]
+    assert paired["per_repeat"] == [pytest.approx(1.5), pytest.approx(1.0), pytest.approx(1.5)]
+    assert paired["median"] == pytest.approx(1.5)
+    assert rep["paired"]["ttft_p50_speedup"] == {"per_repeat": [None] * 3, "median": None}
+    assert rep["router_overhead_ms"] == pytest.approx(1.0)
+    assert json.loads((tmp_path / "r.json").read_text())["paired"] == json.loads(
+        json.dumps(rep["paired"]))
