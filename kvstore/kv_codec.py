@@ -75,7 +75,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvstore import kv_casts, kv_grouped, kv_grouped_decode
+from kvstore import kv_casts, kv_grouped, kv_grouped_decode, kv_grouped_layers
 
 #: Lossy codec names (their codes in ``kvstore.codec.CODECS`` come after the lossless ones;
 #: append only).
@@ -85,6 +85,10 @@ LOSSY_CODECS = ("int8", "fp8", "kivi")
 KIVI_PARAMS = kv_grouped.GroupParams(
     k=kv_grouped.PartParams(8, 64, "tokens", symmetric=True, fp_steps=True),
     v=kv_grouped.PartParams(7, 64, "channels", symmetric=True, fp_steps=True))
+#: Layers whose new ``kivi`` payloads use other parameters than ``KIVI_PARAMS``: ``{layer:
+#: params}``, a negative layer counting from the last. None applying: a ``kv_grouped``
+#: payload; else a ``kv_grouped_layers`` one (runs of layers, each recording its parameters).
+KIVI_LAYER_PARAMS: dict[int, kv_grouped.GroupParams] = {}
 #: Sink tokens ``kivi`` keeps exact (fp16) in the first chunk of a prompt (``kvstore.codec``).
 SINK_TOKENS = 4
 #: Largest magnitude of each codec's values: int8 uses [-127, 127]; e4m3fn's max finite is 448.
@@ -93,6 +97,16 @@ _SCALE_DTYPES = (np.float16, np.float32)
 _FP16_MAX = 65504.0
 # The passes over the values are numpy, in blocks of whole layers (``kvstore.kv_casts``: why
 # not torch, why blocks); e4m3 and bf16 casts are integer operations on the fp32 bits.
+
+
+def kivi_runs(num_layers: int) -> list | None:
+    """Runs ``[(num_layers, params)]`` of a new ``kivi`` payload of ``num_layers`` layers
+    (``KIVI_LAYER_PARAMS``), or None when every layer uses ``KIVI_PARAMS``."""
+    per = [KIVI_PARAMS] * num_layers
+    for i, p in KIVI_LAYER_PARAMS.items():
+        if -num_layers <= i < num_layers:
+            per[i] = p
+    return None if all(p == KIVI_PARAMS for p in per) else kv_grouped_layers.runs_for(per)
 
 
 def _check(kv: torch.Tensor) -> None:
@@ -176,6 +190,9 @@ def encode(kv: torch.Tensor, codec: str, sink_tokens: int = 0) -> np.ndarray:
         raise ValueError(f"unknown lossy codec {codec!r}; choose one of {LOSSY_CODECS}")
     x = _host_array(kv)                                      # [L, 2, T, H, D]
     if codec == "kivi":
+        runs = kivi_runs(x.shape[0])
+        if runs:
+            return kv_grouped_layers.encode(x, runs, sink_tokens)
         return kv_grouped.encode(x, KIVI_PARAMS, sink_tokens)
     if codec == "int8":
         amaxes = [_amax(x[:, 0], 1), _amax(x[:, 1], -1)]     # [L, H, D], [L, T, H]
@@ -217,6 +234,10 @@ def payload_nbytes(codec: str, shape: tuple[int, ...], scale_itemsize: int = 2,
                          f"got {list(shape)}")
     L, _, T, H, D = shape
     if codec == "kivi":
+        runs = kivi_runs(L)
+        if runs:
+            return kv_grouped_layers.nbytes(runs, shape, scale_itemsize, sink_tokens,
+                                            sink_itemsize)
         return kv_grouped.nbytes(KIVI_PARAMS, shape, scale_itemsize, sink_tokens, sink_itemsize)
     if codec == "int8":
         n_scales = L * H * D + L * T * H
@@ -289,7 +310,8 @@ def _decode_kivi(payload: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]
     if len(shape) != 5 or shape[1] != 2:
         raise ValueError(f"shape must be [num_layers, 2, chunk_size, num_kv_heads, head_dim], "
                          f"got {list(shape)}")
-    dec = kv_grouped_decode.Decoder(payload, shape)
+    layered = kv_grouped_layers.is_layered(payload)
+    dec = (kv_grouped_layers if layered else kv_grouped_decode).Decoder(payload, shape)
     out = torch.empty(shape, dtype=dtype)                    # [L, 2, T, H, D]
     if not dec.blockable:                                    # one block of every layer
         o = out.numpy() if dtype == torch.float32 else np.empty(shape, dtype=np.float32)
@@ -315,7 +337,9 @@ def error_bound(kv: torch.Tensor, codec: str, sink_tokens: int = 0) -> torch.Ten
     x = x32.numpy()
     if codec == "kivi":
         n = min(sink_tokens, x.shape[2])
-        out = kv_grouped.steps(x, KIVI_PARAMS, n) * np.float32(0.5 * (1 + 2 ** -12))
+        runs = kivi_runs(x.shape[0])
+        st = kv_grouped_layers.steps(x, runs, n) if runs else kv_grouped.steps(x, KIVI_PARAMS, n)
+        out = st * np.float32(0.5 * (1 + 2 ** -12))
         if n:                                                # [L, 2, n, H, D]: stored values
             s = x[:, :, :n]
             ulp = 2.0 ** -11 if kv_grouped.sink_dtype(s) is np.float16 else 2.0 ** -24
