@@ -77,3 +77,28 @@ def unpack_bits(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
         z &= m
         z |= hi
     return z.view(np.uint8)[:n]
+
+
+def pack_wide(codes: np.ndarray, bits: int, units: int) -> np.ndarray:
+    """``codes`` (uint16, each < 2**bits, ``bits`` 9-16) packed at ``bits`` bits per code in
+    ``units`` equal units (whole layers, or 1): per unit of n codes, their low bytes (``ceil(n
+    / 8) * 8``, zero-padded), then their high ``bits - 8`` bits as ``pack_bits`` packs them;
+    ``ceil(n / 8) * bits`` bytes per unit. A new 1-D uint8 array."""
+    c = codes.reshape(units, -1)
+    n8 = -(-c.shape[1] // 8)
+    wide = np.zeros((units, n8 * 8), dtype=np.uint16)
+    wide[:, :c.shape[1]] = c
+    lo = (wide & 0xFF).astype(np.uint8)
+    hi = pack_bits((wide >> 8).astype(np.uint8), bits - 8).reshape(units, -1)
+    return np.concatenate([lo, hi], axis=1).reshape(-1)
+
+
+def unpack_wide(packed: np.ndarray, bits: int, units: int, n: int) -> np.ndarray:
+    """The ``units`` x ``n`` codes (a new uint16 array ``[units, n]``) of ``pack_wide``."""
+    n8 = -(-n // 8)
+    a = packed[:units * n8 * bits].reshape(units, n8 * bits)
+    hi = unpack_bits(np.ascontiguousarray(a[:, n8 * 8:]).reshape(-1), bits - 8, units * n8 * 8)
+    out = hi.reshape(units, n8 * 8)[:, :n].astype(np.uint16)
+    out <<= 8
+    out |= a[:, :n]
+    return out

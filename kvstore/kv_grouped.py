@@ -1,4 +1,4 @@
-"""Grouped KV quantization, asymmetric or symmetric, at 1-8 bits per value (the ``kivi`` codec of
+"""Grouped KV quantization, asymmetric or symmetric, at 1-16 bits per value (the ``kivi`` codec of
 ``kvstore.kv_codec``), vectorized numpy: no per-element Python.
 
 A chunk ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` (fp32 here; K at index 0 of
@@ -10,7 +10,8 @@ asymmetric group stores its minimum ``m`` (rounded *down* to the scale dtype) an
 in ``[0, 2**bits - 1]``; decoded ``m + q * s``. A symmetric group stores only ``s = amax /
 c`` (``c = 2**(bits-1) - 1``, rounded up) and the code ``q = rint(x / s) + c`` in ``[0, 2c]``;
 decoded ``(q - c) * s``. Codes are packed at ``bits`` bits (8 codes in ``bits`` bytes,
-little-endian). The last group of a chunk (or of ``head_dim``) may be shorter.
+little-endian; 9-16 bits: per layer, or per chunk when ``chunk_size * num_kv_heads * head_dim``
+is not a multiple of 8, the codes' low bytes then their high bits, ``kv_bits.pack_wide``). The last group of a chunk (or of ``head_dim``) may be shorter.
 
 Error bound per element: ``|x - x̂| <= s / 2 * (1 + 2**-12)`` (``s`` the stored step of its
 group; the factor covers the fp32 arithmetic of encoding), plus the fp32 rounding of ``m + q *
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore import kv_casts
-from kvstore.kv_bits import pack_bits, unpack_bits  # noqa: F401 (part of this module's API)
+from kvstore.kv_bits import pack_bits, pack_wide, unpack_bits  # noqa: F401 (module API)
 
 _SCALE_DTYPES = (np.float16, np.float32)
 _FP16_MAX = 65504.0
@@ -58,7 +59,7 @@ _K_MODE_BITS, _V_MODE_BITS = 1 | 2 | _SINKS | _SINKS_FP32 | _FP_STEPS, 1 | 2 | _
 
 @dataclass(frozen=True)
 class PartParams:
-    """How K or V is quantized: ``bits`` per code (1-8; 2-8 when ``symmetric``), ``group``
+    """How K or V is quantized: ``bits`` per code (1-16; 2-16 when ``symmetric``), ``group``
     length (1-255) along ``along`` (``tokens``: a range per channel; ``channels``: a range
     per token), ``symmetric`` (a step per group, no minimum), ``fp_steps`` (steps stored in
     the scale dtype, not as 8-bit codes on a log scale)."""
@@ -70,9 +71,9 @@ class PartParams:
     fp_steps: bool = False
 
     def __post_init__(self):
-        if not 1 + self.symmetric <= self.bits <= 8 or not 1 <= self.group <= 255 \
+        if not 1 + self.symmetric <= self.bits <= 16 or not 1 <= self.group <= 255 \
                 or self.along not in _ALONG:
-            raise ValueError(f"bits 1-8 (2-8 symmetric), group 1-255, along one of {_ALONG}; "
+            raise ValueError(f"bits 1-16 (2-16 symmetric), group 1-255, along one of {_ALONG}; "
                              f"got {self}")
 
     @property
@@ -197,7 +198,7 @@ def _ranges(x: np.ndarray, part: PartParams, sdt):
 
 
 def _quantize(x: np.ndarray, part: PartParams, sdt):
-    """(stored group arrays, codes ``[L, T, H, D]`` uint8) of one part ``x`` (fp32 ``[L, T,
+    """(stored group arrays, codes ``[L, T, H, D]``, uint8, uint16 above 8 bits) of one part ``x`` (fp32 ``[L, T,
     H, D]``)."""
     xg, m, stored_steps, s32, _ = _ranges(x, part, sdt)
     inv = np.zeros_like(s32)
@@ -223,7 +224,7 @@ def _quantize(x: np.ndarray, part: PartParams, sdt):
         np.rint(t, out=t)
         np.minimum(t, 2 ** part.bits - 1, out=t)             # x >= m, so t >= 0
         stored = [m] + stored_steps
-    return stored, _ungrouped(t.astype(np.uint8), part, x.shape)
+    return stored, _ungrouped(t.astype(np.uint16 if part.bits > 8 else np.uint8), part, x.shape)
 
 
 def scale_dtype(x: np.ndarray):
@@ -257,8 +258,15 @@ def encode(x: np.ndarray, params: GroupParams, sink_tokens: int = 0) -> np.ndarr
                      params.v.bits, params.v.group, params.v.mode,
                      _SCALE_DTYPES.index(sdt)], dtype=np.uint8)
     parts = [a.reshape(-1).view(np.uint8) for a in kg + vg]
-    parts += [pack_bits(kq, params.k.bits), pack_bits(vq, params.v.bits), *sinks, tail]
+    parts += [_pack(kq, params.k.bits), _pack(vq, params.v.bits), *sinks, tail]
     return np.concatenate(parts)
+
+
+def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Packed codes ``[L, T, H, D]`` of one part (module docstring)."""
+    if bits <= 8:
+        return pack_bits(codes, bits)
+    return pack_wide(codes, bits, codes.shape[0] if codes[0].size % 8 == 0 else 1)
 
 
 def _sinks_zeroed(x: np.ndarray, n: int) -> np.ndarray:

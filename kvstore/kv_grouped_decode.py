@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvstore.kv_bits import unpack_bits
+from kvstore.kv_bits import unpack_bits, unpack_wide
 from kvstore.kv_grouped import (PartParams, _grouped, _ungrouped, nbytes, read_params,
                                 read_sinks, step_table)
 
@@ -78,6 +78,9 @@ class Decoder:
             packed = self._codes[i] if nb is None else self._codes[i][l0 * nb:l1 * nb]
             if part.bits == 8:                               # the codes as stored: a view
                 q = packed[:(l1 - l0) * per].reshape(shape)
+            elif part.bits > 8:                              # per layer (or chunk): low, high
+                units = l1 - l0 if self.blockable else 1
+                q = unpack_wide(packed, part.bits, units, (l1 - l0) * per // units).reshape(shape)
             else:
                 q = unpack_bits(packed, part.bits, (l1 - l0) * per).reshape(shape)
             qg, axis = _grouped(q, part)

@@ -322,7 +322,7 @@ def test_kivi_payloads_record_their_parameters(monkeypatch):
     out = kv_codec.decode(payload, "kivi", torch.float32, SHAPE)
     assert bool(((out - kv).abs() <= bound + out.abs() * 2 ** -24).all())
     bad = payload.copy()
-    bad[-4] = 9                                           # v_bits 9: not a parameter block
+    bad[-4] = 17                                          # v_bits 17: not a parameter block
     with pytest.raises(ValueError, match="parameter block"):
         kv_codec.decode(bad, "kivi", torch.float32, SHAPE)
     with pytest.raises(ValueError, match="needs"):

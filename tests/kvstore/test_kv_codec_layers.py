@@ -116,3 +116,33 @@ def test_kv_codec_writes_layered_payloads_and_reads_both(monkeypatch):
     buf = pack_value(key, None, kv.numpy().view(np.uint8).reshape(-1), "float32", shape, "kivi")
     _, raw = unpack_value(buf, key)
     assert torch.equal(torch.from_numpy(raw.view(np.float32).reshape(shape)), out)
+
+
+@pytest.mark.parametrize("bits", [9, 10, 12, 16])
+@pytest.mark.parametrize("shape", [SHAPE, (3, 2, 5, 1, 5)])      # codes per layer: 512, 25
+def test_codes_above_8_bits_round_trip_within_half_a_step(bits, shape):
+    """K at 9-16 bits: each code's low byte and high bits (``kv_bits.pack_wide``), per layer
+    when a layer's codes fill whole bytes, else per chunk; sizes as ``nbytes``; decoded
+    within half a step, every block of layers as the whole."""
+    from kvstore.kv_bits import pack_wide, unpack_wide
+    codes = np.random.default_rng(bits).integers(0, 2 ** bits, (3, 40)).astype(np.uint16)
+    assert np.array_equal(unpack_wide(pack_wide(codes, bits, 3), bits, 3, 40), codes)
+    x = kv_of(bits, shape)
+    for sym in (True, False):
+        params = kv_grouped.GroupParams(
+            kv_grouped.PartParams(bits, shape[2], "tokens", symmetric=sym, fp_steps=True),
+            V7.v if shape == SHAPE else kv_grouped.PartParams(7, 5, "channels", True, True))
+        payload = kv_grouped.encode(x, params, 2)
+        assert payload.size == kv_grouped.nbytes(params, shape, 2, 2, 2)
+        assert kv_grouped.read_params(payload)[0] == params
+        dec = kv_grouped_decode.Decoder(payload, shape)
+        out = np.empty(shape, np.float32)
+        dec.decode(slice(0, shape[0]), out)
+        bound = kv_grouped.steps(x, params, 2) * np.float32(0.5 * (1 + 2 ** -12))
+        err = np.abs(out - x)[:, :, 2:]
+        assert (err <= bound[:, :, 2:] + np.abs(x[:, :, 2:]) * 2 ** -22).all()
+        assert float(bound[:, 0, 2:].max()) < float(np.abs(x[:, 0]).max()) * 2.0 ** (1 - bits) * 1.01
+        if dec.blockable:
+            part = np.empty((1,) + shape[1:], np.float32)
+            dec.decode(slice(1, 2), part)
+            assert np.array_equal(part[0], out[1])
