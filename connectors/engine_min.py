@@ -64,7 +64,8 @@ what landed, so the engine prefills the rest. Saves go through a bounded queue
 Counters (``get_stats``), cumulative: ``external_prefix_cache_queries`` (tokens of requests
 looked up, once per request), ``external_prefix_cache_hits`` (tokens loaded, once per request;
 ``kvstore_hit_tokens_by_tier`` splits them by the tier they came from: ``"cpu"``, ``"disk"``,
-``"remote:cpu"``... for chunks held by the daemon's tiers), loaded/saved bytes and
+``"remote:cpu"``... for chunks held by the daemon's tiers; each name the store can give at 0
+from the start, ``connectors.engine_min_lookup.hit_tier_names``), loaded/saved bytes and
 chunks (tail pieces apart: ``kvstore_loaded_tail_chunks``, ``kvstore_saved_tail_chunks``; their
 bytes are in the byte counters; ``kvstore_demoted_tail_chunks``, ``kvstore_demote_errors``),
 load/save/lookup latency (count, sum, max in seconds), fallbacks, dropped saves; with a
@@ -87,7 +88,7 @@ from connectors.chunk_geometry import ChunkGeometry
 from connectors.chunk_plan import RequestChunks
 from connectors.chunk_records import LoadPlan
 from connectors.engine_min_load import Loader
-from connectors.engine_min_lookup import PrefixLookup
+from connectors.engine_min_lookup import PrefixLookup, hit_tier_names
 from connectors.engine_min_save import Saver
 from connectors.engine_min_stats import ConnectorStats
 from kvstore.api import KVStoreBase
@@ -212,7 +213,7 @@ class EngineMinConnector(KVConnectorBase):
         self.kv_cache: torch.Tensor | None = None
         self._reqs: dict[str, _Request] = {}
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvconn-io")
-        self.stats = ConnectorStats()
+        self.stats = ConnectorStats(hit_tier_names(store))
         self.c = self.stats.c          # counters by name (``get_stats`` reports them)
         self._lookups = PrefixLookup(store, self._pool, self.stats, deadline_s)
         self._loader = Loader(store, self._pool, self.stats, deadline_s, deadline_s_per_chunk)

@@ -20,9 +20,41 @@ from connectors.chunk_plan import LookupQuery
 from connectors.chunk_records import LookupHit
 from connectors.engine_min_stats import ConnectorStats
 from kvstore.api import KVStoreBase, LookupResult
+from kvstore.config import TIER_NAMES
 from kvstore.keys import Namespace
+from kvstore.layered import LayeredStore
+from kvstore.store import REMOTE
 
 _NO_HIT = LookupResult(0, 0, (), 0)   # what an empty lookup answers
+
+
+def _daemon_only(store: KVStoreBase) -> bool:
+    """Whether every tier of ``store`` is behind a daemon (its client, or the client's
+    breaker): its lookups name the daemon's tiers."""
+    caps = store.capabilities
+    return caps.remote and caps.tiers == (REMOTE,)
+
+
+def _store_tier_names(store: KVStoreBase) -> tuple[str, ...]:
+    """The tier names ``store.lookup_keys`` may answer: a daemon's client, those of any
+    daemon (``kvstore.config.TIER_NAMES``, then ``REMOTE``: its Redis tier); a
+    ``LayeredStore``, its local store's, then ``"remote:<name>"`` for its remote store's;
+    any other store, its ``capabilities.tiers``."""
+    if isinstance(store, LayeredStore):
+        return _store_tier_names(store.local) + tuple(
+            f"remote:{t}" for t in _store_tier_names(store.remote))
+    if _daemon_only(store):
+        return TIER_NAMES + (REMOTE,)
+    return store.capabilities.tiers
+
+
+def hit_tier_names(store: KVStoreBase) -> tuple[str, ...]:
+    """Every tier name ``PrefixLookup.run`` may report a hit of ``store`` under (and the
+    connector counts hit tokens by, ``kvstore_hit_tokens_by_tier``): ``"cpu"``, ``"disk"``...
+    for in-process tiers, ``"remote:cpu"``... for a daemon's (all of a daemon's possible
+    tiers: which it has is not known without asking it)."""
+    names = _store_tier_names(store)
+    return tuple(f"remote:{t}" for t in names) if _daemon_only(store) else names
 
 
 class PrefixLookup:
@@ -41,7 +73,7 @@ class PrefixLookup:
         caps = store.capabilities
         # a store whose every tier is behind a daemon (the daemon's client) reports the
         # daemon's tier names: shown as "remote:<tier>" (a layered store names them so itself)
-        self._remote = caps.remote and caps.tiers == ("remote",)
+        self._remote = _daemon_only(store)
         # an in-process store answers a lookup inline when its lock is free (no I/O); a
         # store whose lookup_keys is its own says nonblocking_lookup=False
         self._inline = caps.nonblocking_lookup and not caps.remote

@@ -17,6 +17,7 @@ import bisect
 import itertools
 import logging
 import threading
+from typing import Sequence
 
 from kvstore.cause_log import CauseLog
 from kvstore.layered import RemoteSkipped
@@ -67,14 +68,20 @@ class Latency:
 class ConnectorStats(CauseLog):
     """The counters (``c``: name -> int), tokens hit per tier, and the lookup / load / save
     latencies of one connector; its warnings per kind and cause (``CauseLog``:
-    ``relog_interval_s``, ``max_causes``, ``recovered``)."""
+    ``relog_interval_s``, ``max_causes``, ``recovered``).
 
-    def __init__(self) -> None:
+    Args:
+        tiers: tier names counted at 0 from the start
+            (``connectors.engine_min_lookup.hit_tier_names``), so each tier's series exists
+            before its first hit; another name is added at its first hit.
+    """
+
+    def __init__(self, tiers: Sequence[str] = ()) -> None:
         super().__init__(log, "kv connector: %s works again (%d failures since it last "
                               "worked)")
         self.lock = threading.Lock()
         self.c: dict[str, int] = {k: 0 for k in COUNTERS}
-        self.hits_by_tier: dict[str, int] = {}
+        self.hits_by_tier: dict[str, int] = dict.fromkeys(tiers, 0)
         self.lat = {k: Latency() for k in ("lookup", "load", "save")}
 
     def add(self, hits_by_tier: dict[str, int] | None = None, **counts: int) -> None:

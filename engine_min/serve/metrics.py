@@ -29,7 +29,10 @@ and the KV connector's own figures (every ``kvstore_*`` key of ``LLMEngine.stats
                                               queried/hit/loaded tokens, loaded/saved chunks
                                               and bytes, fallbacks (lookup/load), dropped
                                               saves, save errors, remote skipped calls, ...
-    engine_kvstore_hit_tokens_by_tier_total{tier}  counter, hit tokens by the tier that held them
+    engine_kvstore_hit_tokens_by_tier_total{tier}  counter, hit tokens by the tier that held them;
+                                              every tier the store can name at 0 from the
+                                              start (``connectors.engine_min_lookup.
+                                              hit_tier_names``: a daemon's as ``remote:<tier>``)
     engine_kvstore_{lookup,load,save}_seconds histogram (``_bucket{le}``, ``_sum``, ``_count``)
                                               of the connector's calls, buckets 0.5 ms .. 10 s
                                               (``connectors.engine_min_stats.LATENCY_BUCKETS_S``)

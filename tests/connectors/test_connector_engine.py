@@ -156,7 +156,8 @@ def check_chat_and_doc(engine, baseline, conn, tier: str, questions=3):
         r3 = (chat_prompts[1] + len(baseline["chat"][1][1]) - 1) // C * C
         want_hits = 144 + r3 + DOC_TOKENS * (questions - 1)
         assert st["external_prefix_cache_hits"] == want_hits
-        assert st["kvstore_hit_tokens_by_tier"] == {tier: want_hits}
+        by_tier = st["kvstore_hit_tokens_by_tier"]   # the store's other tiers: at 0
+        assert {t: n for t, n in by_tier.items() if n} == {tier: want_hits}
         assert st["kvstore_fallbacks"] == 0 and st["kvstore_dropped_save_chunks"] == 0
         assert st["kvstore_loaded_bytes"] > 0 and st["kvstore_saved_bytes"] > 0
     finally:
@@ -271,8 +272,9 @@ SECOND_ENGINE = textwrap.dedent("""
     out = eng.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0))[0]
     st = eng.stats()
     conn.close()
+    tiers = {{t: n for t, n in st["kvstore_hit_tokens_by_tier"].items() if n}}
     print(json.dumps({{"out": out.output_token_ids, "cached": out.num_cached_tokens,
-                      "tiers": st["kvstore_hit_tokens_by_tier"]}}))
+                      "tiers": tiers}}))
 """).format(C=C, DEADLINE=DEADLINE, BS=BS)
 
 

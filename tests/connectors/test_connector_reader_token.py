@@ -25,6 +25,11 @@ def _keys(store: ChunkStore) -> int:
     return sum(len(list(t.keys())) for t in store.tiers)
 
 
+def _hit(stats: dict) -> dict[str, int]:
+    """Hit tokens of the tiers that had hits (the others are reported at 0)."""
+    return {t: n for t, n in stats["kvstore_hit_tokens_by_tier"].items() if n}
+
+
 def _table() -> TenantTable:
     return TenantTable.from_mapping({
         "writer": {"token": TOKENS["writer"], "salt": "team"},
@@ -85,14 +90,14 @@ def test_a_reader_token_in_front_of_local_tiers_saves_only_to_them(caplog):
         assert r.wait_for_save(10)
         st = r.get_stats()
         assert seq.is_finished and seq.num_cached_tokens == 16
-        assert st["kvstore_hit_tokens_by_tier"] == {"remote:cpu": 16}
+        assert _hit(st) == {"remote:cpu": 16}
         assert st["kvstore_saved_chunks"] >= 4 and st["kvstore_save_errors"] == 0
         assert layered.remote_errors == 0             # no put was sent (each one: a 403)
         assert _keys(store) == stored                  # the daemon got no put
         seq2 = eng_r.add("r3", prompt(16, base=300) + [9])   # r2's chunks: a local hit
         eng_r.run()
         assert seq2.num_cached_tokens == 16
-        assert r.get_stats()["kvstore_hit_tokens_by_tier"] == {"remote:cpu": 16, "cpu": 16}
+        assert _hit(r.get_stats()) == {"remote:cpu": 16, "cpu": 16}
         r.close()
     store.close()
     lines = [r.getMessage() for r in caplog.records if "read-only" in r.getMessage()]
