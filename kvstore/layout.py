@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.defaults import DEFAULT_CHUNK_SIZE
+from kvstore.ns_wire import wire_layout
 
 #: dtype names accepted in a layout, mapped to torch dtypes. fp8 only where torch has it.
 DTYPES: dict[str, torch.dtype] = {
@@ -56,7 +57,8 @@ class KVLayout:
         chunk_size: tokens per chunk (default ``DEFAULT_CHUNK_SIZE``, 256).
 
     Raises:
-        ValueError: a non-positive dimension or an unsupported dtype.
+        ValueError: a dimension that is not a positive int (a bool is not), or an
+            unsupported dtype.
     """
 
     num_layers: int
@@ -69,7 +71,7 @@ class KVLayout:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
         for field in ("num_layers", "num_kv_heads", "head_dim", "chunk_size"):
             value = getattr(self, field)
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"KVLayout.{field} must be a positive int, got {value!r}")
 
     @property
@@ -116,5 +118,14 @@ class KVLayout:
 
     @classmethod
     def from_dict(cls, d: dict) -> "KVLayout":
-        return cls(int(d["num_layers"]), int(d["num_kv_heads"]), int(d["head_dim"]),
-                   str(d["dtype"]), int(d["chunk_size"]))
+        """Inverse of ``to_dict`` (dtype aliases accepted); nothing is coerced
+        (``kvstore.ns_wire.wire_layout``: ``"30"``, ``30.7`` or ``true`` for a number is
+        refused, not read as 30, 30 or 1).
+
+        Raises:
+            KeyError: a missing field (``e.args[0]`` names it).
+            ValueError: a field a layout does not have, a number that is not a positive int,
+                an unsupported dtype; the message names the field.
+            TypeError: ``d`` is not a dict.
+        """
+        return cls(**wire_layout(d))

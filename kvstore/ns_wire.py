@@ -78,18 +78,35 @@ def text_field(d: dict, name: str, default: str | None) -> str:
     return value
 
 
-def _layout(d: dict) -> dict:
-    """``KVLayout.from_dict(d).to_dict()`` without torch (the same coercions and checks)."""
-    nl, nh, hd = int(d["num_layers"]), int(d["num_kv_heads"]), int(d["head_dim"])
-    dtype, cs = str(d["dtype"]), int(d["chunk_size"])
-    name = KV_DTYPE_ALIASES.get(dtype, dtype)
-    if name not in KV_DTYPE_NAMES:
-        raise ValueError(f"unsupported KV dtype {dtype!r}; supported: {sorted(KV_DTYPE_NAMES)}")
-    out = {"num_layers": nl, "num_kv_heads": nh, "head_dim": hd, "dtype": name,
-           "chunk_size": cs}
-    for field in ("num_layers", "num_kv_heads", "head_dim", "chunk_size"):
-        if out[field] <= 0:
-            raise ValueError(f"KVLayout.{field} must be a positive int, got {out[field]!r}")
+def wire_layout(d: dict) -> dict:
+    """The canonical form of the layout dict ``d`` (``KVLayout.to_dict``'s: the dtype's
+    canonical name), torch-free; ``KVLayout.from_dict`` checks its dict with this. Not
+    coerced: ``"30"``, ``30.7`` or ``true`` for a number would name another layout than meant.
+
+    Raises:
+        TypeError: ``d`` is not a dict.
+        ValueError: a field a layout does not have; a number that is not a positive int
+            (bools refused), a dtype that is not a string or not a supported name; each
+            message names the field.
+        KeyError: a missing field (``e.args[0]`` names it).
+    """
+    if not isinstance(d, dict):
+        raise TypeError(f"namespace layout must be an object, got {type(d).__name__}")
+    _check_layout_fields(d)
+    out = {}
+    for field in LAYOUT_FIELDS:
+        value = d[field]
+        if field == "dtype":
+            if not isinstance(value, str):
+                raise ValueError(f"KVLayout.dtype must be a dtype name (a string), got "
+                                 f"{repr(value)[:40]}")
+            value = KV_DTYPE_ALIASES.get(value, value)
+            if value not in KV_DTYPE_NAMES:
+                raise ValueError(f"unsupported KV dtype {d[field]!r}; supported: "
+                                 f"{sorted(KV_DTYPE_NAMES)}")
+        elif not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"KVLayout.{field} must be a positive int, got {repr(value)[:40]}")
+        out[field] = value
     return out
 
 
@@ -105,9 +122,10 @@ def _names(unknown: list[str]) -> str:
 def check_known_fields(d: dict) -> None:
     """Refuse a namespace dict with a field a namespace does not have, or a ``layout`` (when
     it is an object) with a field a layout does not have, as the daemon does (400):
-    ``wire_namespace`` and ``Namespace.from_dict`` ignore such a field, so a typo
-    (``cache_slat``, ``hed_dim`` beside ``head_dim``) would name another namespace than the
-    one meant, or be reported as a missing field.
+    ``wire_namespace`` and ``Namespace.from_dict`` ignore an unknown namespace field, so a
+    typo (``cache_slat``) would name another namespace than the one meant (an unknown layout
+    field, ``hed_dim``, they refuse as ``wire_layout`` does, but only after the namespace's
+    other fields).
 
     Raises:
         ValueError: one line naming the unknown field(s) (up to 5, 40 characters each) and
@@ -119,7 +137,12 @@ def check_known_fields(d: dict) -> None:
                          f"{_names(unknown)}; a namespace has "
                          f"{', '.join(sorted(NAMESPACE_FIELDS))}")
     layout = d.get("layout")
-    unknown = unknown_fields(layout, LAYOUT_FIELDS) if isinstance(layout, dict) else []
+    if isinstance(layout, dict):
+        _check_layout_fields(layout)
+
+
+def _check_layout_fields(layout: dict) -> None:
+    unknown = unknown_fields(layout, LAYOUT_FIELDS)
     if unknown:
         raise ValueError(f"unknown namespace layout field{'s' if len(unknown) > 1 else ''} "
                          f"{_names(unknown)}; a layout has {', '.join(sorted(LAYOUT_FIELDS))}")
@@ -134,17 +157,16 @@ def wire_namespace(d: dict) -> dict:
     Raises:
         KeyError: ``model_id``, ``layout`` or a layout field is missing (``e.args[0]`` names
             it; ``model_id`` is checked first).
-        ValueError: a field that must be a string is not, a layout number is not a positive
-            int, an unknown dtype, hash algorithm or lossy codec.
+        ValueError: a field that must be a string is not, a layout field a layout does not
+            have, a layout number that is not a positive int, an unknown dtype, hash algorithm
+            or lossy codec (``wire_layout``).
         TypeError: an identity field that is not a string (``rope`` may be any JSON value),
             or a ``layout`` that is not a dict.
     """
     extra = {f: d.get(f) or "" for f in IDENTITY_FIELDS}
     model_id = text_field(d, "model_id", None)
-    layout = d["layout"]
-    if not isinstance(layout, dict):
-        raise TypeError(f"namespace layout must be an object, got {type(layout).__name__}")
-    out = {"model_id": model_id, "revision": text_field(d, "revision", ""), "layout": _layout(layout),
+    layout = wire_layout(d["layout"])
+    out = {"model_id": model_id, "revision": text_field(d, "revision", ""), "layout": layout,
            "cache_salt": text_field(d, "cache_salt", ""),
            "hash_algo": text_field(d, "hash_algo", "sha256")}
     if out["hash_algo"] not in HASH_ALGOS:

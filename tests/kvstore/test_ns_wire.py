@@ -19,7 +19,7 @@ GOOD = [
     BASE,
     Namespace("m", KVLayout(2, 1, 8, "float16", 4)).to_dict(),
     {**BASE, "layout": {**LAY, "dtype": "fp16"}},                   # an alias
-    {**BASE, "layout": {**LAY, "dtype": "fp8", "chunk_size": "16"}},  # coerced as from_dict
+    {**BASE, "layout": {**LAY, "dtype": "fp8", "chunk_size": 16}},
     {**BASE, "revision": "v2", "cache_salt": "tenant-a", "hash_algo": "xxh3_128"},
     {**BASE, "rope": {"theta": 100000.0, "scaling": None}},         # a dict rope
     {**BASE, "rope": '{"scaling":null,"theta":100000.0}'},
@@ -38,6 +38,8 @@ BAD = [
     {**BASE, "layout": {**LAY, "dtype": "int4"}},
     {**BASE, "layout": {**LAY, "num_layers": 0}},
     {**BASE, "layout": {**LAY, "head_dim": "many"}},
+    {**BASE, "layout": {**LAY, "chunk_size": "16"}},        # not coerced
+    {**BASE, "layout": {**LAY, "hed_dim": 64}},
     {**BASE, "model_id": 5},
     {**BASE, "revision": None},
     {**BASE, "hash_algo": "md5"},
@@ -98,8 +100,8 @@ def test_its_lists_are_the_torch_modules_lists():
          sorted(ns_wire.NAMESPACE_FIELDS))),
 ])
 def test_an_unknown_layout_field_is_refused_naming_it(d, message):
-    """``wire_namespace`` (as ``KVLayout.from_dict``) ignores a layout field it does not know,
-    so ``check_known_fields`` refuses it, as the daemon does."""
+    """``check_known_fields`` refuses a field a layout does not have, as the daemon does,
+    before the namespace's other fields are read."""
     with pytest.raises(ValueError) as e:
         ns_wire.check_known_fields(d)
     assert str(e.value) == message
