@@ -17,6 +17,7 @@ from kvstore.eviction.admission import TinyLFU
 from kvstore.keys import ChunkKey
 from kvstore.metrics import StoreMetrics
 from kvstore.tiers.base import Tier
+from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.memory import MemoryTier
 
 log = logging.getLogger("kvstore.store")
@@ -144,6 +145,18 @@ class TierMover:
         # thread changes ``doomed``)
         return {k for k in out if k not in self.doomed}
 
+    def reachable(self, key: ChunkKey) -> bool:
+        """Whether a prefix lookup reaches ``key``: every recorded ancestor is stored (a
+        parent cycle, which only a lying client can record, is not reached). O(depth)."""
+        seen = {key}
+        p = self.parent_of(key)
+        while p is not None:
+            if p in seen or not self.present(p):
+                return False
+            seen.add(p)
+            p = self.parent_of(p)
+        return True
+
     def descendants(self, key: ChunkKey) -> list[ChunkKey]:
         """Stored descendants of ``key``, breadth first (so reversed: deepest first)."""
         return descendants_of(key, self.live_children)
@@ -238,12 +251,24 @@ class TierMover:
 
         # (in the last tier a key with a child stored here has a live child, unless that
         # child was removed while pinned; such a key is found by the pass below)
-        victim = tier.next_victim(simple, leaves_only=last)
+        victim = self._next_victim(tier, simple, last)
         if victim is not None or not last:
             return victim
         full = keep.full()  # (a stored ancestor is refused before its descendants are walked)
-        return tier.next_victim(lambda k: k not in skip and k not in full and self.evictable(k)
-                                and self._may_leave(k, keep))
+        return self._next_victim(tier, lambda k: k not in skip and k not in full
+                                 and self.evictable(k) and self._may_leave(k, keep), False)
+
+    def _next_victim(self, tier: Tier, can_evict: Callable[[ChunkKey], bool],
+                     leaves_only: bool) -> ChunkKey | None:
+        """``tier.next_victim``, passing over a disk chunk demoted at the open as unreachable
+        that a re-stored parent made reachable again: its demotion is lifted
+        (``DiskTier.revive``) and the policy asked again, so it goes in its rank's turn, not
+        first. O(depth) once per such chunk; nothing for others."""
+        while True:
+            victim = tier.next_victim(can_evict, leaves_only)
+            if victim is None or not isinstance(tier, DiskTier) \
+                    or not tier.revive(victim, self.reachable):
+                return victim
 
     def _may_leave(self, key: ChunkKey, keep: "Protected") -> bool:
         """Whether ``key`` and all its stored descendants may leave the store: none pinned,
@@ -356,35 +381,3 @@ class Protected:
                 p = p.outer
             self._full = out
         return self._full
-
-
-def unreachable_bytes(tiers: Sequence[Tier], doomed: set[ChunkKey]) -> int:
-    """Bytes (over all tiers) of chunks that a prefix lookup can never reach: some ancestor
-    (parent, grandparent, ... as recorded at put) is stored in no tier. Chunks in ``doomed``
-    (removed while pinned) count as absent."""
-    present = {k for t in tiers for k in t.keys()} - doomed
-    parent = {}
-    for t in reversed(tiers):  # the fastest tier's record wins, unless it records none
-        for k in t.keys():
-            parent[k] = t.parent_of(k) or parent.get(k)
-    reachable: dict[ChunkKey, bool] = {}
-
-    def ok(k: ChunkKey) -> bool:
-        path, on_path = [], set()
-        while k not in reachable:
-            p = parent.get(k)
-            if p is None:
-                reachable[k] = True
-                break
-            if p not in present or k in on_path:  # (a parent cycle never reaches a root)
-                reachable[k] = False
-                break
-            path.append(k)
-            on_path.add(k)
-            k = p
-        verdict = reachable[k]
-        for q in path:
-            reachable[q] = verdict
-        return verdict
-
-    return sum(t.nbytes_of(k) for t in tiers for k in t.keys() if k in present and not ok(k))

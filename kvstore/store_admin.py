@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from kvstore.keys import ChunkKey, Namespace
-from kvstore.movement import unreachable_bytes
+from kvstore.reachability import unreachable_bytes
 from kvstore.store_state import StoreState
 from kvstore.tiers.disk import DiskTier
 

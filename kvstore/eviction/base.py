@@ -147,6 +147,11 @@ class EvictionPolicy(ABC):
             self._push_demoted(key)
         return True
 
+    def undemote(self, key: Key) -> bool:
+        """Lift ``key``'s demotion without counting a read (its rank stays); returns whether
+        it was demoted. (The demoted heap's entry goes stale and is dropped when met.)"""
+        return self._demoted.pop(key, None) is not None
+
     def is_demoted(self, key: Key) -> bool:
         """Whether ``key`` is tracked and demoted (O(1), no side effects)."""
         return key in self._demoted

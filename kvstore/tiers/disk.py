@@ -22,7 +22,8 @@ is a SIGBUS; a file truncated while open cannot be guarded against) and, unless
 Reads verify the header (magic, version, key, sizes) and the payload checksum; a bad value is
 deleted, counted as ``corruption`` and reported as a miss. Reopening a path re-indexes every
 value from its header; the store then makes the chunks whose parent is not on disk (stored
-nowhere after a restart: unreachable) the first victims (``demote_unreachable``).
+nowhere after a restart: unreachable) the first victims (``demote_unreachable``), until
+their parent is stored again (``revive``).
 """
 from __future__ import annotations
 
@@ -104,6 +105,8 @@ class DiskTier(DiskWriter, Tier):
         self._pending: dict[ChunkKey, _PutOp] = {}
         #: chunks deleted from the index whose lmdb delete failed: their stored bytes
         self._doomed: dict[ChunkKey, int] = {}
+        #: chunks ``demote_unreachable`` demoted, until ``revive`` finds them reachable again
+        self._unreachable_demoted: set[ChunkKey] = set()
         self._init_writer_logs()
         self._queue: deque = deque()
         self._queued_bytes = 0
@@ -182,19 +185,34 @@ class DiskTier(DiskWriter, Tier):
         for the store's open, when no other tier holds a chunk yet (and none below this one
         may hold the parent: no remote tier): such chunks are unreachable (``unreachable_bytes``)
         until their parent is stored again. They are kept, not deleted (a recomputed parent
-        makes them reachable again; reading one lifts its demotion). A parent cycle (which only
+        makes them reachable again: reading one lifts its demotion, and so does ``revive`` when
+        one comes up as a victim while reachable). A parent cycle (which only
         a lying client can record) is not looked for. O(chunks here). Logs one line when some
         are demoted. Returns (chunks, bytes) demoted."""
         with self._lock:
             cut = self._unreachable()
             for k in cut:
                 self._policy_call("demote", k)
+            self._unreachable_demoted.update(cut)
             nbytes = sum(self._index[k].nbytes for k in cut)
         if cut:
             log.info("disk tier %s: %d chunks (%s) whose parent is stored nowhere are kept as "
                      "the first victims (reachable again if their parent is stored again)",
                      self.path, len(cut), format_size(nbytes))
         return len(cut), nbytes
+
+    def revive(self, key: ChunkKey, reachable: Callable[[ChunkKey], bool]) -> bool:
+        """Lift the demotion of ``key`` (its rank in the policy's order stays) when
+        ``demote_unreachable`` demoted it and ``reachable(key)`` says a lookup reaches it now
+        (its parent was stored again, in any tier). Asked by the store of the victim it is
+        about to evict (``kvstore.movement.TierMover``), so a chunk made reachable again is
+        not evicted first; O(1) for any other key. Returns whether it lifted the demotion."""
+        if key not in self._unreachable_demoted or not reachable(key):  # (other tiers: no lock)
+            return False
+        with self._lock:
+            self._unreachable_demoted.discard(key)
+            self._policy_call("undemote", key)
+        return True
 
     def _unreachable(self) -> list[ChunkKey]:
         """Keys whose parent, or an ancestor's, is not in the index (a parent cycle is not
@@ -275,6 +293,7 @@ class DiskTier(DiskWriter, Tier):
                 return False
             self._used -= e.nbytes
             self._pending.pop(key, None)
+            self._unreachable_demoted.discard(key)
             self._queue.append(("del", key))
             self._policy_call("on_remove", key)
             self._cond.notify_all()
