@@ -4,8 +4,9 @@ A continuous measure beside ``bench.codec_study``'s token agreement (where one f
 near-tie in 20 prompts decides the figure). Per prompt of ``bench.codec``'s sets: recompute
 generates ``--max-tokens`` greedy tokens ``w``; one prefill of ``prompt + w[:-1]`` gives the
 reference logits at every generated position and the prompt's exact KV. Per variant
-(``bench.codec_study.VARIANTS`` names, or ``L<i>K<b>`` / ``L<i>V<b>`` / ``L<i>K<b>V<b>``: only
-layer ``i``'s K and/or V fake-quantized at ``b`` bits, everything else exact), the prompt's
+(``bench.codec_study.VARIANTS`` names, ``parse_spec``'s format specs, or ``L<i>K<b>`` /
+``L<i>V<b>`` / ``L<i>K<b>V<b>``: only layer ``i``'s K and/or V fake-quantized at ``b`` bits,
+everything else and the sequence's first 4 tokens exact), the prompt's
 full chunks (chunk size 64) are fake-quantized chunk by chunk, written into a KV pool, and the
 rest of ``prompt + w[:-1]`` is prefilled over them: logits at the same positions, so every
 prompt contributes at every position even after a flip.
@@ -33,18 +34,21 @@ from bench.codec_study import VARIANTS, Variant, _keys, apply_variant, fake_quan
 from bench.outputs import output_file  # noqa: E402
 
 CHUNK = 64
+SINKS = 4           # the one-layer variants keep a sequence's first tokens exact, as kivi does
 _LAYER_SPEC = re.compile(r"^L(\d+)(?:K(\d+))?(?:V(\d+))?$")
 
 
-def layer_only(kv: torch.Tensor, layer: int, k_bits: int | None, v_bits: int | None
-               ) -> torch.Tensor:
+def layer_only(kv: torch.Tensor, layer: int, k_bits: int | None, v_bits: int | None,
+               sinks: int = 0) -> torch.Tensor:
     """``kv [L, 2, T, H, D]`` with only ``layer``'s K (``k_bits``, symmetric per channel over
-    the chunk) and/or V (``v_bits``, symmetric per token and head) fake-quantized."""
+    the chunk) and/or V (``v_bits``, symmetric per token and head) fake-quantized, its first
+    ``sinks`` tokens left exact (as the codec keeps a sequence's sinks)."""
     out = kv.float().clone()
+    s = min(sinks, kv.shape[2] - 1)
     if k_bits:
-        out[layer, 0] = _keys(out[layer, 0], k_bits, kv.shape[2], 0)[0]
+        out[layer, 0, s:] = _keys(out[layer, 0, s:], k_bits, kv.shape[2] - s, 0)[0]
     if v_bits:
-        out[layer, 1] = fake_quant(out[layer, 1], v_bits, -1, True)[0]
+        out[layer, 1, s:] = fake_quant(out[layer, 1, s:], v_bits, -1, True)[0]
     return out
 
 
@@ -94,8 +98,8 @@ def quantizer(name: str):
     m = _LAYER_SPEC.match(name)
     if m and (m.group(2) or m.group(3)):
         layer, kb, vb = int(m.group(1)), m.group(2), m.group(3)
-        return lambda kv, start: (layer_only(kv, layer, kb and int(kb), vb and int(vb)),
-                                  kv.numel() * 2)
+        return lambda kv, start: (layer_only(kv, layer, kb and int(kb), vb and int(vb),
+                                             max(0, SINKS - start)), kv.numel() * 2)
     raise ValueError(f"unknown variant {name!r}")
 
 

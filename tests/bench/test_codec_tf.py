@@ -26,6 +26,9 @@ def test_layer_only_touches_one_layer_and_part():
     assert torch.equal(out[1, 1], kv[1, 1]) and not torch.equal(out[1, 0], kv[1, 0])
     got, nbytes = quantizer("L1V4")(kv, 0)
     assert torch.equal(got[1, 0], kv[1, 0]) and not torch.equal(got[1, 1], kv[1, 1])
+    assert torch.equal(got[1, 1, :4], kv[1, 1, :4])            # a sequence's sinks: exact
+    later, _ = quantizer("L1V4")(kv, 64)                        # a later chunk: no sinks
+    assert not torch.equal(later[1, 1, :4], kv[1, 1, :4])
     assert nbytes == kv.numel() * 2
 
 
