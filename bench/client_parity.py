@@ -41,6 +41,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.arg_checks import byte_size, int_at_least
 from bench.metrics_scrape import parse_metrics
 from bench.servers import ServerGroup, ServerOptions, install_cleanup_handlers
 
@@ -73,6 +74,11 @@ class Workload:
                 "--num-prompts", str(self.num_prompts), "--max-concurrency",
                 str(self.max_concurrency), "--request-rate", "inf", "--seed", str(self.seed),
                 "--ignore-eos", "--temperature", "0", "--disable-tqdm"]
+
+
+#: the smallest value of each ``Workload`` field's flag (the seed: any integer)
+WORKLOAD_MINIMUMS = {"num_prompts": 1, "num_prefixes": 1, "prefix_len": 1, "suffix_len": 0,
+                     "output_len": 1, "max_concurrency": 1}
 
 
 def ttft_histogram(metrics_text: str) -> tuple[float, float]:
@@ -142,7 +148,8 @@ def one_run(config: str, backend: str, opts: ServerOptions, tokenizer: Path,
     return row, " ".join(cmd)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (numeric flags checked as it is parsed: ``bench.arg_checks``)."""
     ap = argparse.ArgumentParser(prog="python -m bench.client_parity",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -151,10 +158,18 @@ def main(argv: list[str] | None = None) -> dict:
                     "exported to results/client_parity/tokenizer)")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
-    ap.add_argument("--kv-cache-bytes", default="32MiB", help="engine KV pool (default 32MiB)")
-    ap.add_argument("--kvstore-cpu-bytes", default="512MiB")
+    ap.add_argument("--kv-cache-bytes", type=byte_size, default="32MiB",
+                    help="engine KV pool (default 32MiB)")
+    ap.add_argument("--kvstore-cpu-bytes", type=byte_size, default="512MiB")
     for f in Workload.__dataclass_fields__.values():
-        ap.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default)
+        least = WORKLOAD_MINIMUMS.get(f.name)
+        ap.add_argument("--" + f.name.replace("_", "-"), default=f.default,
+                        type=int if least is None else int_at_least(least))
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if not VLLM_BIN.exists():
         raise SystemExit(f"{VLLM_BIN} not found: build the vLLM environment (make vllm-venv)")

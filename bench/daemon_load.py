@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from bench.arg_checks import float_above, int_at_least
 from bench.daemon_load_common import CHUNK_BYTES, LAYOUT, Daemon, chunk_pool, run_clients
 from bench.daemon_load_redis import Redis, bench_redis
 from bench.daemon_load_shm import shm_phase
@@ -179,15 +180,22 @@ async def _main_async(args, out: dict, workdir: str) -> None:
         out["soak_daemon_exit_code"] = daemon.stop()
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (numeric flags checked as it is parsed: ``bench.arg_checks``)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="shorter everything (CI smoke run)")
     ap.add_argument("--json", type=output_file, help="write the figures to this JSON file")
-    ap.add_argument("--soak-s", type=float, default=None, help="soak seconds (default 60; "
+    ap.add_argument("--soak-s", type=float_above(0), default=None, help="soak seconds (default 60; "
                                                                "10 with --quick)")
-    ap.add_argument("--batch", type=int, default=4, help="chunks per get/put round trip")
+    ap.add_argument("--batch", type=int_at_least(1), default=4,
+                    help="chunks per get/put round trip")
     ap.add_argument("--shm-only", action="store_true", help="only the same-host phase (6) "
                     "and its memcpy baseline")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     args.rounds = 6 if args.quick else 24
     args.reps = 2 if args.quick else 3

@@ -24,6 +24,7 @@ import torch  # noqa: E402
 from engine_min.config import EngineConfig
 from engine_min.engine import LLMEngine
 from engine_min.sampler import SamplingParams
+from bench.arg_checks import int_at_least
 from bench.outputs import output_file
 
 TEXT = ("The history of the river town is long. Merchants came by boat, farmers by road, and "
@@ -84,14 +85,21 @@ def hf_speeds(engine: LLMEngine, n_prefill: int, n_decode: int, repeats: int) ->
     return n_prefill / best, rate
 
 
-def main(argv: list[str] | None = None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (numeric flags checked as it is parsed: ``bench.arg_checks``)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", type=output_file, help="write the figures here")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--prompt-tokens", type=int, default=512)
-    ap.add_argument("--decode-tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--kv-cache-bytes", type=int, default=256 * 1024 * 1024)
+    ap.add_argument("--threads", type=int_at_least(1), default=None,
+                    help="torch threads (default: torch's)")
+    ap.add_argument("--prompt-tokens", type=int_at_least(1), default=512)
+    ap.add_argument("--decode-tokens", type=int_at_least(1), default=32)
+    ap.add_argument("--repeats", type=int_at_least(1), default=3)
+    ap.add_argument("--kv-cache-bytes", type=int_at_least(1), default=256 * 1024 * 1024)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 import aiohttp
 import numpy as np
 
+from bench.arg_checks import byte_size, chunk_size, int_at_least
 from bench.client import RequestResult, StreamingClient, first_model
 from bench.fleet_get import measure_get_throughput
 from bench.fleet_procs import FleetGroup, FleetOptions
@@ -249,12 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print one JSON object on stdout (the table goes to stderr)")
     p.add_argument("--out", default=None, type=output_file,
                    help="also write the JSON object to this file")
-    p.add_argument("--num-docs", type=int, default=None)
-    p.add_argument("--doc-tokens", type=int, default=None)
-    p.add_argument("--chunk-size", type=int, default=None)
-    p.add_argument("--get-reps", type=int, default=None)
-    p.add_argument("--threads", type=int, default=None, help="torch threads per engine")
-    p.add_argument("--daemon-cpu-bytes", default="512MiB")
+    p.add_argument("--num-docs", type=int_at_least(1), default=None)
+    p.add_argument("--doc-tokens", type=int_at_least(1), default=None)
+    p.add_argument("--chunk-size", type=chunk_size, default=None)
+    p.add_argument("--get-reps", type=int_at_least(1), default=None)
+    p.add_argument("--threads", type=int_at_least(1), default=None, help="torch threads per engine")
+    p.add_argument("--daemon-cpu-bytes", type=byte_size, default="512MiB")
     p.add_argument("--log-dir", default=None, type=output_dir)
     return p
 

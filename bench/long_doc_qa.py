@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
+from bench.arg_checks import int_at_least
 from bench.replay import add_common_args, finish, run_configs
 from bench.servers import install_cleanup_handlers
 from bench.workloads import LongDocQA
@@ -19,13 +20,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.long_doc_qa", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     w = p.add_argument_group("workload")
-    w.add_argument("--num-docs", type=int, default=2)
-    w.add_argument("--doc-tokens", type=int, default=2048)
-    w.add_argument("--questions-per-doc", type=int, default=4)
-    w.add_argument("--question-tokens", type=int, default=24)
-    w.add_argument("--answer-tokens", type=int, default=8)
+    w.add_argument("--num-docs", type=int_at_least(1), default=2)
+    w.add_argument("--doc-tokens", type=int_at_least(1), default=2048)
+    w.add_argument("--questions-per-doc", type=int_at_least(1), default=4)
+    w.add_argument("--question-tokens", type=int_at_least(1), default=24)
+    w.add_argument("--answer-tokens", type=int_at_least(1), default=8)
     w.add_argument("--order", choices=("interleaved", "shuffled"), default="interleaved")
-    w.add_argument("--max-inflight", type=int, default=1, help="requests in flight at most")
+    w.add_argument("--max-inflight", type=int_at_least(0), default=1,
+                   help="requests in flight at most")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--prompt-format", choices=("tokens", "text"), default="tokens")
     add_common_args(p, configs="recompute,kvstore-cpu", json_path="results/long_doc_qa.json")

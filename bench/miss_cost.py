@@ -37,6 +37,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from bench.arg_checks import byte_size, float_above, float_at_least, int_at_least
 from bench.client import StreamingClient, first_model
 from bench.servers import ServerGroup, ServerOptions, install_cleanup_handlers
 from bench.workloads import Request, random_tokens
@@ -116,21 +117,26 @@ def summarize(pairs: list[dict]) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.miss_cost", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pairs", type=int, default=7, help="rotated rounds (default 7)")
-    ap.add_argument("--requests-per-pair", type=int, default=3,
+    ap.add_argument("--pairs", type=int_at_least(1), default=7, help="rotated rounds (default 7)")
+    ap.add_argument("--requests-per-pair", type=int_at_least(1), default=3,
                     help="cold requests per configuration per pair (default 3)")
-    ap.add_argument("--prompt-tokens", type=int, default=1024, help="prompt length (default "
-                    "1024; a 256-token chunk size stores 4 chunks of it)")
+    ap.add_argument("--prompt-tokens", type=int_at_least(1), default=1024,
+                    help="prompt length (default "
+                         "1024; a 256-token chunk size stores 4 chunks of it)")
     ap.add_argument("--trace", default=None, help="take prompt lengths from an Azure trace "
                     "(azure-conv, azure-code or a CSV path) instead")
-    ap.add_argument("--length-scale", type=float, default=0.125, help="--trace lengths factor")
-    ap.add_argument("--max-prompt-tokens", type=int, default=2048)
-    ap.add_argument("--max-tokens", type=int, default=2, help="tokens generated per request")
-    ap.add_argument("--gap-s", type=float, default=0.5, help="pause after each request")
-    ap.add_argument("--warmup", type=int, default=2, help="unmeasured requests per server")
-    ap.add_argument("--kv-cache-bytes", default="256MiB", help="each engine's KV pool")
-    ap.add_argument("--kvstore-cpu-bytes", default="2GiB")
-    ap.add_argument("--threads", type=int, default=None,
+    ap.add_argument("--length-scale", type=float_above(0), default=0.125,
+                    help="--trace lengths factor")
+    ap.add_argument("--max-prompt-tokens", type=int_at_least(1), default=2048)
+    ap.add_argument("--max-tokens", type=int_at_least(1), default=2,
+                    help="tokens generated per request")
+    ap.add_argument("--gap-s", type=float_at_least(0), default=0.5, help="pause after each request")
+    ap.add_argument("--warmup", type=int_at_least(0), default=2,
+                    help="unmeasured requests per server")
+    ap.add_argument("--kv-cache-bytes", type=byte_size, default="256MiB",
+                    help="each engine's KV pool")
+    ap.add_argument("--kvstore-cpu-bytes", type=byte_size, default="2GiB")
+    ap.add_argument("--threads", type=int_at_least(1), default=None,
                     help="torch threads per engine (default: all cores; one runs at a time)")
     ap.add_argument("--engine-arg", action="append", default=[],
                     help="extra engine flag (repeatable), e.g. --engine-arg=--kvstore-tail-"

@@ -25,6 +25,7 @@ import argparse
 import os
 from dataclasses import asdict
 
+from bench.arg_checks import float_above, int_at_least
 from bench.replay import add_common_args, finish, run_configs
 from bench.servers import install_cleanup_handlers
 from bench.workloads import MultiRoundQA
@@ -48,27 +49,31 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.multi_round_qa", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     w = p.add_argument_group("workload (defaults depend on the mode: see DEFAULTS)")
-    w.add_argument("--num-users", type=int, default=None, help="5; routing 10")
-    w.add_argument("--num-rounds", type=int, default=None, help="4")
-    w.add_argument("--system-tokens", type=int, default=None, help="shared system prompt (64)")
-    w.add_argument("--context-tokens", type=int, default=None,
+    w.add_argument("--num-users", type=int_at_least(1), default=None, help="5; routing 10")
+    w.add_argument("--num-rounds", type=int_at_least(1), default=None, help="4")
+    w.add_argument("--system-tokens", type=int_at_least(0), default=None,
+                   help="shared system prompt (64)")
+    w.add_argument("--context-tokens", type=int_at_least(0), default=None,
                    help="per-user context (1024; routing 448)")
-    w.add_argument("--question-tokens", type=int, default=None, help="24; routing 32")
-    w.add_argument("--answer-tokens", type=int, default=None, help="8")
-    w.add_argument("--qps", type=float, default=None, help="request arrival rate (1.0); with "
-                   "--engines, the rate at which users start (bounded by --active-users)")
-    w.add_argument("--max-inflight", type=int, default=1, help="requests in flight at most "
-                   "(0 = unbounded, open loop at --qps); 1 on 2 cores keeps queueing out of "
-                   "TTFT (not used with --engines: --active-users bounds it)")
+    w.add_argument("--question-tokens", type=int_at_least(1), default=None, help="24; routing 32")
+    w.add_argument("--answer-tokens", type=int_at_least(1), default=None, help="8")
+    w.add_argument("--qps", type=float_above(0), default=None,
+                   help="request arrival rate (1.0); with "
+                        "--engines, the rate at which users start (bounded by --active-users)")
+    w.add_argument("--max-inflight", type=int_at_least(0), default=1,
+                   help="requests in flight at most "
+                        "(0 = unbounded, open loop at --qps); 1 on 2 cores keeps queueing out of "
+                        "TTFT (not used with --engines: --active-users bounds it)")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--prompt-format", choices=("tokens", "text"), default="tokens")
     w.add_argument("--quick", action="store_true", help="a small workload (smoke test)")
     r = p.add_argument_group("routing comparison (--engines >= 2)")
-    r.add_argument("--engines", type=int, default=1, help="engines behind one router; >= 2 "
-                   "runs the routing comparison (default 1: the configurations above)")
+    r.add_argument("--engines", type=int_at_least(1), default=1,
+                   help="engines behind one router; >= 2 "
+                        "runs the routing comparison (default 1: the configurations above)")
     r.add_argument("--router", default="round-robin,cache-aware",
                    help="router policies to compare (default: %(default)s)")
-    r.add_argument("--active-users", type=int, default=None,
+    r.add_argument("--active-users", type=int_at_least(1), default=None,
                    help="users in a chat at once (routing 3; quick 3)")
     r.add_argument("--router-arg", action="append", default=[],
                    help="extra router flag (repeatable; use --router-arg=--flag)")
@@ -79,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--store", choices=("both", "without", "with"), default="both",
                    help="run each policy without and with the shared daemon (default), or "
                         "only one of the two")
-    r.add_argument("--repeat", type=int, default=1,
+    r.add_argument("--repeat", type=int_at_least(1), default=1,
                    help="run the comparison this many times, in reversed order every other "
                         "time; the JSON adds each repeat and the ratios paired within it")
     add_common_args(p, configs="recompute,engine-cache,kvstore-cpu",

@@ -26,6 +26,7 @@ import json
 import sys
 from pathlib import Path
 
+from bench.arg_checks import int_at_least
 from bench.outputs import output_file
 from bench.policy_trace import TRACES, ChunkTrace, load_chunk_trace
 from bench.trace_files import DEFAULT_TRACES_DIR, exit_if_missing
@@ -106,18 +107,22 @@ def _table(title: str, groups: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (numeric flags checked as it is parsed: ``bench.arg_checks``)."""
     ap = argparse.ArgumentParser(prog="python -m bench.policy_reuse",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--trace", required=True, choices=sorted(TRACES))
     ap.add_argument("--traces-dir", default=str(DEFAULT_TRACES_DIR),
                     help="folder of the trace files (default: the repository's sibling "
                          "shared/data/traces)")
-    ap.add_argument("--limit", type=int, help="the first N rows only (default all)")
+    ap.add_argument("--limit", type=int_at_least(1), help="the first N rows only (default all)")
     ap.add_argument("--json", type=output_file, help="write the JSON document here")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
-    if args.limit is not None and args.limit <= 0:
-        ap.error(f"--limit must be > 0, got {args.limit}")
     exit_if_missing(ap.prog, Path(args.traces_dir) / TRACES[args.trace][0], args.traces_dir)
     doc = reuse_by_feature(load_chunk_trace(args.trace, args.traces_dir, args.limit))
     n, again = doc["overall"]

@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from bench.arg_checks import int_at_least, int_list
 from kvstore.api import PrefixStore
 from kvstore.codec import HEADER_BYTES_MAX
 from kvstore.config import StoreConfig
@@ -99,13 +100,19 @@ def long_chains(lengths: list[int], d: str) -> None:
                 shutil.rmtree(f"{d}/chain{n}", ignore_errors=True)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (numeric flags checked as it is parsed: ``bench.arg_checks``)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=300)
-    ap.add_argument("--chunks", type=int, default=20, help="chunks per prompt")
-    ap.add_argument("--long", default="1024,4096,16384",
+    ap.add_argument("--prompts", type=int_at_least(1), default=300)
+    ap.add_argument("--chunks", type=int_at_least(1), default=20, help="chunks per prompt")
+    ap.add_argument("--long", type=int_list(1), default=[1024, 4096, 16384],
                     help="chain lengths (chunks) of the long-prompt runs; empty: skip them")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = build_parser()
+    args = ap.parse_args(argv)
     d = tempfile.mkdtemp()
     try:
         for name, cfg in (
@@ -115,7 +122,7 @@ def main() -> None:
                              disk_bytes=1000 * (128 + HEADER_BYTES_MAX), disk_path=d))):
             us, unreachable = run(cfg, args.prompts, args.chunks)
             print(f"{name:28s} {us:8.1f} us/chunk  unreachable_bytes {unreachable}", flush=True)
-        long_chains([int(x) for x in args.long.split(",") if x.strip()], d)
+        long_chains(args.long, d)
     finally:
         shutil.rmtree(d, ignore_errors=True)
 

@@ -24,6 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from bench import metrics_scrape, report
+from bench.arg_checks import byte_size, chunk_size_or_zero, float_above, int_at_least
 from bench.client import RequestResult, StreamingClient, first_model
 from bench.servers import CONFIG_NAMES, ServerGroup, ServerOptions, engine_help
 from bench.workloads import Request, random_tokens
@@ -195,16 +196,19 @@ def add_common_args(p: argparse.ArgumentParser, configs: str, json_path: str) ->
     g.add_argument("--model", default=None, help="model name to send (default: first of "
                    "/v1/models)")
     g.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
-    g.add_argument("--timeout-s", type=float, default=600.0, help="per-request limit")
+    g.add_argument("--timeout-s", type=float_above(0), default=600.0, help="per-request limit")
     s = p.add_argument_group("servers started by the benchmark")
-    s.add_argument("--kv-cache-bytes", default="64MiB", help="engine KV pool, every config")
-    s.add_argument("--kvstore-cpu-bytes", default="2GiB")
-    s.add_argument("--tiny-cpu-bytes", default="32MiB", help="CPU tier of kvstore-disk")
-    s.add_argument("--disk-bytes", default="4GiB")
-    s.add_argument("--max-num-batched-tokens", type=int, default=None)
-    s.add_argument("--kvstore-chunk-size", type=int, default=64, help="store chunk size "
-                   "(tokens) of the engines with a store; 0 = the server's default (256)")
-    s.add_argument("--threads", type=int, default=None, help="torch threads per engine")
+    s.add_argument("--kv-cache-bytes", type=byte_size, default="64MiB",
+                   help="engine KV pool, every config")
+    s.add_argument("--kvstore-cpu-bytes", type=byte_size, default="2GiB")
+    s.add_argument("--tiny-cpu-bytes", type=byte_size, default="32MiB",
+                   help="CPU tier of kvstore-disk")
+    s.add_argument("--disk-bytes", type=byte_size, default="4GiB")
+    s.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=None)
+    s.add_argument("--kvstore-chunk-size", type=chunk_size_or_zero, default=64,
+                   help="store chunk size (tokens) of the engines with a store; 0 = the "
+                        "server's default (256)")
+    s.add_argument("--threads", type=int_at_least(1), default=None, help="torch threads per engine")
     s.add_argument("--engine-arg", action="append", default=[], help="extra engine flag "
                    "(repeatable; use --engine-arg=--flag)")
     s.add_argument("--daemon-arg", action="append", default=[])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from bench.arg_checks import float_above, float_at_least, int_at_least
 from bench.replay import add_common_args, finish, run_configs
 from bench.servers import install_cleanup_handlers
 from bench.trace_files import DEFAULT_TRACES_DIR, exit_if_missing
@@ -34,20 +35,26 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--traces-dir", "--trace-dir", dest="trace_dir", default=str(TRACE_DIR),
                    help="folder of the trace files (default: the repository's sibling "
                         "shared/data/traces)")
-    w.add_argument("--sessions", type=int, default=12, help="Mooncake: replay every row of "
-                   "this many conversations sampled with --seed (0 = all rows)")
-    w.add_argument("--limit", type=int, default=100, help="at most the first N rows")
-    w.add_argument("--tokens-per-block", type=int, default=16, help="Mooncake: tokens per "
-                   "512-token hash block (512 = as published)")
-    w.add_argument("--length-scale", type=float, default=0.125, help="Azure: length factor")
-    w.add_argument("--time-scale", type=float, default=0.03, help="multiplies inter-arrival "
-                   "times (0.03 = the trace's hour in 106 s, about 40%% busy on 2 cores)")
+    w.add_argument("--sessions", type=int_at_least(0), default=12,
+                   help="Mooncake: replay every row of "
+                        "this many conversations sampled with --seed (0 = all rows)")
+    w.add_argument("--limit", type=int_at_least(1), default=100, help="at most the first N rows")
+    w.add_argument("--tokens-per-block", type=int_at_least(1), default=16,
+                   help="Mooncake: tokens per "
+                        "512-token hash block (512 = as published)")
+    w.add_argument("--length-scale", type=float_above(0), default=0.125,
+                   help="Azure: length factor")
+    w.add_argument("--time-scale", type=float_at_least(0), default=0.03,
+                   help="multiplies inter-arrival "
+                        "times (0.03 = the trace's hour in 106 s, about 40%% busy on 2 cores)")
     w.add_argument("--mode", choices=("burst", "spread"), default="spread",
                    help="Mooncake rows sharing a timestamp")
-    w.add_argument("--max-output-tokens", type=int, default=8)
-    w.add_argument("--max-input-tokens", type=int, default=2048, help="cut longer prompts")
-    w.add_argument("--align", type=int, default=64, help="round the ideal hit down to this "
-                   "(the store's chunk size)")
+    w.add_argument("--max-output-tokens", type=int_at_least(1), default=8)
+    w.add_argument("--max-input-tokens", type=int_at_least(1), default=2048,
+                   help="cut longer prompts")
+    w.add_argument("--align", type=int_at_least(1), default=64,
+                   help="round the ideal hit down to this "
+                        "(the store's chunk size)")
     w.add_argument("--seed", type=int, default=0)
     add_common_args(p, configs="engine-cache,kvstore-cpu", json_path="results/trace_replay.json")
     return p

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.arg_checks import chunk_size, chunk_size_or_zero, float_above, int_at_least
 from bench.vllm_engine import (MODEL_ID, VLLM_CPU_BLOCK, Daemon, child_main, make_document,
                                run_child)
 from kvstore.defaults import DEFAULT_CHUNK_SIZE
@@ -221,30 +222,36 @@ def checks(table: dict) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (numeric flags checked as it is parsed: ``bench.arg_checks``)."""
     p = argparse.ArgumentParser(description="vLLM long-document Q&A: connectors compared")
     p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--docs", type=int, default=3)
-    p.add_argument("--doc-tokens", type=int, default=1500)
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
+    p.add_argument("--docs", type=int_at_least(1), default=3)
+    p.add_argument("--doc-tokens", type=int_at_least(1), default=1500)
+    p.add_argument("--max-tokens", type=int_at_least(1), default=16)
+    p.add_argument("--chunk-size", type=chunk_size, default=DEFAULT_CHUNK_SIZE,
                    help="our connector's chunk size (256 = engine_min's, so both share chunks)")
-    p.add_argument("--fine-chunk-size", type=int, default=0,
+    p.add_argument("--fine-chunk-size", type=chunk_size_or_zero, default=0,
                    help="also run our CPU tier with this chunk size (0: skip), e.g. 128 = vLLM "
                         "CPU's block size, the load granularity of ExampleConnector")
     p.add_argument("--engine-min", action="store_true",
                    help="also time engine_min: alone, with an in-process CPU store, and on the "
                         "daemon vLLM filled (cross-engine hits)")
-    p.add_argument("--chats", type=int, default=3,
+    p.add_argument("--chats", type=int_at_least(0), default=3,
                    help="2-round chats (their own documents of --doc-tokens) after the Q&A")
-    p.add_argument("--chat-answer-tokens", type=int, default=64,
+    p.add_argument("--chat-answer-tokens", type=int_at_least(1), default=64,
                    help="round 1's answer length (tokens, EOS ignored); round 2's: --max-tokens")
     p.add_argument("--no-daemon", action="store_true",
                    help="leave out the kvstore serve rows (two more engine processes)")
-    p.add_argument("--child-timeout-s", type=float, default=900,
+    p.add_argument("--child-timeout-s", type=float_above(0), default=900,
                    help="per configuration; one that fails or runs longer is reported as "
                         "skipped and the others still count")
     p.add_argument("--json", type=output_file, help="write the full results here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
     if a.child:
         res = child_main(json.loads(a.child))

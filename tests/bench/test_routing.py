@@ -4,6 +4,7 @@ whole (two real engines behind ``python -m engine_min route``, each policy witho
 shared ``kvstore serve``)."""
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -117,8 +118,11 @@ def test_flags_and_mode_defaults():
     for bad in ("", "random", "cache-aware,cache-aware"):
         with pytest.raises(ValueError, match="round-robin, cache-aware"):
             parse_policies(bad)
+    with pytest.raises(SystemExit):   # refused as it is parsed (bench.arg_checks)
+        build_parser().parse_args(["--engines", "0"])
     with pytest.raises(ValueError, match="--engines"):
-        resolve_defaults(build_parser().parse_args(["--engines", "0"]))
+        resolve_defaults(argparse.Namespace(**{**vars(build_parser().parse_args([])),
+                                               "engines": 0}))
     with pytest.raises(ValueError, match="--base-url"):
         resolve_defaults(build_parser().parse_args(["--engines", "2", "--base-url", E0]))
     with pytest.raises(ValueError, match="num_engines"):
@@ -224,8 +228,11 @@ def test_repeats_alternate_the_order_and_pair_the_ratios(tmp_path, monkeypatch):
         routing.routing_settings(["cache-aware"], "sometimes", 1)
     with pytest.raises(ValueError, match="repeat must be"):
         routing.routing_settings(["cache-aware"], "both", 0)
+    with pytest.raises(SystemExit):   # refused as it is parsed (bench.arg_checks)
+        build_parser().parse_args(["--engines", "2", "--repeat", "0"])
+    two = vars(build_parser().parse_args(["--engines", "2"]))
     with pytest.raises(ValueError, match="--repeat"):
-        resolve_defaults(build_parser().parse_args(["--engines", "2", "--repeat", "0"]))
+        resolve_defaults(argparse.Namespace(**{**two, "repeat": 0}))
 
     # run_routing's bookkeeping over repeats, with each run's figures given (the processes
     # themselves are covered by test_quick_run_compares_the_routers)
