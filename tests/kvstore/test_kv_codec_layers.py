@@ -87,7 +87,7 @@ def test_bad_tables_and_runs_are_refused():
 
 
 def test_kv_codec_writes_layered_payloads_and_reads_both(monkeypatch):
-    """``KIVI_LAYER_PARAMS`` set: new payloads are layered (the last layer's V at 8 bits), a
+    """``KIVI_LAYER_BITS`` set for 3 layers: new payloads are layered (the last layer's V at 8 bits), a
     stored value round-trips through ``pack_value``/``unpack_value``, and a plain payload
     written before still decodes as it did."""
     from kvstore import kv_codec
@@ -98,8 +98,9 @@ def test_kv_codec_writes_layered_payloads_and_reads_both(monkeypatch):
     before = kv_codec.decode(plain, "kivi", torch.float32, shape)
     v8 = kv_grouped.GroupParams(kv_codec.KIVI_PARAMS.k, kv_grouped.PartParams(
         8, 64, "channels", symmetric=True, fp_steps=True))
-    monkeypatch.setattr(kv_codec, "KIVI_LAYER_PARAMS", {-1: v8})
+    monkeypatch.setattr(kv_codec, "KIVI_LAYER_BITS", {3: {2: (8, 8)}, 4: {0: (9, 6)}})
     assert kv_codec.kivi_runs(shape[0]) == [(2, kv_codec.KIVI_PARAMS), (1, v8)]
+    assert kv_codec.kivi_runs(2) is None and kv_codec.kivi_runs(4)[0][1].k.bits == 9
     payload = kv_codec.encode(kv, "kivi", 4)
     assert kgl.is_layered(payload)
     assert payload.size == kv_codec.payload_nbytes("kivi", shape, 2, 4)
