@@ -15,6 +15,7 @@ import aiohttp
 import torch
 
 from kvstore.api import LookupResult
+from kvstore.daemon import batches as B
 from kvstore.daemon import protocol as P
 from kvstore.daemon import wire_codec as W
 from kvstore.daemon.shm_client import check_out, check_put
@@ -28,10 +29,14 @@ log = logging.getLogger("kvstore.daemon.client")
 #: Put payloads go to the transport in slices of this many bytes: a slice the socket takes at
 #: once is sent from the tensor's memory; asyncio copies only what it does not take.
 SEND_SLICE = 1 << 20
+#: Most seconds a first put of several chunks waits to learn the daemon's limits
+LIMITS_ASK_S = 2.0
 
 
 class AsyncKVStoreClient:
     """Async client. Coroutines mirror ``KVStoreBase`` methods (``await c.get_chunks(ns, keys)``).
+    Calls with more keys (or put bytes) than the daemon takes in one request are sent as
+    several, in order (``kvstore.daemon.batches``; the daemon's answers carry its limits).
 
     Args:
         url: server base URL, e.g. ``"http://127.0.0.1:8500"``.
@@ -67,6 +72,7 @@ class AsyncKVStoreClient:
                                pool_size=pool_size, retry_backoff_s=retry_backoff_s,
                                refused_tries=refused_tries, refused_backoff_s=refused_backoff_s)
         self.durable = durable
+        self._asked_limits = False  # whether a put asked the daemon's limits (_ask_limits)
 
     @property
     def url(self) -> str:
@@ -85,30 +91,34 @@ class AsyncKVStoreClient:
     async def lookup_keys(self, ns: Namespace, keys: Sequence[ChunkKey], *,
                           timeout_s: float | None = None) -> LookupResult:
         """Leading keys present, per tier (see ``KVStoreBase.lookup_keys``)."""
-        r = await self._http.post_json("/v1/lookup", P.key_request(ns, keys), idempotent=True,
-                                       timeout_s=timeout_s)
-        return LookupResult(r["num_hit_chunks"], r["chunk_size"], tuple(r["tiers"]),
-                            r["num_requested_chunks"])
+        async def one(b: range) -> LookupResult:
+            r = await self._http.post_json("/v1/lookup", P.key_request(ns, keys[b.start:b.stop]),
+                                           idempotent=True, timeout_s=timeout_s)
+            return LookupResult(r["num_hit_chunks"], r["chunk_size"], tuple(r["tiers"]),
+                                r["num_requested_chunks"])
+        if not keys:
+            return await one(range(0))
+        return B.merge_lookups(await B.run_batches_async(self._http, len(keys), one,
+                                                         stop=B.lookup_done,
+                                                         **_key_sizes(ns, keys)),
+                               len(keys), LookupResult)
 
     async def exists(self, ns: Namespace, keys: Sequence[ChunkKey], *,
                      timeout_s: float | None = None) -> list[bool]:
-        r = await self._http.post_json("/v1/exists", P.key_request(ns, keys), idempotent=True,
-                                       timeout_s=timeout_s)
-        return list(r["exists"])
+        r = await self._keys_call("/v1/exists", ns, keys, True, timeout_s)
+        return [x for a in r for x in a["exists"]]
 
     async def remove(self, ns: Namespace, keys: Sequence[ChunkKey], *,
                      timeout_s: float | None = None) -> int:
-        r = await self._http.post_json("/v1/remove", P.key_request(ns, keys), idempotent=True,
-                                       timeout_s=timeout_s)
-        return r["removed"]
+        r = await self._keys_call("/v1/remove", ns, keys, True, timeout_s)
+        return sum(a["removed"] for a in r)
 
     async def demote(self, ns: Namespace, keys: Sequence[ChunkKey], *,
                      timeout_s: float | None = None) -> int:
         """Make stored chunks first eviction candidates (``KVStoreBase.demote``); returns
         how many the daemon holds."""
-        r = await self._http.post_json("/v1/demote", P.key_request(ns, keys), idempotent=True,
-                                       timeout_s=timeout_s)
-        return r["demoted"]
+        r = await self._keys_call("/v1/demote", ns, keys, True, timeout_s)
+        return sum(a["demoted"] for a in r)
 
     async def clear(self, ns: Namespace | None = None, *, timeout_s: float | None = None) -> int:
         """Delete every chunk of ``ns`` (all namespaces if None)."""
@@ -120,15 +130,25 @@ class AsyncKVStoreClient:
     async def pin(self, ns: Namespace, keys: Sequence[ChunkKey], lease_s: float | None = None,
                   *, timeout_s: float | None = None) -> int:
         """Pin with a lease (the server caps it at its ``max_lease_s``)."""
-        r = await self._http.post_json("/v1/pin", P.key_request(ns, keys, lease_s=lease_s),
-                                       idempotent=False, timeout_s=timeout_s)
-        return r["pinned"]
+        r = await self._keys_call("/v1/pin", ns, keys, False, timeout_s, lease_s=lease_s)
+        return sum(a["pinned"] for a in r)
 
     async def unpin(self, ns: Namespace, keys: Sequence[ChunkKey], *,
                     timeout_s: float | None = None) -> int:
-        r = await self._http.post_json("/v1/unpin", P.key_request(ns, keys), idempotent=False,
-                                       timeout_s=timeout_s)
-        return r["unpinned"]
+        r = await self._keys_call("/v1/unpin", ns, keys, False, timeout_s)
+        return sum(a["unpinned"] for a in r)
+
+    async def _keys_call(self, path: str, ns: Namespace, keys: Sequence[ChunkKey],
+                         idempotent: bool, timeout_s: float | None, **extra) -> list[dict]:
+        """The JSON answers of ``path`` for ``keys`` in batches within the daemon's
+        ``max_batch_keys`` (``kvstore.daemon.batches``; one request when it fits)."""
+        async def one(b: range) -> dict:
+            return await self._http.post_json(path, P.key_request(ns, keys[b.start:b.stop],
+                                                                  **extra),
+                                              idempotent=idempotent, timeout_s=timeout_s)
+        if not keys:
+            return [await one(range(0))]
+        return await B.run_batches_async(self._http, len(keys), one, **_key_sizes(ns, keys))
 
     async def stats(self, *, timeout_s: float | None = None) -> dict:
         async def handle(resp):
@@ -172,13 +192,19 @@ class AsyncKVStoreClient:
         if codec != "raw":
             headers[W.WIRE_CODEC_HEADER] = codec
 
-        async def handle(resp):
-            if resp.status == 404:
-                return [None] * len(keys)
-            return await _read_get_body(resp.content, ns, keys, out, codec)
-        return await self._http.call("POST", "/v1/get", handle, idempotent=True,
-                                     timeout_s=timeout_s, body=P.key_request(ns, keys),
-                                     headers=headers)
+        async def one(b: range) -> list[torch.Tensor | None]:
+            part = keys[b.start:b.stop]
+
+            async def handle(resp):
+                if resp.status == 404:
+                    return [None] * len(part)
+                return await _read_get_body(resp.content, ns, part,
+                                            None if out is None else out[b.start:b.stop], codec)
+            return await self._http.call("POST", "/v1/get", handle, idempotent=True,
+                                         timeout_s=timeout_s, body=P.key_request(ns, part),
+                                         headers=headers)
+        got = await B.run_batches_async(self._http, len(keys), one, **_key_sizes(ns, keys))
+        return [t for part in got for t in part]
 
     async def put_chunks(self, ns: Namespace, keys: Sequence[ChunkKey],
                          kvs: Sequence[torch.Tensor],
@@ -188,11 +214,15 @@ class AsyncKVStoreClient:
         accepts, encoded first, off the event loop). With ``durable`` the server answers
         only after the disk tier has flushed them. ``parents`` as ``KVStoreBase.put_chunks``
         (sent as each entry's ``"parent"`` where it is not the previous key; the first
-        entry's always). Returns the number newly stored.
+        entry's always). Returns the number newly stored. A put past the daemon's
+        ``max_body_bytes``/``max_batch_keys`` goes as several requests in chunk order
+        (``kvstore.daemon.batches``); a failed one leaves the earlier ones' chunks stored.
 
         Raises:
             ValueError: ``len(keys) != len(kvs)``, a bad ``parents`` count, or a tensor not
                 matching ``ns.layout`` (checked here before sending; the server checks again).
+            ChunkTooLarge: (a ``RemoteError`` 413) one chunk needs a request larger than the
+                daemon's ``max_body_bytes`` (the message names both sizes); nothing sent.
         """
         check_put(ns, keys, kvs, parents)
         if not keys:
@@ -208,9 +238,42 @@ class AsyncKVStoreClient:
             entries = [(dataclasses.replace(e, parent=p, parent_given=True)
                         if i == 0 or p != keys[i - 1] else e, v)
                        for i, ((e, v), p) in enumerate(zip(entries, parents))]
-        parts = entries
-        head = P.put_header(ns, [e for e, _ in parts],
-                            self.durable if durable is None else durable)
+        durable = self.durable if durable is None else durable
+        if len(keys) > 1 and self._http.limits is None and not self._asked_limits:
+            await self._ask_limits(timeout_s)
+        sizes = [v.nbytes + len(json.dumps(e.to_dict())) + 2 for e, v in entries]
+        fixed = len(P.put_header(ns, [], durable)) + 128  # (+ a batch's first "parent")
+
+        async def one(b: range) -> int:
+            part = entries[b.start:b.stop]
+            if b.start > 0 and not part[0][0].parent_given:  # the batch names its first parent
+                first = B.batch_parents(keys, parents, range(b.start, b.start + 1))[0]
+                part[0] = (dataclasses.replace(part[0][0], parent=first, parent_given=True),
+                           part[0][1])
+            return await self._put_batch(ns, part, durable, headers, timeout_s)
+        return sum(await B.run_batches_async(self._http, len(keys), one, sizes=sizes,
+                                             fixed=fixed))
+
+    async def _ask_limits(self, timeout_s: float | None) -> None:
+        """Learn the daemon's limits before a first put of several chunks (``GET /healthz``
+        answers them in its headers; a 413 to a large streamed body may reach the client as a
+        reset connection). Asked once; an older daemon (no limits) or no answer within
+        ``LIMITS_ASK_S`` leaves them unknown (the put then goes whole; a 413 naming them
+        splits it)."""
+        self._asked_limits = True
+
+        async def handle(resp):
+            return None
+        try:
+            await self._http.call("GET", "/healthz", handle, idempotent=True,
+                                  timeout_s=min(LIMITS_ASK_S, timeout_s or self.timeout_s))
+        except (StoreUnavailable, RemoteError):
+            pass  # any later answer teaches them too (Transport.limits)
+
+    async def _put_batch(self, ns: Namespace, parts: list, durable: bool, headers: dict,
+                         timeout_s: float | None) -> int:
+        """One ``/v1/put`` of ``parts`` (entries and their payloads); the number stored."""
+        head = P.put_header(ns, [e for e, _ in parts], durable)
         length = len(head) + sum(v.nbytes for _, v in parts)
 
         async def stream() -> AsyncIterator[bytes | memoryview]:
@@ -235,6 +298,14 @@ class AsyncKVStoreClient:
                                          timeout_s=timeout_s)
         except (StoreUnavailable, RemoteError):
             return False
+
+
+def _key_sizes(ns: Namespace, keys: Sequence[ChunkKey]) -> dict:
+    """``sizes`` and ``fixed`` of a JSON key request's batches (``batches.plan``): each key's
+    bytes in the body (at most: the widest key's), and the body without keys (+ slack)."""
+    fixed = len(P.key_request(ns, [], lease_s=0.0))
+    per = max(len(P.key_request(ns, [k])) for k in keys[:1]) - len(P.key_request(ns, [])) + 8
+    return {"sizes": [per] * len(keys), "fixed": fixed + 64}
 
 
 def _encoded_entries(keys: Sequence[ChunkKey], kvs: Sequence[torch.Tensor], codec: str

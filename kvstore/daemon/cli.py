@@ -91,8 +91,11 @@ def _serve_parser(sub) -> None:
     p.add_argument("--insecure", action="store_const", const=True,
                    help="allow a non-loopback bind without --auth-token or --tenants-file")
     p.add_argument("--log-level", help="debug, info, warning, error (default info)")
-    p.add_argument("--max-body-bytes", help="largest request body (default 1GiB); larger -> 413")
-    p.add_argument("--max-batch-keys", type=int, help="most keys per request (default 1024)")
+    p.add_argument("--max-body-bytes", help="largest request body (default 1GiB); larger -> "
+                   "413. kvstore clients split larger puts into requests within it; a single "
+                   "chunk larger than it cannot be stored (the client's error names both)")
+    p.add_argument("--max-batch-keys", type=int, help="most keys per request (default 1024); "
+                   "kvstore clients split larger calls (a same-host get_borrowed excepted)")
     p.add_argument("--request-timeout-s", type=float, help="per-request limit (default 60)")
     p.add_argument("--max-lease-s", type=float, help="longest pin lease (default 300)")
     p.add_argument("--shutdown-timeout-s", type=float,

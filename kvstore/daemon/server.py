@@ -43,7 +43,9 @@ since the daemon started (its tenant is unknown). ``--auth-token`` alone is one 
 Store calls run on a thread pool so a slow disk tier never blocks the event loop. This module
 holds the app, auth/timeout middleware and the JSON routes; the binary get/put routes are in
 ``kvstore.daemon.payload`` (with a wire codec: ``kvstore.daemon.payload_wire``) and the shared
-limits/state/helpers in ``kvstore.daemon.state``.
+limits/state/helpers in ``kvstore.daemon.state``. Every answer not streamed carries the
+request limits (``X-KVStore-Max-Body-Bytes``, ``X-KVStore-Max-Batch-Keys``): clients split
+their batches to fit (``kvstore.daemon.batches``).
 """
 from __future__ import annotations
 
@@ -58,6 +60,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from kvstore.daemon import protocol as P
 from kvstore.api import KVStoreBase
 # re-exported: kvstore.daemon.server stays the public import path of these
+from kvstore.daemon.batches import MAX_BODY_HEADER, MAX_KEYS_HEADER
 from kvstore.daemon.budget import BufferPool, ByteBudget  # noqa: F401
 from kvstore.daemon.conns import ConnectionGuard
 from kvstore.daemon.payload import can_persist, persist  # noqa: F401
@@ -94,6 +97,9 @@ async def _middleware(request: web.Request, handler) -> web.StreamResponse:
         state.active -= 1
     if not resp.prepared:  # every answer names the protocol: clients tell us from other servers
         resp.headers.setdefault(P.VERSION_HEADER, str(P.PROTOCOL_VERSION))
+        # and the request limits: clients split their batches to fit (kvstore.daemon.batches)
+        resp.headers.setdefault(MAX_BODY_HEADER, str(state.limits.max_body_bytes))
+        resp.headers.setdefault(MAX_KEYS_HEADER, str(state.limits.max_batch_keys))
     state.requests.labels(route, str(resp.status)).inc()
     state.latency.labels(route).observe(time.perf_counter() - t0)
     return resp

@@ -36,7 +36,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kvstore.api import KVStoreBase, LookupResult, StoreCapabilities
+from kvstore.daemon import batches as B
 from kvstore.daemon import protocol as P
+from kvstore.daemon.batches import DaemonLimits
 from kvstore.daemon.call_checks import check_out, check_put  # noqa: F401 (re-exported)
 from kvstore.daemon.shm_borrow import ArenaBorrow, borrow_on, copy_on
 from kvstore.daemon.shm_conn import Conn, key_frame, unix_path
@@ -115,6 +117,8 @@ class ShmKVStoreClient(KVStoreBase):
         #: sends gets' releases that no request carried (``kvstore.daemon.shm_release``)
         self._releases = client_flusher(self, self.timeout_s)
         self._closed = False
+        #: the daemon's request limits from the latest hello (``kvstore.daemon.batches``)
+        self.limits: DaemonLimits | None = None
 
     # ---- connections ----------------------------------------------------------------------
     def _take(self, deadline: float) -> Conn:
@@ -134,15 +138,18 @@ class ShmKVStoreClient(KVStoreBase):
         """A new connection; hello in this client's protocol version, else (an older daemon
         answers 400 with the versions it serves) in the highest of those from then on."""
         try:
-            return Conn(self.path, self._token, deadline, self._arenas, self._version,
+            conn = Conn(self.path, self._token, deadline, self._arenas, self._version,
                         self.vm_put)
         except RemoteError as e:
             if (e.status != 400 or self._version == 1
                     or "unsupported shm protocol version" not in str(e)):
                 raise
             served = [int(v) for v in re.findall(r"\d+", str(e).rpartition("supported:")[2])]
-        self._version = max([v for v in served if v < self._version] or [1])
-        return Conn(self.path, self._token, deadline, self._arenas, self._version, self.vm_put)
+            self._version = max([v for v in served if v < self._version] or [1])
+            conn = Conn(self.path, self._token, deadline, self._arenas, self._version,
+                        self.vm_put)
+        self.limits = conn.hello.limits or self.limits  # (batches.run_batches reads them)
+        return conn
 
     def _give(self, conn: Conn) -> None:
         with self._lock:
@@ -233,10 +240,18 @@ class ShmKVStoreClient(KVStoreBase):
 
     def _keys_op(self, op: str, ns: Namespace, keys: Sequence[ChunkKey], *, idempotent: bool,
                  timeout_s: float | None, **extra: Any) -> dict:
-        frame = (key_frame(op, P.key_request(ns, keys, **extra)) if extra
-                 else _key_request_frame(op, ns, keys))
-        return self._call(op, lambda c, d: c.request(frame, d), idempotent=idempotent,
-                          timeout_s=timeout_s)
+        """``op``'s answer for ``keys``, asked in batches within the daemon's
+        ``max_batch_keys`` (answers merged: ``kvstore.daemon.batches.merge_answers``)."""
+        def one(b: range) -> dict:
+            part = keys[b.start:b.stop]
+            frame = (key_frame(op, P.key_request(ns, part, **extra)) if extra
+                     else _key_request_frame(op, ns, part))
+            return self._call(op, lambda c, d: c.request(frame, d), idempotent=idempotent,
+                              timeout_s=timeout_s)
+        if not keys:
+            return one(range(0))
+        return B.merge_answers(B.run_batches(self, len(keys), one, stop=(
+            B.lookup_done if op == "lookup" else None)), len(keys))
 
     def hello(self, *, timeout_s: float | None = None) -> dict:
         """Open (or reuse) a connection: ``{"instance", "tenant", "arena_bytes",
@@ -311,10 +326,14 @@ class ShmKVStoreClient(KVStoreBase):
             check_out(ns, keys, out)
         if not keys:
             return []
-        frame = _key_request_frame("get", ns, keys)
         take = self.results.take
-        return self._call("get", lambda c, d: copy_on(c, d, frame, ns, keys, out, take),
-                          idempotent=True, timeout_s=timeout_s)
+
+        def one(b: range) -> list:
+            part, buf = keys[b.start:b.stop], None if out is None else out[b.start:b.stop]
+            frame = _key_request_frame("get", ns, part)
+            return self._call("get", lambda c, d: copy_on(c, d, frame, ns, part, buf, take),
+                              idempotent=True, timeout_s=timeout_s)
+        return [t for got in B.run_batches(self, len(keys), one) for t in got]
 
     def get_borrowed(self, ns: Namespace, keys: Sequence[ChunkKey], *,
                      timeout_s: float | None = None) -> ArenaBorrow:
@@ -349,9 +368,16 @@ class ShmKVStoreClient(KVStoreBase):
         if not keys:
             return 0
         durable = self.durable if durable is None else bool(durable)
-        return self._call("put", lambda c, d: put_on(c, d, ns, keys, kvs, parents, durable,
-                                                     self.staging_bytes),
-                          idempotent=True, timeout_s=timeout_s)
+        if self.limits is None and len(keys) > 1:
+            self.hello(timeout_s=timeout_s)  # the limits (a put past them closes the socket)
+
+        def one(b: range) -> int:
+            par = B.batch_parents(keys, parents, b) if b.start or parents is not None else None
+            return self._call("put", lambda c, d: put_on(
+                c, d, ns, keys[b.start:b.stop], kvs[b.start:b.stop], par, durable,
+                self.staging_bytes), idempotent=True, timeout_s=timeout_s)
+        return sum(B.run_batches(self, len(keys), one,
+                                 sizes=[P.tensor_bytes(kv).nbytes for kv in kvs]))
 
     def close(self) -> None:
         """Close every connection (the daemon drops their pins). Idempotent."""

@@ -16,6 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
+from kvstore.daemon.batches import DaemonLimits, limits_from
 from kvstore.daemon import shm_protocol as S
 from kvstore.daemon import shm_vm
 from kvstore.daemon.protocol import (MAGIC, MAX_HEADER_BYTES, PREAMBLE, PREAMBLE_BYTES,
@@ -125,6 +126,8 @@ class Hello:
     version: int = 1
     #: the daemon reads this client's puts from its memory (``kvstore.daemon.shm_vm``)
     vm_read: bool = False
+    #: the daemon's request limits (None: an older daemon's hello does not name them)
+    limits: DaemonLimits | None = None
 
 
 class Conn:
@@ -209,7 +212,7 @@ class Conn:
         if agreed not in S.SHM_VERSIONS or agreed > version:
             raise ProtocolError(f"hello answered version {agreed!r} to a client of {version}")
         return Hello(instance, tenant, arena, int(reply.get("page_bytes") or 0), agreed,
-                     probe is not None and reply.get("vm_read") is True)
+                     probe is not None and reply.get("vm_read") is True, limits_from(reply))
 
     @staticmethod
     def _wait(poller, deadline: float) -> None:

@@ -52,7 +52,8 @@ async def hello(c: "Connection") -> bool:
     await c.reply({"ok": True, "version": version, "instance": c.state.instance,
                    "arena_bytes": srv.arena_bytes, "page_bytes": srv.page_bytes,
                    "tenant": {"name": tenant.name, "role": tenant.role, "salt": tenant.salt},
-                   **vm}, fds=[srv.arena_fd] if srv.arena_bytes else [])
+                   "max_body_bytes": c.state.limits.max_body_bytes,
+                   "max_batch_keys": c.state.limits.max_batch_keys, **vm}, fds=[srv.arena_fd] if srv.arena_bytes else [])
     return True
 
 

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from kvstore.daemon.batches import DaemonLimits, limits_from
 from kvstore.daemon.wire_version import PROTOCOL_VERSION, VERSION_HEADER
 from kvstore.errors import NotADaemon, RemoteError, StoreUnavailable
 
@@ -98,6 +99,9 @@ class Transport:
             deadline.
         refused_backoff_s: wait between such attempts (seconds).
 
+    ``limits`` holds the daemon's request limits once an answer named them
+    (``kvstore.daemon.batches``).
+
     Raises:
         ValueError: ``url`` is not ``http[s]://HOST:PORT`` (``check_url``), or a bad
             ``refused_tries``.
@@ -119,6 +123,9 @@ class Transport:
         if auth_token:
             self._headers["Authorization"] = f"Bearer {auth_token}"
         self._session: aiohttp.ClientSession | None = None
+        #: the daemon's request limits, from its latest answer that named them (None: none
+        #: did yet, or an older daemon)
+        self.limits: DaemonLimits | None = None
 
     def _sess(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -164,6 +171,7 @@ class Transport:
                         if VERSION_HEADER not in resp.headers \
                                 and resp.status not in _GATEWAY_STATUSES:
                             raise not_a_daemon(self.url, method, path, resp)
+                        self.limits = limits_from(resp.headers) or self.limits
                         if resp.status == 503 and idempotent:
                             raise _Retry(await resp.text())
                         if resp.status >= 400 and resp.status != 404:
