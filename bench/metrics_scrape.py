@@ -119,7 +119,8 @@ def summarize(deltas: Mapping[str, Samples]) -> dict:
         ``engine_query_tokens``, ``engine_hit_tokens``: the engines' own prefix caches;
         ``store_query_tokens``, ``store_hit_tokens``: the KV store as seen by the engines;
         ``hit_tokens_by_tier``: ``{"engine": ..., <store tier>: ...}`` (store tiers from a
-        ``tier`` label where a series has one, else one ``"store"`` entry);
+        ``tier`` label where a series has one, tiers that served nothing left out, else one
+        ``"store"`` entry);
         ``bytes_loaded``, ``bytes_saved``: KV bytes moved from/to the store (engine-side
         series if present, else the daemon's payload bytes), ``None`` when nothing reports it;
         ``preemptions``: requests preempted by the engines (a preempted request that resumes
@@ -136,11 +137,11 @@ def summarize(deltas: Mapping[str, Samples]) -> dict:
     for d in engines + daemons:
         for k, v in d.items():
             tier = _label(k, "tier")
-            if tier and "hit_tokens" in _name(k) and _name(k).endswith("_total"):
+            if tier and v and "hit_tokens" in _name(k) and _name(k).endswith("_total"):
                 by_tier[tier] = by_tier.get(tier, 0.0) + v
     for d in engines:
         for k, v in d.items():
-            if _name(k) == "stats:kvstore_hit_tokens_by_tier":
+            if v and _name(k) == "stats:kvstore_hit_tokens_by_tier":
                 tier = _label(k, "tier")
                 by_tier[tier] = by_tier.get(tier, 0.0) + v
     if sh and not set(by_tier) - {"engine"}:

@@ -182,6 +182,11 @@ def test_debug_stats_give_tiers_and_bytes():
     assert s["hit_tokens_by_tier"] == {"cpu": 64.0, "disk": 256.0}
     assert (s["bytes_loaded"], s["bytes_saved"]) == (4096.0, 7.0)
     assert s["preemptions"] is None
+    # tiers a connector exports at 0 from the start and that served nothing are left out
+    zero = metrics_scrape.flatten_stats({"kvstore_hit_tokens_by_tier": {"cpu": 64,
+                                                                        "remote:gpu": 0}})
+    s = metrics_scrape.summarize({"engine0": metrics_scrape.delta(before, zero)})
+    assert s["hit_tokens_by_tier"] == {}
     s = metrics_scrape.summarize({"engine0": metrics_scrape.delta(
         {"stats:num_preemptions": 2.0}, {"stats:num_preemptions": 2.0})})
     assert s["preemptions"] == 0.0
