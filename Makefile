@@ -5,6 +5,9 @@ VENV      ?= .venv
 VPY       := $(VENV)/bin/python
 STAMP     := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
+# pytest-xdist workers of the core suite: each test file runs whole in one worker (loadfile), so a
+# module's fixtures (the real model, engines, Redis clusters) start once; 0 runs it in one process.
+TEST_WORKERS ?= 2
 
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.vllm-installed-stamp
@@ -38,20 +41,27 @@ redis:
 		     "'make redis' as root); tests that need Redis skip, and fail under CI=true"; \
 	fi
 
-# The whole suite: the project's tests in .venv, then the vLLM connector's integration tests in
-# their own environment (.venv-vllm, CPU build of vLLM; see tools/make_vllm_env.sh).
-test: test-core test-vllm
+# The whole suite: the project's tests in .venv and, at the same time, the vLLM connector's
+# integration tests in their own environment (.venv-vllm, CPU build of vLLM; see
+# tools/make_vllm_env.sh). Much of both waits on servers and subprocesses, so they overlap well on
+# two cores. Each part's output is printed whole when it ends (--output-sync); `make test` fails
+# when either fails. `make test-core` / `make test-vllm` run one part. The environments are built
+# first, one after the other (both install this project in editable mode, into the same tree).
+test: $(STAMP) $(VLLM_STAMP) redis
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-core test-vllm
 
 test-core: $(STAMP) redis
-	$(VPY) -m pytest -q -ra $(PYTEST_ARGS)
+	$(VPY) -m pytest -q -ra $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 vllm-venv: $(VLLM_STAMP)
 
 $(VLLM_STAMP): tools/make_vllm_env.sh pyproject.toml
 	PY=$(PY) tools/make_vllm_env.sh $(VLLM_VENV)
 
+VLLM_TESTS ?= tests/connectors/test_vllm_connector.py tests/connectors/test_vllm_daemon.py tests/connectors/test_vllm_cli.py tests/connectors/test_vllm_tenants.py tests/connectors/test_vllm_engine_min_sharing.py tests/connectors/test_vllm_reader.py
+
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q -ra tests/connectors/test_vllm_connector.py tests/connectors/test_vllm_daemon.py tests/connectors/test_vllm_cli.py tests/connectors/test_vllm_tenants.py tests/connectors/test_vllm_engine_min_sharing.py tests/connectors/test_vllm_reader.py
+	$(VLLM_VENV)/bin/python -m pytest -q -ra $(VLLM_TESTS)
 
 # The prepared GPU checks and timings (bench/gpu_check.py) on a CUDA machine, with $(PY): an
 # interpreter whose torch is a CUDA build (.venv's is the CPU build). Writes results/gpu_check.json.
