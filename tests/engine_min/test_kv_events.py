@@ -219,8 +219,8 @@ def _free_port() -> int:
 
 def test_sigterm_ends_an_open_long_poll_at_once():
     """``python -m engine_min serve`` with a subscriber's 30 s long poll open: SIGTERM answers
-    the poll (200, no batches) and the process exits within 2 s, instead of waiting the poll
-    out."""
+    the poll (200, no batches) and the process exits within 5 s (well under the poll's 30 s, with
+    room for a loaded host), instead of waiting the poll out."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
@@ -255,8 +255,8 @@ def test_sigterm_ends_an_open_long_poll_at_once():
         assert proc.wait(10) == 0
         exit_s = time.monotonic() - t0
         poller.join(5)
-        assert exit_s < 2.0, exit_s
-        assert answer["status"] == 200 and answer["at"] - t0 < 2.0
+        assert exit_s < 5.0, exit_s
+        assert answer["status"] == 200 and answer["at"] - t0 < 5.0
         assert answer["body"]["batches"] == [] and answer["body"]["epoch"] == snap["epoch"]
     finally:
         if proc.poll() is None:

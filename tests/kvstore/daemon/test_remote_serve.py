@@ -157,7 +157,7 @@ def test_wrong_password_exits_nonzero_within_seconds_naming_auth(redis_with_pass
     took = time.monotonic() - t0
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
-    assert took < 10, took
+    assert took < 20, took   # the process's start alone takes seconds on a loaded host
     assert "listening" not in proc.stdout
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith("kvstore serve: cannot start the remote tier: Redis at "
