@@ -213,7 +213,8 @@ class LLMEngine:
         res = execute_isolated(self.runner, sched)
         outputs += [self._fail(f) for f in res.failed]
         samplers = [it for it in res.ordered if it.samples]
-        tokens = self.sampler.sample_rows(res.logits, [it.seq.sampling for it in samplers],
+        logits = self._suppress_early_stops(res.logits, [it.seq for it in samplers])
+        tokens = self.sampler.sample_rows(logits, [it.seq.sampling for it in samplers],
                                           [it.seq.generator for it in samplers]) if samplers else []
         sampled = dict(zip((id(it.seq) for it in samplers), tokens))
         for it in res.ordered:
@@ -228,6 +229,27 @@ class LLMEngine:
             elif token is not None:
                 outputs.append(self._append_token(it.seq, token))
         return outputs
+
+    def _suppress_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """``min_tokens``: ``logits [len(seqs), vocab]``, or a copy where the EOS (unless
+        ``ignore_eos``) and ``stop_token_ids`` of each sequence with fewer than ``min_tokens``
+        output tokens hold the dtype's lowest finite value, so neither argmax nor a draw picks
+        them (a finite value: the sampler refuses rows with infinite logits)."""
+        low, copied = None, False
+        for row, seq in enumerate(seqs):
+            p = seq.sampling
+            if seq.num_output_tokens >= p.min_tokens:
+                continue
+            ids = list(p.stop_token_ids)
+            if not p.ignore_eos and self.eos_token_id is not None:
+                ids.append(self.eos_token_id)
+            ids = [t for t in ids if t < logits.shape[-1]]
+            if ids:
+                if not copied:  # the forward's output is an inference tensor: no in-place
+                    logits, copied = logits.clone(), True
+                    low = torch.finfo(logits.dtype).min
+                logits[row, ids] = low
+        return logits
 
     def _advance(self, it) -> None:
         """Count a completed prompt, move ``num_computed_tokens`` past this step's tokens and
@@ -245,12 +267,13 @@ class LLMEngine:
         self.num_generated_tokens += 1
         if seq.first_token_time is None:
             seq.first_token_time = now
+        prev_len = len(seq.text.rstrip("\ufffd"))  # a partial UTF-8 tail may change
         try:
             seq.text = self._detokenize(seq)
         except Exception as exc:  # noqa: BLE001 - fails this request alone
             return self._fail(SeqFailure(seq, "detokenize", exc))
         try:
-            reason = self._stop_reason(seq, token)
+            reason = self._stop_reason(seq, token, prev_len)
         except Exception as exc:  # noqa: BLE001 - fails this request alone
             return self._fail(SeqFailure(seq, "stop", exc))
         if reason is not None:
@@ -263,15 +286,28 @@ class LLMEngine:
         """The text of seq's output tokens."""
         return self.tokenizer.decode(seq.output_token_ids)
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        """``"stop"`` / ``"length"`` when ``token`` (just appended) ends seq, else None; a
-        matched stop string is cut from ``seq.text``."""
+    def _stop_reason(self, seq: Sequence, token: int, prev_len: int) -> str | None:
+        """``"stop"`` / ``"length"`` when ``token`` (just appended) ends seq, else None, as
+        vLLM decides: no EOS / stop id before ``min_tokens`` outputs, stop strings only once
+        more than ``min_tokens`` were generated and only in the text new since ``prev_len``
+        characters (and the overlap a stop string needs). A stop string is cut from
+        ``seq.text`` (kept with ``include_stop_str_in_output``), so is a stop token's text;
+        ``seq.stop_reason`` becomes the matched stop string or token id (None for EOS)."""
         p = seq.sampling
-        if (token == self.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
-            return "stop"
-        if p.stop and (cut := _find_stop(seq.text, p.stop)) is not None:
-            seq.text = seq.text[:cut]
-            return "stop"
+        if seq.num_output_tokens >= p.min_tokens:
+            eos = token == self.eos_token_id and not p.ignore_eos
+            if eos or token in p.stop_token_ids:
+                seq.stop_reason = None if eos else token
+                if not p.include_stop_str_in_output:
+                    seq.text = self.tokenizer.decode(seq.output_token_ids[:-1])
+                return "stop"
+        if p.stop and seq.num_output_tokens > p.min_tokens:
+            hit = _find_stop(seq.text, p.stop, prev_len)
+            if hit is not None:
+                cut, stop = hit
+                seq.text = seq.text[:cut + len(stop) if p.include_stop_str_in_output else cut]
+                seq.stop_reason = stop
+                return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
@@ -340,7 +376,9 @@ class LLMEngine:
                 "kv_pool_bytes": self.kv_cache.numel() * self.kv_cache.element_size()}
 
 
-def _find_stop(text: str, stops: list[str]) -> int | None:
-    """Index of the earliest stop string in ``text``, or None."""
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(found) if found else None
+def _find_stop(text: str, stops: list[str], prev_len: int = 0) -> tuple[int, str] | None:
+    """The earliest stop string in ``text`` that ends past ``prev_len`` (text before it was
+    searched already) as ``(index, stop string)``, or None."""
+    found = [(i, s) for s in stops
+             if (i := text.find(s, max(0, prev_len - len(s) + 1))) >= 0]
+    return min(found, key=lambda f: f[0]) if found else None

@@ -45,8 +45,13 @@ class SamplingParams:
         seed: per-request generator seed (same seed, same sampled tokens in any batch); None
             uses the engine's generator (``EngineConfig.seed``).
         stop: strings ending the output (finish_reason "stop"); the text is cut before them.
-        stop_token_ids: token ids ending the output (kept in output_token_ids).
+        stop_token_ids: token ids ending the output (kept in output_token_ids; their text is
+            left out of ``text`` unless ``include_stop_str_in_output``).
         ignore_eos: keep going past the EOS token.
+        min_tokens: the EOS and ``stop_token_ids`` cannot be sampled, and stop strings are not
+            looked for, until this many tokens were generated (vLLM's rule); 0..max_tokens.
+        include_stop_str_in_output: keep a matched stop string (or a stop token's text) in
+            ``text`` instead of cutting it off.
 
     Raises:
         ValueError: any value out of range (a NaN or infinite temperature too), naming the
@@ -61,6 +66,8 @@ class SamplingParams:
     stop: Seq[str] = ()
     stop_token_ids: Seq[int] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -82,6 +89,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
+        if (isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int)
+                or not 0 <= self.min_tokens <= self.max_tokens):
+            raise ValueError(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
 
     @property
     def greedy(self) -> bool:

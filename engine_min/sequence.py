@@ -41,6 +41,7 @@ class Sequence:
         error: why the request failed (``"<stage>: <ExceptionType>: <message>"``, finish
             reason ``"error"``), else None.
         generator: per-request torch.Generator when ``sampling.seed`` is set.
+        stop_reason: the stop string or stop token id that finished it, else None.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams):
@@ -57,6 +58,7 @@ class Sequence:
         self.error: str | None = None
         self.finish_reason: str | None = None
         self.text = ""
+        self.stop_reason: str | int | None = None
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -128,6 +130,8 @@ class RequestOutput:
             (TTFT = first_token_time - arrival_time).
         error: with finish_reason "error", the stage and exception that failed the request
             (``"sample: ValueError: ..."``); None otherwise.
+        stop_reason: the matched stop string or stop token id (vLLM's ``stop_reason``); None
+            for EOS, length, abort or error.
     """
 
     request_id: str
@@ -143,10 +147,11 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     error: str | None = None
+    stop_reason: str | int | None = None
 
     @classmethod
     def of(cls, seq: Sequence, new_token_ids: list[int]) -> "RequestOutput":
         return cls(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, list(new_token_ids),
                    seq.text, seq.is_finished, seq.finish_reason, seq.num_prompt_tokens,
                    seq.num_cached_tokens, seq.arrival_time, seq.first_token_time, seq.finish_time,
-                   seq.error)
+                   seq.error, seq.stop_reason)

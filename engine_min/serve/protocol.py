@@ -14,9 +14,12 @@ either), ``messages``, ``max_tokens`` / ``max_completion_tokens``, ``temperature
 below 1e-5, ``engine_min.sampler.SAMPLING_EPS``, it is greedy exactly as 0, vLLM's rule), ``top_p``,
 ``top_k`` (extension; 0 or -1 disables), ``seed``, ``stop`` (string or list of strings),
 ``stop_token_ids`` and ``ignore_eos`` (extensions), ``n`` (1 only), ``stream``,
-``stream_options.include_usage``. Unknown fields are ignored, as OpenAI-compatible servers do;
-known fields of the wrong type, and features we do not implement (logprobs, echo, n > 1,
-penalties other than 0), are rejected with 400.
+``stream_options.include_usage``, and vLLM's extensions of ``engine_min.serve.vllm_fields``
+(``min_tokens``, ``include_stop_str_in_output``, ``truncate_prompt_tokens``,
+``continuous_usage_stats``, chat ``add_generation_prompt`` / ``continue_final_message``).
+Unknown fields are ignored, as OpenAI-compatible servers do; known fields of the wrong type,
+and features we do not implement (logprobs, echo, n > 1, penalties other than 0, the vLLM
+fields of ``vllm_fields.REFUSED``), are rejected with 400.
 
 Responses are built by ``engine_min.serve.responses``.
 """
@@ -77,6 +80,10 @@ class ApiRequest:
         include_usage: with ``stream``, send a final chunk carrying ``usage``.
         return_token_ids: answer with the prompt's and the output's token ids too (vLLM's
             extension, ``engine_min.serve.responses.add_token_ids``).
+        truncate_prompt_tokens: keep the prompt's last k tokens (-1: ``max_model_len``), or
+            None; continuous_usage: with ``include_usage``, usage on every chunk;
+            add_generation_prompt / continue_final_message: how a chat is rendered
+            (``engine_min.serve.vllm_fields``).
     """
 
     kind: str
@@ -88,6 +95,10 @@ class ApiRequest:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+    truncate_prompt_tokens: int | None = None
+    continuous_usage: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 def loads_body(raw: bytes) -> dict:
@@ -292,7 +303,9 @@ def _parse_sampling(body: dict) -> dict:
 
 
 def _parse_common(body: dict, kind: str) -> dict:
+    from engine_min.serve import vllm_fields
     _check_unsupported(body, kind)
+    vllm_fields.refuse_unimplemented(body, kind)
     model = _opt(body, "model", lambda v: isinstance(v, str), "a string")
     max_tokens = _opt(body, "max_tokens", _is_int, "an integer")
     if kind == "chat":
@@ -308,9 +321,11 @@ def _parse_common(body: dict, kind: str) -> dict:
                        param="stream_options", code="invalid_value")
     include_usage = _opt(opts, "include_usage", lambda v: isinstance(v, bool), "a boolean")
     ids = _opt(body, "return_token_ids", lambda v: isinstance(v, bool), "a boolean")
-    return {"kind": kind, "model": model, "max_tokens": max_tokens,
-            "sampling": _parse_sampling(body), "stream": stream,
-            "include_usage": bool(include_usage), "return_token_ids": bool(ids)}
+    sampling = {**_parse_sampling(body), **vllm_fields.parse_vllm_sampling(body, max_tokens)}
+    return {"kind": kind, "model": model, "max_tokens": max_tokens, "sampling": sampling,
+            "stream": stream, "include_usage": bool(include_usage),
+            "return_token_ids": bool(ids),
+            **vllm_fields.parse_request_options(body, kind, opts)}
 
 
 def parse_completion_request(body: dict) -> ApiRequest:

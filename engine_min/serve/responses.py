@@ -28,43 +28,52 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens:
 
 
 def completion_response(request_id: str, model: str, created: int, text: str,
-                        finish_reason: str | None, usage_obj: dict) -> dict:
-    """A non-streamed ``text_completion`` object with one choice."""
+                        finish_reason: str | None, usage_obj: dict,
+                        stop_reason: str | int | None = None) -> dict:
+    """A non-streamed ``text_completion`` object with one choice (``stop_reason``: vLLM's,
+    the matched stop string or stop token id, else null)."""
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": None,
-                         "finish_reason": finish_reason}],
+                         "finish_reason": finish_reason, "stop_reason": stop_reason}],
             "usage": usage_obj}
 
 
 def chat_response(request_id: str, model: str, created: int, text: str,
-                  finish_reason: str | None, usage_obj: dict) -> dict:
+                  finish_reason: str | None, usage_obj: dict,
+                  stop_reason: str | int | None = None) -> dict:
     """A non-streamed ``chat.completion`` object with one assistant message."""
     return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish_reason}],
+                         "logprobs": None, "finish_reason": finish_reason,
+                         "stop_reason": stop_reason}],
             "usage": usage_obj}
 
 
 def completion_chunk(request_id: str, model: str, created: int, text: str,
-                     finish_reason: str | None, include_usage: bool) -> dict:
-    """One streamed ``text_completion`` chunk (``usage: null`` when usage is requested)."""
+                     finish_reason: str | None, include_usage: bool,
+                     stop_reason: str | int | None = None, usage_obj: dict | None = None
+                     ) -> dict:
+    """One streamed ``text_completion`` chunk (``usage``: ``usage_obj``, null unless
+    ``stream_options.continuous_usage_stats``, when usage is requested)."""
     chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model,
              "choices": [{"index": 0, "text": text, "logprobs": None,
-                          "finish_reason": finish_reason}]}
+                          "finish_reason": finish_reason, "stop_reason": stop_reason}]}
     if include_usage:
-        chunk["usage"] = None
+        chunk["usage"] = usage_obj
     return chunk
 
 
 def chat_chunk(request_id: str, model: str, created: int, delta: dict,
-               finish_reason: str | None, include_usage: bool) -> dict:
+               finish_reason: str | None, include_usage: bool,
+               stop_reason: str | int | None = None, usage_obj: dict | None = None) -> dict:
     """One streamed ``chat.completion.chunk``; ``delta`` is ``{"role": ...}``, ``{"content":
-    ...}`` or ``{}`` on the last chunk."""
+    ...}`` or ``{}`` on the last chunk; ``usage`` as in ``completion_chunk``."""
     chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created,
              "model": model, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                          "finish_reason": finish_reason}]}
+                                          "finish_reason": finish_reason,
+                                          "stop_reason": stop_reason}]}
     if include_usage:
-        chunk["usage"] = None
+        chunk["usage"] = usage_obj
     return chunk
 
 

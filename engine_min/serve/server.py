@@ -19,6 +19,7 @@ its KV blocks.
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``; a
 chat stream's role chunk goes out with the first token, as vLLM's), ``POST /tokenize`` and
 ``POST /detokenize`` (vLLM's shapes; ``engine_min.serve.tokenize_routes``), ``GET /v1/models``,
+``GET /v1/models/{id}`` and ``GET /version`` (``engine_min.serve.model_routes``),
 ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /v1/kv_events`` and
 ``GET /v1/kv_events/snapshot`` (the prefix cache's KV events for routers;
 ``engine_min.serve.kv_event_routes``), ``GET /debug/stats`` (the engine's ``stats()``
@@ -33,21 +34,21 @@ import json
 import logging
 import threading
 import time
-import uuid
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from aiohttp import web
-from jinja2 import TemplateError
 
 from engine_min.serve import protocol as proto
 from engine_min.serve import responses as wire
 from engine_min.serve.engine_loop import EngineLoop, ShuttingDown
 from engine_min.serve.errors import error_response, openai_error_middleware
 from engine_min.serve.metrics import ServerMetrics
+from engine_min.serve.prepare import MAX_CHARS_PER_TOKEN, RequestPreparation  # noqa: F401
+from engine_min.serve.prepare import Prepared as _Prepared
 from engine_min.serve.run import ServerThread  # noqa: F401  (re-exported: tests, benches)
 from engine_min.serve.kv_event_routes import add_kv_event_routes
 from engine_min.serve.tokenize_routes import add_tokenize_routes
+from engine_min.serve.model_routes import add_model_routes, model_card
 
 logger = logging.getLogger(__name__)
 
@@ -61,24 +62,7 @@ def _dumps_lenient(obj: Any) -> str:
 _json_error = error_response
 
 
-#: generous upper bound of characters per token: a text prompt (or the messages' content) longer
-#: than ``max_model_len * MAX_CHARS_PER_TOKEN`` characters cannot fit the context, so it is
-#: refused before the tokenizer spends seconds on it (a 4.8 MB prompt took 3.6 s).
-MAX_CHARS_PER_TOKEN = 64
-
-
-@dataclass
-class _Prepared:
-    """A validated, tokenized request ready for the engine."""
-
-    req: proto.ApiRequest
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: Any
-    created: int = field(default_factory=lambda: int(time.time()))
-
-
-class OpenAIServing:
+class OpenAIServing(RequestPreparation):
     """The HTTP handlers; one per app.
 
     Args:
@@ -115,79 +99,6 @@ class OpenAIServing:
         with finish reason ``"abort"``, an error event and ``[DONE]``; others get 503)."""
         for request_id in list(self._inflight):
             self.engine_loop.abort(request_id, ShuttingDown())
-
-    # ---- request preparation ---------------------------------------------------------------
-    def _prepare(self, raw: bytes, kind: str) -> _Prepared:
-        from engine_min.sampler import SamplingParams
-
-        body = proto.loads_body(raw)
-        if kind == "chat":
-            req = proto.parse_chat_request(body)
-        else:
-            req = proto.parse_completion_request(body)
-        self.check_model(req.model)
-        self._check_chars(req)
-        if req.kind == "chat":
-            try:
-                text = self.tokenizer.apply_chat_template(req.messages,
-                                                          add_generation_prompt=True)
-            except (ValueError, TypeError, TemplateError) as exc:
-                raise proto.ApiError(f"The chat template rejected the messages: {exc}",
-                                     param="messages", code="invalid_value") from exc
-            prompt_ids = self.encode(text, "messages")
-        elif isinstance(req.prompt, str):
-            prompt_ids = self.encode(req.prompt, "prompt")
-        else:
-            prompt_ids = list(req.prompt)
-        if not prompt_ids:
-            raise proto.ApiError("The prompt encodes to zero tokens.", param="prompt",
-                                 code="empty_prompt")
-        max_tokens = proto.check_context(req, prompt_ids, self.max_model_len, self.vocab_size)
-        try:
-            sampling = SamplingParams(max_tokens=max_tokens, **req.sampling)
-        except (TypeError, ValueError) as exc:
-            raise proto.ApiError(f"Invalid sampling parameters: {exc}",
-                                 code="invalid_value") from exc
-        prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        return _Prepared(req, f"{prefix}-{uuid.uuid4().hex}", prompt_ids, sampling)
-
-    def check_model(self, model: str | None) -> None:
-        """Refuse (404 ``model_not_found``) a request naming a model this server does not
-        serve; ``None`` (no ``model`` field) means the served one."""
-        if model is not None and model not in self.model_names:
-            raise proto.ApiError(f"The model `{model}` does not exist.", param="model",
-                                 code="model_not_found", status=404)
-
-    def _check_chars(self, req: proto.ApiRequest) -> None:
-        """Refuse text that cannot fit the context whatever it encodes to (400), before the
-        tokenizer runs: more than ``max_model_len * MAX_CHARS_PER_TOKEN`` characters."""
-        if req.kind == "chat":
-            n, param = sum(len(m.get("content") or "") for m in req.messages), "messages"
-        elif isinstance(req.prompt, str):
-            n, param = len(req.prompt), "prompt"
-        else:
-            return
-        self.check_text_length(n, param)
-
-    def check_text_length(self, num_chars: int, param: str) -> None:
-        """Refuse (400 ``context_length_exceeded``) ``num_chars`` characters of text in field
-        ``param`` when over ``max_model_len * MAX_CHARS_PER_TOKEN``."""
-        limit = self.max_model_len * MAX_CHARS_PER_TOKEN
-        if num_chars > limit:
-            raise proto.ApiError(f"This model's maximum context length is {self.max_model_len} "
-                                 f"tokens. However, your {param} "
-                                 f"{'have' if param == 'messages' else 'has'} {num_chars} "
-                                 f"characters, more than the {limit} characters that context "
-                                 f"can hold.", param=param,
-                                 code="context_length_exceeded")
-
-    def encode(self, text: str, param: str) -> list[int]:
-        """Token ids of ``text`` (request field ``param``); 400 if it cannot be tokenized."""
-        try:
-            return list(self.tokenizer.encode(text))
-        except ValueError as exc:  # text the tokenizer cannot take (not valid Unicode)
-            raise proto.ApiError(f"The {param} cannot be tokenized: {exc}", param=param,
-                                 code="invalid_value") from exc
 
     # ---- endpoints -------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -236,22 +147,30 @@ class OpenAIServing:
         build = wire.chat_response if p.req.kind == "chat" else wire.completion_response
         usage = wire.usage(out.num_prompt_tokens, len(out.output_token_ids),
                             out.num_cached_tokens)
-        body = build(p.request_id, self.model_name, p.created, out.text, out.finish_reason, usage)
+        body = build(p.request_id, self.model_name, p.created, out.text, out.finish_reason, usage,
+                     out.stop_reason)
         if p.req.return_token_ids:
             wire.add_token_ids(body, p.req.kind, out.output_token_ids, p.prompt_token_ids)
         return web.json_response(body)
 
     def _chunk(self, p: _Prepared, text: str | None, finish_reason: str | None,
-               role: bool = False, ids: Any = None) -> bytes:
+               role: bool = False, ids: Any = None, out: Any = None) -> bytes:
         """One SSE chunk; ``text`` None means an empty chat delta. With ``return_token_ids``,
-        ``ids`` (``responses.StreamTokenIds``) gives it the token ids not sent yet."""
+        ``ids`` (``responses.StreamTokenIds``) gives it the token ids not sent yet. ``out``:
+        the latest output, for a finishing chunk's ``stop_reason`` and the usage so far of
+        ``continuous_usage_stats`` (None: nothing generated yet)."""
         args = (p.request_id, self.model_name, p.created)
+        usage = (self._usage_of(p, out) if p.req.include_usage and p.req.continuous_usage
+                 else None)
+        stop_reason = out.stop_reason if out is not None and finish_reason else None
         if p.req.kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else (
                 {} if text is None else {"content": text})
-            chunk = wire.chat_chunk(*args, delta, finish_reason, p.req.include_usage)
+            chunk = wire.chat_chunk(*args, delta, finish_reason, p.req.include_usage,
+                                    stop_reason, usage)
         else:
-            chunk = wire.completion_chunk(*args, text or "", finish_reason, p.req.include_usage)
+            chunk = wire.completion_chunk(*args, text or "", finish_reason,
+                                          p.req.include_usage, stop_reason, usage)
         if ids is not None:
             ids.attach(chunk, p.req.kind, tokens=not role)
         return wire.sse(chunk)
@@ -279,7 +198,9 @@ class OpenAIServing:
         (``vllm bench serve --backend openai-chat``, genai-perf) time the first chunk that has
         ``choices`` as the first token, so sent at acceptance it made their TTFT the queueing
         time instead of the prefill."""
-        streamer = wire.TextStreamer(p.req.sampling.get("stop", ()))
+        # a stop string kept in the output needs no holding back (vLLM's stop buffer is 0)
+        streamer = wire.TextStreamer(() if p.req.sampling.get("include_stop_str_in_output")
+                                     else p.req.sampling.get("stop", ()))
         role_sent = p.req.kind != "chat"
         last = None  # the latest output (its usage ends a stream cut by shutdown)
         ids = wire.StreamTokenIds(p.prompt_token_ids) if p.req.return_token_ids else None
@@ -290,7 +211,7 @@ class OpenAIServing:
                     str(out), status=500, type="server_error")
                 if isinstance(out, ShuttingDown):  # cut by shutdown: say so in the choices too
                     await resp.write(self._chunk(p, None if p.req.kind == "chat" else "",
-                                                 "abort", ids=ids))
+                                                 "abort", ids=ids, out=last))
                     if p.req.include_usage:
                         await resp.write(self._usage_chunk(p, last))
                 await resp.write(wire.sse(proto.error_body(err.message, err.type, err.param,
@@ -304,12 +225,12 @@ class OpenAIServing:
             delta = streamer.delta(out.text, out.finished)
             if p.req.kind == "chat":
                 if delta:
-                    await resp.write(self._chunk(p, delta, None, ids=ids))
+                    await resp.write(self._chunk(p, delta, None, ids=ids, out=out))
                 if out.finished:
-                    await resp.write(self._chunk(p, None, out.finish_reason, ids=ids))
+                    await resp.write(self._chunk(p, None, out.finish_reason, ids=ids, out=out))
             elif delta or out.finished:
                 await resp.write(self._chunk(p, delta, out.finish_reason if out.finished
-                                             else None, ids=ids))
+                                             else None, ids=ids, out=out))
             last = out
             if out.finished:
                 if p.req.include_usage:
@@ -318,20 +239,22 @@ class OpenAIServing:
         await resp.write(wire.SSE_DONE)
         await resp.write_eof()
 
+    @staticmethod
+    def _usage_of(p: _Prepared, out: Any) -> dict:
+        """``out``'s token counts (None: nothing generated yet, the prompt's length and no
+        cached tokens)."""
+        return (wire.usage(len(p.prompt_token_ids), 0, 0) if out is None else
+                wire.usage(out.num_prompt_tokens, len(out.output_token_ids),
+                           out.num_cached_tokens))
+
     def _usage_chunk(self, p: _Prepared, out: Any) -> bytes:
-        """The SSE chunk of ``stream_options.include_usage``: ``out``'s token counts (None:
-        nothing generated yet, the prompt's length and no cached tokens)."""
-        usage = (wire.usage(len(p.prompt_token_ids), 0, 0) if out is None else
-                 wire.usage(out.num_prompt_tokens, len(out.output_token_ids),
-                            out.num_cached_tokens))
+        """The SSE chunk of ``stream_options.include_usage``: ``out``'s token counts."""
         return wire.sse(wire.usage_chunk(p.request_id, self.model_name, p.created, p.req.kind,
-                                         usage))
+                                         self._usage_of(p, out)))
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{
-            "id": name, "object": "model", "created": self.created,
-            "owned_by": "engine_min", "root": self.model_name,
-            "max_model_len": self.max_model_len} for name in self.model_names]})
+        return web.json_response({"object": "list", "data": [
+            model_card(self, name) for name in self.model_names]})
 
     async def health(self, request: web.Request) -> web.Response:
         if self.draining:
@@ -381,6 +304,7 @@ def create_app(engine: Any, model_name: str | Sequence[str],
     app.router.add_get("/metrics", serving.metrics)
     app.router.add_get("/debug/stats", serving.debug_stats)
     add_tokenize_routes(app, serving)
+    add_model_routes(app, serving)
     add_kv_event_routes(app, engine)
 
     async def _start(_app: web.Application) -> None:

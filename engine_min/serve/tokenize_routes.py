@@ -24,8 +24,11 @@ adds none either), and special tokens written in the text are always recognised.
 ``/detokenize`` takes ``{"model"?: str, "tokens": [int]}`` and answers ``{"prompt": str}``
 (special tokens kept, as vLLM's ``tokenizer.decode``).
 
-Errors are OpenAI error objects: 400 for a bad body (``continue_final_message``, a custom
-``chat_template`` and ``tools`` are not supported; token ids must lie in ``[0, vocab_size)``),
+``continue_final_message`` leaves the last message open (no end of turn, no generation prompt;
+``vllm_fields.render_chat``), as the chat endpoint does.
+
+Errors are OpenAI error objects: 400 for a bad body (``continue_final_message`` together with
+``add_generation_prompt``; a custom ``chat_template`` and ``tools`` are not supported; token ids must lie in ``[0, vocab_size)``),
 404 ``model_not_found`` for another model's name.
 """
 from __future__ import annotations
@@ -38,6 +41,7 @@ from jinja2 import TemplateError
 
 from engine_min.serve import protocol as proto
 from engine_min.serve.errors import error_response
+from engine_min.serve.vllm_fields import chat_template_flags, render_chat
 
 if TYPE_CHECKING:
     from engine_min.serve.server import OpenAIServing
@@ -60,13 +64,6 @@ def _model(body: dict) -> str | None:
 
 
 def _refuse_unsupported_chat_fields(body: dict) -> None:
-    if _opt_bool(body, "continue_final_message", False):
-        if _opt_bool(body, "add_generation_prompt", True):  # vLLM refuses the pair too
-            raise proto.ApiError("Cannot set both `continue_final_message` and "
-                                 "`add_generation_prompt` to True.",
-                                 param="continue_final_message", code="invalid_value")
-        raise proto.ApiError("'continue_final_message' is not supported.",
-                             param="continue_final_message", code="unsupported")
     for name in ("chat_template", "tools"):
         if body.get(name) is not None:
             raise proto.ApiError(f"'{name}' is not supported.", param=name,
@@ -104,12 +101,11 @@ class TokenizeRoutes:
 
     def _chat_ids(self, body: dict) -> list[int]:
         _refuse_unsupported_chat_fields(body)
+        agp, cfm = chat_template_flags(body)
         messages = proto.parse_messages(body)
-        add_generation_prompt = _opt_bool(body, "add_generation_prompt", True)
         self.serving.check_text_length(sum(len(m["content"]) for m in messages), "messages")
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt)
+            text = render_chat(self.tokenizer, messages, agp, cfm)
         except (ValueError, TypeError, TemplateError) as exc:
             raise proto.ApiError(f"The chat template rejected the messages: {exc}",
                                  param="messages", code="invalid_value") from exc

@@ -113,8 +113,6 @@ def test_tokenize_counts_what_the_completion_routes_charge(server):
      "invalid_value"),
     ("/tokenize", {"messages": HI, "continue_final_message": True}, "continue_final_message",
      "invalid_value"),
-    ("/tokenize", {"messages": HI, "continue_final_message": True,
-                   "add_generation_prompt": False}, "continue_final_message", "unsupported"),
     ("/tokenize", {"messages": HI, "chat_template": "{{ x }}"}, "chat_template", "unsupported"),
     ("/tokenize", {"messages": HI, "tools": []}, "tools", "unsupported"),
     ("/tokenize", {"prompt": "a" * (MAX_MODEL_LEN * 64 + 1)}, "prompt",
