@@ -310,11 +310,13 @@ class TierMover:
             if not self._may_leave(key, keep):
                 return False
             for d in reversed(self.descendants(key)):
-                for t in self.tiers:
-                    if t.delete(d):
-                        self.metrics.inc("evictions", tier=t.name)
+                left = [t.name for t in self.tiers if t.delete(d)]
+                for name in left:
+                    self.metrics.inc("evictions", tier=name)
+                self.metrics.inc("dropped_chunks", 1 if left else 0)
         tier.delete(key)
         self.metrics.inc("evictions", tier=tier.name)
+        self.metrics.inc("dropped_chunks", 0 if stays else 1)
         return True
 
     def promote(self, plan: Sequence[tuple[ChunkKey, Tier] | None],

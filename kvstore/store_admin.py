@@ -27,6 +27,9 @@ class StoreAdmin:
 
     def __init__(self, state: StoreState) -> None:
         self._st = state
+        state.metrics.bind_store(self.num_resident_chunks, self.unreachable_bytes,
+                                 lambda: len(state.pins.pinned_keys()),
+                                 lambda: state.num_namespaces)
 
     # ---- removal and pins -----------------------------------------------------------------------
     def remove(self, ns: Namespace, keys: Sequence[ChunkKey]) -> int:
@@ -48,6 +51,7 @@ class StoreAdmin:
             st.doomed.add(key)
         else:
             st.delete_everywhere(key)
+        st.metrics.inc("removed_chunks")
         return True
 
     def clear(self, ns: Namespace | None = None) -> int:
@@ -181,6 +185,13 @@ class StoreAdmin:
         with st.lock:
             return unreachable_bytes(st.tiers, st.doomed)
 
+    def num_resident_chunks(self) -> int:
+        """Distinct chunks some tier holds (not counting those removed while pinned)."""
+        st = self._st
+        with st.lock:
+            keys = set().union(*(t.keys() for t in st.tiers))
+            return len(keys - st.doomed)
+
     def stats(self) -> dict:
         st = self._st
         with st.lock:
@@ -191,7 +202,8 @@ class StoreAdmin:
             out = {"tiers": tiers, "num_pinned_chunks": len(st.pins.pinned_keys()),
                    "num_removed_pinned_chunks": len(st.doomed),
                    "unreachable_bytes": self.unreachable_bytes(),
-                   "num_namespaces": st.num_namespaces}
+                   "num_namespaces": st.num_namespaces,
+                   "num_resident_chunks": self.num_resident_chunks()}
         out.update(st.metrics.snapshot())
         if st.remote is not None:
             out["remote"] = st.remote.stats()

@@ -185,6 +185,9 @@ def readable_namespaces(st: dict) -> dict:
 #: of get calls (``kvstore.metrics``, ``kvstore.tiers.remote_metrics``); ``*_by_tier.<tier>``
 #: rows take their counter's note
 STAT_NOTES = {
+    "num_namespaces": "named by requests since start (namespaces[] also lists those on disk)",
+    "evictions": "per tier left (also when a lower tier keeps it)",
+    "dropped_chunks": "evicted out of every tier",
     "lookups": "prefix lookups",
     "requested_tokens": "lookup: tokens asked",
     "hit_tokens": "lookup: leading tokens found",

@@ -191,3 +191,16 @@ def test_smollm2_chunks_past_a_16mib_body_limit_are_all_stored():
                 assert store.lookup(tokens).num_hit_tokens == 4 * 256
                 assert torch.equal(store.get(tokens, 4 * 256), kv)
                 assert c.clear() == 4
+
+
+def test_the_daemon_exports_the_store_wide_gauges(daemon):
+    with KVStoreClient(daemon[0], same_host=False, timeout_s=10) as c:
+        c.clear()
+        c.put_chunks(NS, KEYS[:10], [chunk(i) for i in range(10)])
+        text = c.metrics_text()
+        assert "kvstore_resident_chunks 10.0" in text
+        assert "kvstore_namespaces 1.0" in text
+        for name in ("kvstore_unreachable_bytes", "kvstore_pinned_chunks",
+                     "kvstore_dropped_chunks_total", "kvstore_removed_chunks_total"):
+            assert f"\n{name} " in text, name
+        assert c.clear() == 10
