@@ -15,6 +15,12 @@ from engine_min.serve.server import SERVING_KEY, create_app
 logger = logging.getLogger("engine_min.serve.server")
 
 
+#: ``EngineConfig``'s defaults the flags' help shows (engine_min.config imports torch, which
+#: ``--help`` and flag errors need not load; a test keeps the two equal)
+ENGINE_DEFAULTS = {"kv_cache_bytes": 256 * 2**20, "block_size": 16,
+                   "max_num_batched_tokens": 512, "max_num_seqs": 32}
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``serve`` flags to ``parser``: server, engine, and the KV store's
     ``--kvstore-*`` (``connectors.flags.add_store_args``). Sizes accept ``512MiB``, ``2GiB``,
@@ -50,12 +56,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "alone, and whoever sets this vouches that they load the same weights")
     from engine_min.cli import add_device_args
     add_device_args(e)
+    d = ENGINE_DEFAULTS
     e.add_argument("--kv-cache-bytes", type=parse_size, default=None, metavar="SIZE",
-                   help="bytes of the engine's KV block pool")
-    e.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
+                   help=f"bytes of the engine's KV block pool (default "
+                   f"{d['kv_cache_bytes'] // 2**20}MiB)")
+    e.add_argument("--block-size", type=int, default=None,
+                   help=f"tokens per KV block (default {d['block_size']})")
     e.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one engine step")
-    e.add_argument("--max-num-seqs", type=int, default=None, help="most running requests")
+                   help=f"token budget of one engine step (default "
+                   f"{d['max_num_batched_tokens']})")
+    e.add_argument("--max-num-seqs", type=int, default=None,
+                   help=f"most running requests (default {d['max_num_seqs']})")
     e.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + completion limit in tokens (default: the model's context "
                    "or what the KV pool holds, whichever is smaller: 5808 for the embedded "

@@ -74,7 +74,8 @@ def _serve_parser(sub) -> None:
                         "(default auto: shuffle-lz4 where it saves "
                         "10%%); int8/fp8/kivi store about half of fp16's bytes, lossily, only for "
                         "namespaces whose lossy_codec names it (others: auto)")
-    p.add_argument("--policy", help="eviction policy of every tier: lru, lfu, fifo, s3fifo, arc")
+    p.add_argument("--policy", help="eviction policy of every tier: lru (default), lfu, fifo, "
+                                    "s3fifo, arc")
     p.add_argument("--admission", help="admission filter of the tiers: none (default) or tinylfu "
                                        "(a chunk enters a full tier only if requested more "
                                        "often lately than the chunk it would evict)")
