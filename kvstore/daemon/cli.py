@@ -96,7 +96,7 @@ def _serve_parser(sub) -> None:
                    "413. kvstore clients split larger puts into requests within it; a single "
                    "chunk larger than it cannot be stored (the client's error names both)")
     p.add_argument("--max-batch-keys", type=int, help="most keys per request (default 1024); "
-                   "kvstore clients split larger calls (a same-host get_borrowed excepted)")
+                   "kvstore clients split larger calls")
     p.add_argument("--request-timeout-s", type=float, help="per-request limit (default 60)")
     p.add_argument("--max-lease-s", type=float, help="longest pin lease (default 300)")
     p.add_argument("--shutdown-timeout-s", type=float,

@@ -316,8 +316,11 @@ class KVStoreClient(KVStoreBase):
         ``kvstore.direct.BorrowedChunks``: ``parts`` per key, ``lower`` empty): over the Unix
         socket, read-only views of the daemon's arena held by its reader pins
         (``ShmKVStoreClient.get_borrowed``, no copy); over HTTP, the chunks ``get_chunks``
-        copied out. Call ``release`` on every path. Raises as ``get_chunks``."""
+        copied out (so too over the socket for more keys than the daemon's max_batch_keys:
+        split gets). Call ``release`` on every path. Raises as ``get_chunks``."""
         def call(c: ShmKVStoreClient) -> ArenaBorrow | CopiedBorrow:
+            if c.limits is not None and len(keys) > c.limits.max_batch_keys:
+                return CopiedBorrow(keys, c.get_chunks(ns, keys, timeout_s=timeout_s))
             return c.get_borrowed(ns, keys, timeout_s=timeout_s)
         out = self._via_socket(call, timeout_s)
         if out is not _HTTP:
