@@ -184,10 +184,10 @@ class FaultAt:
     def _stop(self, mp):
         check = self.engine._stop_reason
 
-        def stop_reason(seq, token):
+        def stop_reason(seq, token, *args):
             if self.due(seq):
                 raise RuntimeError("injected fault")
-            return check(seq, token)
+            return check(seq, token, *args)
         mp.setattr(self.engine, "_stop_reason", stop_reason)
 
     def _detokenize(self, mp):
