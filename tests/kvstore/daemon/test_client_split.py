@@ -213,3 +213,22 @@ def test_a_borrow_past_the_key_limit_is_copied_in_batches(client):
         assert b.parts[40] is None
         assert all(torch.equal(p[0], kv.reshape(-1).view(torch.uint8))
                    for p, kv in zip(b.parts[:40], kvs))
+
+
+@pytest.mark.parametrize("path", [0, 1], ids=["http", "unix"])
+def test_an_engines_saves_past_the_limits_are_stored(daemon, path):
+    """The connector's save (``EngineMinConnector`` under engine_min's real scheduler, a
+    stand-in forward pass) of a 400-token prompt: 50 chunks, at 8 keys and 4 KiB a request."""
+    from tests.connectors.fake_engine import FakeEngine, make_conn, prompt
+    conn = make_conn(KVStoreClient(daemon[path], same_host=False, timeout_s=10), chunk=8)
+    conn.store.clear()
+    eng = FakeEngine(conn, num_blocks=256, budget=1024)
+    toks = prompt(400)
+    eng.add("r", toks)
+    eng.run()
+    conn.close()  # (waits for the queued saves; closes its client)
+    st = conn.get_stats()
+    assert st["kvstore_save_errors"] == 0 and st["kvstore_saved_chunks"] >= 49
+    with KVStoreClient(daemon[path], same_host=False, timeout_s=10) as c:
+        assert c.lookup_keys(conn.ns, conn.ns.chunk_keys(toks)).num_hit_chunks >= 49
+        c.clear()
