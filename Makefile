@@ -43,12 +43,18 @@ redis:
 
 # The whole suite: the project's tests in .venv and, at the same time, the vLLM connector's
 # integration tests in their own environment (.venv-vllm, CPU build of vLLM; see
-# tools/make_vllm_env.sh). Much of both waits on servers and subprocesses, so they overlap well on
-# two cores. Each part's output is printed whole when it ends (--output-sync); `make test` fails
-# when either fails. `make test-core` / `make test-vllm` run one part. The environments are built
-# first, one after the other (both install this project in editable mode, into the same tree).
+# tools/make_vllm_env.sh). The environments are built first, one after the other (both install
+# this project in editable mode, into the same tree). The core suite prints as it runs; the vLLM
+# part's output follows when both have ended. `make test` fails when either fails;
+# `make test-core` / `make test-vllm` run one part.
 test: $(STAMP) $(VLLM_STAMP) redis
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-core test-vllm
+	@log=$$(mktemp); \
+	$(MAKE) --no-print-directory test-vllm >"$$log" 2>&1 & vllm_pid=$$!; \
+	$(MAKE) --no-print-directory test-core; core=$$?; \
+	wait $$vllm_pid; vllm=$$?; \
+	echo "---- make test-vllm (ran alongside make test-core) ----"; cat "$$log"; rm -f "$$log"; \
+	echo "make test: test-core exit $$core, test-vllm exit $$vllm"; \
+	[ $$core -eq 0 ] && [ $$vllm -eq 0 ]
 
 test-core: $(STAMP) redis
 	$(VPY) -m pytest -q -ra $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
