@@ -206,7 +206,10 @@ def main(argv: list[str] | None = None) -> dict:
             "kl_mean": float(cat["kl"].mean()), "kl_max": float(cat["kl"].max()),
             "tf_flips": int(cat["flip"].sum()), "positions": int(cat["flip"].numel()),
             "near_ties": int(near.sum()),
-            "dmargin_mean_near": float(cat["dmargin"][near].mean()) if near.any() else None}
+            "dmargin_mean_near": float(cat["dmargin"][near].mean()) if near.any() else None,
+            "flips": [{"prompt": i, "position": j, "margin": float(r["margin"][j]),
+                       "dmargin": float(r["dmargin"][j])}
+                      for i, r in enumerate(acc[nm]) for j in r["flip"].nonzero().flatten().tolist()]}
         print(nm, json.dumps(res["variants"][nm]), flush=True)
     res["load_average"] = [load, os.getloadavg()[0]]
     if args.json:
