@@ -1,8 +1,7 @@
 """Lossy payloads stay readable and encoders stay bit-stable: ``data/kv_codec_v1.npz`` holds
 chunks with the payloads the earlier (slower) encoder wrote and the xxh3 of what its decoder
 returned (``data/make_kv_codec_fixture.py``; ``kivi`` with V asymmetric, as it was then),
-``data/kv_codec_v2.npz`` the ``kivi`` payloads with V symmetric (K symmetric too, as it was
-then; today K has a zero point and some layers other bits, ``tests/kvstore/test_kv_codec_layers.py``);
+``data/kv_codec_v2.npz`` the ``kivi`` payloads with V symmetric (today's parameters);
 today's decoder must return the same bits, and today's encoder, given the parameters a
 payload records, write the same bytes. Also the bit-level casts of ``kvstore.kv_casts``
 against torch's, and decoding in several blocks of layers against one block."""
@@ -64,13 +63,11 @@ def test_stored_payloads_decode_bit_identically(fixture, name, codec, monkeypatc
 @pytest.mark.parametrize("name", CASES)
 def test_kivi_payloads_with_symmetric_values_decode_bit_identically(fixture, fixture_v2, name,
                                                                   monkeypatch):
-    """v2's parameters are today's but K's zero point; v1's kivi payloads record V with a zero
+    """Today's kivi parameters write the v2 payloads; v1's kivi payloads record V with a zero
     point and both parts' steps as 8-bit codes (k_mode 2: symmetric; v_mode 1: along
     channels), v2's V symmetric and fp16/fp32 steps (mode bits 1 symmetric, 5 fp steps)."""
     v1, v2 = fixture[f"{name}.kivi.payload"], fixture_v2[f"{name}.kivi.payload"]
-    k = kv_codec.KIVI_PARAMS.k
-    assert kv_grouped.read_params(v2)[0] == kv_grouped.GroupParams(
-        kv_grouped.PartParams(k.bits, k.group, k.along, True, k.fp_steps), kv_codec.KIVI_PARAMS.v)
+    assert kv_grouped.read_params(v2)[0] == kv_codec.KIVI_PARAMS
     assert v1[-7:-1].tolist() == [8, 64, 2, 7, 64, 1]
     assert v2[-7:-1].tolist() == [8, 64, 2 | 32, 7, 64, 1 | 2 | 32]
     assert np.array_equal(fixture_v2[f"{name}.input"], fixture[f"{name}.input"])
