@@ -38,10 +38,15 @@ def test_hello_hands_over_a_sealed_arena_that_maps_only_read_only(tmp_path):
         c = RawClient(srv.sock_path)
         reply = c.hello()
         stats = http_json(srv, "/v1/stats")
+        with urllib.request.urlopen(f"{srv.url}/healthz", timeout=10) as r:
+            limits = r.headers   # the same request limits as every HTTP answer names
         assert reply == {"ok": True, "version": 3, "instance": stats["instance"],
                          "arena_bytes": 16 * CB, "page_bytes": 256,
                          "tenant": {"name": "anonymous", "role": "admin", "salt": None},
-                         "vm_read": False}  # no vm_probe in this hello
+                         "vm_read": False,   # no vm_probe in this hello
+                         "max_body_bytes": int(limits["X-KVStore-Max-Body-Bytes"]),
+                         "max_batch_keys": int(limits["X-KVStore-Max-Batch-Keys"])}
+        assert reply["max_body_bytes"] > 0 and reply["max_batch_keys"] > 0
         assert stats["unix_socket"] == srv.sock_path and srv.unix_url == f"unix://{srv.sock_path}"
         assert fcntl.fcntl(c.arena_fd, fcntl.F_GET_SEALS) == ARENA_SEALS
         with pytest.raises(TypeError):
