@@ -13,7 +13,6 @@ that changes the output is a 400 ``unsupported`` naming it, its default is accep
 from __future__ import annotations
 
 import json
-import urllib.error
 import urllib.request
 
 import pytest
@@ -23,6 +22,7 @@ from engine_min.engine import LLMEngine
 from engine_min.serve import protocol as proto
 from engine_min.serve.server import ServerThread, create_app
 from engine_min.serve.vllm_fields import REFUSED, REFUSED_CHAT, render_chat
+from tests.engine_min.serve.http_json import call_json
 
 MODEL = "smollm2-test"
 MAX_MODEL_LEN = 256
@@ -39,20 +39,8 @@ def server():
         yield srv
 
 
-def _call(server, path: str, body: dict | None = None) -> tuple[int, dict]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(server.url + path, data=data,
-                                 method="GET" if body is None else "POST",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
-
-
 def _ok(server, path: str, body: dict) -> dict:
-    status, got = _call(server, path, body)
+    status, got = call_json(server, path, body)
     assert status == 200, got
     return got
 
@@ -212,7 +200,7 @@ def test_truncate_prompt_tokens_keeps_the_last_k_tokens(server):
     chat = _ok(server, "/v1/chat/completions", {"messages": SAY_HI, "max_tokens": 2,
                                                 "truncate_prompt_tokens": 5})
     assert chat["usage"]["prompt_tokens"] == 5
-    status, err = _call(server, "/v1/completions", {"prompt": PROMPT,
+    status, err = call_json(server, "/v1/completions", {"prompt": PROMPT,
                                                     "truncate_prompt_tokens": MAX_MODEL_LEN + 1})
     assert (status, err["error"]["param"]) == (400, "truncate_prompt_tokens")
 
@@ -255,7 +243,7 @@ def test_chat_template_flags_match_tokenize(server, flags):
 
 def test_continue_final_message_with_generation_prompt_is_400(server):
     for path in ("/v1/chat/completions", "/tokenize"):
-        status, err = _call(server, path, {"messages": SAY_HI, "continue_final_message": True})
+        status, err = call_json(server, path, {"messages": SAY_HI, "continue_final_message": True})
         assert (status, err["error"]["param"]) == (400, "continue_final_message")
 
 
@@ -268,12 +256,12 @@ def test_render_chat_continue_final_message_cuts_the_end_of_turn(server):
 
 
 def test_version_and_one_model(server):
-    status, got = _call(server, "/version")
+    status, got = call_json(server, "/version")
     assert status == 200 and isinstance(got["version"], str) and got["version"]
-    status, got = _call(server, f"/v1/models/{MODEL}")
+    status, got = call_json(server, f"/v1/models/{MODEL}")
     assert status == 200 and (got["id"], got["object"]) == (MODEL, "model")
     assert got["max_model_len"] == MAX_MODEL_LEN
-    status, got = _call(server, "/v1/models/other/model")
+    status, got = call_json(server, "/v1/models/other/model")
     assert status == 404
     assert set(got["error"]) == {"message", "type", "param", "code"}
     assert got["error"]["code"] == "model_not_found"

@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -25,6 +23,7 @@ from engine_min.config import EngineConfig
 from engine_min.engine import LLMEngine
 from engine_min.serve.cli import add_serve_args, log_identity, served_model_names
 from engine_min.serve.server import ServerThread, create_app
+from tests.engine_min.serve.http_json import call_json
 
 SHIPPED_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 NAMES = ["smollm2", SHIPPED_ID, "alias-b"]
@@ -45,17 +44,6 @@ def _args(*argv: str) -> argparse.Namespace:
     return add_serve_args(argparse.ArgumentParser()).parse_args(list(argv))
 
 
-def _request(server, path: str, body: dict | None = None) -> tuple[int, dict]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(server.url + path, data=data,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
-
-
 def test_default_served_name_is_the_models_metadata_id(engine):
     assert engine.kv_identity["model_id"] == SHIPPED_ID
     assert served_model_names(_args(), engine) == [SHIPPED_ID]
@@ -73,7 +61,7 @@ def test_model_id_flag_is_the_default_served_name(engine):
 
 
 def test_v1_models_lists_every_served_name(server):
-    status, body = _request(server, "/v1/models")
+    status, body = call_json(server, "/v1/models")
     assert status == 200 and body["object"] == "list"
     assert [m["id"] for m in body["data"]] == NAMES
     assert {m["root"] for m in body["data"]} == {"smollm2"}
@@ -85,9 +73,9 @@ def test_any_served_name_is_accepted_and_the_first_is_reported(server, model):
     body = {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}
     if model is not None:
         body["model"] = model
-    status, out = _request(server, "/v1/completions", body)
+    status, out = call_json(server, "/v1/completions", body)
     assert status == 200 and out["model"] == "smollm2"
-    status, out = _request(server, "/v1/chat/completions", {
+    status, out = call_json(server, "/v1/chat/completions", {
         "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
         **({"model": model} if model else {})})
     assert status == 200 and out["model"] == "smollm2"
@@ -97,12 +85,12 @@ def test_any_served_name_is_accepted_and_the_first_is_reported(server, model):
 def test_unknown_model_is_a_404_openai_error(server, route):
     body = {"model": "SmolLM2-135M-Instruct.Q4_1", "max_tokens": 2, "prompt": "x",
             "messages": [{"role": "user", "content": "x"}]}
-    status, out = _request(server, route, body)
+    status, out = call_json(server, route, body)
     assert status == 404
     err = out["error"]
     assert err["message"] == "The model `SmolLM2-135M-Instruct.Q4_1` does not exist."
     assert err["param"] == "model" and err["code"] == "model_not_found"
-    status, _ = _request(server, route, {**body, "model": "smollm2"})  # still serving
+    status, _ = call_json(server, route, {**body, "model": "smollm2"})  # still serving
     assert status == 200
 
 
