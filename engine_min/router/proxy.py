@@ -71,6 +71,14 @@ INLINE_MAX_BODY_BYTES = 64 * 1024
 INLINE_MAX_NEW_CHARS = 1024
 
 
+#: A pooled connection the engine closed before the request's answer: disconnected, reset, or
+#: found closing as the request is written ("Cannot write to closing transport",
+#: ``ClientConnectionResetError``, aiohttp >= 3.10; not a ``ClientOSError``).
+_STALE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+          *((aiohttp.ClientConnectionResetError,)
+            if hasattr(aiohttp, "ClientConnectionResetError") else ()))
+
+
 class StaleConnection(UpstreamFailed):
     """The engine closed or reset the connection before answering: maybe a pooled connection
     it had closed while idle; worth one more try on a fresh connection to the same engine."""
@@ -293,7 +301,7 @@ class Router:
                                                      headers=headers), lost)
             except aiohttp.ClientConnectorError as exc:  # could not connect: nothing stale
                 raise UpstreamFailed(describe_error(exc)) from exc
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            except _STALE as exc:
                 raise StaleConnection(repr(exc)) from exc
             async with cm as up:
                 # taken out from now on: its answer (a stream, a whole body) fails as if cut
