@@ -8,52 +8,18 @@ import gc
 import logging
 import os
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from kvstore.daemon.client import KVStoreClient, StoreUnavailable
+from tests.kvstore.daemon.serve_proc import free_port, start, stop
 from tests.kvstore.daemon.server_helpers import NS, chunk
 
-ROOT = Path(__file__).resolve().parents[3]
 KEYS = NS.chunk_keys(list(range(4 * 4)))
 WITHIN_S = 10.0  # the client takes what the restarted daemon offers within this (seconds)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(port: int, sock: str | None) -> subprocess.Popen:
-    """``kvstore serve`` on ``port`` (and ``sock`` when given), once it listens."""
-    args = [sys.executable, "-m", "kvstore", "serve", "--host", "127.0.0.1", "--port",
-            str(port), "--cpu-bytes", "4MiB", "--page-bytes", "256", "--log-level", "warning"]
-    with tempfile.TemporaryFile() as err:   # (a file: a pipe nobody reads could fill)
-        proc = subprocess.Popen(args + (["--unix-socket", sock] if sock else []), cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=err,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)})
-        line = proc.stdout.readline().decode()
-        if "listening on" not in line:
-            proc.wait(30)
-            err.seek(0)
-            raise AssertionError(f"kvstore serve on port {port} did not start: {line!r}; "
-                                 f"stderr: {err.read().decode(errors='replace')[-2000:]}")
-    return proc
-
-
-def stop(proc: subprocess.Popen, sig=signal.SIGTERM) -> None:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-    proc.wait(30)
 
 
 def put_until_it_works(c: KVStoreClient, i: int, within_s: float) -> float:

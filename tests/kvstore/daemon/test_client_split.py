@@ -9,12 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,9 +20,9 @@ from kvstore.daemon.batches import ChunkTooLarge, DaemonLimits
 from kvstore.daemon.client import KVStoreClient
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
+from tests.kvstore.daemon.serve_proc import free_port, start, stop
 from tests.kvstore.daemon.server_helpers import NS, chunk
 
-ROOT = Path(__file__).resolve().parents[3]
 N = 400
 KEYS = NS.chunk_keys(list(range(4 * N)))  # 400 chained chunk keys
 BODY, BATCH = 4096, 8  # the daemon's limits: 256-byte chunks, so several requests per put
@@ -36,35 +31,17 @@ BIG = Namespace("tiny-model", KVLayout(num_layers=2, num_kv_heads=1, head_dim=8,
                                        dtype="float16", chunk_size=128))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def _serve(extra: list[str]):
     """``(http_url, unix_url)`` of a real ``kvstore serve`` run with ``extra`` arguments."""
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as d:
         sock = os.path.join(d, "kv.sock")
-        args = [sys.executable, "-m", "kvstore", "serve", "--host", "127.0.0.1", "--port",
-                str(port), "--cpu-bytes", "4MiB", "--page-bytes", "256", "--log-level",
-                "warning", "--unix-socket", sock, *extra]
-        with tempfile.TemporaryFile() as err:
-            proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=err,
-                                    env={**os.environ, "PYTHONPATH": str(ROOT)})
-            line = proc.stdout.readline().decode()
-            if "listening on" not in line:
-                proc.wait(30)
-                err.seek(0)
-                raise AssertionError(f"kvstore serve did not start: {line!r}; "
-                                     f"{err.read().decode(errors='replace')[-2000:]}")
-            try:
-                yield f"http://127.0.0.1:{port}", "unix://" + sock
-            finally:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(30)
+        proc = start(port, sock, extra)
+        try:
+            yield f"http://127.0.0.1:{port}", "unix://" + sock
+        finally:
+            stop(proc)
 
 
 @pytest.fixture(scope="module")
