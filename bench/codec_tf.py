@@ -32,6 +32,7 @@ import torch  # noqa: E402
 from bench.arg_checks import int_at_least  # noqa: E402
 from bench.codec_study import VARIANTS, Variant, _keys, apply_variant, fake_quant  # noqa: E402
 from bench.outputs import output_file  # noqa: E402
+from bench.report import emit_json  # noqa: E402
 
 CHUNK = 64
 SINKS = 4           # the one-layer variants keep a sequence's first tokens exact, as kivi does
@@ -212,10 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
                       for i, r in enumerate(acc[nm]) for j in r["flip"].nonzero().flatten().tolist()]}
         print(nm, json.dumps(res["variants"][nm]), flush=True)
     res["load_average"] = [load, os.getloadavg()[0]]
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-    return res
+    return emit_json(res, args.json, echo=False)
 
 
 if __name__ == "__main__":
