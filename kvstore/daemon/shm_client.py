@@ -28,10 +28,9 @@ retried once sent. A connection that failed mid-call is closed, which releases i
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -42,13 +41,13 @@ from kvstore.daemon.batches import DaemonLimits
 from kvstore.daemon.call_checks import check_out, check_put  # noqa: F401 (re-exported)
 from kvstore.daemon.shm_borrow import ArenaBorrow, borrow_on, copy_on
 from kvstore.daemon.shm_conn import Conn, key_frame, unix_path
-from kvstore.daemon.shm_errors import SocketGone
+from kvstore.daemon.shm_pool import BROKEN, ShmConnPool
 from kvstore.daemon.shm_protocol import SHM_VERSION, hashes_frame
 from kvstore.daemon.shm_put import STAGING_BYTES, put_on
 from kvstore.daemon.shm_release import client_flusher
 from kvstore.daemon.shm_results import ResultBuffers
 from kvstore.daemon.transport import check_timeout
-from kvstore.errors import RemoteError, StoreUnavailable
+from kvstore.errors import RemoteError
 from kvstore.keys import ChunkKey, Namespace
 
 __all__ = ["ShmKVStoreClient", "check_out", "unix_path"]
@@ -58,10 +57,9 @@ log = logging.getLogger("kvstore.daemon.shm_client")
 #: What a client of the daemon offers, over either path (``KVStoreClient`` declares the same).
 CAPABILITIES = StoreCapabilities(remote=True, pins=True, get_into_buffers=True,
                                  tiers=("remote",))
-_BROKEN = (ConnectionError, EOFError, OSError)
 
 
-class ShmKVStoreClient(KVStoreBase):
+class ShmKVStoreClient(ShmConnPool, KVStoreBase):
     """Synchronous, thread-safe ``KVStoreBase`` over the daemon's Unix socket.
 
     Connections are pooled (one per concurrent call, ``hello`` once each); the arena is
@@ -119,124 +117,6 @@ class ShmKVStoreClient(KVStoreBase):
         self._closed = False
         #: the daemon's request limits from the latest hello (``kvstore.daemon.batches``)
         self.limits: DaemonLimits | None = None
-
-    # ---- connections ----------------------------------------------------------------------
-    def _take(self, deadline: float) -> Conn:
-        """An idle connection the daemon has not closed, else a new one."""
-        while True:
-            with self._lock:
-                if self._closed:
-                    raise RuntimeError("ShmKVStoreClient is closed")
-                conn = self._idle.pop() if self._idle else None
-            if conn is None:
-                return self._connect(deadline)
-            if conn.alive():
-                return conn
-            conn.close()
-
-    def _connect(self, deadline: float) -> Conn:
-        """A new connection; hello in this client's protocol version, else (an older daemon
-        answers 400 with the versions it serves) in the highest of those from then on."""
-        try:
-            conn = Conn(self.path, self._token, deadline, self._arenas, self._version,
-                        self.vm_put)
-        except RemoteError as e:
-            if (e.status != 400 or self._version == 1
-                    or "unsupported shm protocol version" not in str(e)):
-                raise
-            served = [int(v) for v in re.findall(r"\d+", str(e).rpartition("supported:")[2])]
-            self._version = max([v for v in served if v < self._version] or [1])
-            conn = Conn(self.path, self._token, deadline, self._arenas, self._version,
-                        self.vm_put)
-        self.limits = conn.hello.limits or self.limits  # (batches.run_batches reads them)
-        return conn
-
-    def _give(self, conn: Conn) -> None:
-        with self._lock:
-            kept = not self._closed and len(self._idle) < self.pool_size
-            if kept:
-                self._idle.append(conn)
-        if not kept:
-            conn.close()  # the daemon drops its pins, deferred releases included
-        elif conn.has_pending:
-            self._releases.note(conn)
-
-    def _take_idle(self, conn: Conn) -> bool:
-        """Remove ``conn`` from the idle pool if it is there (for the release flusher)."""
-        with self._lock:
-            if conn in self._idle:
-                self._idle.remove(conn)
-                return True
-        return False
-
-    def _call(self, what: str, fn: Callable[[Conn, float], Any], *, idempotent: bool,
-              timeout_s: float | None, hold: bool = False) -> Any:
-        """Run ``fn(conn, deadline)`` on a pooled connection with the deadline and retries
-        of the module docstring. ``hold``: a result of ``fn`` owns the connection (it gives
-        it back itself); an error still returns or closes it here."""
-        timeout = self.timeout_s if timeout_s is None else check_timeout(timeout_s)
-        deadline = time.monotonic() + timeout
-        attempt, refused, last, sent = 0, 0, None, False
-        while True:
-            if time.monotonic() >= deadline:
-                raise StoreUnavailable(f"{what} {self.url}: no answer within {timeout} s "
-                                       f"(last error: {last!r})")
-            try:
-                conn = self._take(deadline)
-            except (FileNotFoundError, ConnectionRefusedError) as e:
-                refused, last = refused + 1, e
-                if self.refused_tries is not None and refused >= self.refused_tries:
-                    why = ("no such socket file" if isinstance(e, FileNotFoundError)
-                           else "connection refused")
-                    raise SocketGone(f"{what} {self.url}: {why} ({refused} tries); is the "
-                                     "kvstore daemon running?", sent=sent,
-                                     idempotent=idempotent) from None
-                time.sleep(max(0.0, min(self.refused_backoff_s, deadline - time.monotonic())))
-                continue
-            except TimeoutError:
-                raise StoreUnavailable(f"{what} {self.url}: no answer within {timeout} s "
-                                       "(connecting)") from None
-            except RemoteError as e:
-                if e.status != 503 or not idempotent:
-                    raise
-                last = e
-            except P.ProtocolError as e:
-                raise RemoteError(502, f"malformed hello reply: {e}") from None
-            except _BROKEN as e:
-                last = e
-            else:
-                try:
-                    sent = True
-                    out = fn(conn, deadline)
-                except RemoteError as e:
-                    self._give(conn)  # the reply was read whole: the connection is fine
-                    if e.status != 503 or not idempotent:
-                        raise
-                    last = e
-                except TimeoutError:
-                    conn.close()
-                    raise StoreUnavailable(f"{what} {self.url}: no answer within {timeout} s"
-                                           ) from None
-                except P.ProtocolError as e:
-                    conn.close()
-                    raise RemoteError(502, f"malformed {what} reply: {e}") from None
-                except _BROKEN as e:
-                    conn.close()
-                    if not idempotent:
-                        raise StoreUnavailable(f"{what} {self.url} failed after sending; not "
-                                               f"retried (not idempotent): {e!r}") from e
-                    last = e
-                except BaseException:
-                    conn.close()
-                    raise
-                else:
-                    if not hold:
-                        self._give(conn)
-                    return out
-            delay = min(self.retry_backoff_s * 2 ** attempt, 0.5, deadline - time.monotonic())
-            attempt += 1
-            if delay > 0:
-                time.sleep(delay)
 
     def _keys_op(self, op: str, ns: Namespace, keys: Sequence[ChunkKey], *, idempotent: bool,
                  timeout_s: float | None, **extra: Any) -> dict:
@@ -311,7 +191,7 @@ class ShmKVStoreClient(KVStoreBase):
             Conn(self.path, self._token, time.monotonic() + timeout_s, self._arenas,
                  self._version).close()
             return True
-        except (TimeoutError, RemoteError, *_BROKEN):
+        except (TimeoutError, RemoteError, *BROKEN):
             return False
 
     def get_chunks(self, ns, keys, out=None, *, timeout_s=None) -> list[torch.Tensor | None]:

@@ -223,8 +223,8 @@ def test_back_on_the_socket_once_the_daemon_offers_one_again(tmp_path, monkeypat
     """Re-discovery left the client on HTTP (the daemon restarted without its socket, or was
     asked before its socket listened); restarted with a socket, the daemon is asked again
     (every ``RECHECK_HTTP_S``) and the client goes back to the socket."""
-    import kvstore.daemon.client as client_mod
-    monkeypatch.setattr(client_mod, "RECHECK_HTTP_S", 0.5, raising=False)
+    import kvstore.daemon.client_paths as paths_mod
+    monkeypatch.setattr(paths_mod, "RECHECK_HTTP_S", 0.5)
     port, sock = free_port(), str(tmp_path / "kv.sock")
     proc = start(port, sock)
     try:
