@@ -79,6 +79,8 @@ class StoreState:
         #: appended from any thread without the store lock (``tier_lost``); their stored
         #: descendants leave at the next operation under the lock (``expire_leases``)
         self.lost: deque[ChunkKey] = deque()
+        for t in tiers:  # a tier evicting on its own: chosen and counted as ``mover`` does
+            t.evicted, t.reachable = self.tier_evicted, self.mover.reachable
         # at the open only the disk tier holds chunks: those it holds without their parent
         # are unreachable (unless a remote tier holds the parent): its first victims
         for t in tiers if not config.remote_url else ():
@@ -234,6 +236,13 @@ class StoreState:
         it for ``drop_stranded``. Any thread; never blocks (a disk writer calls it while the
         store's thread may wait, under the store lock, for that writer's queue to drain)."""
         self.lost.append(key)
+
+    def tier_evicted(self, key: ChunkKey) -> None:
+        """A tier evicted ``key`` on its own (the disk tier when lmdb's map is full): count
+        it in ``dropped_chunks`` when no tier holds it now (``TierMover.evict``'s count; the
+        tier counted ``evictions``). Any thread; never blocks on the store lock."""
+        if not self.mover.present(key):
+            self.metrics.inc("dropped_chunks")
 
     def drop_stranded(self, key: ChunkKey) -> int:
         """Remove the stored descendants of ``key`` when ``key`` is stored nowhere any more

@@ -52,6 +52,15 @@ class Tier(ABC):
         #: Set by the store: may this key be evicted now (not pinned)? Used by tiers that evict
         #: on their own (the disk tier when lmdb's map is full).
         self.evictable: Callable[[ChunkKey], bool] = lambda key: True
+        #: Set by the store: this tier evicted ``key`` on its own (the disk tier when lmdb's
+        #: map is full; counted in ``evictions`` through ``listener`` too), so the store counts
+        #: it in ``dropped_chunks`` when no tier holds it now, as its own evictions are. Any
+        #: thread; must not block.
+        self.evicted: Callable[[ChunkKey], None] = lambda key: None
+        #: Set by the store: does a prefix lookup reach ``key`` (every recorded ancestor
+        #: stored, in any tier)? Asked by a tier evicting on its own of a victim demoted as
+        #: unreachable (``DiskTier.revive``). Any thread.
+        self.reachable: Callable[[ChunkKey], bool] = lambda key: True
         #: Set by the store: this tier dropped ``key`` on its own (a disk write that failed, a
         #: corrupt chunk deleted); the store then removes its stored descendants. Any thread;
         #: must not block.

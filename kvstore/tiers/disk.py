@@ -8,12 +8,13 @@ per transaction. Until committed, a chunk is served from the queue, so it is vis
 
 Space: ``capacity_bytes`` bounds the sum of stored value sizes (a queued chunk counts with its
 raw size + header until it is encoded). The lmdb map is larger (``map_bytes``) to leave room
-for lmdb's own pages; if lmdb still reports the map full, the writer evicts committed chunks by
-policy and retries, else drops the write (counted as ``dropped_write``, logged) and the chunk
-disappears from the index, so lookups never report it. The capacity is lowered at open, and
-again when a write finds the filesystem full, to what the filesystem can hold, and raised back
-toward the configured capacity (``configured_capacity_bytes``) when free space returns
-(``kvstore.tiers.disk_writer``).
+for lmdb's own pages; if lmdb still reports the map full, the writer evicts committed chunks as
+the store's eviction would choose them (``DiskWriter._room_victim``; counted in ``evictions``
+and, through ``evicted``, ``dropped_chunks``) and retries, else drops the write (counted as
+``dropped_write``, logged) and the chunk disappears from the index, so lookups never report it.
+The capacity is lowered at open, and again when a write finds the filesystem full, to what the
+filesystem can hold, and raised back toward the configured capacity
+(``configured_capacity_bytes``) when free space returns (``kvstore.tiers.disk_writer``).
 
 Opening refuses a ``data.mdb`` shorter than the pages lmdb's metadata uses (a read past its end
 is a SIGBUS; a file truncated while open cannot be guarded against) and, unless

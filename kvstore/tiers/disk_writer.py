@@ -3,8 +3,9 @@
 It commits queued operations in order, a batch per lmdb transaction. When a batch cannot be
 committed because lmdb's map is full, or because the filesystem is full (lmdb reports a short
 write as ``Input/output error``; the free space ``statvfs`` reports tells the two apart), it
-commits the batch's operations one by one, evicting committed unpinned chunks by policy while a
-put does not fit, and drops a put only when nothing is evictable. On a full filesystem the
+commits the batch's operations one by one, evicting committed unpinned chunks while a put does
+not fit (chosen and counted as the store's own eviction: ``_room_victim``, ``evicted``), and
+drops a put only when nothing is evictable. On a full filesystem the
 tier's capacity is also lowered to what the filesystem can hold (``disk_space.filesystem_cap``,
 never below the bytes stored), so the store evicts before writing instead of after failing; one
 line (rate-limited) says both. While the capacity is below the configured one, the writer checks
@@ -287,19 +288,36 @@ class DiskWriter:
                     raise
                 why = "filesystem full"
             with self._lock:
-                victim = self.next_victim(lambda k: k not in self._pending and self.evictable(k))
+                victim = self._room_victim()
                 if victim is not None:
                     self.delete(victim)
                     self._queue.remove(("del", victim))
             if victim is None:  # (the store lock may be taken by ``lost``: not under ours)
                 self._drop(op, f"{why} and nothing evictable")
                 return False
+            # out of the index now (no longer served): counted as the store counts its own
+            self.listener("eviction", self.name, 1)
+            self.evicted(victim)
             if not self._delete_now(victim):
                 self._delete_failed(victim)
                 self._drop(op, f"{why} and evicting failed", quiet=True)
                 return False
-            log.debug("disk tier %s: %s; evicted %r", self.path, why, victim)   # (counted)
-            self.listener("eviction", self.name, 1)
+            log.debug("disk tier %s: %s; evicted %r", self.path, why, victim)
+
+    def _room_victim(self):
+        """The victim the store's own eviction would take from this tier
+        (``kvstore.movement.TierMover._pick``): the policy's next committed key the store
+        lets go (``evictable``: unpinned, and its going strands no stored chunk, so a head
+        never goes before its stored tail), a chunk demoted as unreachable at open first
+        unless ``reachable`` says its parent is stored again (then its demotion is lifted,
+        ``revive``, and the policy asked again). None when no key may go. Under the lock."""
+        def can_evict(k) -> bool:
+            return k not in self._pending and self.evictable(k)
+
+        while True:
+            victim = self.next_victim(can_evict)
+            if victim is None or not self.revive(victim, self.reachable):
+                return victim
 
     def _drop(self, op: _PutOp, why: str, quiet: bool = False) -> None:
         """Forget a queued write that will not be made; the store learns the chunk is lost
