@@ -171,8 +171,6 @@ class KVStoreClient(SocketPaths, KVStoreBase):
         copied out (so too over the socket for more keys than the daemon's max_batch_keys:
         split gets). Call ``release`` on every path. Raises as ``get_chunks``."""
         def call(c: ShmKVStoreClient) -> ArenaBorrow | CopiedBorrow:
-            if c.limits is not None and len(keys) > c.limits.max_batch_keys:
-                return CopiedBorrow(keys, c.get_chunks(ns, keys, timeout_s=timeout_s))
             return c.get_borrowed(ns, keys, timeout_s=timeout_s)
         out = self._via_socket(call, timeout_s)
         if out is not _HTTP:

@@ -39,7 +39,7 @@ from kvstore.daemon import batches as B
 from kvstore.daemon import protocol as P
 from kvstore.daemon.batches import DaemonLimits
 from kvstore.daemon.call_checks import check_out, check_put  # noqa: F401 (re-exported)
-from kvstore.daemon.shm_borrow import ArenaBorrow, borrow_on, copy_on
+from kvstore.daemon.shm_borrow import ArenaBorrow, CopiedBorrow, borrow_on, copy_on
 from kvstore.daemon.shm_conn import Conn, key_frame, unix_path
 from kvstore.daemon.shm_pool import BROKEN, ShmConnPool
 from kvstore.daemon.shm_protocol import SHM_VERSION, hashes_frame
@@ -128,10 +128,30 @@ class ShmKVStoreClient(ShmConnPool, KVStoreBase):
                      else _key_request_frame(op, ns, part))
             return self._call(op, lambda c, d: c.request(frame, d), idempotent=idempotent,
                               timeout_s=timeout_s)
+        self._learn_limits(len(keys) > 1, timeout_s)
         if self.limits is not None and len(keys) <= self.limits.max_batch_keys or not keys:
-            return one(range(len(keys)))  # (one request: the common case, no merge)
+            try:
+                return one(range(len(keys)))  # (one request: the common case, no merge)
+            except RemoteError as e:  # a 413 naming a lower limit (the daemon restarted)
+                learned = B.limits_from_413(e, self.limits)
+                if learned is None or len(keys) <= learned.max_batch_keys:
+                    raise
+                self.limits = learned  # (refused whole: nothing was done; split below)
         return B.merge_answers(B.run_batches(self, len(keys), one, stop=(
             B.lookup_done if op == "lookup" else None)), len(keys))
+
+    def _learn_limits(self, needed: bool, timeout_s: float | None) -> None:
+        """When ``needed`` (a call of several keys, or a put) and the daemon's limits are not
+        known yet: greet it (``hello``) so that the call is split before its first request
+        is sent. The connection goes back to the pool, so the call that follows uses it: no
+        exchange more than the call's own connect. An older daemon's hello names no limits;
+        ``limits`` stays None then (a 413 naming them still splits: ``batches``).
+
+        Raises:
+            as ``hello`` (nothing of the call was sent).
+        """
+        if needed and self.limits is None:
+            self.hello(timeout_s=timeout_s)
 
     def hello(self, *, timeout_s: float | None = None) -> dict:
         """Open (or reuse) a connection: ``{"instance", "tenant", "arena_bytes",
@@ -207,6 +227,7 @@ class ShmKVStoreClient(ShmConnPool, KVStoreBase):
         if not keys:
             return []
         take = self.results.take
+        self._learn_limits(len(keys) > 1, timeout_s)
 
         def one(b: range) -> list:
             part, buf = keys[b.start:b.stop], None if out is None else out[b.start:b.stop]
@@ -216,13 +237,15 @@ class ShmKVStoreClient(ShmConnPool, KVStoreBase):
         return [t for got in B.run_batches(self, len(keys), one) for t in got]
 
     def get_borrowed(self, ns: Namespace, keys: Sequence[ChunkKey], *,
-                     timeout_s: float | None = None) -> ArenaBorrow:
+                     timeout_s: float | None = None) -> ArenaBorrow | CopiedBorrow:
         """The chunks of ``keys`` as read-only views of the daemon's arena, reader-pinned until
         the result's ``release`` (``kvstore.daemon.shm_borrow``: no copy for chunks in the
         daemon's CPU tier; those of its lower tiers come inline into recycled tensors).
         ``parts[i]``: the chunk's bytes as 1-D uint8 tensors, or None when absent. Call
         ``release`` (or use it as a context manager) on every path; the borrow holds one
-        connection of the pool until then.
+        connection of the pool until then. More keys than the daemon's ``max_batch_keys``
+        (learned before the first request; or named by its 413, after a restart with a lower
+        limit): the chunks ``get_chunks`` copied out in batches (a ``CopiedBorrow``).
 
         Raises:
             as ``get_chunks`` (nothing stays pinned then).
@@ -230,10 +253,20 @@ class ShmKVStoreClient(ShmConnPool, KVStoreBase):
         frame = _key_request_frame("get", ns, keys) if keys else None
         if frame is None:
             return ArenaBorrow([], [], None, None, self._give)
+        self._learn_limits(len(keys) > 1, timeout_s)
+        if self.limits is not None and len(keys) > self.limits.max_batch_keys:
+            return CopiedBorrow(keys, self.get_chunks(ns, keys, timeout_s=timeout_s))
         take = self.results.take
-        return self._call("get", lambda c, d: borrow_on(c, d, frame, ns, keys, take,
-                                                        self._give),
-                          idempotent=True, timeout_s=timeout_s, hold=True)
+        try:
+            return self._call("get", lambda c, d: borrow_on(c, d, frame, ns, keys, take,
+                                                            self._give),
+                              idempotent=True, timeout_s=timeout_s, hold=True)
+        except RemoteError as e:  # a 413 naming a lower key limit (the daemon restarted)
+            learned = B.limits_from_413(e, self.limits)
+            if learned is None or len(keys) <= learned.max_batch_keys:
+                raise
+            self.limits = learned
+            return CopiedBorrow(keys, self.get_chunks(ns, keys, timeout_s=timeout_s))
 
     def put_chunks(self, ns, keys, kvs, parents=None, *, durable=None, timeout_s=None) -> int:
         """Store chunks, through the connection's staging area or from the tensors' memory
@@ -248,8 +281,7 @@ class ShmKVStoreClient(ShmConnPool, KVStoreBase):
         if not keys:
             return 0
         durable = self.durable if durable is None else bool(durable)
-        if self.limits is None and len(keys) > 1:
-            self.hello(timeout_s=timeout_s)  # the limits (a put past them closes the socket)
+        self._learn_limits(True, timeout_s)  # (a put past the limits closes the socket)
 
         def one(b: range) -> int:
             par = B.batch_parents(keys, parents, b) if b.start or parents is not None else None
