@@ -25,7 +25,8 @@ import xxhash
 from kvstore.kv_codec import LOSSY_CODECS
 from kvstore.layout import KVLayout
 from kvstore.ns_wire import (HASH_ALGOS, IDENTITY_FIELDS,  # noqa: F401 (re-exported)
-                             canonical_json, namespace_digest, text_field)
+                             canonical_json, check_known_fields, namespace_digest,
+                             text_field)
 
 
 def _hasher(algo: str) -> Callable[[bytes], bytes]:
@@ -190,8 +191,13 @@ class Namespace:
         """Inverse of ``to_dict``; absent optional fields take their defaults.
 
         Raises:
-            KeyError: no ``model_id`` or ``layout``. ValueError / TypeError: bad values.
+            KeyError: no ``model_id`` or ``layout``. ValueError: a field a namespace or its
+                layout does not have (a typo such as ``cache_slat`` would name another
+                namespace), named before any other field is read
+                (``kvstore.ns_wire.check_known_fields``); bad values. TypeError: ``d`` is not
+                a dict; bad values.
         """
+        check_known_fields(d)
         extra = {f: d.get(f) or "" for f in IDENTITY_FIELDS}  # checked by __post_init__
         return cls(model_id=text_field(d, "model_id", None), layout=KVLayout.from_dict(d["layout"]),
                    revision=text_field(d, "revision", ""), cache_salt=text_field(d, "cache_salt", ""),

@@ -121,16 +121,17 @@ def _names(unknown: list[str]) -> str:
 
 def check_known_fields(d: dict) -> None:
     """Refuse a namespace dict with a field a namespace does not have, or a ``layout`` (when
-    it is an object) with a field a layout does not have, as the daemon does (400):
-    ``wire_namespace`` and ``Namespace.from_dict`` ignore an unknown namespace field, so a
-    typo (``cache_slat``) would name another namespace than the one meant (an unknown layout
-    field, ``hed_dim``, they refuse as ``wire_layout`` does, but only after the namespace's
-    other fields).
+    it is an object) with a field a layout does not have, as the daemon does (400): ignored,
+    a typo (``cache_slat``, ``hed_dim``) would name another namespace than the one meant.
+    ``wire_namespace`` and ``Namespace.from_dict`` call it before reading any field.
 
     Raises:
+        TypeError: ``d`` is not a dict.
         ValueError: one line naming the unknown field(s) (up to 5, 40 characters each) and
             the fields a namespace (or its layout) has; namespace fields are checked first.
     """
+    if not isinstance(d, dict):
+        raise TypeError(f"a namespace must be an object, got {type(d).__name__}")
     unknown = unknown_fields(d, NAMESPACE_FIELDS)
     if unknown:
         raise ValueError(f"unknown namespace field{'s' if len(unknown) > 1 else ''} "
@@ -157,12 +158,14 @@ def wire_namespace(d: dict) -> dict:
     Raises:
         KeyError: ``model_id``, ``layout`` or a layout field is missing (``e.args[0]`` names
             it; ``model_id`` is checked first).
-        ValueError: a field that must be a string is not, a layout field a layout does not
-            have, a layout number that is not a positive int, an unknown dtype, hash algorithm
-            or lossy codec (``wire_layout``).
-        TypeError: an identity field that is not a string (``rope`` may be any JSON value),
-            or a ``layout`` that is not a dict.
+        ValueError: a field a namespace or its layout does not have, named before any other
+            field is read (``check_known_fields``); a field that must be a string is not, a
+            layout number that is not a positive int, an unknown dtype, hash algorithm or
+            lossy codec (``wire_layout``).
+        TypeError: ``d`` is not a dict, an identity field that is not a string (``rope`` may
+            be any JSON value), or a ``layout`` that is not a dict.
     """
+    check_known_fields(d)
     extra = {f: d.get(f) or "" for f in IDENTITY_FIELDS}
     model_id = text_field(d, "model_id", None)
     layout = wire_layout(d["layout"])

@@ -92,7 +92,7 @@ def read_namespace(text: str) -> dict:
         UsageError: the file cannot be read, the text is not a JSON object, or a field is
             unknown (a typo), missing or bad (the message names the file or the field).
     """
-    from kvstore.ns_wire import check_known_fields, wire_namespace
+    from kvstore.ns_wire import wire_namespace
     if text.startswith("@"):
         try:
             with open(text[1:]) as f:
@@ -107,8 +107,7 @@ def read_namespace(text: str) -> dict:
         raise UsageError(f"--namespace: expected a JSON object (Namespace.to_dict()), got "
                          f"{type(d).__name__}")
     try:
-        check_known_fields(d)   # (wire_namespace ignores unknown fields; the daemon refuses them)
-        return wire_namespace(d)
+        return wire_namespace(d)   # (an unknown field, a typo, is refused naming it)
     except KeyError as e:  # model_id and layout, or a field of the layout
         field = e.args[0]
         where = "namespace" if field in ("model_id", "layout") else 'namespace "layout"'

@@ -111,3 +111,28 @@ def test_an_unknown_layout_field_is_refused_naming_it(d, message):
                          ids=range(len(GOOD) + 2))
 def test_known_fields_pass_the_check(d):
     assert ns_wire.check_known_fields(d) is None
+
+
+@pytest.mark.parametrize("d, field", [
+    ({**BASE, "cache_slat": "tenant-a"}, "cache_slat"),
+    ({**BASE, "dtpye": "float16"}, "dtpye"),                # a layout field at the top level
+    ({**BASE, "hash_algo": "sha256", "weights_fingerprnt": "xxh3_128:ab"},
+     "weights_fingerprnt"),
+    ({**BASE, "layout": {**LAY, "dtpye": "float16"}}, "dtpye"),
+    ({"modle_id": "m", "layout": LAY}, "modle_id"),          # named before the missing model_id
+])
+def test_an_unknown_field_is_refused_by_every_parser_naming_it(d, field):
+    """``Namespace.from_dict`` and ``wire_namespace`` refuse a field a namespace (or its
+    layout) does not have, naming it, before reading the others: ignored, the typo would
+    name the namespace without it (``cache_slat``: no salt), another namespace's keys."""
+    for parse in (Namespace.from_dict, ns_wire.wire_namespace):
+        with pytest.raises(ValueError) as e:
+            parse(json.loads(json.dumps(d)))
+        assert f"'{field}'" in str(e.value) and "unknown namespace" in str(e.value), parse
+
+
+@pytest.mark.parametrize("d", [None, [BASE], "m"])
+def test_a_namespace_that_is_not_an_object_is_a_type_error(d):
+    for parse in (Namespace.from_dict, ns_wire.wire_namespace):
+        with pytest.raises(TypeError, match="a namespace must be an object"):
+            parse(d)
