@@ -26,13 +26,14 @@ _COUNTERS = {
     "hit_tokens": ("Leading tokens found by lookups", False),
     "hits": ("Chunks returned by get, by the tier that served them", True),
     "misses": ("Chunks asked by get and not returned (absent, evicted or corrupt)", False),
-    "stored_chunks": ("Chunks newly stored by put", False),
+    "stored_chunks": ("Chunks newly stored by put in a local tier (gpu, cpu, disk)", False),
     "evictions": ("Chunks evicted from a tier, by that tier (also when a lower tier keeps a "
                   "copy: a spilled or promoted chunk)", True),
-    "dropped_chunks": ("Chunks evicted out of the store: no tier holds them any more (each "
-                       "counted once, whatever the tiers it left)", False),
-    "removed_chunks": ("Chunks removed by remove or clear (those pinned then leave at their "
-                       "last unpin; remote copies not counted)", False),
+    "dropped_chunks": ("Chunks evicted out of every local tier (gpu, cpu, disk): none holds "
+                       "them any more, a remote (Redis) copy may (each counted once, whatever "
+                       "the tiers it left)", False),
+    "removed_chunks": ("Chunks removed by remove or clear from a local tier (those pinned then "
+                       "leave at their last unpin; remote copies not counted)", False),
     "spills": ("Evicted chunks copied to the next slower tier, by the tier they left", True),
     "promotions": ("Chunks copied to the top tier on a hit, by the tier they came from", True),
     "admission_refusals": ("Chunks the admission filter kept out of a full tier (a put, a "
@@ -109,14 +110,17 @@ class StoreMetrics:
     def bind_store(self, resident: Callable[[], float], unreachable: Callable[[], float],
                    pinned: Callable[[], float], namespaces: Callable[[], float]) -> None:
         """Store-wide gauges (callables read at scrape time): ``kvstore_resident_chunks``
-        (distinct chunks some tier holds, removed-while-pinned ones not counted),
+        (distinct chunks some local tier holds, removed-while-pinned ones not counted; the
+        remote tier's copies are not counted),
         ``kvstore_unreachable_bytes``, ``kvstore_pinned_chunks``, ``kvstore_namespaces``.
         With no tier losing chunks on its own (no corruptions, stale index entries, dropped
-        disk writes) and nothing found on disk at open, ``stored_chunks_total`` equals
-        ``resident_chunks + dropped_chunks_total + removed_chunks_total +
-        stranded_removals_total``."""
+        disk writes) and nothing found on disk at open, ``stored_chunks_total`` (plus, with
+        a remote tier, ``promotions_total{tier="remote"}``: chunks copied from Redis into the
+        top tier, stored by no put here) equals ``resident_chunks + dropped_chunks_total +
+        removed_chunks_total + stranded_removals_total``."""
         for name, help_, fn in (
-                ("resident_chunks", "Distinct chunks held by at least one tier", resident),
+                ("resident_chunks", "Distinct chunks held by at least one local tier (gpu, "
+                                    "cpu, disk; remote copies not counted)", resident),
                 ("unreachable_bytes", "Bytes of stored chunks no prefix lookup can reach (an "
                                       "ancestor is stored nowhere)", unreachable),
                 ("pinned_chunks", "Chunks pinned (by readers or explicit pins)", pinned),
