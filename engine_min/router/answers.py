@@ -10,7 +10,7 @@ from aiohttp import web
 
 from engine_min.router.reasons import describe_error
 from engine_min.router.shutdown import answering
-from engine_min.router.stream_end import UpstreamFailed
+from engine_min.router.stream_end import ClientGone, UpstreamFailed, to_client
 from engine_min.router.usage import cached_tokens
 from engine_min.serve import protocol as proto
 from engine_min.serve.errors import error_response
@@ -30,7 +30,8 @@ async def relay_whole(request: web.Request, up: aiohttp.ClientResponse, e, metri
     """Read the engine's whole answer and send it to the client: status, headers (but
     ``_DROP_HEADERS``) and body unchanged; the ``cached_tokens`` of a 200's usage go to
     ``router_reported_cached_tokens_total``. Once the answer is being written the router's
-    shutdown lets it finish (``answering``).
+    shutdown lets it finish (``answering``). A client that left as the answer was written
+    (``ClientGone``) ends it there; the engine is not blamed.
 
     Args:
         request: the client's request; up: the engine's response.
@@ -46,8 +47,11 @@ async def relay_whole(request: web.Request, up: aiohttp.ClientResponse, e, metri
         raise UpstreamFailed(describe_error(exc)) from exc
     resp = web.Response(body=body, status=up.status, headers=upstream_headers(up))
     answering(request)
-    await resp.prepare(request)
-    await resp.write_eof()
+    try:
+        await to_client(resp.prepare(request))
+        await to_client(resp.write_eof())
+    except ClientGone:   # the client left: not the engine's failure (nothing to retry)
+        return resp
     if up.status == 200:
         try:
             n = cached_tokens(json.loads(body))

@@ -29,7 +29,10 @@ error object. An engine taken out while requests wait on it (its health checks f
 hangs, as after ``kill -STOP``) fails them the same way at once (``Engine.on_down``,
 ``EngineTakenOut``): retried elsewhere before any byte went to the client, else ended. There is
 no read timeout between an engine's bytes: a non-streamed answer sends nothing until it is
-done, and a long prefill must not be cut; a hung engine is found by its health checks.
+done, and a long prefill must not be cut; a hung engine is found by its health checks. A write
+to a client that left (its connection closing, as when it stops reading at ``data: [DONE]``)
+fails with aiohttp's ``ClientConnectionResetError`` like an engine's connection would; it ends
+that request only, the engine stays in service.
 
 At shutdown (the app's ``on_shutdown``) the router logs how many requests and streams are in
 flight, lets them run for up to ``shutdown_timeout_s``, then ends the streams still open the same
@@ -58,6 +61,7 @@ from engine_min.router.shutdown import Inflight
 from engine_min.router.stream_end import UpstreamFailed, relay_stream
 from engine_min.router.store_lookup import StoreLookup, choose_with_store, store_can_change_pick
 from engine_min.router.subscriber import Engine, EngineSubscriber
+from engine_min.router.upstream import STALE_ERRORS, StaleConnection, unless_lost
 from engine_min.serve.errors import openai_error_middleware
 
 logger = logging.getLogger("engine_min.router")
@@ -69,37 +73,6 @@ ROUTER_KEY: web.AppKey["Router"] = web.AppKey("router")
 #: INLINE_MAX_NEW_CHARS of its prompt text was not tokenized before (about 0.4 ms of BPE)
 INLINE_MAX_BODY_BYTES = 64 * 1024
 INLINE_MAX_NEW_CHARS = 1024
-
-
-#: A pooled connection the engine closed before the request's answer: disconnected, reset, or
-#: found closing as the request is written ("Cannot write to closing transport",
-#: ``ClientConnectionResetError``, aiohttp >= 3.10; not a ``ClientOSError``).
-_STALE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
-          *((aiohttp.ClientConnectionResetError,)
-            if hasattr(aiohttp, "ClientConnectionResetError") else ()))
-
-
-class StaleConnection(UpstreamFailed):
-    """The engine closed or reset the connection before answering: maybe a pooled connection
-    it had closed while idle; worth one more try on a fresh connection to the same engine."""
-
-
-async def _unless_lost(post, lost: asyncio.Future):
-    """The engine's response (``await post``), unless ``lost`` (the engine was taken out)
-    comes first: then the request is abandoned and EngineTakenOut (the reason) raised."""
-    task = asyncio.ensure_future(post)
-    try:
-        await asyncio.wait((task, lost), return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:   # the client left, or the router's shutdown
-        if not task.done():
-            task.cancel()
-        elif not task.cancelled() and task.exception() is None:
-            task.result().close()
-        raise
-    if not task.done():
-        task.cancel()
-        raise EngineTakenOut(lost.result())
-    return task.result()
 
 
 class Router:
@@ -277,7 +250,10 @@ class Router:
 
     async def _send(self, request: web.Request, e: Engine, raw: bytes) -> web.StreamResponse:
         """``_forward`` on a pooled connection, then once on a fresh one if the engine closed
-        the pooled connection before answering. Raises UpstreamFailed."""
+        or reset the pooled connection before its answer's headers came back (whether the
+        request's write failed or the close came after it went out: ``StaleConnection``, which
+        says why a POST may be sent twice). A failure after the headers is not retried here:
+        bytes of the answer may be with the client. Raises UpstreamFailed."""
         try:
             return await self._forward(request, e, raw, self.session)
         except StaleConnection as exc:
@@ -289,7 +265,9 @@ class Router:
                        session: aiohttp.ClientSession) -> web.StreamResponse:
         """Send ``raw`` to ``e`` over ``session`` and relay its answer. Raises StaleConnection
         (closed or reset before the answer's headers), UpstreamFailed (another failure before
-        any byte went to the client); a stream cut later is ended by ``_relay_stream``."""
+        any byte went to the client); a stream cut later is ended by ``_relay_stream``. A
+        client that left (its connection closed as the router wrote to it) is not the
+        engine's failure: the relays return (``engine_min.router.stream_end.ClientGone``)."""
         headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
         e.inflight += 1
         lost: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -297,11 +275,11 @@ class Router:
         up: aiohttp.ClientResponse | None = None
         try:
             try:
-                cm = await _unless_lost(session.post(e.url + request.path, data=raw,
-                                                     headers=headers), lost)
+                cm = await unless_lost(session.post(e.url + request.path, data=raw,
+                                                    headers=headers), lost)
             except aiohttp.ClientConnectorError as exc:  # could not connect: nothing stale
                 raise UpstreamFailed(describe_error(exc)) from exc
-            except _STALE as exc:
+            except STALE_ERRORS as exc:
                 raise StaleConnection(repr(exc)) from exc
             async with cm as up:
                 # taken out from now on: its answer (a stream, a whole body) fails as if cut

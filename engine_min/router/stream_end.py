@@ -40,6 +40,43 @@ class UpstreamFailed(Exception):
     """The engine failed before the client received any byte: the request may be retried."""
 
 
+class ClientGone(Exception):
+    """The client's connection closed (or is closing) as the router wrote its answer to it:
+    the client left, e.g. it stopped reading at ``data: [DONE]``. Not the engine's failure, and
+    deliberately not an ``aiohttp.ClientError`` (aiohttp reports the failed write as
+    ``ClientConnectionResetError``, which would read as the engine's connection failing)."""
+
+
+async def to_client(write) -> None:
+    """``await write`` (a write of the router's response to the client); a ``ConnectionError``
+    (aiohttp: "Cannot write to closing transport", a reset) is raised as ``ClientGone``."""
+    try:
+        await write
+    except ConnectionError as exc:
+        raise ClientGone(f"{type(exc).__name__}: {exc}") from exc
+
+
+class _ToClient:
+    """The router's streamed response to the client, started (status, headers) with its first
+    bytes. ``resp`` is None until then; writes raise ``ClientGone`` when the client left."""
+
+    def __init__(self, request: web.Request, status: int, headers: dict) -> None:
+        self.request, self.status, self.headers = request, status, headers
+        self.resp: web.StreamResponse | None = None
+
+    async def write(self, data: bytes) -> None:
+        if self.resp is None:
+            self.resp = web.StreamResponse(status=self.status, headers=self.headers)
+            await to_client(self.resp.prepare(self.request))
+        if data:
+            await to_client(self.resp.write(data))
+
+    async def end(self, data: bytes = b"") -> web.StreamResponse:
+        await self.write(data)
+        await to_client(self.resp.write_eof())
+        return self.resp
+
+
 class SseRelayState:
     """What the router has relayed of one SSE stream.
 
@@ -128,7 +165,8 @@ async def relay_stream(request: web.Request, up: aiohttp.ClientResponse, e, head
                        metrics, streams: dict) -> web.StreamResponse:
     """Relay an SSE stream whole event by whole event (``SseRelayState``). A stream the
     engine cuts after events went out, or that is open when the router stops, is ended
-    as an engine ends one at its shutdown (``SseRelayState.ending``). Raises
+    as an engine ends one at its shutdown (``SseRelayState.ending``). A client that left
+    (``ClientGone``) ends the relay there; the engine stays in service. Raises
     UpstreamFailed: the engine failed before any event went to the client.
 
     Args:
@@ -138,30 +176,34 @@ async def relay_stream(request: web.Request, up: aiohttp.ClientResponse, e, head
         metrics: the router's ``RouterMetrics``.
         streams: the router's open streams (this one is in it while relayed).
     """
-    resp: web.StreamResponse | None = None
+    client = _ToClient(request, up.status, headers)
+    try:
+        return await _relay(client, up, e, metrics, streams)
+    except ClientGone as exc:
+        logger.debug("%s: the client left before its stream's end (%s)", e.url, exc)
+        return client.resp
+
+
+async def _relay(client: _ToClient, up: aiohttp.ClientResponse, e, metrics, streams: dict
+                 ) -> web.StreamResponse:
     scanner, state = UsageScanner(), SseRelayState()
     streams[up.content] = state
-    answering(request)   # the shutdown ends it with RouterStopping instead of cancelling it
+    answering(client.request)   # the shutdown ends it with RouterStopping, not a cancel
     try:
         async for chunk in up.content.iter_any():
             out = state.feed(chunk)
             if not out:
                 continue
-            if resp is None:
-                resp = web.StreamResponse(status=up.status, headers=headers)
-                await resp.prepare(request)
-            await resp.write(out)
+            await client.write(out)
             scanner.feed(out)
     except RouterStopping:
         metrics.failed("server_shutting_down")
-        if resp is None:
+        if client.resp is None:
             return error_response(ShuttingDown(MESSAGE))
-        await resp.write(state.ending(MESSAGE, "server_shutting_down"))
-        await resp.write_eof()
-        return resp
+        return await client.end(state.ending(MESSAGE, "server_shutting_down"))
     except aiohttp.ClientError as exc:
-        if resp is None:
-            answering(request, False)   # sent again: cancellable until its answer comes
+        if client.resp is None:
+            answering(client.request, False)   # sent again: cancellable until answered
             raise UpstreamFailed(describe_error(exc)) from exc
         why = describe_error(exc)
         metrics.failed("engine_failed")
@@ -171,19 +213,13 @@ async def relay_stream(request: web.Request, up: aiohttp.ClientResponse, e, head
                        "client's stream ended with an error event", e.url,
                        state.request_id or "unknown", state.bytes_relayed, why,
                        "taken out; " if was_up else "")
-        await resp.write(state.ending(cut_message(e.url, state), "engine_failed"))
-        await resp.write_eof()
-        return resp
+        return await client.end(state.ending(cut_message(e.url, state), "engine_failed"))
     finally:
         streams.pop(up.content, None)
     tail = state.flush()
-    if resp is None:
-        resp = web.StreamResponse(status=up.status, headers=headers)
-        await resp.prepare(request)
+    resp = await client.end(tail)
     if tail:
-        await resp.write(tail)
         scanner.feed(tail)
-    await resp.write_eof()
     if scanner.cached_tokens is not None:
         metrics.reported_cached_tokens.labels(e.url).inc(scanner.cached_tokens)
     return resp

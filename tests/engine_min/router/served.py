@@ -66,6 +66,38 @@ def request(url: str, path: str, body: bytes | None = None, timeout: float = 120
         return err.code, dict(err.headers), err.read()
 
 
+def post_stream(port: int, prompt: str, max_tokens: int) -> socket.socket:
+    """A socket on which a streamed greedy ``/v1/completions`` request (``max_tokens`` tokens,
+    EOS ignored) was sent to ``127.0.0.1:port``; read its answer with ``read_until``."""
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                       "ignore_eos": True, "temperature": 0, "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=120)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    return sock
+
+
+def read_until(sock: socket.socket, marker: bytes, got: bytes = b"") -> bytes:
+    """``got`` and what ``sock`` sends until ``marker`` is in it (or the peer closes)."""
+    while marker not in got:
+        data = sock.recv(65536)
+        if not data:
+            break
+        got += data
+    return got
+
+
+def stream_choices(raw: bytes) -> list[dict]:
+    """The first choice of each JSON event in a raw (chunked) HTTP stream answer."""
+    return [json.loads(line[6:])["choices"][0]
+            for line in raw.decode(errors="replace").split("\n")
+            if line.startswith("data: {") and '"choices":[{' in line]
+
+
+#: the end of a chunked stream answer: its last event and the terminating chunk
+STREAM_END = b"data: [DONE]\n\n\r\n0\r\n\r\n"
+
+
 def post_json(url: str, path: str, obj: dict) -> dict:
     status, _, body = request(url, path, json.dumps(obj).encode())
     assert status == 200, body

@@ -79,6 +79,10 @@ def test_engine_dying_mid_stream_ends_the_clients_stream(tokenizer, caplog):
         assert metric(m, "router_failed_requests_by_code_total", code="engine_failed") == 1
         assert 'router_failed_requests_by_code_total{code="server_shutting_down"}' in m
         assert metric(metrics(srv.url), "router_engine_healthy", engine=eng.url) in (0, 1)
+        # bytes went to the client: not retried, on a fresh connection or elsewhere
+        assert metric(m, "router_stale_connection_retries_total", engine=eng.url) == 0
+        assert metric(m, "router_requests_total", engine=eng.url, reason="retry") == 0
+        assert eng.received == ["/v1/chat/completions"]
     finally:
         srv.stop()
         eng.stop()
