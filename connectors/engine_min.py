@@ -288,6 +288,7 @@ class EngineMinConnector(KVConnectorBase):
         self.layerwise_load = auto_layerwise(self._layerwise_arg, kv_cache.device)
         self._loader.bind(kv_cache, block_size, self.layerwise_load)
         self._saver.bind(kv_cache, self.geometry, self.tail_ns)
+        self._saver.check_chunk_limit(self.ns, self.tail_ns)   # one warning when too large
         self.store.register(self.ns)  # a tier smaller than one chunk fails here, not mid-run
         if self.tail_ns is not None:
             self.store.register(self.tail_ns)

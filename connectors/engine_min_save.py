@@ -14,6 +14,12 @@ every tier, yet still serve a prompt sharing the prefix up to a piece while ther
 failed demotion is counted (``demote_errors``) and logged once per cause; it only costs room,
 later.
 
+A chunk larger than the daemon's ``--max-body-bytes`` can never be saved to it
+(``connectors.chunk_limit``): ``check_chunk_limit`` asks at start, and one WARNING names both
+sizes; when the daemon is the only store, the saves of that namespace are then skipped before
+any gather, each counted in ``save_errors`` as the put's ``ChunkTooLarge`` was (a put that
+meets ``ChunkTooLarge`` later does the same, from then on).
+
 Devices (``connectors.engine_min_device``): chunks are gathered on the pool's device; a store
 without a GPU tier on top gets host copies (pinned, made without waiting), and the writer waits
 for the event recorded after them before the put. On a CPU pool the gathered tensors go as
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from connectors import chunk_limit
 from connectors.chunk_geometry import ChunkGeometry
 from connectors.chunk_records import SaveRange
 from connectors.engine_min_device import StagedChunks, stage_for_store, takes_device_chunks
@@ -30,6 +37,7 @@ from connectors.engine_min_stats import ConnectorStats
 from connectors.save_queue import SaveQueue, demote_superseded
 from kernels import ops
 from kvstore.api import KVStoreBase
+from kvstore.daemon.batches import ChunkTooLarge
 from kvstore.keys import Namespace
 
 
@@ -54,6 +62,8 @@ class Saver:
         self.tail_ns: Namespace | None = None
         self._host_copies = False   # give the store host copies of device chunks (bind)
         self._queue = SaveQueue(self._put, save_queue_bytes, self._saved)
+        self._oversize: set[Namespace] = set()   # warned: the daemon cannot take its chunk
+        self._skipped: set[Namespace] = set()    # ... and its saves are skipped
 
     def bind(self, kv_cache: torch.Tensor, geometry: ChunkGeometry,
              tail_ns: Namespace | None) -> None:
@@ -64,10 +74,39 @@ class Saver:
         self.kv_cache, self.geometry, self.tail_ns = kv_cache, geometry, tail_ns
         self._host_copies = kv_cache.device.type != "cpu" and not takes_device_chunks(self.store)
 
+    def check_chunk_limit(self, *namespaces: Namespace | None) -> None:
+        """At start: for each namespace whose chunk is larger than the daemon's
+        ``max_body_bytes`` (``chunk_limit.oversize``; asks the daemon when no call was
+        answered yet), log the one WARNING and skip its saves when the daemon is the only
+        store. Nothing for a store without a daemon, or when saves are off."""
+        for ns in namespaces:
+            if ns is not None and self.enabled:
+                over = chunk_limit.oversize(self.store, ns)
+                if over is not None:
+                    self._too_large(ns, *over)
+
+    def _too_large(self, ns: Namespace, chunk_bytes: int, max_body_bytes: int) -> None:
+        """``ns``'s chunk cannot reach the daemon: warn once, skip its saves from now on
+        when the daemon is the only store."""
+        if ns in self._oversize:
+            return
+        self._oversize.add(ns)
+        skip = chunk_limit.saves_go_to_daemon_only(self.store)
+        if skip:
+            self._skipped.add(ns)
+        chunk_limit.warn(self.store, ns, chunk_bytes, max_body_bytes, skip)
+
     def queue(self, rng: SaveRange | None, block_ids: list[int]) -> None:
         """Gather the units of ``rng`` out of the pool (``block_ids``: the request's blocks)
-        and queue them (or drop them, counted, when the queue is full). None: nothing."""
-        if rng is None or not self.enabled or not self._reserve(len(rng.keys), rng.nbytes):
+        and queue them (or drop them, counted, when the queue is full). None: nothing. A
+        namespace the daemon cannot take a chunk of (``check_chunk_limit``) is skipped, one
+        ``save_errors`` per save."""
+        if rng is None or not self.enabled:
+            return
+        if rng.ns in self._skipped:
+            self.stats.add(save_errors=1)
+            return
+        if not self._reserve(len(rng.keys), rng.nbytes):
             return
         g = self.geometry
         kvs = [ops.gather_chunk(self.kv_cache, g.unit_blocks(block_ids, s, rng.unit))
@@ -113,6 +152,9 @@ class Saver:
             self.stats.add(**{"saved_tail_chunks" if ns is self.tail_ns else "saved_chunks":
                               stored, "saved_bytes": stored * ns.layout.chunk_bytes})
             self.stats.recovered(kind)
+        elif isinstance(error, ChunkTooLarge):   # (nothing was sent)
+            self.stats.add(save_errors=1)
+            self._too_large(ns, error.nbytes, error.max_body_bytes)
         else:
             self.stats.add(save_errors=1)
             self.stats.warn(kind, f"kv connector: {kind} failed (%s: %s)",

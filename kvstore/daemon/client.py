@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from kvstore.api import KVStoreBase, LookupResult
+from kvstore.daemon.batches import DaemonLimits
 from kvstore.daemon.async_client import AsyncKVStoreClient
 from kvstore.daemon.client_paths import (_HTTP, RECHECK_HTTP_S,  # noqa: F401 (re-exported)
                                          REDISCOVER_S, SocketPaths)
@@ -203,6 +204,26 @@ class KVStoreClient(SocketPaths, KVStoreBase):
 
     def whoami(self, *, timeout_s=None) -> dict:
         return self._call("whoami", timeout_s)
+
+    @property
+    def limits(self) -> DaemonLimits | None:
+        """The daemon's request limits (``--max-body-bytes``, ``--max-batch-keys``) as the
+        path calls take now learned them (the socket's ``hello``, an HTTP answer's headers),
+        or None before a first answer, or from an older daemon that names none."""
+        if self._shm is not None:
+            return self._shm.limits
+        return self._async._http.limits if self._async is not None else None
+
+    def request_limits(self, *, timeout_s: float | None = None) -> DaemonLimits | None:
+        """``limits``, asking the daemon first (one ``whoami``) when no call has been
+        answered yet: what a caller checks its chunk size against at start. None when the
+        daemon does not answer, refuses the token, or names no limits. Never raises."""
+        if self.limits is None:
+            try:
+                self.whoami(timeout_s=timeout_s)
+            except (StoreUnavailable, RemoteError, RuntimeError, ValueError):
+                return None
+        return self.limits
 
     def metrics_text(self, *, timeout_s=None) -> str:
         """The daemon's Prometheus text (HTTP only).

@@ -194,3 +194,13 @@ def test_limits_known_too_high_are_relearned_from_the_413(daemon, kind):
         assert shm.limits == LIMITS
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("kind", ["unix", "http"])
+def test_request_limits_asks_a_fresh_client_once(daemon, kind):
+    with _sync(daemon, kind) as c:
+        assert c.limits is None
+        assert c.request_limits(timeout_s=5) == LIMITS
+        assert c.limits == LIMITS
+    with KVStoreClient(f"http://127.0.0.1:{free_port()}", timeout_s=2) as dead:
+        assert dead.request_limits(timeout_s=1) is None  # (nothing listens: never raises)
