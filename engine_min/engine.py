@@ -17,7 +17,7 @@ from engine_min.config import EngineConfig
 from engine_min.identity import load_identity
 from engine_min.model import LlamaModel
 from engine_min.model_runner import ModelRunner
-from engine_min.sampler import Sampler, SamplingParams
+from engine_min.sampler import Sampler, SamplingParams, apply_penalties
 from engine_min.scheduler import Scheduler
 from engine_min.sequence import RequestOutput, SeqFailure, Sequence
 from engine_min.step_isolation import execute_isolated
@@ -214,6 +214,8 @@ class LLMEngine:
         outputs += [self._fail(f) for f in res.failed]
         samplers = [it for it in res.ordered if it.samples]
         logits = self._suppress_early_stops(res.logits, [it.seq for it in samplers])
+        logits = apply_penalties(logits, [it.seq.sampling for it in samplers],
+                                 [(it.seq.token_ids, it.seq.num_prompt_tokens) for it in samplers])
         tokens = self.sampler.sample_rows(logits, [it.seq.sampling for it in samplers],
                                           [it.seq.generator for it in samplers]) if samplers else []
         sampled = dict(zip((id(it.seq) for it in samplers), tokens))

@@ -1,4 +1,9 @@
-"""Sampling parameters and the sampler (greedy, temperature, top-k, top-p, seeded).
+"""Sampling parameters and the sampler (penalties, greedy, temperature, min-p, top-k, top-p,
+seeded).
+
+Order (vLLM's v1 sampler): the penalties (``apply_penalties``: repetition, frequency, presence)
+change the raw logits, greedy rows included; then a sampled row is divided by its temperature,
+and ``min_p``, ``top_k`` and ``top_p`` drop tokens, ``top_p`` on what the others kept.
 
 Greedy below an epsilon: a temperature under ``SAMPLING_EPS`` (1e-5) samples greedily, exactly
 as temperature 0 (argmax; top_k and top_p do not apply; no generator draw). This is vLLM's rule
@@ -38,8 +43,8 @@ class SamplingParams:
     Attributes:
         max_tokens: most output tokens (>= 1).
         temperature: a finite number >= 0. Below ``SAMPLING_EPS`` (1e-5; 0 included) the
-            sampling is greedy (argmax, top_k and top_p ignored); otherwise the logits are
-            divided by it.
+            sampling is greedy (argmax of the penalized logits; min_p, top_k and top_p
+            ignored); otherwise the logits are divided by it.
         top_k: keep the k most likely tokens (0 = all).
         top_p: keep the smallest set with cumulative probability >= top_p (1.0 = all).
         seed: per-request generator seed (same seed, same sampled tokens in any batch); None
@@ -52,6 +57,14 @@ class SamplingParams:
             looked for, until this many tokens were generated (vLLM's rule); 0..max_tokens.
         include_stop_str_in_output: keep a matched stop string (or a stop token's text) in
             ``text`` instead of cutting it off.
+        repetition_penalty: finite, > 0 (1 = off). The logit of every token in the prompt or
+            the output so far is divided by it when positive, multiplied by it otherwise.
+        frequency_penalty: in [-2, 2] (0 = off); subtracted once per occurrence of the token in
+            the output so far.
+        presence_penalty: in [-2, 2] (0 = off); subtracted from every token that occurs in the
+            output so far.
+        min_p: in [0, 1] (0 = off); after temperature, tokens whose probability is below
+            ``min_p`` times the most likely token's are dropped (not for greedy rows).
 
     Raises:
         ValueError: any value out of range (a NaN or infinite temperature too), naming the
@@ -68,6 +81,10 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -93,6 +110,21 @@ class SamplingParams:
                 or not 0 <= self.min_tokens <= self.max_tokens):
             raise ValueError(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens!r}")
+        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, "
+                             f"got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not _finite(v) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+        if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """Any of repetition, frequency or presence penalty is on."""
+        return (self.repetition_penalty != 1 or self.frequency_penalty != 0
+                or self.presence_penalty != 0)
 
     @property
     def greedy(self) -> bool:
@@ -100,11 +132,21 @@ class SamplingParams:
         return self.temperature < SAMPLING_EPS
 
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set logits outside top-k / top-p to -inf. ``logits [vocab]`` (float32 or float64) ->
-    ``[vocab]`` of the same dtype.
+def _finite(v) -> bool:
+    return (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v))
 
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float,
+                  min_p: float = 0.0) -> torch.Tensor:
+    """Set logits outside min-p / top-k / top-p to -inf. ``logits [vocab]`` (float32 or
+    float64, after temperature) -> ``[vocab]`` of the same dtype.
+
+    ``min_p`` drops a token when ``exp(logit - max) < min_p``: its probability is below
+    ``min_p`` times the most likely token's (vLLM's ``probs < min_p * max(probs)``, without the
+    rounding of a softmax). ``top_p`` then counts the mass of what min-p and top-k kept.
     The most likely token is always kept; ``logits`` must hold a finite maximum."""
+    if min_p > 0:
+        logits = logits.masked_fill(torch.exp(logits - logits.max()) < min_p, float("-inf"))
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -115,6 +157,64 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         drop[0] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, idx, drop), float("-inf"))
     return logits
+
+
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
+                    histories: list[tuple[list[int], int]]) -> torch.Tensor:
+    """vLLM's penalties on raw ``logits [n, vocab]`` (float32, any device), one row per
+    ``params`` and ``histories`` entry (``(token_ids, num_prompt_tokens)``: the prompt then the
+    output so far). Returns ``logits`` itself when no row is penalized (whatever it is: None
+    when nothing samples), else a float32 copy.
+
+    Per penalized row, vectorised over the vocabulary: a token in the prompt or the output has
+    its logit divided by ``repetition_penalty`` when > 0, else multiplied by it; then
+    ``frequency_penalty`` times its count in the output and ``presence_penalty`` (once, if it
+    occurs in the output) are subtracted. Results are clamped to float32's finite range (a
+    logit that ``min_tokens`` pushed to the lowest float stays there instead of becoming
+    -inf: neither is ever picked). A row holding a NaN or infinite logit is left as it is, for
+    ``Sampler.sample_rows`` to report.
+
+    Raises:
+        ValueError: a row is penalized and ``params`` or ``histories`` differ in length from
+            ``logits``' rows.
+    """
+    rows = [i for i, p in enumerate(params) if p.penalized]
+    if not rows:
+        return logits
+    if not len(params) == len(histories) == logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} logit rows, {len(params)} params, "
+                         f"{len(histories)} histories")
+    dev, vocab, n = logits.device, logits.shape[-1], len(rows)
+    prompt_ids, output_ids = [], []
+    for i in rows:
+        ids, n_prompt = histories[i]
+        prompt_ids.append(ids[:n_prompt])
+        output_ids.append(ids[n_prompt:])
+    in_prompt = _bin_counts(prompt_ids, vocab, dev) > 0                  # [n, vocab] bool
+    out_counts = _bin_counts(output_ids, vocab, dev)                      # [n, vocab] float32
+    pen = torch.tensor([[params[i].repetition_penalty, params[i].frequency_penalty,
+                         params[i].presence_penalty] for i in rows],
+                       dtype=torch.float32, device=dev)                     # [n, 3]
+    rep = torch.where(in_prompt | (out_counts > 0), pen[:, :1], 1.0)
+    idx = torch.tensor(rows, device=dev)
+    raw = logits.index_select(0, idx).float()                              # [n, vocab]
+    x = torch.where(raw > 0, raw / rep, raw * rep)
+    x = x - pen[:, 1:2] * out_counts - pen[:, 2:3] * (out_counts > 0)
+    info = torch.finfo(torch.float32)
+    x = torch.where(torch.isfinite(raw).all(dim=-1, keepdim=True),
+                    x.clamp(info.min, info.max), raw)
+    return logits.float().index_copy(0, idx, x)
+
+
+def _bin_counts(seqs: list[list[int]], vocab: int, device) -> torch.Tensor:
+    """``[len(seqs), vocab]`` float32: how often each id occurs in each list (ids outside
+    ``[0, vocab)`` are not counted)."""
+    flat = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=device)
+    row = torch.repeat_interleave(torch.arange(len(seqs), device=device),
+                                  torch.tensor([len(s) for s in seqs], device=device))
+    ok = (flat >= 0) & (flat < vocab)
+    counts = torch.bincount(row[ok] * vocab + flat[ok], minlength=len(seqs) * vocab)
+    return counts.view(len(seqs), vocab).float()
 
 
 class Sampler:
@@ -183,5 +283,5 @@ class Sampler:
         scaled = (row - row.max()) / p.temperature   # [vocab] float64, <= 0, the max at 0
         if 0 < p.top_k < row.numel():  # on the raw order: a huge temperature rounds ties
             scaled = scaled.masked_fill(row < torch.topk(row, p.top_k).values[-1], float("-inf"))
-        probs = torch.softmax(filter_logits(scaled, 0, p.top_p), dim=-1)
+        probs = torch.softmax(filter_logits(scaled, 0, p.top_p, p.min_p), dim=-1)
         return int(torch.multinomial(probs, 1, generator=generator or self.generator))

@@ -14,12 +14,13 @@ either), ``messages``, ``max_tokens`` / ``max_completion_tokens``, ``temperature
 below 1e-5, ``engine_min.sampler.SAMPLING_EPS``, it is greedy exactly as 0, vLLM's rule), ``top_p``,
 ``top_k`` (extension; 0 or -1 disables), ``seed``, ``stop`` (string or list of strings),
 ``stop_token_ids`` and ``ignore_eos`` (extensions), ``n`` (1 only), ``stream``,
-``stream_options.include_usage``, and vLLM's extensions of ``engine_min.serve.vllm_fields``
-(``min_tokens``, ``include_stop_str_in_output``, ``truncate_prompt_tokens``,
+``stream_options.include_usage``, ``presence_penalty`` / ``frequency_penalty``, and vLLM's
+extensions of ``engine_min.serve.vllm_fields`` (``min_tokens``, ``repetition_penalty``,
+``min_p``, ``include_stop_str_in_output``, ``truncate_prompt_tokens``,
 ``continuous_usage_stats``, chat ``add_generation_prompt`` / ``continue_final_message``).
 Unknown fields are ignored, as OpenAI-compatible servers do; known fields of the wrong type,
-and features we do not implement (logprobs, echo, n > 1, penalties other than 0, the vLLM
-fields of ``vllm_fields.REFUSED``), are rejected with 400.
+and features we do not implement (logprobs, echo, n > 1, the vLLM fields of
+``vllm_fields.REFUSED``), are rejected with 400.
 
 Responses are built by ``engine_min.serve.responses``.
 """
@@ -237,11 +238,6 @@ def _check_unsupported(body: dict, kind: str) -> None:
     best_of = _opt(body, "best_of", _is_int, "an integer")
     if best_of is not None and best_of != 1:
         raise ApiError("Only best_of=1 is supported.", param="best_of", code="unsupported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = _opt(body, name, _is_number, "a number")
-        if v not in (None, 0, 0.0):
-            raise ApiError(f"'{name}' is not supported (only 0).", param=name,
-                           code="unsupported")
     if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
         raise ApiError("logprobs are not supported.", param="logprobs", code="unsupported")
     if body.get("logit_bias") not in (None, {}):

@@ -6,6 +6,10 @@ Implemented (vLLM's ``CompletionRequest`` / ``ChatCompletionRequest`` semantics)
 
 - ``min_tokens`` (int, 0 up to ``max_tokens``): EOS and ``stop_token_ids`` are not sampled,
   and stop strings not matched, before that many tokens were generated;
+- ``repetition_penalty`` (number > 0, default 1), ``min_p`` (0 to 1, default 0) and OpenAI's
+  ``presence_penalty`` / ``frequency_penalty`` (-2 to 2, default 0), as vLLM's sampler
+  (``engine_min.sampler``: penalties on the raw logits, greedy rows too; ``min_p`` after
+  temperature);
 - ``include_stop_str_in_output`` (bool): a matched stop string (or a stop token's text) stays
   in the text, streamed too;
 - ``truncate_prompt_tokens`` (int >= 1, or -1 for ``max_model_len``; at most
@@ -15,25 +19,26 @@ Implemented (vLLM's ``CompletionRequest`` / ``ChatCompletionRequest`` semantics)
 - chat ``add_generation_prompt`` (default true) and ``continue_final_message`` (default false;
   the last message is left open for the model to continue; both true is a 400).
 
-Refused unless they hold vLLM's default (``REFUSED``): ``repetition_penalty`` (1), ``min_p``
-(0), ``length_penalty`` (1), ``use_beam_search``, ``allowed_token_ids``, ``bad_words``,
-``logits_processors``, ``prompt_logprobs``, ``prompt_embeds``, ``guided_json``,
-``guided_regex``, ``guided_choice``, ``guided_grammar``, ``structured_outputs``,
-``skip_special_tokens`` (true), ``spaces_between_special_tokens`` (true), ``priority`` (0),
-``vllm_xargs``, and for chat ``echo``, ``chat_template``, ``chat_template_kwargs`` and
-``documents``. Fields that do not change the output (``user``, ``request_id``,
-``cache_salt``, ``add_special_tokens``: the model's tokenizer adds no special tokens to text,
-``return_tokens_as_token_ids`` without logprobs, ...) are accepted and have no effect.
+Refused unless they hold vLLM's default (``REFUSED``): ``length_penalty`` (1),
+``use_beam_search``, ``allowed_token_ids``, ``bad_words``, ``logits_processors``,
+``prompt_logprobs``, ``prompt_embeds``, ``guided_json``, ``guided_regex``, ``guided_choice``,
+``guided_grammar``, ``structured_outputs``, ``skip_special_tokens`` (true),
+``spaces_between_special_tokens`` (true), ``priority`` (0), ``vllm_xargs``, and for chat
+``echo``, ``chat_template``, ``chat_template_kwargs`` and ``documents``. Fields that do not
+change the output (``user``, ``request_id``, ``cache_salt``, ``add_special_tokens``: the
+model's tokenizer adds no special tokens to text, ``return_tokens_as_token_ids`` without
+logprobs, ...) are accepted and have no effect.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from engine_min.serve.protocol import ApiError
 
 #: field -> the values accepted (vLLM's defaults; a JSON null always means the default)
 REFUSED: dict[str, tuple] = {
-    "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "length_penalty": (1, 1.0),
+    "length_penalty": (1, 1.0),
     "use_beam_search": (False,), "allowed_token_ids": ([],), "bad_words": ([],),
     "logits_processors": ([],), "prompt_logprobs": (), "prompt_embeds": (),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
@@ -84,11 +89,33 @@ def _is_bool(v: Any) -> bool:
     return isinstance(v, bool)
 
 
+#: number field -> (lowest, highest, whether the lowest is excluded), vLLM's ranges
+SAMPLING_RANGES: dict[str, tuple[float, float, bool]] = {
+    "repetition_penalty": (0.0, math.inf, True), "min_p": (0.0, 1.0, False),
+    "presence_penalty": (-2.0, 2.0, False), "frequency_penalty": (-2.0, 2.0, False),
+}
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def parse_vllm_sampling(body: dict, max_tokens: int | None) -> dict:
-    """``SamplingParams`` keywords of ``min_tokens`` and ``include_stop_str_in_output`` (only
-    those present). Raises ``ApiError`` (400): wrong types, ``min_tokens`` below 0 or above
-    ``max_tokens`` (when given; else checked once the default is known)."""
+    """``SamplingParams`` keywords of ``min_tokens``, ``include_stop_str_in_output`` and the
+    numbers of ``SAMPLING_RANGES`` (only those present and not null). Raises ``ApiError``
+    (400, ``param`` the field): wrong types, a number out of its range (NaN and infinity too),
+    ``min_tokens`` below 0 or above ``max_tokens`` (when given; else checked once the
+    default is known)."""
     kw: dict = {}
+    for name, (lo, hi, open_lo) in SAMPLING_RANGES.items():
+        v = _opt(body, name, _is_number, "a number")
+        if v is None:
+            continue
+        if not (math.isfinite(v) and (lo < v if open_lo else lo <= v) and v <= hi):
+            want = f"greater than {lo:g}" if open_lo else f"in [{lo:g}, {hi:g}]"
+            raise ApiError(f"'{name}' must be {want}, got {v}.", param=name,
+                           code="invalid_value")
+        kw[name] = float(v)
     min_tokens = _opt(body, "min_tokens", _is_int, "an integer")
     if min_tokens is not None:
         if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):

@@ -1,5 +1,7 @@
 """SamplingParams validation and the sampler's filters (exact); tiny temperatures are greedy,
 any accepted params sample a kept token, and a bad row fails alone."""
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -100,9 +102,13 @@ def test_any_accepted_params_sample_a_kept_token(data):
     t = data.draw(st.one_of(st.floats(0, 1e-4), st.floats(0, 1e308), st.just(1.7e308)))
     top_k = data.draw(st.integers(0, vocab + 3))
     top_p = data.draw(st.one_of(st.floats(1e-300, 1.0, exclude_min=False), st.just(1.0)))
-    p = SamplingParams(temperature=t, top_k=top_k, top_p=top_p)
+    min_p = data.draw(st.one_of(st.just(0.0), st.floats(0, 1)))
+    p = SamplingParams(temperature=t, top_k=top_k, top_p=top_p, min_p=min_p)
     tok = Sampler(seed=data.draw(st.integers(0, 2**32))).sample(row[None], [p], [None])[0]
     assert 0 <= tok < vocab
+    if not p.greedy:                                    # min_p: a kept token's ratio to the top
+        r = row.double()
+        assert math.exp((r[tok] - r.max()) / t) >= min_p
     if p.greedy or top_k == 1:
         assert row[tok] == row.max()
     if 0 < top_k < vocab:                               # a token of the top k

@@ -59,7 +59,7 @@ def test_prompt_forms():
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x", "model": 3}, "model"),
     ({"prompt": "x", "ignore_eos": 1}, "ignore_eos"),
-    ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty"),
 ])
 def test_bad_completion_fields_are_400(body, param):
     e = _err(proto.parse_completion_request, body)
