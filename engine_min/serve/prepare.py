@@ -20,6 +20,9 @@ from engine_min.serve.vllm_fields import render_chat, truncate_prompt
 #: than ``max_model_len * MAX_CHARS_PER_TOKEN`` characters cannot fit the context, so it is
 #: refused before the tokenizer spends seconds on it (a 4.8 MB prompt took 3.6 s).
 MAX_CHARS_PER_TOKEN = 64
+#: with ``truncate_prompt_tokens`` a text is tokenized whatever its length, then cut; up to this
+#: many characters (or the limit above, if larger), a hard cap on the tokenizer's time and memory
+MAX_TRUNCATED_TEXT_CHARS = 4 * 2**20
 
 
 @dataclass
@@ -89,14 +92,24 @@ class RequestPreparation:
 
     def _check_chars(self, req: proto.ApiRequest) -> None:
         """Refuse text that cannot fit the context whatever it encodes to (400), before the
-        tokenizer runs: more than ``max_model_len * MAX_CHARS_PER_TOKEN`` characters."""
+        tokenizer runs: more than ``max_model_len * MAX_CHARS_PER_TOKEN`` characters; with
+        ``truncate_prompt_tokens`` (the text is cut after tokenizing) more than
+        ``MAX_TRUNCATED_TEXT_CHARS``."""
         if req.kind == "chat":
             n, param = sum(len(m.get("content") or "") for m in req.messages), "messages"
         elif isinstance(req.prompt, str):
             n, param = len(req.prompt), "prompt"
         else:
             return
-        self.check_text_length(n, param)
+        if req.truncate_prompt_tokens is None:
+            self.check_text_length(n, param)
+            return
+        limit = max(MAX_TRUNCATED_TEXT_CHARS, self.max_model_len * MAX_CHARS_PER_TOKEN)
+        if n > limit:
+            raise proto.ApiError(f"Your {param} {'have' if param == 'messages' else 'has'} {n} "
+                                 f"characters; with truncate_prompt_tokens at most {limit} "
+                                 f"characters are tokenized.", param=param,
+                                 code="invalid_value")
 
     def check_text_length(self, num_chars: int, param: str) -> None:
         """Refuse (400 ``context_length_exceeded``) ``num_chars`` characters of text in field
