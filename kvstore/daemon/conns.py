@@ -2,13 +2,20 @@
 and counted client errors, rate-limited ``accept()`` failures.
 
 * Cap (``ConnectionGuard``): the listening socket's protocol factory is wrapped so every
-  connection is counted. A connection arriving at the cap closes the oldest *idle* one (no
-  request being served; one that never sent a complete request first), so a legitimate client
-  is served at once even while idle sockets hold every slot; when every connection is busy
-  the newcomer gets ``503`` and is closed. Connections of the same-host path
-  (``kvstore.daemon.shm_server``) count against the same cap (``others``; ``make_room`` admits
-  one of them as ``_admit`` does an HTTP one), so the two paths together stay within the
-  descriptors the cap leaves. The default cap (``default_max_connections``)
+  connection is counted. Connections of the same-host path (``kvstore.daemon.shm_server``)
+  count against the same cap (``others``), so the two paths together stay within the
+  descriptors the cap leaves. A connection of either path arriving at the cap closes one
+  *idle* connection of either path, so a legitimate client is served at once even while idle
+  sockets hold every slot: an HTTP connection that never sent a complete request first
+  (oldest first), else the one idle longest (``idle_since``): an HTTP connection serving no
+  request, or a same-host connection with no request in flight or begun and no borrowed
+  arena pages outstanding (``other_idle``; its client reconnects on its next call). A
+  same-host connection holding borrows is never closed: its client may be reading the pages.
+  One closing path, rather than a share of the cap reserved per path, so that neither path
+  can lock the other out (HTTP is how engines on other hosts reach the daemon) and neither
+  path's share sits unused. When every connection is busy the newcomer gets ``503`` and is
+  closed. Counted in ``kvstore_server_connections_closed_total{reason}``
+  (``CLOSE_REASONS``). The default cap (``default_max_connections``)
   leaves file descriptors below ``RLIMIT_NOFILE`` for the store and for one burst of accepts
   (asyncio accepts up to ``ACCEPT_BATCH`` sockets per loop pass before any reaches the
   guard, while the kernel queues up to ``LISTEN_BACKLOG``), so ``accept()`` never runs out of
@@ -53,7 +60,9 @@ ACCEPT_LOG_INTERVAL_S = 10.0
 #: refused before any route saw it, or ``disconnect`` (the client went away mid-request).
 CLIENT_ERROR_REASONS = ("request_line", "header", "too_long", "body", "malformed", "disconnect")
 #: Labels of ``kvstore_server_connections_closed_total``.
-CLOSE_REASONS = ("idle_evicted", "refused_busy")
+#: ``idle_evicted``: an idle HTTP connection closed to admit a new one;
+#: ``idle_evicted_same_host``: an idle same-host one; ``refused_busy``: the new one, all busy.
+CLOSE_REASONS = ("idle_evicted", "idle_evicted_same_host", "refused_busy")
 #: ``kvstore serve``'s default ``--idle-timeout-s``.
 DEFAULT_IDLE_TIMEOUT_S = 30.0
 _REFUSAL_BODY = b'{"error": "connection limit reached; every connection is busy", "status": 503}'
@@ -116,7 +125,7 @@ class _Conn(asyncio.Protocol):
     """One accepted connection: forwards every callback to aiohttp's ``RequestHandler``
     (``inner``) and tells the guard when it opens and closes."""
 
-    __slots__ = ("inner", "guard", "transport", "active", "served", "admitted")
+    __slots__ = ("inner", "guard", "transport", "active", "served", "admitted", "idle_since")
 
     def __init__(self, inner: asyncio.Protocol, guard: "ConnectionGuard"):
         self.inner, self.guard = inner, guard
@@ -124,6 +133,8 @@ class _Conn(asyncio.Protocol):
         self.active = 0  # requests being served (set by the server middleware)
         self.served = 0  # requests seen
         self.admitted = False
+        #: ``time.monotonic()`` when it was admitted or last finished a request
+        self.idle_since = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -131,7 +142,7 @@ class _Conn(asyncio.Protocol):
             transport.write(_REFUSAL)  # type: ignore[attr-defined]
             transport.close()
             return
-        self.admitted = True
+        self.admitted, self.idle_since = True, time.monotonic()
         self.inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
@@ -173,8 +184,9 @@ class ConnectionGuard:
                                      "requests refused before any route, and clients gone "
                                      "mid-request, by reason", ["reason"], registry=registry)
         self.closed = Counter("kvstore_server_connections_closed_total", "Connections the "
-                              "server closed at its connection cap (idle_evicted: to admit a "
-                              "new one; refused_busy: the new one, all others busy)",
+                              "server closed at its connection cap (idle_evicted: an idle HTTP "
+                              "one, idle_evicted_same_host: an idle same-host one, to admit "
+                              "a new one; refused_busy: the new one, all others busy)",
                               ["reason"], registry=registry)
         self.accept_errors = Counter("kvstore_server_accept_errors_total", "accept() calls "
                                      "failed for lack of resources (EMFILE, ENFILE, ...)",
@@ -189,6 +201,9 @@ class ConnectionGuard:
         self._unlogged_accept_errors = 0
         #: open connections held outside this guard that share its cap (the same-host path's)
         self.others: Callable[[], int] = _none
+        #: the longest-idle of those that may be closed: ``(idle since, time.monotonic()
+        #: seconds; a function closing it)``, or None when none is idle
+        self.other_idle: Callable[[], tuple[float, Callable[[], None]] | None] = _no_idle
 
     @property
     def open(self) -> int:
@@ -222,13 +237,15 @@ class ConnectionGuard:
         """The request ``begin`` returned ``conn`` for is done."""
         if conn is not None:
             conn.active -= 1
+            if not conn.active:
+                conn.idle_since = time.monotonic()
 
     # ---- connection events ------------------------------------------------------------------
     def make_room(self) -> bool:
         """For a connection of another path that shares the cap (counted in ``others``
-        already): True when the open connections are within the cap, or an idle HTTP one
-        was closed to make room; False when the newcomer should be refused (every HTTP
-        connection busy)."""
+        already): True when the open connections are within the cap, or an idle one (of
+        either path, ``_evict_idle``) was closed to make room; False when the newcomer should
+        be refused (every connection busy)."""
         if not self.max_connections or len(self._conns) + self.others() <= self.max_connections:
             return True
         return self._evict_idle()
@@ -241,9 +258,16 @@ class ConnectionGuard:
         return True
 
     def _evict_idle(self) -> bool:
-        """Close the idle HTTP connection chosen by ``_idle_victim`` (True), or count a
-        refusal when every one is busy (False)."""
+        """Close one idle connection (True): an HTTP one that never sent a request, else the
+        one idle longest of the HTTP ones (``_idle_victim``) and the same-host path's
+        (``other_idle``); or count a refusal when every one is busy (False)."""
         victim = self._idle_victim()
+        if victim is None or victim.served:
+            other = self.other_idle()
+            if other is not None and (victim is None or other[0] < victim.idle_since):
+                self.closed.labels("idle_evicted_same_host").inc()
+                other[1]()
+                return True
         if victim is None:
             self.closed.labels("refused_busy").inc()
             return False
@@ -253,13 +277,15 @@ class ConnectionGuard:
         return True
 
     def _idle_victim(self) -> _Conn | None:
-        """Oldest connection serving no request, preferring one that never sent a request."""
+        """The oldest HTTP connection that never sent a request, else the one idle longest
+        (serving no request); None when every one is busy."""
         fallback = None
         for c in self._conns.values():
             if not c.active:
                 if not c.served:
                     return c
-                fallback = fallback or c
+                if fallback is None or c.idle_since < fallback.idle_since:
+                    fallback = c
         return fallback
 
     def _drop(self, conn: _Conn) -> None:
@@ -299,6 +325,10 @@ class ConnectionGuard:
 
 def _none() -> int:
     return 0
+
+
+def _no_idle() -> None:
+    return None
 
 
 class GuardedTCPSite(web.TCPSite):

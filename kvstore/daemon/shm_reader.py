@@ -109,6 +109,10 @@ class SocketReader:
             close_all(fds)
         self._fds = []
 
+    def buffered(self) -> bool:
+        """Whether bytes read ahead wait to be consumed (a request begun or queued)."""
+        return self._rend > self._rpos
+
     # ---- the read-ahead buffer ---------------------------------------------------------------
     def _recv_ahead(self) -> int:
         """One read into ``_rbuf[_rend:]`` (descriptors kept in ``_fds``); returns its bytes.

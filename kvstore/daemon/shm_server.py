@@ -13,8 +13,14 @@ Lifetime of one connection::
 * Peers must run as the daemon's effective uid or as root (403 otherwise, then closed).
 * Connections count against the HTTP server's connection cap too (``ConnectionGuard``: one
   cap for both paths, so that together they stay within the descriptors it leaves): one that
-  finds it reached closes the oldest idle HTTP connection, or is answered 503 when every one
-  is busy. At most ``MAX_LINGERING_REFUSALS`` refused connections wait for their hello at
+  finds it reached closes an idle connection of either path, or is answered 503 when every
+  one is busy; an HTTP connection arriving at the cap may close an idle same-host one
+  (``Connection.idle``: greeted, no request in flight or begun, no borrow held), longest idle
+  first, as it would an idle HTTP one (rule: ``kvstore.daemon.conns``). Its client's next call
+  finds the connection closed before sending and opens another (``ShmConnPool._take``). Each
+  such close is counted (``kvstore_server_connections_closed_total{reason=
+  "idle_evicted_same_host"}``) and logged at INFO at most once per ``ACCEPT_LOG_INTERVAL_S``.
+  At most ``MAX_LINGERING_REFUSALS`` refused connections wait for their hello at
   once (a flood of connections is closed at once instead of holding descriptors), and a
   failing ``accept()`` (EMFILE) is logged at most once per ``ACCEPT_LOG_INTERVAL_S``.
 * Requests run under the server's limits (``ServerLimits``: batch keys, body bytes, request
@@ -62,8 +68,9 @@ class ShmServer:
     Args:
         app: the aiohttp app (its store, limits, metrics and thread pool are shared).
         path: the socket file's path.
-        max_connections: open connections allowed (the daemon's ``--max-connections``); one
-            more is answered 503 after ``hello`` is sent and closed. 0: no cap.
+        max_connections: the daemon's ``--max-connections``, named in the 503 of a connection
+            refused at the cap; the cap itself is the app's ``ConnectionGuard``'s (the same
+            value: ``kvstore.daemon.run``), one for both paths. 0: no cap.
 
     ``start`` and ``stop`` run on the app's event loop. The store should have a shared arena
     (``ChunkStore.shared_arena``); without one ``hello`` announces ``arena_bytes`` 0 and every
@@ -84,6 +91,9 @@ class ShmServer:
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
         self._conns: set[asyncio.Task] = set()
+        #: greeted connections (the ones the cap may close when idle) and their tasks
+        self._greeted: dict[Connection, asyncio.Task] = {}
+        self._last_evict_log, self._unlogged_evictions = -float("inf"), 0
         #: open connections beyond this many are answered 503 and closed (0: no cap)
         self.max_connections = max_connections
         #: (route, status) -> the request counter's and latency histogram's labelled children
@@ -115,12 +125,14 @@ class ShmServer:
         self._sock = sock
         self.state.unix_socket = self.path
         self.state.conns.others = self._conns.__len__  # one connection cap for both paths
+        self.state.conns.other_idle = self._longest_idle
         self._accepting = asyncio.ensure_future(self._accept_loop())
         log.info("same-host path on %s (arena %d bytes)", self.url, self.arena_bytes)
 
     def stop_accepting(self) -> None:
         """Close the listening socket and unlink its file (open connections go on)."""
         self.state.conns.others = lambda: 0
+        self.state.conns.other_idle = lambda: None
         if self._accepting is not None:
             self._accepting.cancel()
             self._accepting = None
@@ -157,6 +169,30 @@ class ShmServer:
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
 
+    def _longest_idle(self):
+        """The greeted connection idle longest that may be closed (``Connection.idle``) as
+        ``(idle since, a function closing it)``, or None (``ConnectionGuard.other_idle``)."""
+        cands = [c for c in self._greeted if not (c.busy or c.borrows)]
+        for c in sorted(cands, key=lambda c: c.idle_since):
+            if c.idle():
+                return c.idle_since, lambda: self._close_idle(c)
+        return None
+
+    def _close_idle(self, c: Connection) -> None:
+        """Close idle connection ``c`` now to make room at the cap (uncounted at once)."""
+        task = self._greeted.pop(c, None)
+        self._conns.discard(task)
+        c.close()  # no borrow held: nothing to wait for
+        if task is not None:
+            task.cancel()
+        now = asyncio.get_running_loop().time()
+        self._unlogged_evictions += 1
+        if now - self._last_evict_log >= ACCEPT_LOG_INTERVAL_S:
+            log.info("closed %d idle same-host connection(s) to make room at the connection "
+                     "cap of %d (HTTP and same-host together; the clients reconnect on their "
+                     "next call)", self._unlogged_evictions, self.state.conns.max_connections)
+            self._last_evict_log, self._unlogged_evictions = now, 0
+
     def _accept_failed(self, e: OSError) -> None:
         """Count a failed ``accept()`` (the HTTP server's ``accept_errors``) and log it, at
         most once per ``ACCEPT_LOG_INTERVAL_S`` with the count since the last line."""
@@ -188,19 +224,20 @@ class ShmServer:
             if uid not in (os.geteuid(), 0):
                 await self._refuse(c, S.error_reply(403, f"uid {uid} may not use this socket"))
                 return
-            cap = self.max_connections
-            if (cap and len(self._conns) > cap) or not self.state.conns.make_room():
-                cap = cap or self.state.conns.max_connections
+            if not self.state.conns.make_room():
+                cap = self.max_connections or self.state.conns.max_connections
                 log.debug("unix socket at the connection cap of %d", cap)
                 await self._refuse(c, S.error_reply(503, f"too many connections (cap {cap}, "
                                                          "HTTP and same-host together); "
                                                          "retry later"))
                 return
             if await c.hello():
+                self._greeted[c] = asyncio.current_task()  # type: ignore[assignment]
                 await c.serve()
         except (ConnectionError, OSError) as e:
             log.debug("shm connection ended: %r", e)
         finally:
+            self._greeted.pop(c, None)
             c.close()
 
 

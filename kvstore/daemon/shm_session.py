@@ -72,6 +72,10 @@ class Connection:
         #: a fatal error ended the requests while borrows were held: the connection stays
         #: open (not served, not counted in flight) until the client closes it
         self.linger = False
+        #: a request is being served (read whole, not yet answered)
+        self.busy = False
+        #: ``time.monotonic()`` when the connection was made or last finished a request
+        self.idle_since = time.monotonic()
         sock.setblocking(False)
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             try:
@@ -152,6 +156,20 @@ class Connection:
         while self.payload_left > 0:
             await self.recv_payload(scratch[:min(self.payload_left, len(scratch))])
 
+    def idle(self) -> bool:
+        """True when closing the connection loses its client nothing (the server's connection
+        cap may close it: ``kvstore.daemon.conns``): no request in flight or begun (nothing
+        read ahead, nothing unread in the socket), no borrow held (its client may be reading
+        the pages), not ending after a fatal error. A client that closed its end is idle."""
+        if self.busy or self.borrows or self.linger or self.reader.buffered():
+            return False
+        try:
+            return not self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return True  # nothing sent: open and idle
+        except OSError:
+            return True  # broken already
+
     # ---- borrows -----------------------------------------------------------------------------
     def check_borrow_room(self) -> None:
         """Raises ProtocolError (429) when the connection holds ``MAX_BORROWS`` borrows."""
@@ -222,7 +240,12 @@ class Connection:
                 return
             if frame is None:
                 return
-            if not await self._one(*frame):
+            self.busy = True
+            try:
+                keep = await self._one(*frame)
+            finally:
+                self.busy, self.idle_since = False, time.monotonic()
+            if not keep:
                 return
             if loop.time() >= turn_ends:  # requests read ahead and answered inline never
                 await asyncio.sleep(0)    # wait: let the loop serve everyone else

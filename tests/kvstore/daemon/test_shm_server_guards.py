@@ -293,24 +293,29 @@ def test_socket_file_stale_replaced_live_refused_unlinked_at_stop(tmp_path):
 
 
 def test_connections_beyond_the_cap_are_answered_503_and_closed(tmp_path):
-    """``max_connections`` caps the Unix socket's connections too: one more is refused with
-    503; once one closes, a new client is served."""
+    """``max_connections`` caps the Unix socket's connections too: with every connection
+    busy (each holding a borrow) one more is refused with 503; once one is idle (its borrow
+    released), a new client closes it and is served."""
     store = make_store()
     sock = str(tmp_path / "kv.sock")
     srv = ThreadedServer(create_app(store), max_connections=2, unix_socket=sock)
     try:
         a, b = RawClient(sock), RawClient(sock)
         assert a.hello()["ok"] and b.hello()["ok"]
+        assert a.put(KEYS[:1], [chunk(1)])["stored"] == 1
+        borrows = [x.get(KEYS[:1])[0]["borrow"] for x in (a, b)]
         c = RawClient(sock)
         r = c.hello(map_arena=False)
         assert r["ok"] is False and r["status"] == 503 and "cap 2" in r["error"]
         assert closed(c)
         assert a.keys_op("lookup", KEYS[:1])["ok"]  # the others go on
-        a.close()
-        assert wait_until(lambda: len(srv.shm._conns) == 1)
+        a.release(borrows[0])
+        assert a.keys_op("exists", KEYS[:1])["exists"] == [True]  # (release read first)
         d = RawClient(sock)
-        assert d.hello()["ok"] and d.keys_op("exists", KEYS[:1])["exists"] == [False]
-        for x in (b, c, d):
+        assert d.hello()["ok"] and d.keys_op("exists", KEYS[:1])["exists"] == [True]
+        assert closed(a) and b.keys_op("exists", KEYS[:1])["exists"] == [True]
+        b.release(borrows[1])
+        for x in (a, b, c, d):
             x.close()
     finally:
         srv.stop()
