@@ -10,7 +10,8 @@ from typing import Any, Sequence
 from kvstore.daemon.wire_version import (  # noqa: F401 (re-exported)
     PROTOCOL_VERSION, SUPPORTED_VERSIONS, VERSION_HEADER)
 from kvstore.keys import IDENTITY_FIELDS, ChunkKey, Namespace
-from kvstore.ns_wire import LAYOUT_FIELDS, unknown_fields
+from kvstore.ns_wire import LAYOUT_FIELDS, check_known_fields  # noqa: F401 (re-exported)
+from kvstore.ns_wire import NAMESPACE_FIELDS as _NS_WIRE_FIELDS
 
 
 class ProtocolError(ValueError):
@@ -79,31 +80,28 @@ MAX_NAMESPACE_FIELD_CHARS = 4096
 MAX_NAMESPACE_CHARS = 16384
 
 
-#: The fields of a namespace's wire form (``Namespace.to_dict``).
-NAMESPACE_FIELDS = frozenset(("model_id", "revision", "layout", "cache_salt", "hash_algo")
-                             + IDENTITY_FIELDS)
+#: The fields of a namespace's wire form (``Namespace.to_dict``; ``kvstore.ns_wire``'s).
+NAMESPACE_FIELDS = frozenset(_NS_WIRE_FIELDS)
 
 
 def check_namespace_fields(obj: dict) -> None:
     """Refuse a namespace with a field ``Namespace`` does not have, or a ``layout`` object with
-    a field ``KVLayout`` does not have (ignoring it would let two clients that differ in it
-    share chunks: the field is not in the namespace id; a typo ``hed_dim`` would be answered
-    as a missing ``head_dim``), or whose fields exceed ``MAX_NAMESPACE_FIELD_CHARS`` each or
-    ``MAX_NAMESPACE_CHARS`` together (strings by length, other values by their JSON).
+    a field ``KVLayout`` does not have (``kvstore.ns_wire.check_known_fields``, the check
+    every parse of a namespace makes: ignoring it would let two clients that differ in it
+    share chunks, as the field is not in the namespace id; a typo ``hed_dim`` would be
+    answered as a missing ``head_dim``), or whose fields exceed ``MAX_NAMESPACE_FIELD_CHARS``
+    each or ``MAX_NAMESPACE_CHARS`` together (strings by length, other values by their JSON).
 
     Raises:
-        ProtocolError: (400) naming the unknown field(s) (up to 5, 40 characters each) and
-            the fields known, or the field and the bound.
+        ProtocolError: (400) ``bad namespace: `` and ``check_known_fields``' message (the
+            unknown field(s), up to 5 of 40 characters each, and the fields known) with a
+            hint that the client may be newer than the daemon; or naming the field and the
+            bound.
     """
-    unknown = unknown_fields(obj, NAMESPACE_FIELDS)
-    if unknown:
-        raise ProtocolError(f"bad namespace: unknown field(s) {unknown[:5]}; a namespace has "
-                            f"{sorted(NAMESPACE_FIELDS)} (a newer client than this daemon?)")
-    layout = obj.get("layout")
-    unknown = unknown_fields(layout, LAYOUT_FIELDS) if isinstance(layout, dict) else []
-    if unknown:
-        raise ProtocolError(f"bad namespace: unknown layout field(s) {unknown[:5]}; a layout "
-                            f"has {sorted(LAYOUT_FIELDS)} (a newer client than this daemon?)")
+    try:
+        check_known_fields(obj)
+    except (TypeError, ValueError) as e:
+        raise ProtocolError(f"bad namespace: {e} (a newer client than this daemon?)") from None
     total = 0
     for name, value in obj.items():
         if name == "layout" and isinstance(value, dict):  # (only LAYOUT_FIELDS, checked above)
