@@ -1,7 +1,8 @@
 """``kvstore`` command line: ``serve``, ``stats URL``, ``clear URL``, ``inspect DISK_PATH``.
 
-Exit codes: 0 success, 1 runtime failure (server unreachable, error answer), 2 bad usage or
-configuration, 130 interrupted (Ctrl-C; one line, no traceback), 141 stdout closed by its reader
+Exit codes: 0 success, 1 runtime failure (server unreachable, 401 or another error answer,
+not a kvstore daemon at the URL), 2 bad usage, input or configuration (an unknown flag is
+reported with its subcommand's usage), 130 interrupted (Ctrl-C; one line, no traceback), 141 stdout closed by its reader
 (``| head``; quiet, no traceback).
 
 ``stats`` and ``clear`` import neither torch nor the store (they start in a fraction of a
@@ -18,7 +19,8 @@ import sys
 from typing import Any, Sequence
 
 from kvstore.daemon.cli_client import (STAT_NOTES, UsageError,  # noqa: F401 (re-exported)
-                                       add_client_parsers, cmd_clear, cmd_stats)
+                                       SubcommandErrorsParser, add_client_parsers, cmd_clear,
+                                       cmd_stats)
 from kvstore.daemon.cli_table import flatten, format_table  # noqa: F401 (re-exported)
 from kvstore.defaults import DEFAULT_DISK_BYTES
 
@@ -164,8 +166,14 @@ def _remote_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvstore`` argument parser (subcommands serve, stats, clear, inspect)."""
-    ap = argparse.ArgumentParser(prog="kvstore", description="Tiered, shared KV-cache store.")
+    ap = SubcommandErrorsParser(
+        prog="kvstore", description="Tiered, shared KV-cache store.",
+        epilog="Exit status: 0 done; 1 the daemon is unreachable, refused the call (401: no "
+               "or wrong token) or answered an error, or the URL is not a kvstore daemon's; 2 "
+               "bad usage or input (an unknown flag, a bad value, a malformed URL, a namespace "
+               "that is not valid); 130 Ctrl-C.")
     sub = ap.add_subparsers(dest="cmd", required=True)
+    ap.subcommands = sub
     _serve_parser(sub)
     add_client_parsers(sub)
     p = sub.add_parser("inspect", help="what a disk tier holds (offline, read-only)")

@@ -25,6 +25,26 @@ class UsageError(ValueError):
     and exits 2, as argparse does for a flag it cannot parse."""
 
 
+class SubcommandErrorsParser(argparse.ArgumentParser):
+    """The top ``kvstore`` parser: an argument after a subcommand that the subcommand does not
+    know is reported by that subcommand's parser (``usage: kvstore clear ...``, ``kvstore
+    clear: error: unrecognized arguments: --x``, exit 2), not with the top-level usage as plain
+    argparse reports it. Set ``subcommands`` to the ``add_subparsers`` action."""
+
+    subcommands: Any = None
+
+    def parse_args(self, args=None, namespace=None):  # noqa: D102 (argparse's)
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            argv = list(sys.argv[1:] if args is None else args)
+            cmd = getattr(ns, "cmd", None)
+            choices = self.subcommands.choices if self.subcommands is not None else {}
+            after = cmd in argv and extras[0] not in argv[:argv.index(cmd)]
+            reporter = choices[cmd] if after and cmd in choices else self
+            reporter.error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns
+
+
 def positive_seconds(text: str) -> float:
     """argparse type of ``--timeout-s``: a finite number of seconds > 0.
 
@@ -64,6 +84,9 @@ def add_client_parsers(sub) -> None:
                                     "`kvstore stats`: 32 hex digits), also one known from "
                                     "disk only (no request named it since the daemon "
                                     "started), which only an admin token may clear")
+            p.add_argument("--json", action="store_true",
+                           help='one JSON object instead of a line: {"removed": N, '
+                                '"cleared": "namespace"|"ns_id"|"all", "ns_id": HEX or null}')
 
 
 _NS_ID = re.compile(r"[0-9a-f]{32}")
@@ -153,7 +176,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     try:
         st = call_daemon(args, "/v1/stats")
     except (StoreUnavailable, RemoteError) as e:
-        print(f"kvstore stats: {e}", file=sys.stderr)
+        print(f"kvstore stats: {failure_text(e, args)}", file=sys.stderr)
         return 1
     print(json.dumps(st, indent=2, sort_keys=True) if args.json
           else format_table(readable_namespaces(st), notes=STAT_NOTES))
@@ -201,8 +224,9 @@ STAT_NOTES = {
 
 
 def cmd_clear(args: argparse.Namespace) -> int:
-    """``kvstore clear URL (--namespace NS | --namespace-id HEX | --all)``: delete one
-    namespace's chunks, or all (``POST /v1/clear``); naming none is a usage error."""
+    """``kvstore clear URL (--namespace NS | --namespace-id HEX | --all) [--json]``: delete one
+    namespace's chunks, or all (``POST /v1/clear``); naming none is a usage error. Prints
+    ``removed N chunks``, or with ``--json`` the object of ``clear_result``."""
     from kvstore.errors import RemoteError, StoreUnavailable
     if args.namespace:
         body = {"namespace": read_namespace(args.namespace)}
@@ -216,7 +240,37 @@ def cmd_clear(args: argparse.Namespace) -> int:
     try:
         n = call_daemon(args, "/v1/clear", body)["removed"]
     except (StoreUnavailable, RemoteError) as e:
-        print(f"kvstore clear: {e}", file=sys.stderr)
+        print(f"kvstore clear: {failure_text(e, args)}", file=sys.stderr)
         return 1
-    print(f"removed {n} chunks" + (" (all namespaces)" if "all" in body else ""))
+    if getattr(args, "json", False):
+        print(json.dumps(clear_result(body, n), sort_keys=True))
+    else:
+        print(f"removed {n} chunks" + (" (all namespaces)" if "all" in body else ""))
     return 0
+
+
+def clear_result(body: dict, removed: int) -> dict:
+    """``kvstore clear --json``'s object: ``removed`` (chunks deleted), ``cleared`` (what was
+    named: ``"namespace"``, ``"ns_id"`` or ``"all"``) and ``ns_id`` (32 hex digits of the
+    namespace cleared; None for ``--all``)."""
+    from kvstore.ns_wire import namespace_digest
+    if "namespace" in body:
+        return {"removed": removed, "cleared": "namespace",
+                "ns_id": namespace_digest(body["namespace"])[:16].hex()}
+    if "ns_id" in body:
+        return {"removed": removed, "cleared": "ns_id", "ns_id": body["ns_id"]}
+    return {"removed": removed, "cleared": "all", "ns_id": None}
+
+
+def failure_text(error: Exception, args: argparse.Namespace) -> str:
+    """The one line ``kvstore stats``/``clear`` print for a failed call (exit 1): the error,
+    and for a 401 (no token, or a wrong one) how to give the daemon's token."""
+    text = str(error)
+    if getattr(error, "status", None) == 401:
+        if args.auth_token:
+            text += ("; the token given (--auth-token, else $KVSTORE_AUTH_TOKEN) is not the "
+                     "daemon's")
+        else:
+            text += ("; no token was given: pass --auth-token TOKEN or set "
+                     "$KVSTORE_AUTH_TOKEN (the daemon's --auth-token, or a --tenants-file token)")
+    return text
