@@ -12,8 +12,9 @@ it drains submitted and aborted requests, runs ``step()`` while requests are unf
 hands each ``RequestOutput`` to the asyncio queue of its request. Handlers validate and
 tokenize (chat template included) on the default thread pool, so a long prompt never stalls the
 event loop (``/health``, streams), then wait on their queue. A text prompt longer than
-``MAX_CHARS_PER_TOKEN`` characters per token of the context is refused (400) before tokenizing. A client that disconnects (the handler
-is cancelled, or a write to the closed transport fails) gets its request aborted, which frees
+``MAX_CHARS_PER_TOKEN`` characters per token of the context is refused (400) before tokenizing,
+unless ``truncate_prompt_tokens`` is given (then up to ``MAX_TRUNCATED_TEXT_CHARS`` characters
+are tokenized and cut). A client that disconnects (the handler is cancelled, or a write to the closed transport fails) gets its request aborted, which frees
 its KV blocks.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``; a
