@@ -42,3 +42,27 @@ def test_a_present_trace_file_passes(tmp_path):
     (tmp_path / "t.csv").write_text("x\n")
     assert missing_trace(tmp_path / "t.csv", tmp_path) is None
     assert missing_trace(tmp_path / "u.csv", None).startswith(f"no trace file {tmp_path}")
+
+
+def test_the_command_prints_the_folder_and_its_trace_files(tmp_path, capsys):
+    from bench import policy_trace, trace_files
+    assert sorted(trace_files.TRACE_FILES) == sorted(f for f, _ in policy_trace.TRACES.values()) \
+        == sorted(trace_replay.TRACES.values())
+    for name in trace_files.TRACE_FILES:
+        (tmp_path / name).write_text("x" * 10)
+    (tmp_path / "SOURCES.md").write_text("s")
+    assert trace_files.main(["--traces-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"traces directory: {tmp_path.resolve()}"
+    assert "  *           10  mooncake_conversation_trace.jsonl" in out
+    assert "               1  SOURCES.md" in out and not any("missing" in line for line in out)
+    (tmp_path / "azure_llm_2023_code.csv").unlink()
+    assert trace_files.main(["--traces-dir", str(tmp_path)]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == "missing: azure_llm_2023_code.csv"
+    assert trace_files.main(["--traces-dir", str(tmp_path / "gone")]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith(f"--traces-dir {tmp_path.resolve() / 'gone'}: no such directory")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert trace_files.main(["--traces-dir", str(empty)]) == 1
+    assert "no files in it" in capsys.readouterr().out
