@@ -171,7 +171,9 @@ def parse_key(ns: Namespace, value: Any) -> ChunkKey:
     except ValueError as e:
         raise ProtocolError(f"bad key {value[:100]!r}: {e}") from None
     if key.ns_id != ns.ns_id:
-        raise ProtocolError(f"key {value[:16]}... does not belong to the request's namespace")
+        raise ProtocolError(f"key {value[:16]}... does not belong to the request's namespace: "
+                            f"its namespace id is {key.ns_id.hex()}, the request's namespace "
+                            f"has id {ns.ns_id.hex()} (docs/wire-format.md: Namespaces and keys)")
     want = PREFIX_HASH_BYTES[ns.hash_algo]
     if len(key.prefix_hash) != want:  # no client of this namespace could ever name it
         raise ProtocolError(f"key {value[:16]}... has a {len(key.prefix_hash)}-byte prefix "

@@ -14,10 +14,11 @@ import xxhash
 from aiohttp import web
 
 from kvstore.daemon import protocol as P
+from kvstore.daemon.batches import MAX_BODY_HEADER, MAX_KEYS_HEADER
 from kvstore.api import KVStoreBase
 from kvstore.direct import BorrowedChunks, Reservation
 from kvstore.daemon.state import STATE_KEY, STORE_KEY, _check_fits, _ns_keys, _ok, _ServerState, _shaped
-from kvstore.daemon.state import authorize
+from kvstore.daemon.state import authorize, put_answer
 from kvstore.daemon.tenants import WRITE
 from kvstore.daemon.wire_codec import check_accepted
 
@@ -69,8 +70,11 @@ async def _send(request: web.Request, entries, total: int, chunks,
     ``WRITE_SLICE``. Each chunk's list is dropped as soon as it is sent. ``headers``: more
     HTTP headers of the answer."""
     head = P.get_response_header(entries)
+    limits = request.app[STATE_KEY].limits  # named as on every other answer
     resp = web.StreamResponse(headers={"Content-Type": P.BINARY_CONTENT_TYPE,
                                        P.VERSION_HEADER: str(P.PROTOCOL_VERSION),
+                                       MAX_BODY_HEADER: str(limits.max_body_bytes),
+                                       MAX_KEYS_HEADER: str(limits.max_batch_keys),
                                        **(headers or {})})
     resp.content_length = len(head) + total
     await resp.prepare(request)
@@ -198,7 +202,7 @@ async def put(request: web.Request) -> web.Response:
             state.buffers.give(bufs)  # the store copied them, or never saw them
         state.budget.release(budget[0])
     state.bytes_in.inc(sum(e.nbytes for e in entries))
-    return _ok({"stored": int(stored), "num_chunks": len(entries), "durable": durable})
+    return _ok(await put_answer(state, store, ns, keys, parents, stored, durable))
 
 
 def can_persist(store: KVStoreBase) -> bool:

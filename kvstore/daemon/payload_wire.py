@@ -17,7 +17,7 @@ from aiohttp import web
 from kvstore.daemon import payload as raw_routes
 from kvstore.daemon import protocol as P
 from kvstore.daemon import wire_codec as W
-from kvstore.daemon.state import STATE_KEY, STORE_KEY, _ns_keys, _ok, _ServerState
+from kvstore.daemon.state import STATE_KEY, STORE_KEY, _ns_keys, _ok, _ServerState, put_answer
 
 
 def _wire_codec(request: web.Request) -> str:
@@ -90,7 +90,7 @@ async def put(request: web.Request) -> web.Response:
     finally:
         state.budget.release(budget[0])
     state.bytes_in.inc(sum(e.nbytes for e in entries))
-    return _ok({"stored": int(stored), "num_chunks": len(entries), "durable": durable})
+    return _ok(await put_answer(state, store, ns, keys, parents, stored, durable))
 
 
 async def _read_encoded(request: web.Request, state: _ServerState, store, codec: str,

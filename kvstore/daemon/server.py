@@ -229,6 +229,11 @@ async def clear(request: web.Request) -> web.Response:
     elif "ns_id" in body:
         return _ok({"removed": int(await clear_by_namespace_id(request, body["ns_id"]))})
     else:
+        if not isinstance(body.get("namespace"), dict):
+            raise P.ProtocolError("clear takes one of 'namespace' (an object: the namespace's "
+                                  "fields), 'ns_id' (32 hex digits, as /v1/stats lists it) or "
+                                  "'all' (true, admin token); got "
+                                  f"{sorted(body)[:5] if body else 'an empty object'}")
         ns = P.parse_namespace(body.get("namespace"))
         authorize(request, ns, WRITE)
     n = await request.app[STATE_KEY].call(request.app[STORE_KEY].clear, ns)

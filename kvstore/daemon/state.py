@@ -312,6 +312,38 @@ async def clear_by_namespace_id(request: web.Request, value: Any) -> int:
     return await state.call(clear_id, ns_id)
 
 
+#: Why a put's chunk was not stored (``put_answer``'s ``first_refused.reason``).
+PUT_REFUSALS = ("parent_missing", "no_room")
+
+
+async def put_answer(state: _ServerState, store, ns, keys, parents, stored: int,
+                     durable: bool) -> dict:
+    """A put's answer: ``{stored, num_chunks, durable, already_stored, refused,
+    first_refused}``. ``stored`` chunks were newly stored, ``already_stored`` were stored
+    before (kept, not rewritten, except to disk for a durable put), ``refused`` were not
+    stored; ``first_refused`` is None or ``{index, key, reason}`` for the first refused chunk
+    of the batch, ``reason`` one of ``PUT_REFUSALS``: ``parent_missing`` (its ``parent`` is
+    stored nowhere, so no lookup could reach it) or ``no_room`` (no tier could take it: every
+    chunk pinned, or room only by evicting its own prefix). When not every chunk was newly
+    stored, one ``exists`` call (plus one for the parent) tells the cases apart, as the store
+    is just after the put (a chunk evicted by a concurrent put meanwhile reads as refused)."""
+    n = len(keys)
+    out = {"stored": int(stored), "num_chunks": n, "durable": durable, "already_stored": 0,
+           "refused": 0, "first_refused": None}
+    if stored >= n:
+        return out
+    present = await state.call(store.exists, ns, keys)
+    held = sum(map(bool, present))
+    out["already_stored"], out["refused"] = max(0, held - int(stored)), n - held
+    first = next((i for i, p in enumerate(present) if not p), None)
+    if first is not None:
+        parent = parents[first]
+        orphan = parent is not None and not (await state.call(store.exists, ns, [parent]))[0]
+        out["first_refused"] = {"index": first, "key": keys[first].hex(),
+                                "reason": "parent_missing" if orphan else "no_room"}
+    return out
+
+
 def _ok(obj: dict) -> web.Response:
     return web.json_response(obj, headers={P.VERSION_HEADER: str(P.PROTOCOL_VERSION)})
 

@@ -52,7 +52,9 @@ def test_durable_put_over_direct_io_commits_to_disk_and_its_cpu_copy_is_exact(tm
     srv = make_server(disk=str(tmp_path / "db"))
     try:
         status, ans = do_put(srv, put_body(KEYS[:3], [chunk(i) for i in range(3)], durable=True))
-        assert status == 200 and ans == {"stored": 3, "num_chunks": 3, "durable": True}
+        assert status == 200 and ans == {"stored": 3, "num_chunks": 3, "durable": True,
+                                         "already_stored": 0, "refused": 0,
+                                         "first_refused": None}
         disk = srv.store.tiers[1]
         assert all(disk.contains(k) and not disk.is_pending(k) for k in KEYS[:3])
         # a durable re-put of stored keys: nothing new, still durable, same bytes

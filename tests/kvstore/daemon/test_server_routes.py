@@ -25,7 +25,8 @@ from tests.kvstore.daemon.server_helpers import _clean, server  # noqa: F401  (f
 def test_put_then_get_is_bit_exact_and_lookup_counts_leading_chunks(server):
     kvs = [chunk(i) for i in range(3)]
     status, ans = do_put(server, put_body(KEYS[:3], kvs))
-    assert (status, ans) == (200, {"stored": 3, "num_chunks": 3, "durable": False})
+    assert (status, ans) == (200, {"stored": 3, "num_chunks": 3, "durable": False,
+                                   "already_stored": 0, "refused": 0, "first_refused": None})
     assert do_put(server, put_body(KEYS[:3], kvs))[1]["stored"] == 0  # present keys skipped
     status, got = do_get(server, [KEYS[0], KEYS[4], KEYS[2]])
     assert status == 200
@@ -227,7 +228,8 @@ def test_namespace_whose_chunk_exceeds_every_tier_is_400_not_500(server):
 def test_durable_put_is_committed_to_the_disk_tier_before_the_answer(server):
     kvs = [chunk(20), chunk(21)]
     status, ans = do_put(server, put_body(KEYS[:2], kvs, durable=True))
-    assert (status, ans) == (200, {"stored": 2, "num_chunks": 2, "durable": True})
+    assert (status, ans) == (200, {"stored": 2, "num_chunks": 2, "durable": True,
+                                   "already_stored": 0, "refused": 0, "first_refused": None})
     disk = server.store.tiers[-1]
     assert disk.name == "disk" and all(disk.contains(k) and not disk.is_pending(k)
                                        for k in KEYS[:2])
