@@ -28,9 +28,16 @@ is recorded), the hit generates one token (TTFT), and the same hit again is the 
 ``cold_resident_bytes_max``: the most of the data file still cached after an eviction (0: it
 worked).
 
-Codec figures over the chunks the raw run stored (the model's real KV, fp32 in engine_min):
-``bytes_ratio_vs_fp16`` (stored value bytes, header and scales counted, / 2 bytes per
-element), ``bytes_ratio_vs_stored_dtype`` (/ the KV dtype's bytes), ``max_abs_error`` and
+Codec figures over the chunks the raw run stored (the model's real KV, fp32 in engine_min; up
+to 48 full chunks, ``chunks_measured``, ``first_chunks_measured`` of them a prompt's first):
+``bytes_ratio_vs_fp16`` (stored value bytes of those chunks, header and scales counted, / 2
+bytes per element: a mix of the two kinds below, so it depends on the prompts' lengths: about
+0.51 for kivi in ``--quick``'s 3 short prompts, 0.488 in the full run),
+``bytes_ratio_vs_fp16_next_chunk`` (the same over the chunks with a parent, every chunk of a
+prompt but its first: kivi's 0.484, the per-chunk figure the README quotes),
+``bytes_ratio_vs_fp16_first_chunk`` (over the prompts' first chunks: kivi keeps their first
+``kvstore.kv_codec.SINK_TOKENS`` tokens in fp16, 0.547; None when none was sampled),
+``bytes_ratio_vs_stored_dtype`` (/ the KV dtype's bytes), ``max_abs_error`` and
 ``mean_abs_error`` of the decoded KV, ``within_error_bound`` (every decoded value within the
 codec's stated bound, ``kvstore.kv_codec.error_bound``), ``encode_gbps`` / ``decode_gbps`` (fp16-equivalent
 bytes per second of ``kvstore.codec.pack_value`` / ``unpack_value``: a tier's whole
@@ -39,7 +46,8 @@ checksum). ``wire_get_gbps``: fp16-equivalent bytes per second of gets of those 
 from a local daemon (``kvstore serve``'s app on a loopback port, a CPU tier) by a client
 whose wire codec is the codec (``KVStoreClient(wire_codec=...)``: the daemon encodes, the
 client decodes; ``raw`` moves exact bytes), batches of 8 chunks, best of 3 passes;
-``wire_bytes_ratio_vs_fp16`` is the payload bytes the daemon sent per fp16 byte.
+``wire_bytes_ratio_vs_fp16`` is the payload bytes the daemon sent per fp16 byte (the wire's
+encoding, sent as the chunks are read: not the disk tier's stored values above).
 ``load_average`` is recorded: figures on a busy host are not comparable.
 """
 from __future__ import annotations
@@ -191,6 +199,7 @@ def codec_figures(kvs: list[torch.Tensor], codec: str, first: list[bool] | None 
     first = first or [False] * len(kvs)
     elems = sum(kv.numel() for kv in kvs)
     stored, enc_s, dec_s, max_err, sum_err, over = 0, 0.0, 0.0, 0.0, 0.0, 0.0
+    by_kind = {True: [0, 0], False: [0, 0]}  # first chunk or not -> [stored bytes, elements]
     for kv, is_first in zip(kvs, first):
         raw = kv.reshape(-1).view(torch.uint8).numpy()
         sinks = kv_codec.SINK_TOKENS if codec == "kivi" and is_first else 0
@@ -201,6 +210,8 @@ def codec_figures(kvs: list[torch.Tensor], codec: str, first: list[bool] | None 
         h, out = unpack_value(value, key)
         t2 = time.perf_counter()
         enc_s, dec_s, stored = enc_s + t1 - t0, dec_s + t2 - t1, stored + len(value)
+        by_kind[is_first][0] += len(value)
+        by_kind[is_first][1] += kv.numel()
         assert h.codec == codec, (h.codec, codec)
         got = torch.from_numpy(out).view(kv.dtype).view(kv.shape).float()
         err = (got - kv.float()).abs()
@@ -209,7 +220,11 @@ def codec_figures(kvs: list[torch.Tensor], codec: str, first: list[bool] | None 
             bound = kv_codec.error_bound(kv, codec, sinks)
             over = max(over, float((err - bound - got.abs() * ulp).max()))
         max_err, sum_err = max(max_err, float(err.max())), sum_err + float(err.sum(dtype=torch.float64))
+    first_ratio, next_ratio = (by_kind[k][0] / (2 * by_kind[k][1]) if by_kind[k][1] else None
+                               for k in (True, False))
     return {"bytes_ratio_vs_fp16": stored / (2 * elems),
+            "bytes_ratio_vs_fp16_next_chunk": next_ratio,
+            "bytes_ratio_vs_fp16_first_chunk": first_ratio,
             "bytes_ratio_vs_stored_dtype": stored / (kvs[0].element_size() * elems),
             "max_abs_error": max_err, "mean_abs_error": sum_err / elems,
             "kv_abs_max": max(float(kv.abs().max()) for kv in kvs),

@@ -52,6 +52,9 @@ def test_quick_codec_bench_reports_every_codec(tmp_path):
     assert 0 < first < n   # the disk tier's distinct full chunks, some of them first chunks
     sinks = first / n * 4 / 64
     assert 0.484 + sinks < kivi["bytes_ratio_vs_fp16"] < 0.49 + sinks
+    # the two kinds alone: the README's per-chunk 0.484x, and a first chunk's
+    assert 0.484 < kivi["bytes_ratio_vs_fp16_next_chunk"] < 0.485
+    assert 0.546 < kivi["bytes_ratio_vs_fp16_first_chunk"] < 0.548
     assert 0 < kivi["mean_abs_error"] < kivi["max_abs_error"]
     # K's step is amax / 127 of a channel over 64 tokens, V's amax / 63 of a token's 64
     # channels, rounded up to fp16: error <= half a step
