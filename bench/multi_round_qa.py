@@ -18,6 +18,12 @@ histories: a router that keeps each user on one engine needs 1.5 histories per e
 alternates engines needs all 3 on each. The four runs take about 5 min on a quiet 2-core host
 (threads per engine = cores / engines). ``--quick``: 4 users x 3 rounds of a 128-token context,
 20 MiB pools (~2 users of 216 tokens), under 3 min.
+
+``--quick`` without ``--engines``: 3 users x 2 rounds of a 256-token context with a 20 MiB pool
+(448 tokens): a user's ~300-token history is evicted from the engine by the next two users', so
+round 1 loads it from the store, as in the full run. Each run prints one line as it finishes
+(requests, TTFT p50), also with ``--no-progress``; at the end every store configuration's
+bytes loaded is checked (``store_use_lines``): the quick run exits 1 when one loaded nothing.
 """
 from __future__ import annotations
 
@@ -35,7 +41,7 @@ DEFAULTS = {
     "classic": dict(num_users=5, num_rounds=4, system_tokens=64, context_tokens=1024,
                     question_tokens=24, answer_tokens=8, qps=1.0, kv_cache_bytes="64MiB"),
     "classic-quick": dict(num_users=3, num_rounds=2, system_tokens=32, context_tokens=256,
-                          question_tokens=16, answer_tokens=4, qps=1.0, kv_cache_bytes="64MiB"),
+                          question_tokens=16, answer_tokens=4, qps=1.0, kv_cache_bytes="20MiB"),
     "routing": dict(num_users=10, num_rounds=4, system_tokens=64, context_tokens=448,
                     question_tokens=32, answer_tokens=8, qps=1.0, active_users=3,
                     kv_cache_bytes="64MiB"),
@@ -66,7 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "TTFT (not used with --engines: --active-users bounds it)")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--prompt-format", choices=("tokens", "text"), default="tokens")
-    w.add_argument("--quick", action="store_true", help="a small workload (smoke test)")
+    w.add_argument("--quick", action="store_true",
+                   help="a small workload that still overflows the engine pool (3 users x 2 "
+                        "rounds, 20 MiB pool; with --engines: 4 x 3), so the store is used: "
+                        "without --engines it exits 1 when a store configuration loaded "
+                        "nothing")
     r = p.add_argument_group("routing comparison (--engines >= 2)")
     r.add_argument("--engines", type=int_at_least(1), default=1,
                    help="engines behind one router; >= 2 "
@@ -154,7 +164,34 @@ def main(argv: list[str] | None = None) -> dict:
         return run_routing(requests, args, params)
     params["max_inflight"] = args.max_inflight
     runs = run_configs(requests, args, max_inflight=args.max_inflight or None)
-    return finish("multi_round_qa", runs, requests, params, args, group_by="index")
+    rep = finish("multi_round_qa", runs, requests, params, args, group_by="index")
+    lines, all_used = store_use_lines(runs)
+    print("\n".join(lines))
+    if args.quick and not all_used:
+        raise SystemExit(1)
+    return rep
+
+
+#: configurations whose engines have a store behind them (``bench.servers.CONFIG_NAMES``)
+STORE_CONFIGS = ("kvstore-cpu", "kvstore-disk", "kvstore-remote", "shared")
+
+
+def store_use_lines(runs: dict) -> tuple[list[str], bool]:
+    """Whether each store configuration of ``runs`` (name -> ``ConfigRun``) loaded anything
+    from its store: one line per configuration (``store check [NAME]: bytes loaded N > 0:
+    used`` or ``... not used``) and True when every one that ran loaded bytes (a failed run
+    counts as not used; True when ``runs`` has no store configuration)."""
+    lines, ok = [], True
+    for name, run in runs.items():
+        if name not in STORE_CONFIGS:
+            continue
+        loaded = int((run.metrics or {}).get("bytes_loaded") or 0)
+        ok = ok and loaded > 0
+        lines.append(f"store check [{name}]: bytes loaded {loaded:,} "
+                     + ("> 0: the store was used" if loaded > 0 else
+                        "(none): the store was NOT used (the workload fits the engine pool? "
+                        "see --kv-cache-bytes)"))
+    return lines, ok
 
 
 if __name__ == "__main__":

@@ -161,6 +161,8 @@ def run_configs(requests: Sequence[Request], args: argparse.Namespace,
         except RuntimeError as e:
             print(f"[{name}] failed: {e}")
             run = ConfigRun(name, [], 0.0, notes=[f"failed: {e}"[:2000]])
+        else:
+            print(report.run_line(name, run.results), flush=True)
         runs[name] = run
     return runs
 

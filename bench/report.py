@@ -178,6 +178,17 @@ def format_table(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def run_line(name: str, results: Sequence, extra: str = "") -> str:
+    """One line for a finished run, printed as the bench goes (also with ``--no-progress``):
+    ``[NAME] done: N requests (K failed), TTFT p50 S s`` (``results``: ``RequestResult``s;
+    ``extra`` appended after ``; ``)."""
+    ttfts = sorted(r.ttft_s for r in results if r.ttft_s is not None)
+    failed = sum(1 for r in results if not r.ok)
+    p50 = f"{float(np.median(ttfts)):.3f} s" if ttfts else "-"
+    return (f"[{name}] done: {len(results)} requests ({failed} failed), TTFT p50 {p50}"
+            + (f"; {extra}" if extra else ""))
+
+
 def emit_json(res: dict, path: str | None, echo: bool = True) -> dict:
     """A bench's JSON result: printed (``echo``, indent 2) and written to ``path`` when given
     (indent 2; folders created). Returns ``res``."""

@@ -51,7 +51,7 @@ from typing import Sequence
 import numpy as np
 from tqdm import tqdm
 
-from bench import metrics_scrape
+from bench import metrics_scrape, report
 from bench.client import RequestResult
 from bench.replay import drive, server_options, warmup_requests
 from bench.routing_figures import labelled, routed_figures, targets
@@ -233,6 +233,7 @@ def run_routing(requests: Sequence[Request], args: argparse.Namespace, params: d
             try:
                 run = run_routed(tag, policy, store, requests, args)
                 routers[key] = run.figures
+                print(report.run_line(tag, run.results), flush=True)
                 total_s += run.figures["router_overhead_sum_s"]
                 total_n += run.figures["router_overhead_count"]
             except RuntimeError as e:
