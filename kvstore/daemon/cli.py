@@ -2,8 +2,8 @@
 
 Exit codes: 0 success, 1 runtime failure (server unreachable, 401 or another error answer,
 not a kvstore daemon at the URL), 2 bad usage, input or configuration (an unknown flag is
-reported with its subcommand's usage), 130 interrupted (Ctrl-C; one line, no traceback), 141 stdout closed by its reader
-(``| head``; quiet, no traceback).
+reported with its subcommand's usage), 130 interrupted (Ctrl-C; one line, no traceback), 141
+stdout closed by its reader (``| head``; quiet, no traceback).
 
 ``stats`` and ``clear`` import neither torch nor the store (they start in a fraction of a
 second); ``serve`` and ``inspect`` import what they need when they run.
