@@ -18,6 +18,7 @@ from kvstore.api import LookupResult
 from kvstore.daemon import batches as B
 from kvstore.daemon import protocol as P
 from kvstore.daemon import wire_codec as W
+from kvstore.daemon.put_result import PutResult
 from kvstore.daemon.shm_client import check_out, check_put
 from kvstore.daemon.transport import Transport
 from kvstore.errors import RemoteError, StoreUnavailable
@@ -209,12 +210,15 @@ class AsyncKVStoreClient:
     async def put_chunks(self, ns: Namespace, keys: Sequence[ChunkKey],
                          kvs: Sequence[torch.Tensor],
                          parents: Sequence[ChunkKey | None] | None = None, *,
-                         durable: bool | None = None, timeout_s: float | None = None) -> int:
+                         durable: bool | None = None, timeout_s: float | None = None
+                         ) -> PutResult:
         """Store chunks (streamed, no copy of the tensors; with a ``wire_codec`` the namespace
         accepts, encoded first, off the event loop). With ``durable`` the server answers
         only after the disk tier has flushed them. ``parents`` as ``KVStoreBase.put_chunks``
         (sent as each entry's ``"parent"`` where it is not the previous key; the first
-        entry's always). Returns the number newly stored. A put past the daemon's
+        entry's always). Returns the number newly stored, a ``PutResult``
+        (``kvstore.daemon.put_result``) that also says ``already_stored``, ``refused`` and
+        ``first_refused`` (indexed from ``keys[0]``). A put past the daemon's
         ``max_body_bytes``/``max_batch_keys`` goes as several requests in chunk order
         (``kvstore.daemon.batches``); a failed one leaves the earlier ones' chunks stored.
 
@@ -226,7 +230,7 @@ class AsyncKVStoreClient:
         """
         check_put(ns, keys, kvs, parents)
         if not keys:
-            return 0
+            return PutResult(0)
         codec = W.codec_for(ns, self.wire_codec)
         headers = {"Content-Type": P.BINARY_CONTENT_TYPE}
         if codec == "raw":
@@ -244,15 +248,16 @@ class AsyncKVStoreClient:
         sizes = [v.nbytes + len(json.dumps(e.to_dict())) + 2 for e, v in entries]
         fixed = len(P.put_header(ns, [], durable)) + 128  # (+ a batch's first "parent")
 
-        async def one(b: range) -> int:
+        async def one(b: range) -> PutResult:
             part = entries[b.start:b.stop]
             if b.start > 0 and not part[0][0].parent_given:  # the batch names its first parent
                 first = B.batch_parents(keys, parents, range(b.start, b.start + 1))[0]
                 part[0] = (dataclasses.replace(part[0][0], parent=first, parent_given=True),
                            part[0][1])
-            return await self._put_batch(ns, part, durable, headers, timeout_s)
-        return sum(await B.run_batches_async(self._http, len(keys), one, sizes=sizes,
-                                             fixed=fixed))
+            return (await self._put_batch(ns, part, durable, headers, timeout_s)
+                    ).shifted(b.start)
+        return PutResult.combine(await B.run_batches_async(self._http, len(keys), one,
+                                                           sizes=sizes, fixed=fixed))
 
     async def _ask_limits(self, timeout_s: float | None) -> None:
         """Learn the daemon's limits before a first put of several chunks (``GET /healthz``
@@ -271,8 +276,8 @@ class AsyncKVStoreClient:
             pass  # any later answer teaches them too (Transport.limits)
 
     async def _put_batch(self, ns: Namespace, parts: list, durable: bool, headers: dict,
-                         timeout_s: float | None) -> int:
-        """One ``/v1/put`` of ``parts`` (entries and their payloads); the number stored."""
+                         timeout_s: float | None) -> PutResult:
+        """One ``/v1/put`` of ``parts`` (entries and their payloads): its answer."""
         head = P.put_header(ns, [e for e, _ in parts], durable)
         length = len(head) + sum(v.nbytes for _, v in parts)
 
@@ -283,7 +288,7 @@ class AsyncKVStoreClient:
                     yield v[off:off + SEND_SLICE]
 
         async def handle(resp):
-            return (await resp.json())["stored"]
+            return PutResult.from_answer(await resp.json())
         return await self._http.call("POST", "/v1/put", handle, idempotent=True,
                                      timeout_s=timeout_s,
                                      body=stream,

@@ -25,6 +25,7 @@ import torch
 from kvstore.api import KVStoreBase, LookupResult
 from kvstore.daemon.batches import DaemonLimits
 from kvstore.daemon.async_client import AsyncKVStoreClient
+from kvstore.daemon.put_result import PutResult
 from kvstore.daemon.client_paths import (_HTTP, RECHECK_HTTP_S,  # noqa: F401 (re-exported)
                                          REDISCOVER_S, SocketPaths)
 from kvstore.daemon.shm_borrow import ArenaBorrow, CopiedBorrow
@@ -34,7 +35,8 @@ from kvstore.daemon.transport import check_timeout, check_url
 from kvstore.daemon.wire_codec import WIRE_CODECS
 from kvstore.errors import RemoteError, StoreUnavailable
 
-__all__ = ["AsyncKVStoreClient", "KVStoreClient", "RemoteError", "StoreUnavailable", "check_url"]
+__all__ = ["AsyncKVStoreClient", "KVStoreClient", "PutResult", "RemoteError", "StoreUnavailable",
+           "check_url"]
 
 log = logging.getLogger("kvstore.daemon.client")
 
@@ -178,7 +180,14 @@ class KVStoreClient(SocketPaths, KVStoreBase):
             return out
         return CopiedBorrow(keys, self.get_chunks(ns, keys, timeout_s=timeout_s))
 
-    def put_chunks(self, ns, keys, kvs, parents=None, *, durable=None, timeout_s=None) -> int:
+    def put_chunks(self, ns, keys, kvs, parents=None, *, durable=None,
+                   timeout_s=None) -> PutResult:
+        """As ``AsyncKVStoreClient.put_chunks`` on either path: the number of chunks newly
+        stored, a ``PutResult`` (an ``int``) whose ``already_stored``, ``refused`` and
+        ``first_refused`` (``{index, key, reason}``, index from ``keys[0]``, or None) say what
+        the daemon did with the rest; ``refused``/``already_stored`` are None from an older
+        daemon that does not answer them. A chunk refused ``parent_missing`` or ``no_room``
+        means the chunks after it in this call were not stored by its request."""
         return self._call("put_chunks", timeout_s, ns, keys, kvs, parents, durable=durable)
 
     def exists(self, ns, keys, *, timeout_s=None) -> list[bool]:

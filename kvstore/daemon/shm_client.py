@@ -43,6 +43,7 @@ from kvstore.daemon.shm_borrow import ArenaBorrow, CopiedBorrow, borrow_on, copy
 from kvstore.daemon.shm_conn import Conn, key_frame, unix_path
 from kvstore.daemon.shm_pool import BROKEN, ShmConnPool
 from kvstore.daemon.shm_protocol import SHM_VERSION, hashes_frame
+from kvstore.daemon.put_result import PutResult
 from kvstore.daemon.shm_put import STAGING_BYTES, put_on
 from kvstore.daemon.shm_release import client_flusher
 from kvstore.daemon.shm_results import ResultBuffers
@@ -270,8 +271,10 @@ class ShmKVStoreClient(ShmConnPool, KVStoreBase):
 
     def put_chunks(self, ns, keys, kvs, parents=None, *, durable=None, timeout_s=None) -> int:
         """Store chunks, through the connection's staging area or from the tensors' memory
-        over the socket (``kvstore.daemon.shm_put``). ``parents`` and the result as
-        ``KVStoreBase.put_chunks``; ``durable`` waits for the disk tier's commit.
+        over the socket (``kvstore.daemon.shm_put``). ``parents`` as
+        ``KVStoreBase.put_chunks``; ``durable`` waits for the disk tier's commit. Returns the
+        number newly stored, a ``PutResult`` (``kvstore.daemon.put_result``) that also says
+        ``already_stored``, ``refused`` and ``first_refused`` (indexed from ``keys[0]``).
 
         Raises:
             ValueError: ``len(keys) != len(kvs)``, a bad ``parents`` count, or a tensor not
@@ -283,13 +286,13 @@ class ShmKVStoreClient(ShmConnPool, KVStoreBase):
         durable = self.durable if durable is None else bool(durable)
         self._learn_limits(True, timeout_s)  # (a put past the limits closes the socket)
 
-        def one(b: range) -> int:
+        def one(b: range) -> PutResult:
             par = B.batch_parents(keys, parents, b) if b.start or parents is not None else None
             return self._call("put", lambda c, d: put_on(
                 c, d, ns, keys[b.start:b.stop], kvs[b.start:b.stop], par, durable,
-                self.staging_bytes), idempotent=True, timeout_s=timeout_s)
-        return sum(B.run_batches(self, len(keys), one,
-                                 sizes=[P.tensor_bytes(kv).nbytes for kv in kvs]))
+                self.staging_bytes), idempotent=True, timeout_s=timeout_s).shifted(b.start)
+        return PutResult.combine(B.run_batches(self, len(keys), one,
+                                               sizes=[P.tensor_bytes(kv).nbytes for kv in kvs]))
 
     def close(self) -> None:
         """Close every connection (the daemon drops their pins). Idempotent."""

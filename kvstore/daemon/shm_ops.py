@@ -25,7 +25,7 @@ from kvstore.daemon.shm_args import ns_keys as _ns_keys
 from kvstore.daemon.shm_args import ok as _ok
 from kvstore.daemon.shm_get import get, get_now
 from kvstore.daemon.shm_staging import copy_entries, map_client_staging, put_staged_direct
-from kvstore.daemon.state import _check_fits, _shaped
+from kvstore.daemon.state import _check_fits, _shaped, put_answer
 from kvstore.daemon.tenants import WRITE
 from kvstore.direct import Reservation
 
@@ -81,7 +81,7 @@ async def put(c: "Connection", h: dict) -> dict:
         if state.direct and not durable:  # reserve, read, commit in one store-pool call
             done = await state.call_shielded(V.put_vm_direct, store, ns, entries, c.peer, ranges)
             if done is not None:
-                return _stored(state, entries, done[0], done[1], False)
+                return await _stored(c, ns, entries, done[0], False)
         held = sum(n for _, n in ranges)  # read_all's one array: in the payload budget
         await state.budget.acquire(held, state.budget_wait_s())
         try:
@@ -96,12 +96,12 @@ async def put(c: "Connection", h: dict) -> dict:
         # the common case in one store-pool call (reserve, copy + hash, commit): no hops
         done = await state.call_shielded(put_staged_direct, store, ns, entries, staged)
         if done is not None:
-            stored, dropped, bad = done
+            stored, _, bad = done
             if bad is not None:
                 state.rejected.labels("checksum").inc()
                 raise P.ProtocolError(f"checksum mismatch for key {bad.key.hex()[:16]}...; "
                                       "nothing stored")
-            return _stored(state, entries, stored, dropped, False)
+            return await _stored(c, ns, entries, stored, False)
     budget, bufs, items, handed, copying = [0], [], [None] * len(entries), False, []
     try:
         if staged is None:
@@ -109,7 +109,6 @@ async def put(c: "Connection", h: dict) -> dict:
         else:
             await _copy_staged(c, ns, entries, durable, budget, bufs, items, staged, copying)
         keys, parents = [e.key for e in entries], P.put_parents(entries)
-        dropped = sum(it is None for it in items)
         handed = True  # the store owns the reservations now
         if state.direct and not durable:
             stored = await state.call_shielded(store.commit_chunks, ns, keys, items, parents)
@@ -126,14 +125,16 @@ async def put(c: "Connection", h: dict) -> dict:
         if not handed or state.reuse_put_buffers:
             state.buffers.give(bufs)
         state.budget.release(budget[0] + held)
-    return _stored(state, entries, stored, dropped, durable)
+    return await _stored(c, ns, entries, stored, durable)
 
 
-def _stored(state, entries, stored: int, dropped: int, durable: bool) -> dict:
-    """A put's reply (its bytes counted in)."""
-    state.bytes_in.inc(P.payload_total(entries))
-    return _ok(stored=int(stored), num_chunks=len(entries), durable=durable,
-               rejected={"no_room": dropped} if dropped else {})
+async def _stored(c: "Connection", ns, entries, stored: int, durable: bool) -> dict:
+    """A put's reply, as ``POST /v1/put``'s (``kvstore.daemon.state.put_answer``:
+    ``stored``, ``num_chunks``, ``durable``, ``already_stored``, ``refused``,
+    ``first_refused``); its bytes counted in."""
+    c.state.bytes_in.inc(P.payload_total(entries))
+    keys, parents = [e.key for e in entries], P.put_parents(entries)
+    return _ok(**await put_answer(c.state, c.store, ns, keys, parents, stored, durable))
 
 
 def _parse_put(c: "Connection", h: dict):

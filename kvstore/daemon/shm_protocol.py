@@ -46,8 +46,10 @@ get        ``namespace``, ``keys``                                ``borrow`` (in
                                                                   this reply's payload, in key
                                                                   order: chunks of lower tiers)
 release    ``borrow``                                             (none: no reply)
-put        the put header of ``kvstore.daemon.protocol``          ``stored`` (int), ``rejected``
-           (``namespace``, ``chunks`` with ``xxh3``, ...),        ({reason: count})
+put        the put header of ``kvstore.daemon.protocol``          as ``POST /v1/put``: ``stored``,
+           (``namespace``, ``chunks`` with ``xxh3``, ...),        ``num_chunks``, ``durable``,
+                                                                  ``already_stored``, ``refused``,
+                                                                  ``first_refused``
            payload = the chunks' bytes in order; or
            ``staging_offset`` (below); or version 3:
            ``vm`` [[address, nbytes], ...] and ``pid``

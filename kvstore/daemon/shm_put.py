@@ -24,6 +24,7 @@ import torch
 
 from kvstore.daemon import protocol as P
 from kvstore.daemon import shm_vm
+from kvstore.daemon.put_result import PutResult
 from kvstore.daemon.shm_protocol import encode_frame
 from kvstore.daemon.shm_staging import ClientStaging
 from kvstore.errors import RemoteError
@@ -39,50 +40,54 @@ VM_GROUP_BYTES = 64 << 20
 
 def put_on(conn, deadline: float, ns: Namespace, keys: Sequence[ChunkKey],
            kvs: Sequence[torch.Tensor], parents: Sequence[ChunkKey | None] | None,
-           durable: bool, staging_bytes: int = STAGING_BYTES) -> int:
+           durable: bool, staging_bytes: int = STAGING_BYTES) -> PutResult:
     """Store chunks on ``conn`` (a ``kvstore.daemon.shm_conn.Conn``): staged when the daemon
     offers it (a staging area of ``staging_bytes``, at least two chunks; 0: never), else over
-    the socket. Returns how many chunks were newly stored.
+    the socket. Returns how many chunks were newly stored, a ``PutResult`` that also says
+    what the daemon did with the rest (``first_refused`` indexed from ``keys[0]``).
 
     Raises:
         RemoteError: an error reply (after every reply of the requests sent was read).
         TimeoutError, ConnectionError, ProtocolError: as ``Conn.request``.
     """
     views = [P.tensor_bytes(kv) for kv in kvs]
-    done = 0
+    done: list = []
     if conn.hello.vm_read and not conn.vm_refused and conn.pid == os.getpid():
         done, error = _put_vm(conn, deadline, ns, keys, kvs, views, parents, durable)
         if error is None:
-            return done
+            return PutResult.combine(done)
         if error.status not in (403, 413):  # 403: the kernel refused the read; 413: too big
             raise error
         conn.vm_refused = True  # this connection puts from staging from now on
     staging = _staging(conn, deadline, max(staging_bytes, 2 * views[0].nbytes)) \
         if staging_bytes else None
     if staging is None:
-        return done + _put_socket(conn, deadline, ns, keys, kvs, views, parents, durable)
-    return done + _put_staged(conn, deadline, ns, keys, kvs, views, parents, durable, staging)
+        rest = _put_socket(conn, deadline, ns, keys, kvs, views, parents, durable)
+    else:
+        rest = _put_staged(conn, deadline, ns, keys, kvs, views, parents, durable, staging)
+    return PutResult.combine([*done, rest])
 
 
-def _put_vm(conn, deadline, ns, keys, kvs, views, parents, durable) -> tuple[int, Any]:
+def _put_vm(conn, deadline, ns, keys, kvs, views, parents, durable) -> tuple[list, Any]:
     """Puts whose bytes the daemon reads from ``views``' memory (``kvstore.daemon.shm_vm``):
     requests of about ``VM_GROUP_BYTES`` (whole chunks), all sent, then every reply read.
-    Returns ``(chunks newly stored, the first RemoteError or None)``; the caller's tensors
+    Returns ``(a PutResult per request answered, the first RemoteError or None)``; the
+    caller's tensors
     stay alive and unchanged meanwhile (this call holds them until every reply is in)."""
     cb = views[0].nbytes
     per = max(1, VM_GROUP_BYTES // cb)
-    sent = 0
+    starts: deque = deque()
     for start in range(0, len(keys), per):
         idx = range(start, min(start + per, len(keys)))
         entries = [_entry(keys[i], kvs[i], cb, "", i, keys, parents, j == 0)
                    for j, i in enumerate(idx)]
         vm = [[shm_vm.address_of(views[i]), cb] for i in idx]
         conn.send([encode_frame(_head(ns, durable, entries, vm=vm, pid=conn.pid))], deadline)
-        sent += 1
-    stored, error = 0, None
-    pending = deque(range(sent))
-    while pending:
-        stored, error = _take(conn, deadline, pending, stored, error)
+        starts.append(start)
+    stored: list = []
+    error = None
+    while starts:
+        error = _take(conn, deadline, starts, stored, error)
     return stored, error
 
 
@@ -146,24 +151,25 @@ def _entry_dict(e: P.ChunkEntry) -> dict:
     return d
 
 
-def _put_socket(conn, deadline, ns, keys, kvs, views, parents, durable) -> int:
+def _put_socket(conn, deadline, ns, keys, kvs, views, parents, durable) -> PutResult:
     entries = [_entry(k, kv, v.nbytes, P.checksum(v), i, keys, parents, False)
                for i, (k, kv, v) in enumerate(zip(keys, kvs, views))]
     head = encode_frame(_head(ns, durable, entries), sum(v.nbytes for v in views))
-    return conn.request(head, deadline, views)["stored"]
+    return PutResult.from_answer(conn.request(head, deadline, views))
 
 
 def _put_staged(conn, deadline, ns, keys, kvs, views, parents, durable,
-                staging: ClientStaging) -> int:
+                staging: ClientStaging) -> PutResult:
     cb = views[0].nbytes
     half = staging.nbytes // 2
     per = max(1, min(GROUP_BYTES, half) // cb)
-    pending: deque = deque()
-    stored, error = 0, None
+    pending: deque = deque()  # the first chunk index of each request sent, not answered
+    stored: list = []
+    error = None
     hashed = conn.hello.version < 2  # version 2: staged entries go unhashed
     for g, start in enumerate(range(0, len(keys), per)):
         if len(pending) == 2:
-            stored, error = _take(conn, deadline, pending, stored, error)
+            error = _take(conn, deadline, pending, stored, error)
             if error is not None:
                 break
         base = (g % 2) * half
@@ -176,22 +182,23 @@ def _put_staged(conn, deadline, ns, keys, kvs, views, parents, durable,
                 xxh3 = ""
             entries.append(_entry(keys[i], kvs[i], cb, xxh3, i, keys, parents, j == 0))
         conn.send([encode_frame(_head(ns, durable, entries, staging_offset=base))], deadline)
-        pending.append(g)
+        pending.append(start)
     while pending:
-        stored, error = _take(conn, deadline, pending, stored, error)
+        error = _take(conn, deadline, pending, stored, error)
     if error is not None:
         raise error
-    return stored
+    return PutResult.combine(stored)
 
 
-def _take(conn, deadline, pending: deque, stored: int, error):
-    """Read the oldest pending reply: ``(stored so far, first error)``."""
-    pending.popleft()
+def _take(conn, deadline, pending: deque, stored: list, error):
+    """Read the oldest pending reply (``pending``: the first chunk index of each request
+    not answered), appending its ``PutResult`` to ``stored``; returns the first error."""
+    start = pending.popleft()
     try:
-        stored += conn.reply(deadline)["stored"]
+        stored.append(PutResult.from_answer(conn.reply(deadline), start))
     except RemoteError as e:
         error = error or e
-    return stored, error
+    return error
 
 
 __all__ = ["GROUP_BYTES", "STAGING_BYTES", "VM_GROUP_BYTES", "put_on"]

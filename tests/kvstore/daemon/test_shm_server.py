@@ -79,7 +79,8 @@ def test_put_then_get_is_bit_exact_through_the_arena(tmp_path):
         c.hello()
         kvs = [chunk(i) for i in range(3)]
         assert c.put(KEYS[:3], kvs) == {"ok": True, "stored": 3, "num_chunks": 3,
-                                        "durable": False, "rejected": {}}
+                                        "durable": False, "already_stored": 0, "refused": 0,
+                                        "first_refused": None}
         assert c.put(KEYS[:3], kvs)["stored"] == 0  # stored already: nothing new
         assert c.keys_op("lookup", KEYS[:4]) == {"ok": True, "num_hit_chunks": 3, "chunk_size": 4,
                                                  "tiers": ["cpu"] * 3, "num_requested_chunks": 4}
@@ -205,7 +206,9 @@ def test_removal_and_eviction_under_a_borrow_leave_its_bytes_intact(tmp_path):
         # 14 free pages: a put of 16 new chunks evicts what it can and drops the rest;
         # never the borrowed pages
         put = other.put(OTHER_PROMPT[:16], [chunk(100 + i) for i in range(16)])
-        assert put["stored"] == 14 and put["rejected"] == {"no_room": 2}
+        assert put["stored"] == 14 and put["refused"] == 2
+        assert put["first_refused"] == {"index": 14, "key": OTHER_PROMPT[14].hex(),
+                                        "reason": "no_room"}
         again = [b"".join(c.arena[o:o + n] for o, n in ch["runs"]) for ch in reply["chunks"]]
         assert again == [as_bytes(kv) for kv in kvs]
         c.release(reply["borrow"])
