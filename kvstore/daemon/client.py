@@ -5,7 +5,9 @@ Deadlines: every call has a deadline (``timeout_s``, per client or per call). A 
 restarting server yields ``StoreUnavailable`` (a ``TimeoutError``) within that deadline, never a
 hang. Retries (exponential backoff, inside the deadline) happen for idempotent calls (lookup,
 exists, get, put of content-addressed chunks, remove, clear, stats) on connection errors and
-503; pin/unpin are retried only when the connection could not be opened (nothing was sent).
+503; pin/unpin are retried only when the daemon cannot have read them: the connection could
+not be opened, or (same-host path) the daemon had closed it, leaving the request unread
+(``kvstore.daemon.shm_pool``).
 A refused connection (nothing listens on the port: the daemon is down) or a host name that does
 not resolve (a DNS failure; the message names the host) fails fast: after ``refused_tries``
 attempts ``refused_backoff_s`` apart, not at the deadline. Deadlines and

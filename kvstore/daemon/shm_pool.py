@@ -2,6 +2,15 @@
 takes a pooled connection (or opens and greets a new one, learning the daemon's limits from its
 ``hello``), runs one exchange on it within the call's deadline, with the retries the client's
 module docstring describes, and gives it back.
+
+A call that is not idempotent (``pin``, ``unpin``: one request each) is retried after it was
+sent only when the daemon cannot have read the whole request (``never_read``): the send
+failed (``EPIPE`` / ``ECONNRESET``: the daemon had closed the connection), or the daemon
+closed it with bytes of ours unread (a Unix stream socket closed with data in its receive
+queue gives its peer ``ECONNRESET`` instead of end-of-file) before any reply byte arrived.
+That is the daemon closing an idle pooled connection to make room at its connection cap
+(``kvstore.daemon.conns``) just as the call is sent: it closes only a connection with nothing
+unread, so a request it had read is never lost that way, and one it had not read is not done.
 """
 from __future__ import annotations
 
@@ -19,6 +28,16 @@ from kvstore.errors import RemoteError, StoreUnavailable
 
 #: Errors of a connection that broke (the call may be retried on a fresh one when idempotent)
 BROKEN = (ConnectionError, EOFError, OSError)
+
+
+def never_read(conn: Conn, error: BaseException) -> bool:
+    """Whether the daemon cannot have read all of the one request just sent on ``conn``,
+    which failed with ``error``: ``EPIPE`` or ``ECONNRESET`` (at the send, or at the reply: a
+    Unix socket closed with bytes of ours unread) with no reply byte received. The request's
+    frame is the last thing sent, so some of it was unread, and the daemon acts on a
+    request only once it read the whole frame."""
+    return (isinstance(error, (BrokenPipeError, ConnectionResetError))
+            and conn._rend == conn._rpos)  # (no reply byte: was empty when taken, alive())
 
 
 class ShmConnPool:
@@ -118,8 +137,8 @@ class ShmConnPool:
             except BROKEN as e:
                 last = e
             else:
+                before, sent = sent, True
                 try:
-                    sent = True
                     out = fn(conn, deadline)
                 except RemoteError as e:
                     self._give(conn)  # the reply was read whole: the connection is fine
@@ -134,8 +153,11 @@ class ShmConnPool:
                     conn.close()
                     raise RemoteError(502, f"malformed {what} reply: {e}") from None
                 except BROKEN as e:
+                    unread = not idempotent and never_read(conn, e)
                     conn.close()
-                    if not idempotent:
+                    if unread:
+                        sent = before  # (the daemon did nothing of it: as if not sent)
+                    elif not idempotent:
                         raise StoreUnavailable(f"{what} {self.url} failed after sending; not "
                                                f"retried (not idempotent): {e!r}") from e
                     last = e
