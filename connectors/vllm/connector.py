@@ -162,12 +162,16 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     # ==== worker side ======================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Keep the per-layer paged caches (``WorkerSide.register``).
+        """Keep the per-layer paged caches (``WorkerSide.register``), then check that a chunk
+        fits the daemon's ``--max-body-bytes`` (``WorkerSide.check_chunk_limit``: one WARNING
+        naming both sizes, and saves skipped when the daemon is the only store).
 
         Raises:
             ValueError: the caches do not match the KV cache config's layers.
         """
         self.worker.register(kv_caches)
+        base = self.namespaces.base
+        self.worker.check_chunk_limit(base, self.namespaces.tail(base))
 
     def _metadata(self) -> KVStoreConnectorMetadata | None:
         if not self.has_connector_metadata():

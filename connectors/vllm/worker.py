@@ -3,6 +3,12 @@ by layer beside the forward pass, ``connectors.vllm.layer_load``, or whole befor
 gathered out of them after the forward pass and written by the shared background writer
 (``connectors.save_queue.SaveQueue``), which then demotes the tail pieces a saved full chunk
 covers (``ChunkTransfer.supersedes``).
+
+A chunk larger than the daemon's ``--max-body-bytes`` (``connectors.chunk_limit``): at
+registration ``check_chunk_limit`` asks the daemon, and one WARNING names both sizes; when the
+daemon is the only store, the saves of chunks of that layout are then skipped before any
+gather, each counted in ``save_errors`` as the put's ``ChunkTooLarge`` was (a put that meets
+``ChunkTooLarge`` later does the same, from then on).
 """
 from __future__ import annotations
 
@@ -15,9 +21,11 @@ from typing import Any, Callable
 import torch
 
 from kvstore.api import chain_parents
+from kvstore.daemon.batches import ChunkTooLarge
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.layout import KVLayout
 
+from connectors import chunk_limit
 from connectors.save_queue import SaveQueue, demote_superseded
 from connectors.vllm.layer_load import LayerLoad, Loader
 from connectors.vllm.paged_layout import PagedLayout, derive_paged_layout
@@ -77,6 +85,8 @@ class WorkerSide:
         self._copied: set[str] = set()    # finished requests whose last saves are copied out
         self.saves = SaveQueue(self._put, save_queue_bytes, self._saved,
                                name="kvstore-vllm-saver")
+        self._oversize: set[KVLayout] = set()   # warned: the daemon cannot take its chunk
+        self._skipped: set[KVLayout] = set()    # ... and saves of chunks of it are skipped
 
     # ---- caches and layout -----------------------------------------------------------------
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -93,6 +103,28 @@ class WorkerSide:
         self._caches = list(self.kv_caches.values())
         if self.layerwise is None:  # auto: overlap only where copies do not take the cores
             self.layerwise = bool(self._caches) and self._caches[0].device.type == "cuda"
+
+    def check_chunk_limit(self, *namespaces: Namespace | None) -> None:
+        """At start: for each namespace whose chunk is larger than the daemon's
+        ``max_body_bytes`` (``chunk_limit.oversize``; asks the daemon when no call was
+        answered yet), log the one WARNING and skip the saves of chunks of its layout when the
+        daemon is the only store. Nothing for a store without a daemon. Never raises."""
+        for ns in namespaces:
+            if ns is not None:
+                over = chunk_limit.oversize(self.calls.store, ns)
+                if over is not None:
+                    self._too_large(ns, *over)
+
+    def _too_large(self, ns: Namespace, chunk_bytes: int, max_body_bytes: int) -> None:
+        """A chunk of ``ns`` cannot reach the daemon: warn once per layout; skip the saves of
+        that layout from now on when the daemon is the only store."""
+        if ns.layout in self._oversize:
+            return
+        self._oversize.add(ns.layout)
+        skip = chunk_limit.saves_go_to_daemon_only(self.calls.store)
+        if skip:
+            self._skipped.add(ns.layout)
+        chunk_limit.warn(self.calls.store, ns, chunk_bytes, max_body_bytes, skip)
 
     def ensure_layout(self) -> PagedLayout | None:
         """The paged layout, derived at the first call; None (logged once) when it cannot be
@@ -258,7 +290,15 @@ class WorkerSide:
     # ---- saves -----------------------------------------------------------------------------
     def save(self, saves: list[ChunkTransfer]) -> None:
         """Gather ``saves``' chunks out of the paged caches and queue them for the writer; a
-        save the queue cannot take is dropped and counted (``dropped_saves``, in chunks)."""
+        save the queue cannot take is dropped and counted (``dropped_saves``, in chunks); one
+        of a layout the daemon cannot take a chunk of (``check_chunk_limit``) is skipped, one
+        ``save_errors`` each."""
+        if self._skipped:
+            kept = [t for t in saves if t.ns.layout not in self._skipped]
+            self.counters.add(save_errors=len(saves) - len(kept))
+            saves = kept
+        if not saves:
+            return
         paged = self.ensure_layout()
         if paged is None:
             return
@@ -311,7 +351,10 @@ class WorkerSide:
 
     def _saved(self, ns: Namespace, stored: int | None, seconds: float,
                error: Exception | None) -> None:
-        if error is not None:
+        if isinstance(error, ChunkTooLarge):   # (nothing was sent)
+            self.counters.add(save_errors=1)
+            self._too_large(ns, error.nbytes, error.max_body_bytes)
+        elif error is not None:
             log.warning("kvstore put failed (%s)", error)
             self.counters.add(save_errors=1)
         else:
