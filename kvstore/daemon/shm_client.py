@@ -23,7 +23,8 @@ the call was sent), ``RemoteError`` (an error reply, with the HTTP status the sa
 gets over HTTP) or
 ``ValueError`` (bad arguments, checked before sending). Idempotent calls are retried on a
 fresh connection when a pooled one turns out dead (a restarted daemon); pin/unpin are
-retried once sent only when the daemon cannot have read them (``kvstore.daemon.shm_pool``). A connection that failed mid-call is closed, which releases its pins.
+retried once sent only when the daemon cannot have read them (``kvstore.daemon.shm_pool``).
+A connection that failed mid-call is closed, which releases its pins.
 """
 from __future__ import annotations
 

@@ -126,7 +126,8 @@ def test_the_raw_socket_answer_has_the_http_fields(daemon):
         answers = []
         real = conn.reply
         conn.reply = lambda deadline: answers.append(real(deadline)) or answers[-1]
-        put_on(conn, time.monotonic() + 30, NS, [KEYS[0], KEYS[2]], _chunks(NS, 2), [None, KEYS[1]], False, 0)
+        put_on(conn, time.monotonic() + 30, NS, [KEYS[0], KEYS[2]], _chunks(NS, 2),
+               [None, KEYS[1]], False, 0)
     finally:
         conn.close()
         with KVStoreClient("unix://" + sock) as c:
