@@ -13,7 +13,7 @@ COUNTER_NAMES = (
     "lookups", "lookup_errors", "hit_tokens", "local_tokens", "external_tokens", "loads",
     "loaded_chunks", "loaded_tokens", "load_errors", "load_s", "saved_chunks", "save_errors",
     "dropped_saves", "save_copy_s", "save_s", "loaded_tail_chunks", "saved_tail_chunks",
-    "demoted_tail_chunks", "demote_errors")
+    "demoted_tail_chunks", "demote_errors", "refused_chunks")
 
 
 class Counters:

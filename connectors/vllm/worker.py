@@ -343,10 +343,13 @@ class WorkerSide:
     def _put(self, ns: Namespace, keys: list[ChunkKey], kvs: list[torch.Tensor],
              *parents: Any) -> int:
         """The writer's ``put_chunks``; counts the chunks written (``saved_chunks`` or, in a
-        tail namespace, ``saved_tail_chunks``) when the put succeeds."""
+        tail namespace, ``saved_tail_chunks``: stored now or before) when the put succeeds,
+        and those the daemon refused (``refused_chunks``: parent missing or no room, as its
+        answer's ``PutResult.refused`` says; the chunks after a refused one are refused too)."""
         stored = self.calls(self.calls.store.put_chunks, ns, keys, kvs, *parents)
+        refused = getattr(stored, "refused", None) or 0   # (None: a store that does not say)
         which = "saved_tail_chunks" if ns.layout != self.layout else "saved_chunks"
-        self.counters.add(**{which: len(keys)})
+        self.counters.add(**{which: len(keys) - refused, "refused_chunks": refused})
         return stored
 
     def _saved(self, ns: Namespace, stored: int | None, seconds: float,

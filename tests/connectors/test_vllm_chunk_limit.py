@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from connectors.vllm.records import ChunkTransfer
 from connectors.vllm.shared import Counters, StoreCalls
@@ -94,3 +95,20 @@ def test_chunk_too_large_at_a_put_skips_later_saves(url, caplog):
             assert w.counters.values["save_errors"] == 2
         finally:
             w.close()
+
+
+def test_chunks_the_daemon_refused_are_counted_not_saved(url):
+    """A save whose parent the daemon has not (``parent_missing``): the put's ``PutResult``
+    says so and the writer counts it in ``refused_chunks``, not in ``saved_chunks``."""
+    keys = TAIL_NS.chunk_keys(list(range(12)))
+    kvs = [torch.zeros(TAIL_NS.layout.shape()) for _ in range(2)]
+    with KVStoreClient(url, same_host=False, timeout_s=10) as store:
+        w = _worker(store)
+        try:
+            assert w._put(TAIL_NS, keys[:1], kvs[:1]) == 1
+            assert w._put(TAIL_NS, keys[2:3], kvs[1:], [keys[1]]) == 0  # orphan
+            assert w.counters.values["saved_tail_chunks"] == 1
+            assert w.counters.values["refused_chunks"] == 1
+        finally:
+            w.close()
+            store.clear(TAIL_NS)
