@@ -4,6 +4,7 @@ and namespaces, a real ChunkStore, the module-scoped ``server`` fixture (a ``Thr
 with auth and small limits) with its per-test clean-up, and raw request helpers that send bytes
 unaltered.
 """
+import contextlib
 import http.client
 import json
 
@@ -37,6 +38,19 @@ def chunk(seed: int) -> torch.Tensor:
 
 
 KEYS = NS.chunk_keys(list(range(4 * 6)))  # 6 chained chunk keys
+
+
+@contextlib.contextmanager
+def token_daemon(token: str):
+    """A daemon in this process (``ThreadedServer``) over a fresh ``make_store()`` that
+    requires the bearer ``token``: yields ``(server, store)``, stops and closes both."""
+    store = make_store()
+    srv = ThreadedServer(create_app(store, ServerLimits(auth_token=token)))
+    try:
+        yield srv, store
+    finally:
+        srv.stop()
+        store.close()
 
 
 @pytest.fixture(scope="module")

@@ -11,19 +11,15 @@ import pytest
 
 from kvstore.daemon import cli
 from kvstore.daemon.client import KVStoreClient
-from kvstore.daemon.server import ServerLimits, ThreadedServer, create_app
-from tests.kvstore.daemon.server_helpers import KEYS, NS, chunk, make_store
+from tests.kvstore.daemon.server_helpers import KEYS, NS, chunk, token_daemon
 
 TOKEN = "exit-codes-token-0123"
 
 
 @pytest.fixture()
 def daemon():
-    store = make_store()
-    srv = ThreadedServer(create_app(store, ServerLimits(auth_token=TOKEN)))
-    yield srv, store
-    srv.stop()
-    store.close()
+    with token_daemon(TOKEN) as pair:
+        yield pair
 
 
 @pytest.fixture()

@@ -11,8 +11,7 @@ import pytest
 
 from kvstore.daemon import cli
 from kvstore.daemon.client import KVStoreClient, StoreUnavailable
-from kvstore.daemon.server import ServerLimits, ThreadedServer, create_app
-from tests.kvstore.daemon.server_helpers import KEYS, NS, chunk, make_store
+from tests.kvstore.daemon.server_helpers import KEYS, NS, chunk, token_daemon
 
 ROOT = Path(__file__).resolve().parents[3]
 TOKEN = "light-cli-token-0123"
@@ -38,11 +37,8 @@ print(json.dumps({"rcs": rcs, "out": out.getvalue(),
 
 @pytest.fixture()
 def daemon():
-    store = make_store()
-    srv = ThreadedServer(create_app(store, ServerLimits(auth_token=TOKEN)))
-    yield srv, store
-    srv.stop()
-    store.close()
+    with token_daemon(TOKEN) as pair:
+        yield pair
 
 
 def test_stats_and_clear_run_against_a_daemon_without_importing_torch(daemon):
