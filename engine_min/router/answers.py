@@ -4,6 +4,7 @@ the 503 when no engine can take a request (``no_engine``)."""
 from __future__ import annotations
 
 import json
+import logging
 
 import aiohttp
 from aiohttp import web
@@ -14,6 +15,8 @@ from engine_min.router.stream_end import ClientGone, UpstreamFailed, to_client
 from engine_min.router.usage import cached_tokens
 from engine_min.serve import protocol as proto
 from engine_min.serve.errors import error_response
+
+logger = logging.getLogger("engine_min.router")
 
 #: response headers not copied from the engine (hop-by-hop, or set by the router's server)
 _DROP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive",
@@ -31,7 +34,8 @@ async def relay_whole(request: web.Request, up: aiohttp.ClientResponse, e, metri
     ``_DROP_HEADERS``) and body unchanged; the ``cached_tokens`` of a 200's usage go to
     ``router_reported_cached_tokens_total``. Once the answer is being written the router's
     shutdown lets it finish (``answering``). A client that left as the answer was written
-    (``ClientGone``) ends it there; the engine is not blamed.
+    (``ClientGone``) ends it there, counted in ``router_client_gone_total``; the engine is not
+    blamed (it stays in service) and the request is not sent again.
 
     Args:
         request: the client's request; up: the engine's response.
@@ -50,7 +54,9 @@ async def relay_whole(request: web.Request, up: aiohttp.ClientResponse, e, metri
     try:
         await to_client(resp.prepare(request))
         await to_client(resp.write_eof())
-    except ClientGone:   # the client left: not the engine's failure (nothing to retry)
+    except ClientGone as exc:   # the client left: not the engine's failure (nothing to retry)
+        logger.debug("%s: the client left as its answer was written (%s)", e.url, exc)
+        metrics.client_gone.inc()
         return resp
     if up.status == 200:
         try:

@@ -32,6 +32,10 @@ start):
                                                  went to the client) | server_shutting_down
                                                  (still in flight when the router's shutdown
                                                  timeout ran out: a stream ended, or a 503)
+    router_client_gone_total                     counter, answers (streamed or whole) ended
+                                                 because the client closed its connection as
+                                                 the router wrote to it (not failures: the
+                                                 engine stays in service, nothing is retried)
 
 predicted / reported over the same requests is the index's accuracy.
 """
@@ -89,6 +93,9 @@ class RouterMetrics:
                                       ["code"], registry=r)
         for code in FAILURE_CODES:
             self.failed_by_code.labels(code)
+        self.client_gone = Counter("router_client_gone", "Answers ended because the client "
+                                   "closed its connection as the router wrote to it",
+                                   registry=r)
 
     def failed(self, code: str) -> None:
         """Count a request the router could not complete; ``code`` is the error code the

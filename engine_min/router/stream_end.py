@@ -166,7 +166,8 @@ async def relay_stream(request: web.Request, up: aiohttp.ClientResponse, e, head
     """Relay an SSE stream whole event by whole event (``SseRelayState``). A stream the
     engine cuts after events went out, or that is open when the router stops, is ended
     as an engine ends one at its shutdown (``SseRelayState.ending``). A client that left
-    (``ClientGone``) ends the relay there; the engine stays in service. Raises
+    (``ClientGone``) ends the relay there, counted in ``router_client_gone_total``; the engine
+    stays in service. Raises
     UpstreamFailed: the engine failed before any event went to the client.
 
     Args:
@@ -181,6 +182,7 @@ async def relay_stream(request: web.Request, up: aiohttp.ClientResponse, e, head
         return await _relay(client, up, e, metrics, streams)
     except ClientGone as exc:
         logger.debug("%s: the client left before its stream's end (%s)", e.url, exc)
+        metrics.client_gone.inc()
         return client.resp
 
 
