@@ -12,7 +12,16 @@ answer filled the chunk of pieces), the writer thread demotes those pieces right
 (``connectors.save_queue.demote_superseded``): they become the first eviction candidates of
 every tier, yet still serve a prompt sharing the prefix up to a piece while there is room. A
 failed demotion is counted (``demote_errors``) and logged once per cause; it only costs room,
-later.
+later. The put's answer (``kvstore.daemon.put_result.PutResult``) says which chunks are stored,
+so the demotion asks the store (``exists``) only when it does not (an older daemon, or chunks
+stored before among refused ones).
+
+Chunks a daemon refused (``PutResult.refused``: their parent is stored nowhere,
+``parent_missing``, or no tier could take them, ``no_room``; those after the first refused one
+too) are counted in ``refused_chunks``, never in ``saved_chunks`` (chunks newly stored).
+``parent_missing`` means the prefix was evicted between the request's lookup and its save: one
+INFO line the first time, DEBUG after. ``no_room`` is a WARNING, once per cause until a put is
+stored whole again.
 
 A chunk larger than the daemon's ``--max-body-bytes`` can never be saved to it
 (``connectors.chunk_limit``): ``check_chunk_limit`` asks at start, and one WARNING names both
@@ -27,6 +36,8 @@ they are.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from connectors import chunk_limit
@@ -39,6 +50,8 @@ from kernels import ops
 from kvstore.api import KVStoreBase
 from kvstore.daemon.batches import ChunkTooLarge
 from kvstore.keys import Namespace
+
+log = logging.getLogger("connectors.engine_min")
 
 
 class Saver:
@@ -64,6 +77,7 @@ class Saver:
         self._queue = SaveQueue(self._put, save_queue_bytes, self._saved)
         self._oversize: set[Namespace] = set()   # warned: the daemon cannot take its chunk
         self._skipped: set[Namespace] = set()    # ... and its saves are skipped
+        self._refusals_told: set[str] = set()    # refusal reasons logged at INFO (writer)
 
     def bind(self, kv_cache: torch.Tensor, geometry: ChunkGeometry,
              tail_ns: Namespace | None) -> None:
@@ -145,13 +159,20 @@ class Saver:
 
     def _saved(self, ns: Namespace, stored: int | None, seconds: float,
                error: Exception | None) -> None:
-        """``SaveQueue`` callback (writer thread): count what one put stored, or its error."""
+        """``SaveQueue`` callback (writer thread): count what one put stored (and what the
+        daemon refused, ``_refused``), or its error."""
         self.stats.observe("save", seconds)
         kind = "tail save" if ns is self.tail_ns else "save"   # may fail apart (sizes differ)
         if error is None:
+            refused = getattr(stored, "refused", None) or 0   # (None: a store that does not say)
             self.stats.add(**{"saved_tail_chunks" if ns is self.tail_ns else "saved_chunks":
-                              stored, "saved_bytes": stored * ns.layout.chunk_bytes})
+                              int(stored), "saved_bytes": int(stored) * ns.layout.chunk_bytes,
+                              "refused_chunks": refused})
             self.stats.recovered(kind)
+            if refused:
+                self._refused(kind, stored)
+            else:
+                self.stats.recovered("room for saves")
         elif isinstance(error, ChunkTooLarge):   # (nothing was sent)
             self.stats.add(save_errors=1)
             self._too_large(ns, error.nbytes, error.max_body_bytes)
@@ -159,6 +180,24 @@ class Saver:
             self.stats.add(save_errors=1)
             self.stats.warn(kind, f"kv connector: {kind} failed (%s: %s)",
                             type(error).__name__, error)
+
+    def _refused(self, kind: str, stored) -> None:
+        """Log a put the daemon refused ``stored.refused`` chunks of (``PutResult``), by the
+        first refused chunk's reason: ``parent_missing`` at INFO the first time, then DEBUG;
+        any other (``no_room``) a WARNING once per cause until a put is stored whole."""
+        first = getattr(stored, "first_refused", None) or {}
+        reason = first.get("reason", "unknown")
+        if reason == "parent_missing":
+            level = logging.DEBUG if reason in self._refusals_told else logging.INFO
+            self._refusals_told.add(reason)
+            log.log(level, "kv connector: the daemon refused %d of %d chunks of a %s "
+                    "(parent_missing: the prefix was evicted between lookup and save; "
+                    "such refusals are counted in refused_chunks, logged at DEBUG from now "
+                    "on)", stored.refused, stored.num_chunks, kind)
+            return
+        self.stats.warn("room for saves", f"kv connector: the daemon refused chunks of a "
+                        f"{kind} ({reason}: no tier could take them; counted in "
+                        f"refused_chunks)")
 
     @property
     def queued_bytes(self) -> int:

@@ -29,7 +29,7 @@ COUNTERS = ("requests", "queried_tokens", "hit_tokens", "loaded_tokens", "loaded
             "loaded_bytes", "saved_chunks", "saved_bytes", "queued_chunks",
             "dropped_save_chunks", "save_errors", "fallbacks", "lookup_fallbacks",
             "load_fallbacks", "load_failed_tokens", "loaded_tail_chunks", "saved_tail_chunks",
-            "demoted_tail_chunks", "demote_errors")
+            "demoted_tail_chunks", "demote_errors", "refused_chunks")
 
 
 #: upper bounds (seconds) of the latency histograms' buckets: a same-host lookup (well under

@@ -147,26 +147,58 @@ def _direct(fn: Callable, *args):
     return fn(*args)
 
 
+def known_present(keys: Sequence[ChunkKey], stored: int) -> list[bool] | None:
+    """Which of a put's ``keys`` the store holds just after it, as the put's answer says
+    (``kvstore.daemon.put_result.PutResult``), or None when it does not say.
+
+    Every key when all were newly stored, or when the answer refused none (``refused == 0``:
+    the rest were stored before); when every key from the first refused one on was refused
+    (``refused == len(keys) - first_refused["index"]``, as a batch that stops at its first
+    refusal answers; all of them when that index is 0), those before it only. None for a
+    plain count (an in-process store, an older daemon: ``refused`` None) or any other
+    answer: ``store.exists`` must tell.
+    """
+    n = len(keys)
+    if stored >= n:
+        return [True] * n
+    refused = getattr(stored, "refused", None)
+    if refused is None or getattr(stored, "num_chunks", None) != n:
+        return None
+    if refused == 0:
+        return [True] * n
+    first = getattr(stored, "first_refused", None)
+    if first is not None and refused == n - first["index"]:
+        return [i < first["index"] for i in range(n)]
+    return None
+
+
 def demote_superseded(store, ns: Namespace, keys: Sequence[ChunkKey], stored: int, sup,
                       call: Callable = _direct) -> int:
-    """After a put of the full chunks ``keys`` of ``ns`` (``stored`` of them newly stored),
-    demote the tail pieces ``sup`` (a ``connectors.chunk_records.Superseded``) whose covering
-    chunk is stored: all of them when every chunk was newly stored, else those whose chunk
-    ``store.exists`` finds (a chunk the store rejected leaves its pieces as they were).
+    """After a put of the full chunks ``keys`` of ``ns`` (``stored`` of them newly stored,
+    the put's ``PutResult`` or a plain count), demote the tail pieces ``sup`` (a
+    ``connectors.chunk_records.Superseded``) whose covering chunk is stored: as the put's
+    answer says when it does (``known_present``: no store call when every chunk is stored,
+    now or before, nor when every chunk from the first refused one on was refused), else
+    those whose chunk ``store.exists`` finds (a chunk the store rejected leaves its pieces as
+    they were).
 
     Args:
         store: any ``KVStoreBase``.
         call: ``call(fn, *args)`` makes each store call (e.g. the vLLM connector's
             ``StoreCalls``, which adds the daemon's deadline); default: ``fn(*args)``.
 
-    Returns the number of pieces the store demoted (``KVStoreBase.demote``).
+    Returns the number of pieces the store demoted (``KVStoreBase.demote``); 0 without a
+    call when no covering chunk is stored.
 
     Raises:
         whatever the store calls raise (the caller counts and logs it).
     """
     pieces = list(sup.keys)
-    if stored < len(keys):
+    present = known_present(keys, stored)
+    if present is None:
         need = sorted(set(sup.chunk_index))
         found = dict(zip(need, call(store.exists, ns, [keys[i] for i in need])))
         pieces = [k for k, c in zip(sup.keys, sup.chunk_index) if found[c]]
+    elif not all(present):
+        pieces = [k for k, c in zip(sup.keys, sup.chunk_index) if present[c]]
     return call(store.demote, sup.ns, pieces) if pieces else 0
