@@ -278,10 +278,11 @@ class ConnectionGuard:
 
     def _idle_victim(self) -> _Conn | None:
         """The oldest HTTP connection that never sent a request, else the one idle longest
-        (serving no request); None when every one is busy."""
+        (serving no request, and none received: ``_awaiting_request``); None when every one
+        is busy."""
         fallback = None
         for c in self._conns.values():
-            if not c.active:
+            if not c.active and _awaiting_request(c):
                 if not c.served:
                     return c
                 if fallback is None or c.idle_since < fallback.idle_since:
@@ -321,6 +322,22 @@ class ConnectionGuard:
                 loop.default_exception_handler(context)
 
         loop.set_exception_handler(handler)
+
+
+def _awaiting_request(conn: _Conn) -> bool:
+    """Whether aiohttp's handler of ``conn`` waits for its next request with none received
+    (its ``start`` loop awaits a request and none is queued). Only such a connection is closed
+    as idle: a request aiohttp parsed but has not begun serving (``active`` is set by the
+    server's middleware, a loop pass later) would still be served after the close, its answer
+    lost, so a client could not tell it from one the daemon never read
+    (``kvstore.daemon.transport.never_read``). Bytes of a request still incomplete, or
+    unread, are dropped with the connection, never acted on. True with an aiohttp whose
+    handler lacks these attributes (the busy ``active`` count decides alone)."""
+    inner = conn.inner
+    if not hasattr(inner, "_waiter") or not hasattr(inner, "_messages"):
+        return True
+    waiter = inner._waiter
+    return not inner._messages and waiter is not None and not waiter.done()
 
 
 def _none() -> int:

@@ -3,20 +3,39 @@
 ``Transport`` sends requests over a pooled aiohttp session. Every call has a deadline
 (``timeout_s``, per transport or per call); a dead, hung or restarting server yields
 ``StoreUnavailable`` (a ``TimeoutError``) within it, never a hang. Idempotent calls are retried
-(exponential backoff, inside the deadline) on connection errors and 503; others only when the
-connection could not be opened (nothing was sent). A refused connection (nothing listens on the
+(exponential backoff, inside the deadline) on connection errors and 503; others (``pin``,
+``unpin``) only when the daemon cannot have read them (``never_read``): the connection could
+not be opened, or a pooled keep-alive connection the daemon had closed failed before any
+answer. A refused connection (nothing listens on the
 port: the daemon is down) or a host name that does not resolve (a DNS failure: a typo in the
 URL; not a temporary failure of the resolver, retried) fails fast: after ``refused_tries``
 attempts ``refused_backoff_s`` apart, not at the deadline; so does a TLS handshake failure, at
 once. The typed calls are
 ``kvstore.daemon.client``'s. Neither this module nor what it imports imports torch (the
 ``kvstore stats``/``clear`` commands use it directly).
+
+Why a non-idempotent call sent on a reused keep-alive connection may be sent again, once, on a
+fresh connection: the daemon closes an HTTP connection of its own accord only while it waits
+for the next request with none received (aiohttp's keep-alive timeout closes only a handler
+waiting with no request queued; the connection cap's eviction, ``kvstore.daemon.conns``, only
+one whose handler waits so). A request that races such a close is therefore never read: it
+arrives at a closed socket (the kernel resets the connection) or is dropped unread with it.
+Seen from the client, the pooled connection fails before the answer's status line and headers
+(aiohttp raises from the request itself, no response object): the server disconnected
+(``ServerDisconnectedError``) or the connection was reset (``ECONNRESET``, ``EPIPE``,
+"Cannot write to closing transport"). The same failure on a new connection is not retried (that
+daemon read nothing yet of ours: it may have read this request, e.g. then crashed), nor a
+failure after the answer's headers came, nor a timeout. A daemon that died after reading the
+request also looks so; the fresh connection then finds no daemon (refused) or a restarted one
+with none of the old pins. The same rule on the same-host path: ``kvstore.daemon.shm_pool``.
 """
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import socket
+from types import SimpleNamespace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -31,6 +50,30 @@ _CONNECT_ERRORS = (aiohttp.ClientConnectorError,)
 _TRANSPORT_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
                      aiohttp.ClientPayloadError, ConnectionResetError,
                      asyncio.IncompleteReadError)
+
+
+#: ``errno`` of a ``ClientOSError`` that says the daemon had closed the connection
+_RESET_ERRNOS = (errno.ECONNRESET, errno.EPIPE)
+
+
+def never_read(attempt: SimpleNamespace, error: BaseException) -> bool:
+    """Whether the daemon cannot have read the request of ``attempt`` that failed with
+    ``error`` (see the module docstring): the attempt ran on a connection reused from the pool
+    (``attempt.reused``), no answer's headers came (``attempt.answered`` false), and the server
+    disconnected or reset the connection."""
+    if not attempt.reused or attempt.answered:
+        return False
+    if isinstance(error, aiohttp.ServerDisconnectedError):
+        return True
+    if isinstance(error, aiohttp.ClientOSError):
+        return error.errno in _RESET_ERRNOS
+    return isinstance(error, (ConnectionResetError, BrokenPipeError))
+
+
+async def _on_reuse(session, ctx, params) -> None:
+    """aiohttp trace: the attempt's connection came from the pool."""
+    if isinstance(ctx.trace_request_ctx, SimpleNamespace):
+        ctx.trace_request_ctx.reused = True
 
 
 def check_url(url: str) -> str:
@@ -123,22 +166,35 @@ class Transport:
         if auth_token:
             self._headers["Authorization"] = f"Bearer {auth_token}"
         self._session: aiohttp.ClientSession | None = None
+        #: new connections only: a non-idempotent call's retry (``never_read``)
+        self._fresh: aiohttp.ClientSession | None = None
         #: the daemon's request limits, from its latest answer that named them (None: none
         #: did yet, or an older daemon)
         self.limits: DaemonLimits | None = None
 
-    def _sess(self) -> aiohttp.ClientSession:
+    def _new_session(self, fresh: bool) -> aiohttp.ClientSession:
+        trace = aiohttp.TraceConfig()
+        trace.on_connection_reuseconn.append(_on_reuse)
+        conn = aiohttp.TCPConnector(limit=1 if fresh else self.pool_size, force_close=fresh,
+                                    keepalive_timeout=None if fresh else 30)
+        return aiohttp.ClientSession(connector=conn, headers=self._headers,
+                                     timeout=aiohttp.ClientTimeout(total=None),
+                                     read_bufsize=4 << 20, trace_configs=[trace])
+
+    def _sess(self, fresh: bool = False) -> aiohttp.ClientSession:
+        if fresh:
+            if self._fresh is None or self._fresh.closed:
+                self._fresh = self._new_session(True)
+            return self._fresh
         if self._session is None or self._session.closed:
-            conn = aiohttp.TCPConnector(limit=self.pool_size, keepalive_timeout=30)
-            self._session = aiohttp.ClientSession(connector=conn, headers=self._headers,
-                                                  timeout=aiohttp.ClientTimeout(total=None),
-                                                  read_bufsize=4 << 20)
+            self._session = self._new_session(False)
         return self._session
 
     async def close(self) -> None:
         """Close pooled connections. Idempotent."""
-        if self._session is not None and not self._session.closed:
-            await self._session.close()
+        for sess in (self._session, self._fresh):
+            if sess is not None and not sess.closed:
+                await sess.close()
 
     async def call(self, method: str, path: str, handle, *, idempotent: bool,
                    timeout_s: float | None, body=None, headers=None) -> Any:
@@ -149,7 +205,8 @@ class Transport:
         Raises:
             StoreUnavailable: no answer within the deadline, refused connections, a host name
                 that does not resolve (the message names the host), a failed TLS handshake,
-                or a non-idempotent call that failed after sending.
+                or a non-idempotent call that failed after sending (but for one the daemon
+                cannot have read, ``never_read``: sent once more, on a new connection).
             RemoteError: an error status other than 404 (and 503 for idempotent calls).
             NotADaemon: an answer without the daemon's protocol header (another server
                 listens at the URL), other than a gateway's 502/503/504; never retried.
@@ -157,17 +214,20 @@ class Transport:
         timeout = self.timeout_s if timeout_s is None else check_timeout(timeout_s)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        attempt, refused, last = 0, 0, None
+        attempt, refused, last, fresh = 0, 0, None, False
         while True:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise StoreUnavailable(f"{method} {self.url}{path}: no answer within {timeout} s "
                                        f"({_last_error(last)})")
+            sent = SimpleNamespace(reused=False, answered=False)
             try:
                 async with asyncio.timeout(remaining):
                     data = body() if callable(body) else body
-                    async with self._sess().request(method, self.url + path, data=data,
-                                                    headers=headers) as resp:
+                    async with self._sess(fresh).request(method, self.url + path, data=data,
+                                                         headers=headers,
+                                                         trace_request_ctx=sent) as resp:
+                        sent.answered = True
                         if VERSION_HEADER not in resp.headers \
                                 and resp.status not in _GATEWAY_STATUSES:
                             raise not_a_daemon(self.url, method, path, resp)
@@ -198,6 +258,9 @@ class Transport:
                         await asyncio.sleep(delay)
                     continue
             except (_Retry, *_TRANSPORT_ERRORS) as e:
+                if not idempotent and not fresh and never_read(sent, e):
+                    last, fresh = e, True   # the daemon did nothing of it: as if not sent
+                    continue
                 if not idempotent:
                     raise StoreUnavailable(f"{method} {self.url}{path} failed after sending; "
                                            f"not retried (not idempotent): {e!r}") from e
