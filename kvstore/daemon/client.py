@@ -6,8 +6,8 @@ restarting server yields ``StoreUnavailable`` (a ``TimeoutError``) within that d
 hang. Retries (exponential backoff, inside the deadline) happen for idempotent calls (lookup,
 exists, get, put of content-addressed chunks, remove, clear, stats) on connection errors and
 503; pin/unpin are retried only when the daemon cannot have read them: the connection could
-not be opened, or (same-host path) the daemon had closed it, leaving the request unread
-(``kvstore.daemon.shm_pool``).
+not be opened, or the daemon had closed the pooled connection, leaving the request unread
+(same-host path: ``kvstore.daemon.shm_pool``; HTTP: ``kvstore.daemon.transport.never_read``).
 A refused connection (nothing listens on the port: the daemon is down) or a host name that does
 not resolve (a DNS failure; the message names the host) fails fast: after ``refused_tries``
 attempts ``refused_backoff_s`` apart, not at the deadline. Deadlines and
