@@ -91,3 +91,33 @@ def test_never_read_only_on_a_reused_connection_without_an_answer():
     # the answer's headers came: the daemon read the request
     assert not never_read(SimpleNamespace(reused=True, answered=True),
                           aiohttp.ServerDisconnectedError())
+
+
+def test_the_cap_evicts_only_a_connection_waiting_for_a_request_with_none_received():
+    """A request aiohttp parsed (queued, or its handler woken) but whose middleware has not
+    begun is not idle: closing then would serve it with its answer lost."""
+    from collections import deque
+
+    from prometheus_client import CollectorRegistry
+
+    from kvstore.daemon.conns import ConnectionGuard, _Conn
+
+    class Handler:   # what is read of aiohttp's RequestHandler
+        def __init__(self, messages, waiter) -> None:
+            self._messages, self._waiter = deque(messages), waiter
+
+    async def run() -> list:
+        loop = asyncio.get_running_loop()
+        guard = ConnectionGuard(CollectorRegistry(), max_connections=1)
+        waiting = Handler([], loop.create_future())
+        woken = Handler([("request", None)], loop.create_future())
+        woken._waiter.set_result(None)
+        starting = Handler([], None)  # popped, its middleware not begun
+        out = []
+        for inner in (waiting, woken, starting):
+            conn = _Conn(inner, guard)
+            conn.served = 1
+            guard._conns = {inner: conn}
+            out.append(guard._idle_victim() is conn)
+        return out
+    assert asyncio.run(run()) == [True, False, False]
