@@ -80,10 +80,9 @@ def export_tokenizer_main(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 on bad input, with the reason on stderr;
     130 when interrupted by Ctrl-C (``generate``, ``route`` before it listens), with one line
-    on stderr)."""
-    args = build_parser().parse_args(argv)
+    on stderr; also while the parser imports the commands' modules, which takes seconds)."""
     try:
-        return _run_command(args)
+        return _run_command(build_parser().parse_args(argv))
     except KeyboardInterrupt:  # Ctrl-C: one line, no traceback (serve handles its own)
         print("interrupted", file=sys.stderr)
         return 130

@@ -61,6 +61,19 @@ def test_ctrl_c_while_the_router_waits_for_its_engines_is_one_line_and_exit_130(
     assert err.decode() == "interrupted\n"
 
 
+def test_ctrl_c_while_the_parser_imports_the_commands_is_one_line_and_exit_130(
+        monkeypatch, capsys):
+    """``build_parser`` imports the commands' modules (seconds on a loaded host): a Ctrl-C
+    there ends as one during the command does, not with a traceback and death by SIGINT."""
+    import engine_min.cli as cli
+
+    def interrupted_import():
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "build_parser", interrupted_import)
+    assert cli.main(["route", "--engines", "http://127.0.0.1:9"]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+
+
 def test_serve_refuses_max_model_len_above_the_models_context_or_the_pool(capsys):
     base = ["serve", "--port", "0", "--device", "cpu", "--kv-cache-bytes", "16MiB",
             "--log-level", "warning"]
