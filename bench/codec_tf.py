@@ -30,7 +30,8 @@ if __name__ == "__main__":  # run as a script: before torch loads OpenMP
 import torch  # noqa: E402
 
 from bench.arg_checks import int_at_least  # noqa: E402
-from bench.codec_study import VARIANTS, Variant, _keys, apply_variant, fake_quant  # noqa: E402
+from bench.codec_fake import (VARIANTS, Variant, _keys, apply_variant, fake_quant,  # noqa: E402
+                             set_rotary)
 from bench.outputs import output_file  # noqa: E402
 from bench.report import emit_json  # noqa: E402
 
@@ -54,14 +55,18 @@ def layer_only(kv: torch.Tensor, layer: int, k_bits: int | None, v_bits: int | N
 
 
 def parse_spec(name: str) -> Variant | None:
-    """A format spec ``k8[a]-v7[-s4][-g64][-V8@0.1.29][-K7@3.4]`` (K bits, ``a``: a zero
-    point per channel; V bits, symmetric per token and head; sink tokens kept fp16; K group;
+    """A format spec ``k8[a]-v7[-s4][-g64][-r][-t1][-V8@0.1.29][-K7@3.4]`` (K bits, ``a``: a
+    zero point per channel; V bits, symmetric per token and head; sink tokens kept fp16; K
+    group; ``r``: keys quantized before RoPE; ``t``: tokens per layer and chunk kept fp16;
     per-layer V or K bits for the listed layers) as a ``Variant``; None if ``name`` is not
     one."""
     kb = vb = None
-    asym, sinks, group, over = False, 0, 64, {}
+    asym, sinks, group, over, prerope, toks = False, 0, 64, {}, False, 0
     for tok in name.split("-"):
-        m = re.fullmatch(r"([kvsgKV])(\d+)(a?)(?:@([\d.]+))?", tok)
+        if tok == "r":
+            prerope = True
+            continue
+        m = re.fullmatch(r"([kvsgtKV])(\d+)(a?)(?:@([\d.]+))?", tok)
         if not m:
             return None
         c, n = m.group(1), int(m.group(2))
@@ -76,11 +81,13 @@ def parse_spec(name: str) -> Variant | None:
             sinks = n
         elif c == "g":
             group = n
+        elif c == "t":
+            toks = n
     if kb is None or vb is None:
         return None
     lb = {i: (o.get("k", kb), o.get("v", vb)) for i, o in over.items()}
     return Variant(name, k_bits=kb, k_asym=asym, k_group=group, v_bits=vb, v_symmetric=True,
-                   sinks=sinks, layer_bits=lb)
+                   sinks=sinks, layer_bits=lb, k_prerope=prerope, fp16_tokens=toks)
 
 
 def quantizer(name: str):
@@ -175,6 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
                                     enable_prefix_caching=False,
                                     max_num_batched_tokens=max(512, n)))
     forcer = Forcer(engine, n + 64)
+    set_rotary(engine.model_config)
     load = os.getloadavg()[0]
     acc = {nm: [] for nm in names}
     nbytes = {nm: [0, 0] for nm in names}

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from bench.codec_study import apply_variant
+from bench.codec_fake import apply_variant
 from bench.codec_tf import compare, layer_only, parse_spec, quantizer
 
 
@@ -11,6 +11,9 @@ def test_parse_spec_and_its_bytes():
     assert (v.k_bits, v.k_asym, v.v_bits, v.v_symmetric, v.sinks) == (8, True, 7, True, 4)
     assert v.layer_bits == {0: (8, 8), 29: (8, 8), 3: (7, 7)}
     assert parse_spec("fp16") is None and parse_spec("k8") is None
+    r = parse_spec("k8a-v7-s4-r-t2")
+    assert (r.k_prerope, r.fp16_tokens, r.sinks) == (True, 2, 4)
+    assert (v.k_prerope, v.fp16_tokens) == (False, 0)
     kv = torch.randn(2, 2, 64, 3, 64, generator=torch.Generator().manual_seed(0))
     _, plain = apply_variant(kv, parse_spec("k8-v7"), 64)
     _, more = apply_variant(kv, parse_spec("k8-v7-V8@1"), 64)

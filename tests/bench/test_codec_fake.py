@@ -1,8 +1,8 @@
-"""bench.codec_study's fake quantization and byte formula (no model)."""
+"""bench.codec_fake: the fake-quantized formats and their byte formula (no model)."""
 import pytest
 import torch
 
-from bench.codec_study import (VARIANTS, Variant, apply_variant, fake_quant,
+from bench.codec_fake import (VARIANTS, Variant, apply_variant, fake_quant,
                                fake_quant_diffused)
 
 
@@ -86,3 +86,41 @@ def test_diffused_rounding_keeps_running_sum():
     run_plain = (plain - v).cumsum(0).abs()
     assert float(run_diff.max()) <= float(s.max())                        # about one step
     assert float(run_diff.max()) < float(run_plain.max()) / 2
+
+
+def _rope_config():
+    from types import SimpleNamespace
+    return SimpleNamespace(head_dim=64, rope_theta=100000.0, rope_scaling=None)
+
+
+def test_prerope_keys_are_quantized_at_their_pre_rope_values():
+    from bench.codec_fake import _rotate, set_rotary
+    set_rotary(_rope_config())
+    kv = _kv()
+    pre = kv[:, 0].clone()                                              # [L, T, H, D] pre-RoPE keys
+    for layer in range(kv.shape[0]):
+        kv[layer, 0] = _rotate(pre[layer], 128, inverse=False)          # chunk starts at 128
+    assert torch.allclose(_rotate(kv[0, 0], 128, inverse=True), pre[0], atol=1e-5)
+    var = Variant("r", k_bits=8, v_bits=7, v_symmetric=True, k_prerope=True)
+    out, nbytes = apply_variant(kv, var, 128)
+    plain, nplain = apply_variant(kv, Variant("p", k_bits=8, v_bits=7, v_symmetric=True), 128)
+    assert nbytes == nplain                                             # same codes and scales
+    want = _rotate(fake_quant(pre[1], 8, 0, True)[0], 128, inverse=False)
+    assert torch.allclose(out[1, 0], want, atol=1e-5)
+    assert torch.equal(out[:, 1], plain[:, 1])                          # values untouched
+    assert not torch.allclose(out[:, 0], plain[:, 0], atol=1e-4)        # a different rounding
+
+
+def test_fp16_tokens_leave_the_key_ranges_and_are_counted():
+    kv = _kv(L=1)
+    kv[0, 0, 10] *= 50.0                                                # token 10 stretches every channel
+    base = Variant("b", k_bits=8, v_bits=7, v_symmetric=True)
+    var = Variant("t", k_bits=8, v_bits=7, v_symmetric=True, fp16_tokens=1)
+    out, nbytes = apply_variant(kv, var, 64)
+    ref, nref = apply_variant(kv, base, 64)
+    assert torch.equal(out[0, :, 10], kv[0, :, 10].half().float())       # kept whole, K and V
+    others = torch.arange(64) != 10
+    err = (out[0, 0, others] - kv[0, 0, others]).abs().max()
+    err_ref = (ref[0, 0, others] - kv[0, 0, others]).abs().max()
+    assert err < err_ref / 10                                            # ranges without token 10
+    assert nbytes == nref + 2 * 3 * 64 * 2 + 1                           # K+V fp16 + 1 index byte
