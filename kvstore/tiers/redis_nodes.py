@@ -7,7 +7,9 @@ connection pool per node. A call groups its commands by node and runs each group
 non-transactional pipeline on that node's connection (one round trip per node), all groups in
 parallel. What the cluster client would do across many calls (retry, wait out a failover) is
 left out on purpose: the tier is a cache, so a node that fails or answers after the deadline
-costs misses for its keys (``None`` results), never a stall or an error to the engine. A
+costs misses for its keys (``None`` results), never a stall or an error to the engine. The
+deadline bounds the wait for the nodes' answers only: the work a caller does on the answers
+that came in time (``post``: decoding values) is not charged to it. A
 ``MOVED``/``ASK`` answer (slots resharded) refreshes the slot map for the next call; writes
 that get one are retried through the cluster client, which follows the redirection. Each node
 has a circuit breaker (``kvstore.tiers.breaker``): a node that keeps failing is skipped at once
@@ -196,16 +198,21 @@ class RedisNodes:
 
     # ---- calls ------------------------------------------------------------------------------
     def run(self, groups: dict[str, Sequence[tuple]], deadline: float | None,
-            post: Callable[[str, list], list] | None = None) -> dict[str, list | None]:
+            post: Callable[[str, list], list] | None = None,
+            late: set[str] | None = None) -> dict[str, list | None]:
         """Run each node's commands as one pipeline, all nodes at once.
 
         Args:
             groups: node name -> commands (each a tuple of ``execute_command`` arguments).
-            deadline: ``time.monotonic()`` by which answers must be in (None: the socket
-                timeout alone bounds each node).
+            deadline: ``time.monotonic()`` by which the nodes' answers must be in (None: the
+                socket timeout alone bounds each node). It bounds the network wait only.
             post: ``post(node, results) -> results``, run on the node's worker as soon as its
                 answers are in (checking one node's values overlaps with the others still
-                sending); its time counts against the deadline.
+                sending). Its time does not count against the deadline: a node whose answers
+                were in by the deadline gets its ``post`` finished and its results returned;
+                a late node's ``post`` never runs.
+            late: when given, the names of the nodes that had not answered by the deadline
+                are added to it (their results are None).
 
         Returns:
             node name -> one result per command (a value, or the ``RedisError`` that command
@@ -227,17 +234,26 @@ class RedisNodes:
             for node, cmds in todo:
                 out[node] = self._settle(node, self._call, node, cmds, post)
             return out
-        futures = {self._pool.submit(self._call, node, cmds, post): node for node, cmds in todo}
+        call = _CallState()
+        futures = {self._pool.submit(self._call_by, node, cmds, post, call): node
+                   for node, cmds in todo}
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        done, late = wait(futures, timeout=timeout)
-        for f in done:
-            node = futures[f]
-            out[node] = self._settle(node, f.result)
-        for f in late:
-            node = futures[f]
+        _, pending = wait(futures, timeout=timeout)
+        # the deadline is over: a node whose answers are in keeps its results (its ``post``
+        # may still be running, on values that came in time), the others are late
+        in_time = call.close({futures[f] for f in pending})
+        if in_time:
+            wait([f for f in pending if futures[f] in in_time])
+        for f, node in futures.items():
+            if node in in_time or f not in pending:
+                out[node] = self._settle(node, f.result)
+                continue
+            f.cancel()  # (not started yet: a pool busy with other calls)
             log.debug("remote tier: node %s answered after the deadline; its keys miss", node)
             self._last_error[node] = "no answer within the deadline"
             self.breaker(node).failure()
+            if late is not None:
+                late.add(node)
             out[node] = None
         return out
 
@@ -261,6 +277,13 @@ class RedisNodes:
         res = pipe.execute(raise_on_error=False)
         return post(node, res) if post is not None else res
 
+    def _call_by(self, node: str, cmds: Sequence[tuple], post, call: "_CallState") -> list:
+        """``_call`` on a worker, ``post`` only when the answers came by ``call``'s deadline."""
+        res = self._call(node, cmds)
+        if not call.answered(node):
+            return res  # (late: its results are dropped, its values never decoded)
+        return post(node, res) if post is not None else res
+
     def close(self) -> None:
         """Close every connection. Idempotent."""
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -271,3 +294,29 @@ class RedisNodes:
                 self._single.close()
         except RedisError:
             pass
+
+
+class _CallState:
+    """Which nodes of one ``RedisNodes.run`` call answered by its deadline. A node's worker
+    calls ``answered`` once its answers are in, the caller ``close`` when the deadline is
+    over; the lock makes each node either in time or late, never both."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._in_time: set[str] = set()
+        self._closed = False
+
+    def answered(self, node: str) -> bool:
+        """``node``'s answers are in; whether that was in time (its results are then used)."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._in_time.add(node)
+            return True
+
+    def close(self, pending: set[str]) -> set[str]:
+        """The deadline is over: of ``pending`` (nodes whose call has not returned), those
+        whose answers were in by now (their ``post`` is running)."""
+        with self._lock:
+            self._closed = True
+            return pending & self._in_time

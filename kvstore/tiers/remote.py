@@ -4,10 +4,11 @@ the same deployment, on any host.
 It is the last tier of a ``ChunkStore`` and differs from the local tiers in one way: nobody
 holds an index of it (other hosts write to it, Redis evicts from it on its own), so the store
 asks it. Lookups ask for presence (``EXISTS``), gets read and check values (``GET``), both
-as one pipeline per node, all nodes at once, within ``timeout_s`` (``kvstore.tiers.redis_nodes``).
-A node that fails or is late costs misses for its keys; the engine never waits past the
-deadline and never gets an error from this tier. A node whose circuit breaker opens is logged
-when it goes down, then at most once per ``RemoteTier.down_relog_s`` (10 min) while its trial
+as one pipeline per node, all nodes at once; answers must be in within ``timeout_s``
+(``kvstore.tiers.redis_nodes``; decoding the values that came in time runs after, outside it).
+A node that fails or is late costs misses for its keys (late ones counted and warned about,
+``kvstore.tiers.remote_late``); the engine never gets an error from this tier. A node whose
+circuit breaker opens is logged when it goes down, then at most once per ``RemoteTier.down_relog_s`` (10 min) while its trial
 calls keep failing, and once (INFO) when it answers again (``kvstore.cause_log.OutageLog``).
 
 Writes are write-behind (``kvstore.tiers.remote_writer``): the store hands over a copy of each
@@ -53,6 +54,7 @@ from kvstore.kv_codec import chunk_codec
 from kvstore.layout import KVLayout
 from kvstore.tiers.redis_nodes import RedisNodes
 from kvstore.tiers.redis_url import parse_redis_url
+from kvstore.tiers.remote_late import LateNodes
 from kvstore.tiers.remote_metrics import RemoteMetrics
 from kvstore.tiers.remote_restart import DEFAULT_CHECK_S, RestartWatch
 from kvstore.tiers.remote_values import check_key_prefix, decode_value, failure_reason
@@ -75,8 +77,9 @@ class RemoteTier:
         key_prefix: deployment prefix of every key (letters, digits, ``_.-/``; 1-64 chars).
         ttl_s: seconds a value lives after its last write or read (``GETEX`` refreshes it);
             0 = no expiry (Redis's ``maxmemory`` policy decides).
-        timeout_s: deadline of a lookup (seconds) and socket timeout of every call; a get's
-            deadline adds ``GET_SECONDS_PER_GIB`` per GiB of chunks asked.
+        timeout_s: deadline of a lookup's network wait (seconds) and socket timeout of every
+            call; a get's deadline adds ``GET_SECONDS_PER_GIB`` per GiB of chunks asked
+            (decoding the values that came in time is not charged to it).
         queue_bytes: most bytes of chunks waiting to be written; beyond, writes are dropped.
         password: used when the URL has none (else ``$KVSTORE_REMOTE_PASSWORD``).
         codec: value codec (``raw`` default: fp16 KV rarely compresses; ``auto``, ``lz4``,
@@ -127,6 +130,7 @@ class RemoteTier:
         #: ``ns_id -> lossy codec the namespace accepts`` (``""``: none; set by the store)
         self.lossy_codec_of: Callable[[bytes], str] = lambda ns_id: ""
         self.metrics = RemoteMetrics(registry)
+        self.late = LateNodes(self.metrics, log)
         self._clock, self._down_relog_s = clock, 600.0
         self._outages: dict[str, OutageLog] = {}   # node -> its outage log
         self._outage_lock = threading.Lock()
@@ -232,7 +236,7 @@ class RemoteTier:
         """``lookup`` without its metrics, telling a miss (False) from a failed or late node
         (None)."""
         groups, where = self._group([self.redis_key(k) for k in keys], lambda rk: ("EXISTS", rk))
-        res = self.nodes.run(groups, time.monotonic() + self.timeout_s)
+        res = self.late.run(self.nodes, "lookup", groups, where, self.timeout_s)
         out: list[bool | None] = []
         for node, i in where:
             r = res.get(node)
@@ -266,12 +270,12 @@ class RemoteTier:
             order[node].append((key, rk))
         shape, dtype = layout.shape(), layout.dtype
 
-        def check(node, values):  # on the node's worker, as soon as its answers are in
+        def check(node, values):  # on the node's worker once its answers are in (no deadline)
             return [decode_value(key, value, shape, dtype) if isinstance(value, (bytes, bytearray))
                     else None for (key, _), value in zip(order[node], values)]
 
         allowance = len(keys) * layout.chunk_bytes / 2**30 * GET_SECONDS_PER_GIB
-        res = self.nodes.run(groups, time.monotonic() + self.timeout_s + allowance, post=check)
+        res = self.late.run(self.nodes, "get", groups, where, self.timeout_s + allowance, check)
         out: list = []
         nbytes = 0
         for key, rk, (node, i) in zip(keys, rkeys, where):

@@ -17,7 +17,8 @@ LATENCY_BUCKETS_S = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0)
 
 #: label values known in advance (exported at 0 from the start)
 REASONS = {"validation_failures": ("header", "version", "truncated", "key", "layout", "checksum"),
-           "dropped_writes": ("queue_full", "full", "unavailable", "error", "closed")}
+           "dropped_writes": ("queue_full", "full", "unavailable", "error", "closed"),
+           "late": ("lookup", "get")}
 #: name -> (help, label or None)
 _COUNTERS = {
     "lookups": ("Chunks probed in Redis by lookups (EXISTS)", None),
@@ -33,6 +34,8 @@ _COUNTERS = {
     "dropped_writes": ("Writes not done: queue_full, full (Redis maxmemory), unavailable "
                        "(node down or its breaker open), error, closed (queued at close)",
                        "reason"),
+    "late": ("Chunks a lookup or get missed because their node had not answered by the call's "
+             "deadline (a slow network or Redis; decoding is not charged to the deadline)", "op"),
     "deleted": ("Values deleted (remove, clear, invalid values)", None),
     "breaker_opens": ("Times a node's circuit breaker opened", "node"),
     "node_restarts": ("Restarts of a node noticed (a new run_id)", "node"),
