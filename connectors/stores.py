@@ -181,9 +181,9 @@ class StoreSpec:
             remote = dict(remote_url=self.remote_url, remote_key_prefix=self.remote_key_prefix,
                           remote_ttl_s=self.remote_ttl_s, remote_timeout_s=self.remote_timeout_s,
                           remote_password=self.remote_password)
-        if self.lossy_codec:
+        if self.lossy_codec and self.remote_url:
             remote["remote_codec"] = self.lossy_codec
-        codec = {"disk_codec": self.lossy_codec} if self.lossy_codec else {}
+        codec = {"disk_codec": self.lossy_codec} if self.lossy_codec and self.disk_path else {}
         return StoreConfig(cpu_bytes=cpu,
                            disk_bytes=(self.disk_bytes or DEFAULT_DISK_BYTES)
                            if self.disk_path else 0,

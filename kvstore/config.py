@@ -5,6 +5,7 @@ capacity 0 is absent. Tier order is fixed: GPU -> CPU -> DISK (fastest first).
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field, fields
 
@@ -12,6 +13,8 @@ from kvstore.eviction import ADMISSIONS, POLICIES
 from kvstore.kv_codec import LOSSY_CODECS
 from kvstore.layout import KVLayout
 from kvstore.units import format_size, parse_size
+
+log = logging.getLogger("kvstore.config")
 
 TIER_NAMES = ("gpu", "cpu", "disk")
 #: Value codecs of the disk and remote tiers: lossless, then the lossy ones
@@ -56,7 +59,8 @@ class StoreConfig:
         disk_codec: ``auto`` (byte-shuffle + lz4, raw when that saves < 10%), ``raw``, ``lz4``,
             ``shuffle-lz4``; or lossy ``kivi`` / ``int8`` / ``fp8`` (``kvstore.kv_codec``): used for the
             chunks of namespaces whose ``lossy_codec`` names it, every other chunk is written
-            with ``auto``.
+            with ``auto``. Without a disk tier a setting other than ``auto`` does nothing: one
+            WARNING says so (as ``kvstore serve --disk-codec`` without ``--disk-path``).
         max_namespaces: namespaces whose layout check the store remembers
             (``ChunkStore.register``); the least recently used beyond are forgotten and counted
             (``namespace_evictions``). A forgotten namespace loses nothing: its chunks stay and
@@ -72,6 +76,8 @@ class StoreConfig:
         remote_queue_bytes: most bytes waiting to be written to Redis (beyond: dropped).
         remote_codec: value codec in Redis (``raw``, ``auto``, ``lz4``, ``shuffle-lz4``; or
             lossy ``kivi`` / ``int8`` / ``fp8``, as ``disk_codec``, other chunks written ``raw``).
+            A setting other than ``raw`` needs ``remote_url`` (refused without one, as
+            ``kvstore serve`` refuses remote-tier settings without a remote URL).
         remote_password: Redis password when the URL has none (else
             ``$KVSTORE_REMOTE_PASSWORD``).
         remote_breaker_failures: consecutive failures of a Redis node that open its circuit
@@ -87,7 +93,8 @@ class StoreConfig:
     Raises:
         ValueError: negative or unparsable sizes, no tier at all, a disk tier without a path,
             an unknown policy, admission filter or codec, a non-bool ``allow_disk_shrink``,
-            ``cpu_shared`` without a CPU tier, a page size that is not a positive multiple of
+            ``cpu_shared`` without a CPU tier, a ``remote_codec`` other than ``raw`` without
+            ``remote_url``, a page size that is not a positive multiple of
             64, a memory tier smaller than one page, a non-positive ``max_namespaces``, or a
             negative ``persist_on_close_s``.
     """
@@ -142,6 +149,9 @@ class StoreConfig:
             raise ValueError(f"unknown admission {self.admission!r}; choose one of {list(ADMISSIONS)}")
         if self.disk_codec not in DISK_CODECS:
             raise ValueError(f"unknown disk_codec {self.disk_codec!r}; choose one of {DISK_CODECS}")
+        if self.disk_codec != "auto" and not self.disk_bytes:
+            log.warning("disk_codec %s has no effect without a disk tier (disk_bytes and "
+                        "disk_path)", self.disk_codec)
         if self.page_bytes <= 0 or self.page_bytes % 64:
             raise ValueError(f"page_bytes must be a positive multiple of 64, got {self.page_bytes}")
         if type(self.max_namespaces) is not int or self.max_namespaces <= 0:
@@ -158,6 +168,9 @@ class StoreConfig:
 
     def _check_remote(self) -> None:
         if self.remote_url is None:
+            if self.remote_codec != "raw":
+                raise ValueError(f"remote-tier settings without a remote URL (remote_url): "
+                                 f"remote_codec={self.remote_codec!r}")
             return
         from kvstore.tiers.redis_url import parse_redis_url
         ep = parse_redis_url(self.remote_url, env={})
@@ -184,6 +197,18 @@ class StoreConfig:
             raise ValueError(f"remote_queue_bytes must be > 0, got {self.remote_queue_bytes}")
         if self.remote_codec not in DISK_CODECS:
             raise ValueError(f"unknown remote_codec {self.remote_codec!r}; choose one of {DISK_CODECS}")
+
+    def tier_codecs(self) -> dict[str, str]:
+        """The value codec of each present lower tier: ``{"disk": disk_codec}`` with a disk
+        tier, ``{"remote": remote_codec}`` with a remote tier (``{}``: neither; the memory
+        tiers always hold exact bytes). A lossy codec applies only to the chunks of
+        namespaces whose ``lossy_codec`` names it."""
+        out = {}
+        if self.disk_bytes:
+            out["disk"] = self.disk_codec
+        if self.remote_url is not None:
+            out["remote"] = self.remote_codec
+        return out
 
     @property
     def tiers(self) -> tuple[str, ...]:

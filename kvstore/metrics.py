@@ -173,3 +173,19 @@ class StoreMetrics:
     def exposition(self) -> bytes:
         """Prometheus text format of this store's metrics."""
         return generate_latest(self.registry)
+
+
+def tier_codec_info(registry: CollectorRegistry, codecs: dict[str, str]) -> Gauge:
+    """Register ``kvstore_tier_codec_info{tier, codec}`` in ``registry``: one series at 1 per
+    lower tier of ``codecs`` (``StoreConfig.tier_codecs``: ``{"disk": "kivi"}``), an info-style
+    gauge to join on (``* on(tier) group_left(codec)``); no series without lower tiers.
+
+    Raises:
+        ValueError: the metric is already registered in ``registry``.
+    """
+    info = Gauge("kvstore_tier_codec_info", "Value codec of a lower tier (a lossy one applies "
+                 "only to namespaces whose lossy_codec names it); always 1",
+                 ["tier", "codec"], registry=registry)
+    for tier, codec in codecs.items():
+        info.labels(tier=tier, codec=codec).set(1)
+    return info

@@ -179,8 +179,21 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print(f"kvstore stats: {failure_text(e, args)}", file=sys.stderr)
         return 1
     print(json.dumps(st, indent=2, sort_keys=True) if args.json
-          else format_table(readable_namespaces(st), notes=STAT_NOTES))
+          else format_table(readable_codecs(readable_namespaces(st)), notes=STAT_NOTES))
     return 0
+
+
+def readable_codecs(st: dict) -> dict:
+    """``st`` (a ``/v1/stats`` answer) for the table: ``tier_codecs`` without lower tiers
+    (``{}``) reads ``none (memory tiers only)``, unknown (null) ``unknown``, and
+    ``wire_codecs`` as one comma-separated line."""
+    out = dict(st)
+    if "tier_codecs" in out and not out["tier_codecs"]:
+        out["tier_codecs"] = "unknown" if out["tier_codecs"] is None \
+            else "none (memory tiers only)"
+    if isinstance(out.get("wire_codecs"), list):
+        out["wire_codecs"] = ", ".join(map(str, out["wire_codecs"]))
+    return out
 
 
 def unknown_namespace_label(ns_id) -> str:
@@ -220,6 +233,9 @@ STAT_NOTES = {
     "remote.reads": "get: chunks asked",
     "remote.hits": "get: chunks read",
     "remote.misses": "get: chunks not served",
+    "tier_codecs.disk": "lossy: only namespaces accepting it",
+    "tier_codecs.remote": "lossy: only namespaces accepting it",
+    "wire_codecs": "X-KVStore-Wire-Codec",
 }
 
 

@@ -277,7 +277,7 @@ class ServeConfig:
                "gpu_policy": self.policy, "cpu_policy": self.policy,
                "disk_policy": self.policy, "admission": self.admission,
                "max_namespaces": self.max_namespaces,
-               "disk_codec": self.disk_codec,
+               "disk_codec": self.disk_codec if self.disk_path is not None else "auto",
                "cpu_shared": self.unix_socket is not None and self.cpu_bytes > 0}
         if self.remote_url is not None:
             out.update(remote_url=self.remote_url, remote_key_prefix=self.remote_key_prefix,

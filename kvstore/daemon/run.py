@@ -81,7 +81,9 @@ async def serve_until_signal(app: web.Application, host: str, port: int, *,
     the app's cleanup runs; another SIGTERM/SIGINT meanwhile exits the process at once
     (``force_exit``: one line, status 130). The caller closes (flushes) the store afterwards
     (``kvstore serve`` persists the memory tiers to the disk tier first:
-    ``--persist-on-shutdown-s``; a signal during that exits at once too).
+    ``--persist-on-shutdown-s``; a signal during that exits at once too). Once listening it
+    logs (INFO) the connection cap and one line naming the lower tiers' codecs and the wire
+    codecs accepted (``kvstore.daemon.state.codec_text``).
 
     Args:
         on_listen: called with the bound ``(host, port)`` once listening (port 0 resolves).
@@ -114,6 +116,8 @@ async def serve_until_signal(app: web.Application, host: str, port: int, *,
         shm = await _start_shm(app, unix_socket, runner, guard.max_connections)
     log.info("connection cap %s, idle timeout %s s",
              guard.max_connections or "none (0)", idle_timeout_s)
+    from kvstore.daemon.state import codec_text
+    log.info("%s", codec_text(app[_state_key()].tier_codecs))
     if on_listen is not None:
         on_listen(bound)
     stop = asyncio.Event()

@@ -10,7 +10,8 @@ Routes (wire format in ``kvstore.daemon.protocol``):
                          ``authorization: {type: Bearer, credentials: T}`` in the scrape job)
     GET  /v1/stats       JSON: store.stats() plus "namespaces" (held, with chunk counts),
                          "unix_socket" (the same-host path's socket or null), "instance"
-                         (this daemon start's id) and a "server" section
+                         (this daemon start's id), "tier_codecs", "wire_codecs" (as whoami)
+                         and a "server" section
     POST /v1/lookup      JSON {namespace, keys}        -> {num_hit_chunks, chunk_size, tiers, ...}
     POST /v1/exists      JSON {namespace, keys}        -> {exists: [bool]}
     POST /v1/get         JSON {namespace, keys}        -> binary message; 404 if no key is found,
@@ -28,10 +29,12 @@ Routes (wire format in ``kvstore.daemon.protocol``):
                          disk only; ``kvstore.daemon.state.clear_by_namespace_id``)
     POST /v1/pin         JSON {namespace, keys, lease_s} -> {pinned, lease_s}
     POST /v1/unpin       JSON {namespace, keys}        -> {unpinned}
-    GET  /v1/whoami      JSON {tenant, role, cache_salt, unix_socket, instance}: the caller's
-                         identity, the salt its namespaces must carry
-                         (``kvstore.daemon.tenants``), and the daemon's same-host socket (or
-                         null) and per-start id, as /v1/stats gives them
+    GET  /v1/whoami      JSON {tenant, role, cache_salt, unix_socket, instance, tier_codecs,
+                         wire_codecs}: the caller's identity, the salt its namespaces must
+                         carry (``kvstore.daemon.tenants``), and the daemon's same-host socket
+                         (or null), per-start id, lower tiers' value codecs ({"disk": "kivi",
+                         "remote": "raw"}: present tiers only; null for a store that is not a
+                         ChunkStore) and accepted wire codecs, as /v1/stats gives them
 
 Auth (``kvstore.daemon.tenants``): with a token or tenants configured, every route but /healthz and
 /readyz needs ``Authorization: Bearer TOKEN`` of a known tenant (else 401). A tenant may name
@@ -68,7 +71,9 @@ from kvstore.daemon.payload_wire import get, put  # noqa: F401
 from kvstore.daemon.run import ThreadedServer, serve_until_signal, set_ready  # noqa: F401
 from kvstore.daemon.state import (READ_BUFSIZE, STATE_KEY, STORE_KEY, TENANT_KEY,  # noqa: F401
                                   ServerLimits, _json_body, _json_error, _ns_keys, _ok,
-                                  _ServerState, authorize, caller, clear_by_namespace_id)
+                                  _ServerState, authorize, caller, clear_by_namespace_id,
+                                  store_tier_codecs)
+from kvstore.metrics import tier_codec_info
 from kvstore.daemon.tenants import OPEN, WRITE, Forbidden
 
 log = logging.getLogger("kvstore.daemon.server")
@@ -196,11 +201,13 @@ async def exists(request: web.Request) -> web.Response:
 
 async def whoami(request: web.Request) -> web.Response:
     """The caller's identity, plus the daemon's ``unix_socket`` (None without a same-host
-    path) and ``instance`` as /v1/stats gives them (which tenant tokens may not read): a
-    client finds the same-host path of this very daemon from either."""
+    path), ``instance``, ``tier_codecs`` and ``wire_codecs`` as /v1/stats gives them (which
+    tenant tokens may not read): a client finds the same-host path of this very daemon from
+    either, and an engine whether the daemon's tiers use its lossy codec
+    (``connectors.codec_check``)."""
     state = request.app[STATE_KEY]
     return _ok({**caller(request).whoami(), "unix_socket": state.unix_socket,
-                "instance": state.instance})
+                "instance": state.instance, **state.codec_fields()})
 
 
 async def remove(request: web.Request) -> web.Response:
@@ -281,6 +288,8 @@ def create_app(store: KVStoreBase, limits: ServerLimits | None = None,
     state.reuse_put_buffers = caps.copies_on_put
     state.get_into_buffers = caps.get_into_buffers
     state.direct = caps.reservations and caps.borrowed_reads
+    state.tier_codecs = store_tier_codecs(store)
+    tier_codec_info(state.registry, state.tier_codecs or {})
     app[STATE_KEY] = state
     #: connection cap, idle timeout and client-error counters (set up by the runner)
     state.conns = ConnectionGuard(state.registry)

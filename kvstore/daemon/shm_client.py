@@ -157,11 +157,12 @@ class ShmKVStoreClient(ShmConnPool, KVStoreBase):
 
     def hello(self, *, timeout_s: float | None = None) -> dict:
         """Open (or reuse) a connection: ``{"instance", "tenant", "arena_bytes",
-        "page_bytes"}`` of the daemon's ``hello``. Raises as any call."""
+        "page_bytes", "tier_codecs", "wire_codecs"}`` of the daemon's ``hello`` (no codecs from an
+        older daemon). Raises as any call."""
         def fn(c: Conn, _d: float) -> dict:
             h = c.hello
             return {"instance": h.instance, "tenant": h.tenant, "arena_bytes": h.arena.nbytes,
-                    "page_bytes": h.page_bytes}
+                    "page_bytes": h.page_bytes, **h.codecs}
         return self._call("hello", fn, idempotent=True, timeout_s=timeout_s)
 
     # ---- KVStoreBase ----------------------------------------------------------------------
@@ -200,12 +201,14 @@ class ShmKVStoreClient(ShmConnPool, KVStoreBase):
         return {k: v for k, v in r.items() if k not in ("ok", "payload_bytes")}
 
     def whoami(self, *, timeout_s=None) -> dict:
-        """``{"tenant", "role", "cache_salt", "instance", "unix_socket"}`` of this client's
-        token and daemon, as ``GET /v1/whoami`` (from ``hello``)."""
+        """``{"tenant", "role", "cache_salt", "instance", "unix_socket", "tier_codecs",
+        "wire_codecs"}`` of this client's token and daemon, as ``GET /v1/whoami`` (from
+        ``hello``; the codecs None from a daemon whose hello names none)."""
         h = self.hello(timeout_s=timeout_s)
         t = h["tenant"]
         return {"tenant": t.get("name"), "role": t.get("role"), "cache_salt": t.get("salt"),
-                "instance": h["instance"], "unix_socket": self.path}
+                "instance": h["instance"], "unix_socket": self.path,
+                "tier_codecs": h.get("tier_codecs"), "wire_codecs": h.get("wire_codecs")}
 
     def healthy(self, *, timeout_s: float = 1.0) -> bool:
         """True when the daemon answers a ``hello`` on a new connection within ``timeout_s``."""

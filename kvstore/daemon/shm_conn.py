@@ -9,7 +9,7 @@ import os
 import select
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from kvstore.daemon.batches import DaemonLimits, limits_from
@@ -42,6 +42,8 @@ class Hello:
     vm_read: bool = False
     #: the daemon's request limits (None: an older daemon's hello does not name them)
     limits: DaemonLimits | None = None
+    #: ``{"tier_codecs", "wire_codecs"}`` as ``GET /v1/whoami`` (empty from an older daemon)
+    codecs: dict = field(default_factory=dict)
 
 
 class Conn:
@@ -126,7 +128,8 @@ class Conn:
         if agreed not in S.SHM_VERSIONS or agreed > version:
             raise ProtocolError(f"hello answered version {agreed!r} to a client of {version}")
         return Hello(instance, tenant, arena, int(reply.get("page_bytes") or 0), agreed,
-                     probe is not None and reply.get("vm_read") is True, limits_from(reply))
+                     probe is not None and reply.get("vm_read") is True, limits_from(reply),
+                     {k: reply[k] for k in ("tier_codecs", "wire_codecs") if k in reply})
 
     @staticmethod
     def _wait(poller, deadline: float) -> None:

@@ -53,7 +53,8 @@ async def hello(c: "Connection") -> bool:
                    "arena_bytes": srv.arena_bytes, "page_bytes": srv.page_bytes,
                    "tenant": {"name": tenant.name, "role": tenant.role, "salt": tenant.salt},
                    "max_body_bytes": c.state.limits.max_body_bytes,
-                   "max_batch_keys": c.state.limits.max_batch_keys, **vm}, fds=[srv.arena_fd] if srv.arena_bytes else [])
+                   "max_batch_keys": c.state.limits.max_batch_keys,
+                   **c.state.codec_fields(), **vm}, fds=[srv.arena_fd] if srv.arena_bytes else [])
     return True
 
 

@@ -19,6 +19,7 @@ from kvstore.daemon import protocol as P
 from kvstore.api import KVStoreBase
 from kvstore.daemon.budget import BufferPool, ByteBudget
 from kvstore.daemon.tenants import OPEN, READ, WRITE, Forbidden, Tenant, TenantTable
+from kvstore.daemon.wire_codec import WIRE_CODECS
 
 STORE_KEY = web.AppKey("store", KVStoreBase)
 STATE_KEY = web.AppKey("state", object)
@@ -77,6 +78,26 @@ def tenant_table(limits: ServerLimits) -> TenantTable | None:
     if limits.auth_token:
         tenants += TenantTable.single(limits.auth_token).tenants
     return TenantTable(tenants) if tenants else None
+
+
+def store_tier_codecs(store: KVStoreBase) -> dict[str, str] | None:
+    """The value codec of each lower tier of ``store`` (``StoreConfig.tier_codecs``:
+    ``{"disk": "kivi", "remote": "raw"}``, present tiers only, ``{}`` for memory tiers alone),
+    or None for a store without a ``StoreConfig`` (its tiers' codecs are not known here)."""
+    from kvstore.config import StoreConfig
+    cfg = getattr(store, "config", None)
+    return cfg.tier_codecs() if isinstance(cfg, StoreConfig) else None
+
+
+def codec_text(tier_codecs: dict[str, str] | None) -> str:
+    """One line naming the lower tiers' codecs and the wire codecs (the daemon's start log):
+    ``tier codecs: disk kivi, remote raw; wire codecs accepted: raw, kivi, int8, fp8``."""
+    if tier_codecs is None:
+        tiers = "unknown (not a ChunkStore)"
+    else:
+        tiers = ", ".join(f"{t} {c}" for t, c in tier_codecs.items()) \
+            or "none (memory tiers only: exact bytes)"
+    return f"tier codecs: {tiers}; wire codecs accepted: {', '.join(WIRE_CODECS)}"
 
 
 def caller(request: web.Request) -> Tenant:
@@ -140,6 +161,16 @@ class _ServerState:
         self.inflight_bytes.set_function(lambda: self.budget.held)
         #: namespaces named by requests since start, by ns_id (for /v1/stats), oldest first
         self.namespaces: dict[bytes, Any] = {}
+        #: the store's lower tiers' codecs (``store_tier_codecs``; set by create_app)
+        self.tier_codecs: dict[str, str] | None = None
+
+    def codec_fields(self) -> dict:
+        """``{"tier_codecs": {tier: codec} or None, "wire_codecs": [names]}``: the value codec
+        of each lower tier of the store (disk, remote; a lossy one applies only to namespaces
+        whose ``lossy_codec`` names it) and the wire codecs requests may name
+        (``kvstore.daemon.wire_codec``); in ``/v1/whoami`` and ``/v1/stats``."""
+        return {"tier_codecs": None if self.tier_codecs is None else dict(self.tier_codecs),
+                "wire_codecs": list(WIRE_CODECS)}
 
     def note_namespace(self, ns) -> None:
         """Remember ``ns`` (a request named it) for ``namespace_stats``; keeps the latest
@@ -169,12 +200,14 @@ class _ServerState:
 
     async def stats_body(self, store: KVStoreBase) -> dict:
         """The ``/v1/stats`` answer: ``store.stats()``, ``namespaces`` (``namespace_stats``),
-        ``unix_socket`` (the same-host path's socket, or None), ``instance`` and a ``server``
-        section. Store calls run on the pool."""
+        ``unix_socket`` (the same-host path's socket, or None), ``instance``, ``tier_codecs``
+        and ``wire_codecs`` (``codec_fields``) and a ``server`` section. Store calls run on
+        the pool."""
         out = dict(await self.call(store.stats))
         out["namespaces"] = await self.call(self.namespace_stats, store)
         out["unix_socket"] = self.unix_socket
         out["instance"] = self.instance
+        out.update(self.codec_fields())
         out["server"] = {"protocol_version": P.PROTOCOL_VERSION, "ready": self.ready,
                          "in_flight": int(self.in_flight._value.get()),
                          "max_body_bytes": self.limits.max_body_bytes,

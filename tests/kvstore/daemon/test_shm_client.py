@@ -86,7 +86,8 @@ def test_gets_copy_from_the_read_only_arena_bit_exact(client, daemon, monkeypatc
     assert hello["arena_bytes"] == 1 << 20 and hello["page_bytes"] == 256
     w = client.whoami()
     assert w == {"tenant": "admin", "role": "admin", "cache_salt": None,
-                 "instance": client.hello()["instance"], "unix_socket": client.path}
+                 "instance": client.hello()["instance"], "unix_socket": client.path,
+                 "tier_codecs": hello["tier_codecs"], "wire_codecs": hello["wire_codecs"]}
     assert len(w["instance"]) > 8
     calls = count_copies(monkeypatch)
     got = client.get_chunks(NS, KEYS[:5])

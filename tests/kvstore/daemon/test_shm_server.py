@@ -45,7 +45,9 @@ def test_hello_hands_over_a_sealed_arena_that_maps_only_read_only(tmp_path):
                          "tenant": {"name": "anonymous", "role": "admin", "salt": None},
                          "vm_read": False,   # no vm_probe in this hello
                          "max_body_bytes": int(limits["X-KVStore-Max-Body-Bytes"]),
-                         "max_batch_keys": int(limits["X-KVStore-Max-Batch-Keys"])}
+                         "max_batch_keys": int(limits["X-KVStore-Max-Batch-Keys"]),
+                         "tier_codecs": stats["tier_codecs"],
+                         "wire_codecs": stats["wire_codecs"]}
         assert reply["max_body_bytes"] > 0 and reply["max_batch_keys"] > 0
         assert stats["unix_socket"] == srv.sock_path and srv.unix_url == f"unix://{srv.sock_path}"
         assert fcntl.fcntl(c.arena_fd, fcntl.F_GET_SEALS) == ARENA_SEALS

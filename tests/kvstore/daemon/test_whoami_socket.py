@@ -42,7 +42,8 @@ def test_whoami_gives_the_socket_and_instance_of_stats_and_hello(daemon):
     with KVStoreClient(daemon.url, auth_token=ADMIN, same_host=False) as admin:
         stats, who = admin.stats(), admin.whoami()
     assert who == {"tenant": "admin", "role": "admin", "cache_salt": None,
-                   "unix_socket": daemon.sock, "instance": stats["instance"]}
+                   "unix_socket": daemon.sock, "instance": stats["instance"],
+                   "tier_codecs": stats["tier_codecs"], "wire_codecs": stats["wire_codecs"]}
     assert stats["unix_socket"] == daemon.sock and len(stats["instance"]) == 16
     with KVStoreClient(daemon.url, auth_token=ALICE, same_host=False) as alice:
         with pytest.raises(RemoteError) as e:
@@ -50,7 +51,8 @@ def test_whoami_gives_the_socket_and_instance_of_stats_and_hello(daemon):
         assert e.value.status == 403
         who = alice.whoami()
     assert who == {"tenant": "alice", "role": "tenant", "cache_salt": "alice",
-                   "unix_socket": daemon.sock, "instance": stats["instance"]}
+                   "unix_socket": daemon.sock, "instance": stats["instance"],
+                   "tier_codecs": {}, "wire_codecs": stats["wire_codecs"]}
     with ShmKVStoreClient(daemon.sock, auth_token=ALICE, timeout_s=5) as shm:
         assert shm.hello()["instance"] == stats["instance"]
 
