@@ -235,7 +235,7 @@ def open_store(spec: StoreSpec) -> OpenedStore:
 def _with_daemon(spec: StoreSpec, stores: list[KVStoreBase]) -> OpenedStore:
     """``stores`` (the in-process one, if any) plus the daemon ``spec.url`` names, as one
     ``OpenedStore``."""
-    salt = role = None
+    salt = role = who = None
     if spec.url:
         from kvstore.daemon.client import KVStoreClient
         client = KVStoreClient(http_url(spec.url), auth_token=spec.auth_token,
@@ -253,6 +253,9 @@ def _with_daemon(spec: StoreSpec, stores: list[KVStoreBase]) -> OpenedStore:
                 client, put_timeout_s=b.put_timeout_s,
                 get_timeout_s_per_chunk=b.get_timeout_s_per_chunk,
                 get_timeout_s_base=b.get_timeout_s_base))
+    from connectors.codec_check import warn_unused_lossy_codec
+    warn_unused_lossy_codec(spec.lossy_codec, stores[0].config.tier_codecs() if spec.local
+                            else None, who, spec.wire_codec, spec.url)
     if len(stores) == 1:
         return OpenedStore(stores[0], salt, remote=bool(spec.url) and spec.breaker is None,
                            role=role)
