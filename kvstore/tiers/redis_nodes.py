@@ -27,7 +27,8 @@ import redis
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import AskError, AuthenticationError, MovedError, RedisError, ResponseError
+from redis.exceptions import (AskError, AuthenticationError, MovedError, RedisError,
+                              ResponseError, TimeoutError as RedisTimeoutError)
 
 from kvstore.tiers.breaker import CircuitBreaker
 from kvstore.tiers.redis_url import RedisEndpoint
@@ -211,8 +212,9 @@ class RedisNodes:
                 sending). Its time does not count against the deadline: a node whose answers
                 were in by the deadline gets its ``post`` finished and its results returned;
                 a late node's ``post`` never runs.
-            late: when given, the names of the nodes that had not answered by the deadline
-                are added to it (their results are None).
+            late: when given, the names of the nodes that had not answered by the deadline,
+                or whose socket timeout ran out first, are added to it (their results are
+                None).
 
         Returns:
             node name -> one result per command (a value, or the ``RedisError`` that command
@@ -232,7 +234,7 @@ class RedisNodes:
             return out
         if deadline is None and len(todo) == 1:  # (each node's socket timeout bounds it)
             for node, cmds in todo:
-                out[node] = self._settle(node, self._call, node, cmds, post)
+                out[node] = self._settle(node, self._call, node, cmds, post, late=late)
             return out
         call = _CallState()
         futures = {self._pool.submit(self._call_by, node, cmds, post, call): node
@@ -246,7 +248,7 @@ class RedisNodes:
             wait([f for f in pending if futures[f] in in_time])
         for f, node in futures.items():
             if node in in_time or f not in pending:
-                out[node] = self._settle(node, f.result)
+                out[node] = self._settle(node, f.result, late=late)
                 continue
             f.cancel()  # (not started yet: a pool busy with other calls)
             log.debug("remote tier: node %s answered after the deadline; its keys miss", node)
@@ -257,13 +259,15 @@ class RedisNodes:
             out[node] = None
         return out
 
-    def _settle(self, node: str, fn, *args) -> list | None:
+    def _settle(self, node: str, fn, *args, late: set[str] | None = None) -> list | None:
         try:
             res = fn(*args)
         except RedisError as e:
             log.debug("remote tier: node %s failed: %s: %s", node, type(e).__name__, e)
             self._last_error[node] = f"{type(e).__name__}: {str(e)[:200]}"
             self.breaker(node).failure()
+            if late is not None and isinstance(e, RedisTimeoutError):
+                late.add(node)  # (its socket timeout, the deadline's length, ran out first)
             return None
         self.breaker(node).success()
         if any(isinstance(r, (MovedError, AskError)) for r in res):

@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import time
+from collections import Counter
 
 import redis
 import torch
@@ -112,5 +113,38 @@ def test_a_stopped_redis_costs_late_keys_counted_and_warned_once(redis_server, c
                 os.kill(redis_server.proc.pid, signal.SIGCONT)
             assert len(_lines(caplog, logging.WARNING, "did not answer a get")) == 2
             assert count(t, "late", "get") == 9 and count(t, "misses") == 9
+    finally:
+        t.close()
+
+
+def test_in_a_cluster_only_the_stopped_masters_keys_are_late(redis_cluster, monkeypatch, caplog):
+    t = _kivi_tier(redis_cluster.url, timeout_s=0.1, breaker_threshold=10)
+    try:
+        keys, kvs = prompt(NS, 2, 12)
+        per_node = Counter(redis_cluster.node_for_key(rkey(k)) for k in keys)
+        assert sorted(per_node) == [0, 1, 2]
+        _put(t, keys, kvs)
+        want = [g[0].clone() for g in t.get(keys, LAY)]
+        decode = kv_codec.decode
+
+        def slow_decode(*args, **kw):  # each master's values take several deadlines
+            time.sleep(0.1)
+            return decode(*args, **kw)
+
+        monkeypatch.setattr(kv_codec, "decode", slow_decode)
+        stopped = redis_cluster.nodes[0]
+        with caplog.at_level(logging.INFO, logger=LOGGER):
+            os.kill(stopped.proc.pid, signal.SIGSTOP)
+            try:
+                got = t.get(keys, LAY)
+            finally:
+                os.kill(stopped.proc.pid, signal.SIGCONT)
+        on_stopped = [redis_cluster.node_for_key(rkey(k)) == 0 for k in keys]
+        assert [g is None for g in got] == on_stopped
+        assert all(torch.equal(g[0], w) for g, w in zip(got, want) if g is not None)
+        assert count(t, "late", "get") == per_node[0]
+        assert count(t, "misses") == per_node[0] and count(t, "hits") == 24 - per_node[0]
+        warned = _lines(caplog, logging.WARNING, "did not answer")
+        assert warned and all(f"node {stopped.host}:{stopped.port} " in w for w in warned)
     finally:
         t.close()
