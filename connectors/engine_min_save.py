@@ -21,7 +21,12 @@ Chunks a daemon refused (``PutResult.refused``: their parent is stored nowhere,
 too) are counted in ``refused_chunks``, never in ``saved_chunks`` (chunks newly stored).
 ``parent_missing`` means the prefix was evicted between the request's lookup and its save: one
 INFO line the first time, DEBUG after. ``no_room`` is a WARNING, once per cause until a put is
-stored whole again.
+stored whole again. Chunks an in-process store refused are counted alike: its put answers a
+plain count, so the writer asks ``exists`` when a put stored fewer chunks than it sent
+(``connectors.put_answer.checked_put``); its first ``no_room`` is one WARNING for the
+connector's life, naming the tier sizes, the chunk size and the flag to raise (its tiers'
+size caps how many chunks of one prompt are stored, and what reaches a remote tier below
+them), the rest DEBUG.
 
 A chunk larger than the daemon's ``--max-body-bytes`` can never be saved to it
 (``connectors.chunk_limit``): ``check_chunk_limit`` asks at start, and one WARNING names both
@@ -45,6 +50,7 @@ from connectors.chunk_geometry import ChunkGeometry
 from connectors.chunk_records import SaveRange
 from connectors.engine_min_device import StagedChunks, stage_for_store, takes_device_chunks
 from connectors.engine_min_stats import ConnectorStats
+from connectors.put_answer import LocalPutResult, checked_put, log_local_refusal
 from connectors.save_queue import SaveQueue, demote_superseded
 from kernels import ops
 from kvstore.api import KVStoreBase
@@ -131,9 +137,17 @@ class Saver:
         self._queue.submit(rng.ns, list(rng.keys), kvs, rng.nbytes, rng.parents, then)
 
     def _put(self, ns: Namespace, keys, kvs: StagedChunks, *parents) -> int:
-        """Writer thread: once the device finished ``kvs`` (their event), put them."""
+        """Writer thread: once the device finished ``kvs`` (their event), put them; the
+        answer says the chunks refused, also for an in-process store (``checked_put``; a
+        failed ``exists`` leaves the plain count)."""
         kvs.ready.wait()
-        return self.store.put_chunks(ns, keys, list(kvs), *parents)
+        stored = self.store.put_chunks(ns, keys, list(kvs), *parents)
+        try:
+            return checked_put(self.store, ns, keys, stored, *parents)
+        except Exception as exc:  # noqa: BLE001 - the put succeeded; only the split is lost
+            log.debug("kv connector: exists after a put failed (%s: %s)",
+                      type(exc).__name__, exc)
+            return stored
 
     def _demote(self, rng: SaveRange, stored: int) -> None:
         """Writer thread, after ``rng``'s chunks were put: demote the tail pieces they cover
@@ -170,7 +184,7 @@ class Saver:
                               "refused_chunks": refused})
             self.stats.recovered(kind)
             if refused:
-                self._refused(kind, stored)
+                self._refused(kind, stored, ns)
             else:
                 self.stats.recovered("room for saves")
         elif isinstance(error, ChunkTooLarge):   # (nothing was sent)
@@ -181,12 +195,15 @@ class Saver:
             self.stats.warn(kind, f"kv connector: {kind} failed (%s: %s)",
                             type(error).__name__, error)
 
-    def _refused(self, kind: str, stored) -> None:
+    def _refused(self, kind: str, stored, ns: Namespace) -> None:
         """Log a put the daemon refused ``stored.refused`` chunks of (``PutResult``), by the
         first refused chunk's reason: ``parent_missing`` at INFO the first time, then DEBUG;
         any other (``no_room``) a WARNING once per cause until a put is stored whole."""
         first = getattr(stored, "first_refused", None) or {}
         reason = first.get("reason", "unknown")
+        if isinstance(stored, LocalPutResult):
+            log_local_refusal(log, self._refusals_told, self.store, ns, kind, stored)
+            return
         if reason == "parent_missing":
             level = logging.DEBUG if reason in self._refusals_told else logging.INFO
             self._refusals_told.add(reason)

@@ -113,7 +113,8 @@ class KVStoreConnector(KVConnectorBase_V1):
     def stats(self) -> dict:
         """Counters of this side (JSON-able): lookups, hit/local/external tokens, loads,
         loaded chunks/tokens, load errors, seconds in loads, saved/dropped chunks, chunks the
-        daemon refused (``refused_chunks``: parent missing or no room), errors."""
+        store refused (``refused_chunks``: parent missing or no room; a daemon's or the
+        in-process store's), errors."""
         out: dict[str, Any] = self._counters.snapshot()
         out["role"] = self.role.name
         out["remote"] = self._remote

@@ -26,6 +26,7 @@ from kvstore.keys import ChunkKey, Namespace
 from kvstore.layout import KVLayout
 
 from connectors import chunk_limit
+from connectors.put_answer import LocalPutResult, checked_put, log_local_refusal
 from connectors.save_queue import SaveQueue, demote_superseded
 from connectors.vllm.layer_load import LayerLoad, Loader
 from connectors.vllm.paged_layout import PagedLayout, derive_paged_layout
@@ -87,6 +88,7 @@ class WorkerSide:
                                name="kvstore-vllm-saver")
         self._oversize: set[KVLayout] = set()   # warned: the daemon cannot take its chunk
         self._skipped: set[KVLayout] = set()    # ... and saves of chunks of it are skipped
+        self._refusals_told: set[str] = set()   # in-process refusals logged (log_local_refusal)
 
     # ---- caches and layout -----------------------------------------------------------------
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -344,12 +346,21 @@ class WorkerSide:
              *parents: Any) -> int:
         """The writer's ``put_chunks``; counts the chunks written (``saved_chunks`` or, in a
         tail namespace, ``saved_tail_chunks``: stored now or before) when the put succeeds,
-        and those the daemon refused (``refused_chunks``: parent missing or no room, as its
-        answer's ``PutResult.refused`` says; the chunks after a refused one are refused too)."""
+        and those the store refused (``refused_chunks``: parent missing or no room, as a
+        daemon's ``PutResult.refused`` says, or an in-process store's ``exists`` after the
+        put, ``connectors.put_answer.checked_put``; the chunks after a refused one are refused
+        too)."""
         stored = self.calls(self.calls.store.put_chunks, ns, keys, kvs, *parents)
+        try:   # an in-process store answers a plain count: ask which chunks it refused
+            stored = checked_put(self.calls.store, ns, keys, stored, *parents, call=self.calls)
+        except Exception as e:  # noqa: BLE001 - the put succeeded; only the split is lost
+            log.debug("kvstore exists after a put failed (%s)", e)
         refused = getattr(stored, "refused", None) or 0   # (None: a store that does not say)
         which = "saved_tail_chunks" if ns.layout != self.layout else "saved_chunks"
         self.counters.add(**{which: len(keys) - refused, "refused_chunks": refused})
+        if refused and isinstance(stored, LocalPutResult):   # one WARNING names the tiers
+            log_local_refusal(log, self._refusals_told, self.calls.store, ns,
+                              "tail save" if which == "saved_tail_chunks" else "save", stored)
         return stored
 
     def _saved(self, ns: Namespace, stored: int | None, seconds: float,
