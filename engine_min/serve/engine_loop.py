@@ -27,6 +27,10 @@ from engine_min.serve.metrics import ServerMetrics
 logger = logging.getLogger("engine_min.serve.server")
 
 _EMPTY_STEP_WAIT_S = 0.002
+#: While idle with saves still queued (a finished request's last save is queued by its last
+#: step), the thread wakes this often (seconds) to refresh ``stats`` until the queue drains:
+#: the save queue gauge and the save counters then show the saves' outcome.
+_SAVE_POLL_S = 0.1
 
 
 @dataclass
@@ -91,7 +95,8 @@ class EngineLoop:
     an ``Exception`` is put there instead (an ``ApiError`` for a refused request).
 
     Attributes:
-        stats: the latest ``engine.stats()`` snapshot (refreshed after every step or command).
+        stats: the latest ``engine.stats()`` snapshot (refreshed after every step or command,
+            and every ``_SAVE_POLL_S`` while idle with the connector's saves still queued).
         error: the last exception raised by ``engine.step()``, or ``None``.
     """
 
@@ -151,6 +156,8 @@ class EngineLoop:
                 # followed by a short wait, so a stuck queue cannot spin a core
                 wait_s = 0.0 if self._step() else _EMPTY_STEP_WAIT_S
             self._refresh_stats()
+            if wait_s is None and self.stats.get("kvstore_save_queue_bytes"):
+                wait_s = _SAVE_POLL_S   # idle, saves still queued: refresh until written
 
     def _drain(self, wait_s: float | None) -> list[_Command]:
         """Commands queued now; first waits up to ``wait_s`` seconds (None: forever)."""
