@@ -102,10 +102,14 @@ class KVLayout:
         """Check a chunk tensor against this layout.
 
         Raises:
-            ValueError: wrong shape or dtype, naming expected and got.
+            ValueError: wrong shape or dtype, naming expected and got; a tensor without data
+                (on the ``meta`` device), naming the device.
         """
         if not isinstance(kv, torch.Tensor):
             raise ValueError(f"expected a torch.Tensor, got {type(kv).__name__}")
+        if kv.device.type == "meta":
+            raise ValueError(f"KV tensor on device {kv.device} has no data to store; give a "
+                             f"tensor on the CPU or a GPU")
         want = self.shape(num_tokens)
         if tuple(kv.shape) != want:
             raise ValueError(f"KV shape mismatch: expected {list(want)}, got {list(kv.shape)}")

@@ -19,6 +19,7 @@ class PutResult(int):
     """Chunks newly stored by a put (the ``int`` value), with what the daemon said of the rest.
 
     Attributes:
+        stored: chunks newly stored, ``int(result)`` (read-only; the repr's ``stored=``).
         num_chunks: chunks the put sent.
         already_stored: chunks stored before the put (kept); None when the daemon's answer did
             not say (an older daemon).
@@ -39,6 +40,11 @@ class PutResult(int):
         out.num_chunks, out.already_stored, out.refused = num_chunks, already_stored, refused
         out.first_refused = first_refused
         return out
+
+    @property
+    def stored(self) -> int:
+        """Chunks newly stored by the put: the value itself, ``int(self)``."""
+        return int(self)
 
     @classmethod
     def from_answer(cls, answer: dict, offset: int = 0) -> "PutResult":
