@@ -115,3 +115,36 @@ def test_checked_put_tells_refused_from_stored_before():
                                      "reason": "parent_missing"}
     finally:
         store.close()
+
+
+def test_vllm_worker_counts_what_an_in_process_store_refused(caplog):
+    """The vLLM connector's writer (``WorkerSide``, without vLLM) over a ChunkStore whose CPU
+    tier holds one chunk: a put of 3 chunks counts 1 saved and 2 refused (it counted all 3 as
+    saved), and one WARNING names the tier and the chunk."""
+    from connectors.vllm.shared import Counters, StoreCalls
+    from connectors.vllm.worker import WorkerSide
+    lay = KVLayout(1, 1, 4, "float32", 8)        # a chunk is 256 bytes
+    ns = Namespace("m", lay)
+    keys = ns.chunk_keys(list(range(100, 124)))
+    store = ChunkStore(StoreConfig(cpu_bytes=384, page_bytes=128))
+    counters = Counters()
+    w = WorkerSide(lay, ["model.layers.0.attn"], 2, 8, StoreCalls(store, False, 5.0),
+                   counters, 1 << 20, dict)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="kvstore.connectors.vllm"):
+            for rnd in range(2):
+                assert w.saves.try_reserve(3 * lay.chunk_bytes)
+                w.saves.submit(ns, keys, [torch.full(lay.shape(), float(i)) for i in range(3)],
+                               3 * lay.chunk_bytes, None)
+                assert w.flush(10)
+        c = counters.snapshot()
+        # round 1: chunk 0 stored, 1 and 2 refused; round 2: chunk 0 held, 1 and 2 refused
+        assert (c["saved_chunks"], c["refused_chunks"]) == (2, 4)
+        assert store.stats()["rejected_chunks"] == 4
+        warns = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+                 and "in-process store refused" in r.getMessage()]
+        assert len(warns) == 1 and "cpu 384B" in warns[0] and "256B (8 tokens)" in warns[0], \
+            warns
+    finally:
+        w.close(5)
+        store.close()
