@@ -139,7 +139,8 @@ def add_store_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    help="seconds a value lives in Redis after its last write or read "
                    "(default 0: no expiry)")
     s.add_argument("--kvstore-remote-timeout-s", type=float, default=None, metavar="SECONDS",
-                   help="deadline of a remote lookup; a late Redis node's keys miss "
+                   help="deadline of the wait for Redis's answers in a remote lookup (a get "
+                   "adds time per GiB; decoding runs after it); a late Redis node's keys miss "
                    "(default 0.25)")
     return s
 

@@ -140,7 +140,7 @@ class Namespace:
             ``""`` = none (engine_min dequantizes at load; the fingerprint covers the values).
         kv_quantization: KV cache quantization (scales / method); ``""`` = none.
         adapter: LoRA (or other adapter) identity applied to the KV; ``""`` = none.
-        lossy_codec: the lossy codec (``"int8"``, ``"fp8"``) this namespace's consumer accepts
+        lossy_codec: the lossy codec (``"int8"``, ``"fp8"``, ``"kivi"``) this namespace's consumer accepts
             its chunks to be stored with in a tier configured for it (``kvstore.kv_codec``:
             reads may then return decoded, not bit-exact, KV); ``""`` (default) = bit-exact
             only. Part of the digest when set, so such chunks never share a key with exact ones.

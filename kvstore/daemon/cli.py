@@ -149,8 +149,9 @@ def _remote_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds a value lives after its last write or read (default 0: no "
                         "expiry; Redis's maxmemory policy evicts)")
     g.add_argument("--remote-timeout-s", type=float,
-                   help="deadline of a remote lookup in seconds; a late node's keys miss "
-                        "(default 0.25)")
+                   help="deadline of the wait for Redis's answers in a remote lookup, in seconds "
+                        "(a get adds time per GiB; decoding runs after it); a late node's keys "
+                        "miss, counted in kvstore_remote_late_total (default 0.25)")
     g.add_argument("--remote-restart-check-s", type=float, metavar="S",
                    help="seconds between checks of each Redis master's run_id: a master that "
                         "restarted empty gets the local chunks it lacks again (default 10; 0: "

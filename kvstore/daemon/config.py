@@ -88,7 +88,8 @@ class ServeConfig:
         remote_key_prefix: deployment prefix of every Redis key (``<prefix>:<ns>:<hash>``).
         remote_ttl_s: seconds a value lives in Redis after its last write or read (0 = no
             expiry: Redis's ``maxmemory`` policy evicts).
-        remote_timeout_s: deadline of a remote lookup (seconds; a get adds time per GiB).
+        remote_timeout_s: deadline of the wait for Redis's answers in a remote lookup
+            (seconds; a get adds time per GiB; decoding what came in time runs after it).
         remote_restart_check_s: seconds between checks of each Redis master's run_id (a master
             restarted empty gets the local chunks it lacks again; 0 = no check).
         remote_queue_bytes: most chunk bytes waiting to be written to Redis (beyond: dropped).
