@@ -25,6 +25,7 @@ from kvstore.config import StoreConfig
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
 from kvstore.store import ChunkStore
+from tests.redis_fixtures import redis_server  # noqa: F401 (fixture)
 
 C = 64
 CPU_BYTES = 4 << 20
@@ -84,6 +85,29 @@ def test_refused_chunks_of_an_in_process_store_are_counted_and_warned_once(engin
     finally:
         engine.set_connector(None)
         conn.close()
+
+
+def test_the_local_tier_caps_what_reaches_the_remote_tier(engine, redis_server):  # noqa: F811
+    """With a Redis tier below the 4 MiB CPU tier, the refused chunks are counted alike and
+    only the stored chunk 0 reaches Redis: a store with a large CPU tier over the same Redis
+    finds chunk 0 and nothing after it."""
+    store = ChunkStore(StoreConfig(cpu_bytes=CPU_BYTES, remote_url=redis_server.url))
+    conn = EngineMinConnector(store, chunk_size=C, tail_chunk_size=0, deadline_s=60)
+    engine.set_connector(conn)
+    prompt = ids(7, 4 * C + 5)
+    try:
+        engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0))
+        assert conn.wait_for_save(60) and store.flush(10)
+        assert (stat(conn, "saved_chunks"), stat(conn, "refused_chunks")) == (1, 3)
+        ns = conn.ns
+    finally:
+        engine.set_connector(None)
+        conn.close()
+    other = ChunkStore(StoreConfig(cpu_bytes=64 << 20, remote_url=redis_server.url))
+    try:
+        assert other.exists(ns, ns.chunk_keys(prompt)) == [True, False, False, False]
+    finally:
+        other.close()
 
 
 def test_checked_put_tells_refused_from_stored_before():
