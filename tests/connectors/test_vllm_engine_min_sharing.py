@@ -21,45 +21,23 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here (tools/make_vllm_env.sh)")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-from bench.vllm_engine import MODEL_ID, Daemon, make_document, run_child  # noqa: E402
-from bench.vllm_model import convert  # noqa: E402
+from bench.vllm_engine import MODEL_ID, Daemon, run_child  # noqa: E402
+from tests.connectors.vllm_fixtures import (  # noqa: E402, F401 - fixtures used by name
+    BLOCK, CHUNK, MAX_TOKENS, baseline, chat, model_dir, prompts, sharing_prompts)
 
 pytestmark = pytest.mark.slow
-CHUNK = 256
-BLOCK = 128            # vLLM CPU backend's block size: its tail pieces (engine_min is told)
-HIT = 4 * CHUNK + BLOCK
-MAX_TOKENS = 12
+HIT = 4 * CHUNK + BLOCK   # 1152: 4 chunks of 256 + one piece of vLLM's CPU block size, 128
 
 
-@pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(convert())
-
-
-@pytest.fixture(scope="module")
-def prompts(model_dir):
-    """Two document questions of 1153..1267 tokens: 4 full chunks and 1 piece of each are
-    stored (prompt + 12 generated tokens stay below 1280) and a lookup reaches 1152."""
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    out = []
-    for i, q in ((0, "how many tons of grain does Elm3 export?"),
-                 (1, "what is the name of the mayor of Oak7?")):
-        ids = tok.encode(make_document(i, 29) + f"\nQuestion: {q}\nAnswer:")
-        assert HIT < len(ids) <= 5 * CHUNK - MAX_TOKENS - 1, len(ids)
-        out.append(ids)
-    return out
-
-
-def test_vllm_and_engine_min_share_chunks_through_one_daemon(model_dir, prompts):
+def test_vllm_and_engine_min_share_chunks_through_one_daemon(model_dir, baseline):
     from connectors.factory import create_connector
     from engine_min.config import EngineConfig
     from engine_min.engine import LLMEngine
     from engine_min.sampler import SamplingParams
-    p, r = prompts
+    p, r = sharing_prompts(model_dir)   # two document questions, 4 chunks + 1 piece each
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    vllm_own = run_child({"model_dir": model_dir, "connector": "none", "warmup": False,
-                          "max_tokens": MAX_TOKENS, "prompts": [p, r]})["results"]
+    # vLLM's own answers without any store (the shared no-connector baseline process)
+    vllm_own = baseline["sharing"]
     eng = LLMEngine(EngineConfig(model=model_dir, block_size=16, kv_cache_bytes=256 << 20,
                                  enable_prefix_caching=False))
     own = [o.output_token_ids for o in eng.generate([p, r], greedy)]
@@ -79,10 +57,10 @@ def test_vllm_and_engine_min_share_chunks_through_one_daemon(model_dir, prompts)
                              "warmup": False, "max_tokens": MAX_TOKENS, "prompts": [p, r],
                              "extra": {"chunk_size": CHUNK}})["results"]
             after_p, after_r = res[0]["connector"]["worker"], res[1]["connector"]["worker"]
-            assert res[0]["output_ids"] == vllm_own[0]["output_ids"]
+            assert res[0]["output_ids"] == vllm_own[0]
             assert after_p["loaded_tokens"] == HIT and after_p["load_errors"] == 0
             assert after_p["saved_chunks"] == 0
-            assert res[1]["output_ids"] == vllm_own[1]["output_ids"]
+            assert res[1]["output_ids"] == vllm_own[1]
             assert after_r["loaded_tokens"] == HIT              # r loaded nothing
             assert after_r["saved_chunks"] == 4 and after_r["saved_tail_chunks"] == 1
             # engine_min loads r from vLLM's chunks

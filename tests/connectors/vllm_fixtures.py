@@ -6,7 +6,9 @@ and store wrappers that fail or lose chunks.
 A helper module, not a conftest: test files import the fixtures they use by name, so nothing
 here reaches the other tests of this folder. Import it only after ``pytest.importorskip("vllm")``.
 The baseline (a fresh vLLM process without any connector) runs once per pytest process and is
-shared by every file that asks for it (``_baseline_outputs`` is cached).
+shared by every file that asks for it (``_baseline_outputs`` is cached); it also answers the two
+document questions of ``test_vllm_engine_min_sharing.py`` (``sharing_prompts``), so that file
+needs no vLLM process of its own for its no-store reference.
 """
 from __future__ import annotations
 
@@ -56,22 +58,40 @@ def chat(model_dir):
     return {"U1": u1, "U2": u2}
 
 
+def sharing_prompts(model_dir: str) -> list[list[int]]:
+    """The two document questions of ``test_vllm_engine_min_sharing.py`` (1153..1267 tokens
+    each: 4 full chunks and one 128-token piece of each are stored, and the prompt plus
+    MAX_TOKENS generated tokens stays below 5 chunks)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    out = []
+    for i, q in ((0, "how many tons of grain does Elm3 export?"),
+                 (1, "what is the name of the mayor of Oak7?")):
+        ids = tok.encode(make_document(i, 29) + f"\nQuestion: {q}\nAnswer:")
+        assert 4 * CHUNK + BLOCK < len(ids) <= 5 * CHUNK - MAX_TOKENS - 1, len(ids)
+        out.append(ids)
+    return out
+
+
 @functools.cache
 def _baseline_outputs(model_dir: str, p: tuple[int, ...], q: tuple[int, ...],
                       u1: tuple[int, ...], u2: tuple[int, ...]) -> dict:
+    shared = sharing_prompts(model_dir)
     res = run_child({"model_dir": model_dir, "connector": "none",
                      "warmup": False, "max_tokens": MAX_TOKENS,
-                     "prompts": [list(p), list(q)],
+                     "prompts": [list(p), list(q), *shared],
                      "chats": [[list(u1), list(u2)]],
                      "chat_max_tokens": [ROUND1_TOKENS, MAX_TOKENS]})
-    return {"P": res["results"][0]["output_ids"], "Q": res["results"][1]["output_ids"],
+    outs = [r["output_ids"] for r in res["results"]]
+    return {"P": outs[0], "Q": outs[1], "sharing": outs[2:],
             "chat": [r["output_ids"] for r in res["chats"][0]]}
 
 
 @pytest.fixture(scope="module")
 def baseline(model_dir, prompts, chat):
-    """Greedy outputs of vLLM without any connector (fresh process): P, Q, and the chat's
-    two rounds (answers of ROUND1_TOKENS then MAX_TOKENS tokens)."""
+    """Greedy outputs of vLLM without any connector (fresh process, prefix caching off, each
+    prompt its own request): P, Q, the chat's two rounds (answers of ROUND1_TOKENS then
+    MAX_TOKENS tokens), and ``sharing``: MAX_TOKENS-token answers to ``sharing_prompts``."""
     return _baseline_outputs(model_dir, tuple(prompts["P"]), tuple(prompts["Q"]),
                              tuple(chat["U1"]), tuple(chat["U2"]))
 
