@@ -118,7 +118,9 @@ def test_a_stopped_redis_costs_late_keys_counted_and_warned_once(redis_server, c
 
 
 def test_in_a_cluster_only_the_stopped_masters_keys_are_late(redis_cluster, monkeypatch, caplog):
-    t = _kivi_tier(redis_cluster.url, timeout_s=0.1, breaker_threshold=10)
+    # a 0.5 s deadline: the live masters answer well within it on a loaded host (at 0.1 s
+    # their first get was late at times under nice 19)
+    t = _kivi_tier(redis_cluster.url, timeout_s=0.5, breaker_threshold=10)
     try:
         keys, kvs = prompt(NS, 2, 12)
         per_node = Counter(redis_cluster.node_for_key(rkey(k)) for k in keys)
@@ -127,8 +129,8 @@ def test_in_a_cluster_only_the_stopped_masters_keys_are_late(redis_cluster, monk
         want = [g[0].clone() for g in t.get(keys, LAY)]
         decode = kv_codec.decode
 
-        def slow_decode(*args, **kw):  # each master's values take several deadlines
-            time.sleep(0.1)
+        def slow_decode(*args, **kw):  # a live master's 5 values take 2 deadlines
+            time.sleep(0.2)
             return decode(*args, **kw)
 
         monkeypatch.setattr(kv_codec, "decode", slow_decode)
