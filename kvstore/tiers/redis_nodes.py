@@ -211,7 +211,8 @@ class RedisNodes:
                 answers are in (checking one node's values overlaps with the others still
                 sending). Its time does not count against the deadline: a node whose answers
                 were in by the deadline gets its ``post`` finished and its results returned;
-                a late node's ``post`` never runs.
+                a late node's ``post`` never runs, nor its pipeline when it had not started
+                by the deadline (the pool busy).
             late: when given, the names of the nodes that had not answered by the deadline,
                 or whose socket timeout ran out first, are added to it (their results are
                 None).
@@ -244,13 +245,15 @@ class RedisNodes:
         # the deadline is over: a node whose answers are in keeps its results (its ``post``
         # may still be running, on values that came in time), the others are late
         in_time = call.close({futures[f] for f in pending})
+        for f in pending:   # late: one not started yet (a pool busy with other calls) never
+            if futures[f] not in in_time:   # starts, even once a worker frees up while
+                f.cancel()                  # the in-time nodes' ``post`` runs below
         if in_time:
             wait([f for f in pending if futures[f] in in_time])
         for f, node in futures.items():
             if node in in_time or f not in pending:
                 out[node] = self._settle(node, f.result, late=late)
                 continue
-            f.cancel()  # (not started yet: a pool busy with other calls)
             log.debug("remote tier: node %s answered after the deadline; its keys miss", node)
             self._last_error[node] = "no answer within the deadline"
             self.breaker(node).failure()
