@@ -54,7 +54,7 @@ def test_a_late_node_not_started_by_the_deadline_is_never_sent(shared_redis_clus
 
         late: set[str] = set()
         out = nodes.run({node_a: [("SET", key_a, b"a")], node_b: [("INCR", key_b)]},
-                        time.monotonic() + 1.0, post, late=late)
+                        time.monotonic() + 2.0, post, late=late)
         assert out[node_a] == [True] and out[node_b] is None
         assert late == {node_b}
         for f in blockers:
