@@ -272,6 +272,15 @@ class RedisNodes:
             if late is not None and isinstance(e, RedisTimeoutError):
                 late.add(node)  # (its socket timeout, the deadline's length, ran out first)
             return None
+        except Exception as e:  # noqa: BLE001 (a fault of ours, e.g. in ``post``): the node's
+            # keys miss and its breaker hears of it, so a half-open trial is never left
+            # without an outcome (which would skip the node for good) and the other nodes of
+            # the call are still settled
+            log.warning("remote tier: node %s: unexpected %s: %s; its keys miss", node,
+                        type(e).__name__, str(e)[:200], exc_info=log.isEnabledFor(logging.DEBUG))
+            self._last_error[node] = f"{type(e).__name__}: {str(e)[:200]}"
+            self.breaker(node).failure()
+            return None
         self.breaker(node).success()
         if any(isinstance(r, (MovedError, AskError)) for r in res):
             self.refresh()
