@@ -104,6 +104,7 @@ class EngineLoop:
         self.engine = engine
         self.metrics = metrics
         self.stats: dict = {}
+        self._stats_failing = False   # the last engine.stats() raised (logged once)
         self.error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # engine thread only
@@ -155,8 +156,8 @@ class EngineLoop:
                 # a step that reports nothing (a prefill chunk, or nothing schedulable) is
                 # followed by a short wait, so a stuck queue cannot spin a core
                 wait_s = 0.0 if self._step() else _EMPTY_STEP_WAIT_S
-            self._refresh_stats()
-            if wait_s is None and self.stats.get("kvstore_save_queue_bytes"):
+            fresh = self._refresh_stats()
+            if wait_s is None and fresh and self.stats.get("kvstore_save_queue_bytes"):
                 wait_s = _SAVE_POLL_S   # idle, saves still queued: refresh until written
 
     def _drain(self, wait_s: float | None) -> list[_Command]:
@@ -243,14 +244,22 @@ class EngineLoop:
         except Exception:
             logger.exception("abort of %s failed", request_id)
 
-    def _refresh_stats(self) -> None:
+    def _refresh_stats(self) -> bool:
+        """Take a new ``stats`` snapshot; False when ``engine.stats()`` raised (logged once
+        until a snapshot succeeds again)."""
         try:  # includes the connector's external_prefix_cache_* counters when it has one
             stats = dict(self.engine.stats())
         except Exception:
-            logger.exception("engine.stats() failed")
-            return
+            if not self._stats_failing:
+                logger.exception("engine.stats() failed")
+            self._stats_failing = True
+            return False
+        if self._stats_failing:
+            logger.info("engine.stats() works again")
+        self._stats_failing = False
         self.stats = stats
         self.metrics.update_from_stats(stats)
+        return True
 
     def _shutdown(self) -> None:
         for request_id, sink in list(self._sinks.items()):
