@@ -158,13 +158,51 @@ def _gguf_tensor(t, path: str) -> np.ndarray:
     return arr.reshape(shape)
 
 
+_FAST_READER = None
+
+
+def _fast_reader_class():
+    """``gguf.GGUFReader`` whose reads slice a plain ``np.ndarray`` view of the file's memmap.
+
+    The stock reader slices the ``np.memmap`` itself, and every slice runs numpy's subclass
+    hook (``memmap.__array_finalize__``): SmolLM2's 49k-token vocabulary and merges make
+    about 1.2M of them, most of the header parse. The views read the same bytes of the same
+    mapping, so fields and tensors are unchanged (tested against the stock reader); tensor
+    ``data`` are ``np.ndarray`` views of the mapping instead of ``np.memmap`` ones.
+    """
+    global _FAST_READER
+    if _FAST_READER is None:
+        import numpy as np
+        from gguf import GGUFReader
+
+        class FastGGUFReader(GGUFReader):
+            def _get(self, offset, dtype, count=1, override_order=None):
+                plain = self.__dict__.get("_plain")
+                if plain is None or plain.base is not self.data:
+                    plain = self._plain = self.data.view(np.ndarray)
+                count = int(count)
+                end = offset + int(np.empty([], dtype=dtype).itemsize) * count
+                arr = plain[offset:end].view(dtype=dtype)[:count]
+                order = self.byte_order if override_order is None else override_order
+                return arr.view(arr.dtype.newbyteorder(order))
+
+        _FAST_READER = FastGGUFReader
+    return _FAST_READER
+
+
 def open_gguf(path: str):
-    """A ``gguf.GGUFReader`` over ``path`` (memory-mapped; parsing the header takes ~2 s for
-    SmolLM2's 49k-token vocabulary, so callers share one reader between weights and tokenizer).
+    """A ``gguf.GGUFReader`` over ``path`` (memory-mapped; the header of SmolLM2's 49k-token
+    vocabulary parses in ~0.5 s quiet through ``_fast_reader_class``, ~4x faster than the stock
+    reader; callers share one reader between weights and tokenizer). Should the fast reader
+    fail (another ``gguf`` version), the stock reader parses the file.
 
     Raises:
         ModelLoadError: the file cannot be parsed as GGUF.
     """
+    try:
+        return _fast_reader_class()(path)
+    except Exception:  # noqa: BLE001 - the stock reader decides (and names the error)
+        pass
     try:
         from gguf import GGUFReader
         return GGUFReader(path)
