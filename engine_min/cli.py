@@ -95,9 +95,11 @@ def _run_command(args: argparse.Namespace) -> int:
     if args.command == "route":
         from engine_min.router.cli import route_main
         return route_main(args)
-    if args.command == "export-tokenizer":
-        return export_tokenizer_main(args)
-    return generate_main(args)
+    from engine_min.interrupt import sigint_exits
+    with sigint_exits():   # one-shot commands: nothing to clean up on Ctrl-C
+        if args.command == "export-tokenizer":
+            return export_tokenizer_main(args)
+        return generate_main(args)
 
 
 def generate_main(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ import socket
 import sys
 from typing import Any
 
+from engine_min.interrupt import sigint_exits
 from engine_min.serve.run import DEFAULT_SHUTDOWN_TIMEOUT_S, run_server
 from engine_min.serve.server import SERVING_KEY, create_app
 
@@ -233,7 +234,8 @@ def serve_main(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: {exc}") from exc
     connector = build_connector(args)
     try:
-        engine = build_engine(args, connector)
+        with sigint_exits():   # Ctrl-C in the model load: KeyboardInterrupt in torch is unsafe
+            engine = build_engine(args, connector)
         check_max_model_len(args.max_model_len, engine)
         names = served_model_names(args, engine)
     except ValueError as exc:  # ModelLoadError is a ValueError; so are bad engine sizes
