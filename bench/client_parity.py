@@ -148,9 +148,15 @@ def one_run(config: str, backend: str, opts: ServerOptions, tokenizer: Path,
     return row, " ".join(cmd)
 
 
+_DURATION = ("Duration on the 2-core machine: the default run (4 vllm bench runs of 32 requests)\n"
+             "166 s wall (nice 19, load average 2.4-5.0 from other work, 2026-12-02).")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line (numeric flags checked as it is parsed: ``bench.arg_checks``)."""
-    ap = argparse.ArgumentParser(prog="python -m bench.client_parity",
+    ap = argparse.ArgumentParser(epilog=_DURATION,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 prog="python -m bench.client_parity",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     ap.add_argument("--tokenizer", type=Path, default=None,

@@ -280,8 +280,14 @@ def wire_figures(kvs: list[torch.Tensor], codecs: list[str], batch: int = 8,
     return out
 
 
+_DURATION = ("Duration on the 2-core machine: --quick (3 prompts of about 200 tokens) 49 s wall\n"
+             "(nice 19, load average 2.4-5.0 from other work, 2026-12-02); the default run (20\n"
+             "prompts of 600-1,048 tokens) was not timed: many times --quick's model work.")
+
+
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m bench.codec", description=__doc__,
+    ap = argparse.ArgumentParser(epilog=_DURATION,
+                                 prog="python -m bench.codec", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="3 short prompts (a smoke run)")
     ap.add_argument("--max-tokens", type=int_at_least(1), default=32,

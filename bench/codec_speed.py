@@ -90,8 +90,13 @@ def codec_speed(kv: torch.Tensor, codec: str, repeat: int) -> dict:
     return res
 
 
+_DURATION = ("Duration on the 2-core machine: the default run (--repeat 20) 6 s wall (nice 19,\n"
+             "load average 2.4-5.0 from other work, 2026-12-02).")
+
+
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m bench.codec_speed", description=__doc__,
+    ap = argparse.ArgumentParser(epilog=_DURATION,
+                                 prog="python -m bench.codec_speed", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="30,64,3,64", help="L,T,H,D (default %(default)s)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))

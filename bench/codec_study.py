@@ -187,8 +187,14 @@ def layer_sensitivity(engine, prompts, args, bits: int = 4) -> list[dict]:
     return rows
 
 
+_DURATION = ("Duration on the 2-core machine: --quick (3 prompts of about 200 tokens) 170 s wall\n"
+             "(nice 19, load average 2.4-5.0 from other work, 2026-12-02); the default run (20\n"
+             "prompts of 600-1,048 tokens) was not timed: many times --quick's model work.")
+
+
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m bench.codec_study", description=__doc__,
+    ap = argparse.ArgumentParser(epilog=_DURATION,
+                                 prog="python -m bench.codec_study", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int_at_least(0), default=0, help="workload seed (bench.codec's sets)")
     ap.add_argument("--quick", action="store_true", help="3 short prompts")

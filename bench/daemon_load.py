@@ -180,9 +180,16 @@ async def _main_async(args, out: dict, workdir: str) -> None:
         out["soak_daemon_exit_code"] = daemon.stop()
 
 
+_DURATION = ("Duration on the 2-core machine: --quick 42 s wall (nice 19, load average 2.4-5.0\n"
+             "from other work, 2026-12-02); the default run over 3 min (stopped at 180 s in its\n"
+             "same-host phase, before its 60 s soak).")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line (numeric flags checked as it is parsed: ``bench.arg_checks``)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(epilog=_DURATION,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="shorter everything (CI smoke run)")
     ap.add_argument("--json", type=output_file, help="write the figures to this JSON file")
     ap.add_argument("--soak-s", type=float_above(0), default=None, help="soak seconds (default 60; "

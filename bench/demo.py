@@ -70,8 +70,12 @@ def summarize(reps: dict, elapsed: float, load_average: list[float]) -> dict:
     return summary
 
 
+_DURATION = ("Duration on the 2-core machine: 190-326 s on a quiet host (docs/measurements.md;\n"
+             "sized for under 10 min), 785 s at nice 19 beside a clean-clone CI run.")
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.demo", description=__doc__,
+    p = argparse.ArgumentParser(epilog=_DURATION, prog="python -m bench.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="results", type=output_dir, help="folder for JSON and plots")
     p.add_argument("--configs", default="", help="extra configurations for both runs")

@@ -85,9 +85,15 @@ def hf_speeds(engine: LLMEngine, n_prefill: int, n_decode: int, repeats: int) ->
     return n_prefill / best, rate
 
 
+_DURATION = ("Duration on the 2-core machine: the default run 148 s wall (nice 19, load average\n"
+             "2.4-5.0 from other work, 2026-12-02).")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line (numeric flags checked as it is parsed: ``bench.arg_checks``)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(epilog=_DURATION,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--json", type=output_file, help="write the figures here")
     ap.add_argument("--threads", type=int_at_least(1), default=None,
                     help="torch threads (default: torch's)")

@@ -16,8 +16,13 @@ from bench.servers import install_cleanup_handlers
 from bench.workloads import LongDocQA
 
 
+_DURATION = ("Duration on the 2-core machine: the default run (recompute and kvstore-cpu) 104 s\n"
+             "wall (nice 19, load average 2.4-5.0 from other work, 2026-12-02).")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.long_doc_qa", description=__doc__,
+    p = argparse.ArgumentParser(epilog=_DURATION,
+                                prog="python -m bench.long_doc_qa", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     w = p.add_argument_group("workload")
     w.add_argument("--num-docs", type=int_at_least(1), default=2)

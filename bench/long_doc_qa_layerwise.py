@@ -36,8 +36,13 @@ from bench.outputs import output_file  # noqa: E402
 MODES = ("whole", "layerwise")
 
 
+_DURATION = ("Duration on the 2-core machine: --rounds 2 64 s wall (nice 19, load average 2.4-5.0\n"
+             "from other work, 2026-12-02); the default --rounds 6 adds 4 more hits per mode: not\n"
+             "timed.")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m bench.long_doc_qa_layerwise",
+    ap = argparse.ArgumentParser(epilog=_DURATION, prog="python -m bench.long_doc_qa_layerwise",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--doc-tokens", type=int_at_least(1), default=4000)

@@ -114,8 +114,14 @@ def summarize(pairs: list[dict]) -> dict:
     return out
 
 
+_DURATION = ("Duration on the 2-core machine: --quick 33 s wall (nice 19, load average 2.4-5.0\n"
+             "from other work, 2026-12-02); the default run (7 pairs x 3 requests of 1,024 tokens\n"
+             "per configuration) was not timed.")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m bench.miss_cost", description=__doc__,
+    ap = argparse.ArgumentParser(epilog=_DURATION,
+                                 prog="python -m bench.miss_cost", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", type=int_at_least(1), default=7, help="rotated rounds (default 7)")
     ap.add_argument("--requests-per-pair", type=int_at_least(1), default=3,

@@ -51,8 +51,16 @@ DEFAULTS = {
 }
 
 
+_DURATION = ("Duration on the 2-core machine: --quick 47 s wall (nice 19, load average 2.4-5.0\n"
+             "from other work, 2026-12-02); the default run (3 configurations) a few minutes, not\n"
+             "timed; routing (--engines 2 --router round-robin,cache-aware, 40 requests a run)\n"
+             "190-250 s a run at load average 3-8 and 20-30 s on a quiet host\n"
+             "(docs/measurements.md).")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.multi_round_qa", description=__doc__,
+    p = argparse.ArgumentParser(epilog=_DURATION,
+                                prog="python -m bench.multi_round_qa", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     w = p.add_argument_group("workload (defaults depend on the mode: see DEFAULTS)")
     w.add_argument("--num-users", type=int_at_least(1), default=None, help="5; routing 10")

@@ -177,8 +177,15 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+_DURATION = ("Duration on the 2-core machine: --trace mooncake-conv --one-tier-only 105 s wall\n"
+             "(nice 19, load average 2.4-5.0 from other work, 2026-12-02); without --one-tier-only\n"
+             "the CPU+disk replays come on top (not timed); --limit N replays fewer rows.")
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.policy_sim", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(epilog=_DURATION,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 prog="python -m bench.policy_sim", description=__doc__.split("\n")[0])
     ap.add_argument("--trace", required=True, choices=sorted(TRACES))
     ap.add_argument("--traces-dir", default=str(DEFAULT_TRACES_DIR),
                     help="folder of the trace files (default: the repository's sibling "

@@ -100,9 +100,15 @@ def long_chains(lengths: list[int], d: str) -> None:
                 shutil.rmtree(f"{d}/chain{n}", ignore_errors=True)
 
 
+_DURATION = ("Duration on the 2-core machine: the default run 13 s wall (nice 19, load average\n"
+             "2.4-5.0 from other work, 2026-12-02).")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line (numeric flags checked as it is parsed: ``bench.arg_checks``)."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(epilog=_DURATION,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int_at_least(1), default=300)
     ap.add_argument("--chunks", type=int_at_least(1), default=20, help="chunks per prompt")
     ap.add_argument("--long", type=int_list(1), default=[1024, 4096, 16384],

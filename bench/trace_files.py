@@ -69,10 +69,15 @@ def describe(traces_dir: str | Path = DEFAULT_TRACES_DIR) -> tuple[list[str], bo
     return lines, not missing
 
 
+_DURATION = ("Duration on the 2-core machine: under 1 s (0.03 s wall; nice 19, load average\n"
+             "2.4-5.0 from other work, 2026-12-02).")
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m bench.trace_files``: print ``describe``'s lines; 0 when every trace file
     is there, else 1."""
-    ap = argparse.ArgumentParser(prog="python -m bench.trace_files", description=__doc__,
+    ap = argparse.ArgumentParser(epilog=_DURATION,
+                                 prog="python -m bench.trace_files", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--traces-dir", default=str(DEFAULT_TRACES_DIR),
                     help="folder of the trace files (default: %(default)s)")

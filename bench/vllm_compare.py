@@ -222,9 +222,16 @@ def checks(table: dict) -> dict:
     return out
 
 
+_DURATION = ("Duration on the 2-core machine: 489 s for --docs 3 --doc-tokens 800 --max-tokens 4\n"
+             "--chats 2 at load average 6-8 (docs/measurements.md, 2026-12-01); the default\n"
+             "documents (1500 tokens) take longer: not timed.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line (numeric flags checked as it is parsed: ``bench.arg_checks``)."""
-    p = argparse.ArgumentParser(description="vLLM long-document Q&A: connectors compared")
+    p = argparse.ArgumentParser(epilog=_DURATION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                description="vLLM long-document Q&A: connectors compared")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--docs", type=int_at_least(1), default=3)
     p.add_argument("--doc-tokens", type=int_at_least(1), default=1500)
