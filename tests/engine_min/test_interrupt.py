@@ -17,7 +17,13 @@ def _child(body: str, **kw) -> subprocess.CompletedProcess:
     code = "import os, signal, sys\nfrom engine_min.interrupt import sigint_exits\n" + \
         textwrap.dedent(body)
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60, **kw)
+                          text=True, timeout=60, preexec_fn=_default_sigint, **kw)
+
+
+def _default_sigint() -> None:
+    """In the child: SIGINT as a terminal delivers it (a test run in a background job, as CI's,
+    would hand the child an ignored SIGINT, which Python and ``sigint_exits`` leave ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_sigint_in_the_block_exits_130_with_one_line_and_stdout_flushed():
@@ -59,7 +65,7 @@ def test_generate_interrupted_anywhere_in_its_start_exits_130_with_one_line():
             [sys.executable, "-m", "engine_min", "generate", "--prompt", "Once upon a time",
              "--max-tokens", "3000", "--device", "cpu"], cwd=ROOT, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+            preexec_fn=_default_sigint)
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
         try:
