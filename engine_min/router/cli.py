@@ -261,30 +261,32 @@ def route_main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from engine_min.router.policy import make_policy
-    from engine_min.serve.cli import check_listen
-    from engine_min.weights import ModelLoadError
-    try:
-        policy = make_policy(args.policy, args.max_load_gap, args.min_hit_fraction)
-        store = None
-        if args.kvstore_url:
-            from engine_min.router.store_lookup import StoreLookup
-            store = StoreLookup(args.kvstore_url, args.kvstore_lookup_timeout_ms / 1e3,
-                                args.kvstore_auth_token)
-            refused = store.check_token()
-            if refused is not None:
-                logger.warning("shared store %s refuses the router (%s): routing without the "
-                               "store; give the daemon's token (--kvstore-auth-token, "
-                               "$KVSTORE_AUTH_TOKEN)", store.url, refused)
-                store = None
-        check_listen(args.host, args.port)  # before the tokenizer loads (tens of seconds)
-        tokenizer = load_while_waiting(args.model, urls, args.startup_timeout_s)
-    except (ModelLoadError, OSError, ValueError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except SystemExit as exc:  # (check_listen's: the message says it all)
-        print(exc, file=sys.stderr)
-        return 2
+    from engine_min.interrupt import sigint_exits
+    with sigint_exits():   # Ctrl-C before it listens: KeyboardInterrupt in torch is unsafe
+        from engine_min.router.policy import make_policy
+        from engine_min.serve.cli import check_listen
+        from engine_min.weights import ModelLoadError
+        try:
+            policy = make_policy(args.policy, args.max_load_gap, args.min_hit_fraction)
+            store = None
+            if args.kvstore_url:
+                from engine_min.router.store_lookup import StoreLookup
+                store = StoreLookup(args.kvstore_url, args.kvstore_lookup_timeout_ms / 1e3,
+                                    args.kvstore_auth_token)
+                refused = store.check_token()
+                if refused is not None:
+                    logger.warning("shared store %s refuses the router (%s): routing without the "
+                                   "store; give the daemon's token (--kvstore-auth-token, "
+                                   "$KVSTORE_AUTH_TOKEN)", store.url, refused)
+                    store = None
+            check_listen(args.host, args.port)  # before the tokenizer loads (tens of seconds)
+            tokenizer = load_while_waiting(args.model, urls, args.startup_timeout_s)
+        except (ModelLoadError, OSError, ValueError, RuntimeError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        except SystemExit as exc:  # (check_listen's: the message says it all)
+            print(exc, file=sys.stderr)
+            return 2
     for warning in check_tokenizer(urls, tokenizer):
         logger.warning("%s", warning)
     if store is not None and getattr(policy, "name", "") != "cache-aware":
