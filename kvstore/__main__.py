@@ -1,5 +1,5 @@
 import sys
 
-from kvstore.daemon.cli import main
+from kvstore.daemon.entry import main
 
 sys.exit(main())

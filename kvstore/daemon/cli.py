@@ -244,7 +244,14 @@ def choose_http_parser(which: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from kvstore.daemon.cli_interrupt import sigint_exits
+    with sigint_exits("serve"):  # until the server listens and takes SIGINT itself
+        return _serve_command(args)
+
+
+def _serve_command(args: argparse.Namespace) -> int:
     from kvstore.daemon import config as serve_config
+    from kvstore.daemon.cli_interrupt import exit_on_another_signal, restore_signals
     flags = {k: v for k, v in vars(args).items() if k in serve_config.FIELDS}
     try:
         cfg = serve_config.resolve(flags, config_file=args.config)
@@ -268,46 +275,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         asyncio.run(_serve(cfg, store, tenants))
         persist_s = cfg.persist_on_shutdown_s if cfg.disk_path is not None else 0.0
     finally:
-        previous = _exit_on_another_signal()  # (before the line: a script may signal on it)
+        previous = exit_on_another_signal()  # (before the line: a script may signal on it)
         log.info("closing the store (flushing disk writes%s)",
                  f"; persisting the memory tiers for up to {persist_s:g} s; SIGTERM or Ctrl-C "
                  f"again to exit at once" if persist_s else "")
         try:
             store.close(persist_s=persist_s)
         finally:
-            _restore_signals(previous)
+            restore_signals(previous)
     log.info("stopped")
     return 0
-
-
-def _exit_on_another_signal() -> dict:
-    """While the store closes, SIGTERM/SIGINT exit at once with one line saying how many
-    chunks of the memory tiers were not persisted (``kvstore.daemon.run.force_exit``, status
-    130): the disk tier keeps what its writer committed, as after a crash. Returns the
-    previous handlers (``_restore_signals``); none are changed off the main thread."""
-    import signal
-    from kvstore.close_persist import PROGRESS
-    from kvstore.daemon.run import force_exit
-
-    def again(signum: int, _frame: Any) -> None:
-        what = (f"{PROGRESS.left} of {PROGRESS.todo} chunks of the memory tiers not persisted"
-                if PROGRESS.running else "queued disk writes not flushed")
-        force_exit(f"{signal.Signals(signum).name} again: exiting now, while closing the "
-                   f"store ({what})")
-    previous = {}
-    try:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            previous[sig] = signal.signal(sig, again)
-    except ValueError:  # not the main thread (an embedding caller): its handlers stay
-        pass
-    return previous
-
-
-def _restore_signals(previous: dict) -> None:
-    """Put back the handlers ``_exit_on_another_signal`` replaced."""
-    import signal
-    for sig, handler in previous.items():
-        signal.signal(sig, handler)
 
 
 #: glibc ``mallopt`` parameter number of the mmap threshold (malloc.h).
@@ -382,6 +359,12 @@ async def _serve(cfg, store, tenants=None) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from kvstore.daemon.cli_interrupt import sigint_exits
+    with sigint_exits("inspect"):  # (read only: nothing to clean up)
+        return _inspect_command(args)
+
+
+def _inspect_command(args: argparse.Namespace) -> int:
     from kvstore.disk_inspect import inspect_disk
     if args.limit < 0:
         raise UsageError(f"--limit must be >= 0 (0 lists every chunk), got {args.limit}")
