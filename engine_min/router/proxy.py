@@ -141,6 +141,8 @@ class Router:
         for session in (self.session, self.fresh_session):
             if session is not None:
                 await session.close()
+        if self.store is not None:
+            self.store.close()
 
     # ---- routing -------------------------------------------------------------------------
     def _candidates(self, prompt: PreparedPrompt, exclude: set[int]) -> list[Candidate]:
@@ -186,18 +188,20 @@ class Router:
         return store_can_change_pick(self.policy, cands, len(prompt.token_ids))
 
     def _prepare(self, source, keys: list, namespaces: list
-                 ) -> tuple[PreparedPrompt, dict[bytes, bytes]]:
-        """The prompt of a ``prompt_source`` (``prepare_source``) and its store lookup
-        bodies. CPU-bound."""
+                 ) -> tuple[PreparedPrompt, dict[bytes, bytes] | None]:
+        """The prompt of a ``prompt_source`` (``prepare_source``) and, with ``namespaces``,
+        its store lookup bodies. CPU-bound."""
         prompt = prepare_source(self.tokenizer, source, keys, self.encoder)
         if not namespaces or prompt.token_ids is None:
-            return prompt, {}
+            return prompt, None
         return prompt, self.store.lookup_bodies(namespaces, prompt.token_ids)
 
     async def _prepare_request(self, raw: bytes, kind: str, keys: list, namespaces: list
-                               ) -> tuple[PreparedPrompt, dict[bytes, bytes]]:
-        """``_prepare`` on the event loop for a small body whose text is nearly all cached,
-        else on a worker thread."""
+                               ) -> tuple[PreparedPrompt, dict[bytes, bytes] | None]:
+        """``_prepare`` on the event loop for a small body whose text is nearly all cached
+        (the lookup bodies left to ``_store_hits``, which makes them only for a lookup it
+        makes), else on a worker thread (bodies included: a long prompt's keys cost the
+        loop up to a millisecond)."""
         loop = asyncio.get_running_loop()
         if len(raw) > INLINE_MAX_BODY_BYTES:
             return await loop.run_in_executor(None, lambda: self._prepare(
@@ -206,7 +210,22 @@ class Router:
         if isinstance(source, str) and \
                 self.encoder.num_uncached_chars(source) > INLINE_MAX_NEW_CHARS:
             return await loop.run_in_executor(None, self._prepare, source, keys, namespaces)
-        return self._prepare(source, keys, namespaces)
+        return self._prepare(source, keys, [])
+
+    async def _store_hits(self, prompt: PreparedPrompt, namespaces: list,
+                          bodies: dict[bytes, bytes] | None) -> dict[bytes, int]:
+        """Store hit tokens per ``ns_id`` (``StoreLookup.hit_tokens``), ``{}`` without a
+        lookup: no namespace has a full chunk of the prompt, or the lookup cannot change the
+        pick (counted ``skipped``). ``bodies`` None: made here, only for a lookup made."""
+        if not namespaces or prompt.token_ids is None or \
+                not self.store.askable(namespaces, len(prompt.token_ids)):
+            return {}
+        if not self._store_can_matter(prompt):
+            self.metrics.store_lookups.labels("skipped").inc()
+            return {}
+        if bodies is None:
+            bodies = self.store.lookup_bodies(namespaces, prompt.token_ids)
+        return await self.store.hit_tokens(self.session, bodies, self.metrics)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/completions`` and ``POST /v1/chat/completions`` (ended at shutdown by
@@ -222,11 +241,7 @@ class Router:
             e.store_namespace for e in self.engines
             if e.healthy and e.store_namespace is not None]
         prompt, bodies = await self._prepare_request(raw, kind, keys, namespaces)
-        store_hits = {}
-        if bodies and not self._store_can_matter(prompt):
-            self.metrics.store_lookups.labels("skipped").inc()
-        elif bodies:
-            store_hits = await self.store.hit_tokens(self.session, bodies, self.metrics)
+        store_hits = await self._store_hits(prompt, namespaces, bodies)
         tried: set[int] = set()
         while True:
             decision = self._decide(prompt, tried, store_hits)
