@@ -10,7 +10,10 @@ here, as an engine reaches the store only through its connector.
 """
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
+
+import numpy as np
 
 from kvstore.daemon import protocol as P
 from kvstore.keys import Namespace
@@ -28,6 +31,17 @@ def parse_namespace(d: dict) -> Namespace:
     return Namespace.from_dict(d)
 
 
-def lookup_body(ns: Namespace, token_ids: Sequence[int]) -> bytes:
-    """The ``/v1/lookup`` JSON body of the full chunks of ``token_ids`` in ``ns``."""
+def lookup_body(ns: Namespace, token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """The ``/v1/lookup`` JSON body of the full chunks of ``token_ids`` in ``ns``. A list is
+    made a uint32 array first (through ``array``: about a third of the time ``numpy``
+    takes to convert a list, the bulk of the cost of 2k tokens' keys).
+
+    Raises:
+        ValueError: a token id that is not an integer in ``[0, 2**32)``.
+    """
+    if isinstance(token_ids, list):
+        try:
+            token_ids = np.frombuffer(array("I", token_ids), dtype=np.uint32)
+        except (OverflowError, TypeError) as exc:
+            raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
     return P.key_request(ns, ns.chunk_keys(token_ids))

@@ -49,6 +49,9 @@ class PreparedPrompt:
 
     token_ids: list[int] | None
     hashes: dict[HashKey, list[bytes]] = field(default_factory=dict)
+    #: ``token_ids`` as a uint32 array when block hashes were computed (the store's chunk
+    #: keys reuse it: the list -> array conversion is most of their cost), else None
+    id_array: np.ndarray | None = field(default=None, compare=False, repr=False)
 
 
 class PromptEncoder:
@@ -177,7 +180,7 @@ def prepare_source(tokenizer, source: str | list[int] | None, keys: Iterable[Has
         arr = np.frombuffer(array("I", ids), dtype=np.uint32)
     except (OverflowError, TypeError):  # a token id outside [0, 2**32): the engine refuses it
         return PreparedPrompt(None)
-    return PreparedPrompt(ids, {key: block_hashes(key[0], arr, key[1]) for key in keys})
+    return PreparedPrompt(ids, {key: block_hashes(key[0], arr, key[1]) for key in keys}, arr)
 
 
 def prepare_prompt(tokenizer, raw: bytes, kind: str, keys: Iterable[HashKey],

@@ -194,7 +194,7 @@ class Router:
         prompt = prepare_source(self.tokenizer, source, keys, self.encoder)
         if not namespaces or prompt.token_ids is None:
             return prompt, None
-        return prompt, self.store.lookup_bodies(namespaces, prompt.token_ids)
+        return prompt, self.store.lookup_bodies(namespaces, _ids(prompt))
 
     async def _prepare_request(self, raw: bytes, kind: str, keys: list, namespaces: list
                                ) -> tuple[PreparedPrompt, dict[bytes, bytes] | None]:
@@ -224,7 +224,7 @@ class Router:
             self.metrics.store_lookups.labels("skipped").inc()
             return {}
         if bodies is None:
-            bodies = self.store.lookup_bodies(namespaces, prompt.token_ids)
+            bodies = self.store.lookup_bodies(namespaces, _ids(prompt))
         return await self.store.hit_tokens(self.session, bodies, self.metrics)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -343,6 +343,11 @@ class Router:
         resp = web.Response(body=body)
         resp.headers["Content-Type"] = content_type
         return resp
+
+
+def _ids(prompt: PreparedPrompt):
+    """The prompt's token ids as its uint32 array when it has one, else its list."""
+    return prompt.id_array if prompt.id_array is not None else prompt.token_ids
 
 
 def create_router_app(urls: list[str], tokenizer, policy, health_interval_s: float = 1.0,

@@ -250,10 +250,14 @@ class StoreLookup:
                 out.append(ns)
         return out
 
-    def lookup_bodies(self, namespaces: Iterable, token_ids: list[int]) -> dict[bytes, bytes]:
-        """The ``/v1/lookup`` body of ``token_ids``'s full chunks per namespace (keyed by
-        ``ns_id``) of ``askable``. CPU-bound (sha256 over the prompt: about 0.1 ms for 2k
-        tokens, 1 ms for 128k)."""
+    def lookup_bodies(self, namespaces: Iterable, token_ids) -> dict[bytes, bytes]:
+        """The ``/v1/lookup`` body of ``token_ids``'s (a list, or a uint32 array: cheaper)
+        full chunks per namespace (keyed by ``ns_id``) of ``askable``. CPU-bound (sha256
+        over the prompt: about 0.05 ms for 2k tokens given as an array).
+
+        Raises:
+            ValueError: a token id that is not an integer in ``[0, 2**32)``.
+        """
         return {ns.ns_id: self._lookup_body(ns, token_ids)
                 for ns in self.askable(namespaces, len(token_ids))}
 

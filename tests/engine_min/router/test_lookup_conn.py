@@ -236,3 +236,23 @@ def test_lookup_client_cpu_is_below_the_general_clients():
         srv.stop()
         store_.close()
     assert ours < theirs, (ours, theirs)
+
+
+def test_lookup_body_of_a_list_and_of_the_prompts_id_array_agree():
+    import numpy as np
+    from connectors.prompt_keys import lookup_body
+    from engine_min.router.prompt import prepare_source
+    from engine_min.tokenizer import load_tokenizer
+    ids = [7, 2**32 - 1] * 40                  # 80 tokens: 5 chunks of 16
+    arr = np.asarray(ids, dtype=np.uint32)
+    body = json.loads(lookup_body(NS, ids))
+    assert body == json.loads(lookup_body(NS, arr))
+    assert body["keys"] == [k.hex() for k in NS.chunk_keys(np.asarray(ids, dtype=np.int64))]
+    assert len(body["keys"]) == 5
+    for bad in ([1, -1] * 16, [1, 2**32] * 16, [1.5] * 32):
+        with pytest.raises(ValueError, match=r"\[0, 2\*\*32\)"):
+            lookup_body(NS, bad)
+    prompt = prepare_source(load_tokenizer(None), "Hello there, a prompt of some tokens.",
+                            [(b"\0" * 16, 4)])
+    assert prompt.id_array.dtype == np.uint32
+    assert prompt.id_array.tolist() == prompt.token_ids
