@@ -22,6 +22,9 @@ start):
                                                  ok | timeout (past the deadline, skipped) |
                                                  error (skipped) | skipped (could not change
                                                  the pick: not asked)
+    router_store_lookup_seconds                  histogram, how long a request waited for
+                                                 its store lookup (lookups made: ok, timeout,
+                                                 error); part of router_overhead_seconds
     router_store_hit_tokens_total                counter, prompt tokens the store held, in the
                                                  picked engine's namespace
     router_failed_requests_total                 counter, requests the router could not
@@ -84,6 +87,9 @@ class RouterMetrics:
                                      "shared kvstore daemon, by result", ["result"], registry=r)
         for result in STORE_LOOKUP_RESULTS:
             self.store_lookups.labels(result)
+        self.store_lookup_time = Histogram(
+            "router_store_lookup_seconds", "Time a request waited for its store lookup "
+            "(lookups made)", buckets=OVERHEAD_BUCKETS_S, registry=r)
         self.store_hit_tokens = Counter("router_store_hit_tokens", "Prompt tokens the shared "
                                         "store held (picked engine's namespace)", registry=r)
         self.failed_requests = Counter("router_failed_requests", "Requests the router could "

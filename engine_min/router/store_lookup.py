@@ -277,15 +277,18 @@ class StoreLookup:
                     found = await asyncio.gather(*(self._one(session, b)
                                                    for b in bodies.values()))
         except TimeoutError:
+            metrics.store_lookup_time.observe(time.perf_counter() - t0)
             metrics.store_lookups.labels("timeout").inc()
             logger.debug("store lookup past its %.1f ms deadline", self.timeout_s * 1e3)
             return {}
         except (aiohttp.ClientError, OSError, ValueError, KeyError, TypeError) as exc:
+            metrics.store_lookup_time.observe(time.perf_counter() - t0)
             metrics.store_lookups.labels("error").inc()
             logger.debug("store lookup failed after %.1f ms: %r",
                          (time.perf_counter() - t0) * 1e3, exc)
             self._mark(False, f"lookup: {exc!r}")
             return {}
+        metrics.store_lookup_time.observe(time.perf_counter() - t0)
         metrics.store_lookups.labels("ok").inc()
         self._mark(True)
         return dict(zip(bodies, found))

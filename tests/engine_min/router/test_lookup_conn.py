@@ -107,6 +107,12 @@ def test_a_late_answer_is_not_read_as_the_next_lookups():
         return first, second, opened, metrics
     first, second, opened, metrics = asyncio.run(scenario())
     assert first == {} and _result(metrics, "timeout") == 1
+    # both lookups' waits are in router_store_lookup_seconds, the timed-out one >= 50 ms
+    samples = {s.name + str(s.labels): s.value
+               for s in metrics.store_lookup_time.collect()[0].samples}
+    assert samples["router_store_lookup_seconds_count{}"] == 2
+    assert samples["router_store_lookup_seconds_bucket{'le': '0.025'}"] <= 1
+    assert samples["router_store_lookup_seconds_sum{}"] >= 0.05
     assert second == {b"a": 32}                 # 2 x 16, not the late 9 x 16
     assert opened == 2                          # the timed-out connection was not kept
 
