@@ -11,7 +11,9 @@ together ``--puts-per-s`` chunks a second, as two engines save a chat's new chun
 ``--interval-ms``, as the router does: ``engine_min.router.store_lookup.StoreLookup`` with the
 keys and body from ``connectors.prompt_keys``. Per lookup it times (ms, median / p90 / mean):
 
-    keys_body    chunk keys (sha256 over the prompt) and the JSON body (``lookup_bodies``)
+    keys_body    chunk keys (sha256 over the prompt) and the JSON body (``lookup_bodies``),
+                 of a list of ids for ``aiohttp`` (the router's input before), of the
+                 prompt's uint32 id array for ``stream`` (``PreparedPrompt.id_array``)
     round_trip   request sent until the answer's status line and headers are in
     read_parse   the answer's body read and parsed (JSON)
     total        ``StoreLookup.hit_tokens`` as the router awaits it (``keys_body`` not in it)
@@ -122,6 +124,7 @@ async def _measure(url: str, args) -> dict:
     from kvstore.daemon.client import KVStoreClient
     import torch
     held = ns.chunk_keys(toks)
+    arr = np.asarray(toks, dtype=np.uint32)
     kv = torch.zeros(ns.layout.shape(), dtype=torch.float16)
     await asyncio.to_thread(lambda: KVStoreClient(url, same_host=False).put_chunks(
         ns, held, [kv] * len(held), timeout_s=300))
@@ -137,7 +140,8 @@ async def _measure(url: str, args) -> dict:
             client = args.clients[i % len(args.clients)]
             await asyncio.sleep(args.interval_ms / 1e3 * random.uniform(0.5, 1.5))
             t0 = time.perf_counter()
-            bodies = store.lookup_bodies([ns], toks)
+            # the router before: a list of ids; now: the prompt's uint32 array (``id_array``)
+            bodies = store.lookup_bodies([ns], toks if client == "aiohttp" else arr)
             t1 = time.perf_counter()
             rec = out[client]
             rec["keys_body"].append(t1 - t0)

@@ -185,7 +185,9 @@ class Router:
                   for c in cands}
         if len(spaces) != 1 or None in spaces or prompt.token_ids is None:
             return True
-        return store_can_change_pick(self.policy, cands, len(prompt.token_ids))
+        ns = self.engines[cands[0].position].store_namespace
+        return store_can_change_pick(self.policy, cands, len(prompt.token_ids),
+                                     ns.layout.chunk_size)
 
     def _prepare(self, source, keys: list, namespaces: list
                  ) -> tuple[PreparedPrompt, dict[bytes, bytes] | None]:

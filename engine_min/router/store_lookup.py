@@ -46,7 +46,16 @@ without the store (with one store hit ``s`` for all, an engine wins on
 ``max(0, h - s) >= f (n - s)`` only if ``h >= f n + (1 - f) s >= f n``, and equal hits stay
 equal, so the store cannot make an engine win: a new conversation's first round), or an engine
 that wins on its hits is also among the least loaded (with the store it still wins, or the
-least-loaded fallback takes it, as it holds the most).
+least-loaded fallback takes it, as it holds the most), or the same engines win on their hits
+whatever the store answers. The answer is whole chunks of the prompt, ``0 <= s <= s_max``
+(``s_max``: the prompt's full chunks); an engine set ``W`` that wins at ``s = 0`` and at
+``s_max`` wins at every ``s`` between: with ``H`` the winners' hit, ``H - s_max > 0`` (a winner
+holds more than the least), so every winner keeps ``score = H - s``, the most among the
+eligible engines (loads do not depend on ``s``), above every other score, and
+``H - s >= f (n - s)`` is linear in ``s``, true at both ends. A later round of a chat whose
+history fills the prompt's last, partial chunk (which the store cannot hold: ``n - s_max >=
+(question tokens) / (1 - f)``) is routed to the engine holding the history without a lookup,
+even when that engine is busier.
 """
 from __future__ import annotations
 
@@ -112,18 +121,30 @@ def choose_with_store(policy, candidates: list[Candidate], store_hits: Mapping[i
     return dataclasses.replace(d, hit_tokens=by_pos[d.position].hit_tokens)
 
 
-def store_can_change_pick(policy, candidates: list[Candidate], num_prompt_tokens: int) -> bool:
+def store_can_change_pick(policy, candidates: list[Candidate], num_prompt_tokens: int,
+                          chunk_size: int | None = None) -> bool:
     """Whether the store's hits could change ``choose_with_store``'s pick when every candidate
     saves to one namespace (one store hit ``s`` for all): not when no engine wins on its own
     hits (the module's argument), nor when an engine that wins on hits is among the least
     loaded: with the store it either still wins (advantages shrink by the same ``s``, so the
     same engines lead) or the pick falls back to the least loaded, among whom it holds the
-    most. Changes nothing."""
+    most. With ``chunk_size`` (the namespace's), not either when the same engines win on hits
+    with the most the store can hold, ``s_max`` = the prompt's full chunks: the lookup
+    answers whole chunks of the prompt, so ``0 <= s <= s_max``, and the winners at ``s = 0``
+    and at ``s_max`` win at every ``s`` between (module docstring). Changes nothing."""
     winners = policy.hit_winners(candidates, num_prompt_tokens)
     if not winners:
         return False
     low = min(c.load for c in candidates)
-    return all(c.load > low for c in winners)
+    if not all(c.load > low for c in winners):
+        return False
+    if chunk_size is None:
+        return True
+    s_max = num_prompt_tokens // chunk_size * chunk_size
+    scored, remainder = discount_store_hits(
+        candidates, {c.position: s_max for c in candidates}, num_prompt_tokens)
+    at_most = policy.hit_winners(scored, remainder)
+    return {c.position for c in at_most} != {c.position for c in winners}
 
 
 class StoreLookup:
