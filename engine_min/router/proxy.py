@@ -216,15 +216,20 @@ class Router:
 
     async def _store_hits(self, prompt: PreparedPrompt, namespaces: list,
                           bodies: dict[bytes, bytes] | None) -> dict[bytes, int]:
-        """Store hit tokens per ``ns_id`` (``StoreLookup.hit_tokens``), ``{}`` without a
-        lookup: no namespace has a full chunk of the prompt, or the lookup cannot change the
-        pick (counted ``skipped``). ``bodies`` None: made here, only for a lookup made."""
-        if not namespaces or prompt.token_ids is None or \
-                not self.store.askable(namespaces, len(prompt.token_ids)):
+        """Store hit tokens per ``ns_id`` (``StoreLookup.hit_tokens``; ``{}`` past its
+        deadline or on an error), ``{}`` when no namespace has a full chunk of the prompt.
+        When the lookup cannot change the pick it is not made (counted ``skipped``) and every
+        namespace scores 0: the pick any answer would give (``choose_with_store``, whose
+        least-loaded fallback prefers the engine holding the most). ``bodies`` None: made
+        here, only for a lookup made."""
+        if not namespaces or prompt.token_ids is None:
+            return {}
+        askable = self.store.askable(namespaces, len(prompt.token_ids))
+        if not askable:
             return {}
         if not self._store_can_matter(prompt):
             self.metrics.store_lookups.labels("skipped").inc()
-            return {}
+            return {ns.ns_id: 0 for ns in askable}
         if bodies is None:
             bodies = self.store.lookup_bodies(namespaces, _ids(prompt))
         return await self.store.hit_tokens(self.session, bodies, self.metrics)

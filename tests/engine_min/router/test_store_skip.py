@@ -23,7 +23,7 @@ def _picks_with_every_store_hit(gap, frac, cands, n, chunk):
 
 def test_a_skipped_lookup_never_changes_the_pick():
     rng = random.Random(19)
-    skipped_busier = 0
+    skipped_busier = skipped_by_load = 0
     for _ in range(3000):
         gap, frac = rng.choice([0, 1, 8]), rng.choice([0.0, 0.3, 0.5, 0.8, 1.0])
         chunk = rng.choice([16, 64, 256])
@@ -32,15 +32,30 @@ def test_a_skipped_lookup_never_changes_the_pick():
                  for i in range(rng.choice([2, 3]))]
         if store_can_change_pick(CacheAwarePolicy(gap, frac), cands, n, chunk):
             continue
-        without = CacheAwarePolicy(gap, frac).choose(cands, n)
+        # a skipped lookup scores every engine with store hit 0 (``Router._store_hits``)
+        skip_pick = choose_with_store(CacheAwarePolicy(gap, frac), cands,
+                                      {c.position: 0 for c in cands}, n).position
         winners = CacheAwarePolicy(gap, frac).hit_winners(cands, n)
-        if not winners:
-            continue   # routed by load either way (the rule before chunk sizes were used)
         low = min(c.load for c in cands)
-        skipped_busier += all(c.load > low for c in winners)
-        assert _picks_with_every_store_hit(gap, frac, cands, n, chunk) == {without.position}, \
+        skipped_busier += bool(winners) and all(c.load > low for c in winners)
+        skipped_by_load += not winners
+        assert _picks_with_every_store_hit(gap, frac, cands, n, chunk) == {skip_pick}, \
             (gap, frac, chunk, n, cands)
     assert skipped_busier > 50      # the chunk-size rule was exercised (99 of 3000)
+    assert skipped_by_load > 500    # and the no-winner rule
+
+
+def test_a_skipped_lookup_picks_as_any_answer_would_among_equally_loaded_engines():
+    """No engine wins on its hits (1232 of 1543 < 0.8 x 1543), both equally loaded: whatever
+    the store answers, the least-loaded
+    fallback prefers engine 1, which holds the most itself; the skipped lookup's pick (store
+    hit 0) is the same, where the policy alone would take engine 0 (round-robin)."""
+    cands = [Candidate(0, 1040, 1), Candidate(1, 1232, 1)]
+    policy = CacheAwarePolicy(max_load_gap=8, min_hit_fraction=0.8)
+    assert store_can_change_pick(policy, cands, 1543, 256) is False
+    assert _picks_with_every_store_hit(8, 0.8, cands, 1543, 256) == {1}
+    assert choose_with_store(policy, cands, {0: 0, 1: 0}, 1543).position == 1
+    assert CacheAwarePolicy(8, 0.8).choose(cands, 1543).position == 0
 
 
 def test_a_busier_engine_holding_the_last_partial_chunk_wins_without_a_lookup():
