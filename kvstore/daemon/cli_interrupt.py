@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 #: exit status of an interrupted command (128 + SIGINT)
@@ -40,15 +40,14 @@ def sigint_exits(cmd: str = ""):
     line = f"kvstore{' ' + cmd if cmd else ''}: interrupted\n".encode()
 
     def exit_now(signum, frame) -> None:
-        try:
-            for f in (sys.stdout, sys.stderr):
-                try:
-                    f.flush()
-                except Exception:  # noqa: BLE001 - (a write of the main thread was cut short)
-                    pass
+        # (a flush fails when the signal cut a write of the main thread short: exit anyway)
+        with suppress(Exception):
+            sys.stdout.flush()
+        with suppress(Exception):
+            sys.stderr.flush()
+        with suppress(OSError):
             os.write(2, line)
-        finally:
-            os._exit(INTERRUPTED_STATUS)
+        os._exit(INTERRUPTED_STATUS)
 
     signal.signal(signal.SIGINT, exit_now)
     try:
