@@ -14,8 +14,9 @@ keys and body from ``connectors.prompt_keys``. Per lookup it times (ms, median /
     keys_body    chunk keys (sha256 over the prompt) and the JSON body (``lookup_bodies``),
                  of a list of ids for ``aiohttp`` (the router's input before), of the
                  prompt's uint32 id array for ``stream`` (``PreparedPrompt.id_array``)
-    round_trip   request sent until the answer's status line and headers are in
-    read_parse   the answer's body read and parsed (JSON)
+    round_trip   request sent until the answer is in (``aiohttp``: its status line and
+                 headers; ``stream``: the whole answer, its small body included)
+    read_parse   the rest of the answer read (``aiohttp``) and its JSON parsed
     total        ``StoreLookup.hit_tokens`` as the router awaits it (``keys_body`` not in it)
     client_cpu   the router process's CPU time in ``total`` (``time.thread_time``): what the
                  client costs whatever the host's load

@@ -183,7 +183,7 @@ class LookupConnections:
         data = self.request_bytes(path, body)
         while self._idle:
             conn = self._idle.pop()
-            if not conn.closed:
+            if not conn.closed and not conn.transport.is_closing():
                 break
         else:
             conn = None
