@@ -49,12 +49,12 @@ def test_down_at_start_back_and_down_again_are_logged(caplog):
                     break
                 await asyncio.sleep(0.05)
             assert look.answering is True
+            watch.cancel()  # (else its next probe may see the stop first, 0.05 s apart)
+            await asyncio.gather(watch, return_exceptions=True)
             await asyncio.to_thread(srv.stop)
             metrics = RouterMetrics()                      # a lookup fails: down at once
             got = await look.hit_tokens(session, {b"ns": b"{}"}, metrics)
             assert got == {} and look.answering is False
-            watch.cancel()
-            await asyncio.gather(watch, return_exceptions=True)
 
     with caplog.at_level(logging.INFO, logger="engine_min.router"):
         asyncio.run(scenario())
