@@ -48,7 +48,7 @@ redis: ## install redis-server when missing (apt-get, as root; else says what to
 # this project in editable mode, into the same tree). The core suite prints as it runs; the vLLM
 # part's output follows when both have ended. `make test` fails when either fails;
 # `make test-core` / `make test-vllm` run one part.
-test: $(STAMP) $(VLLM_STAMP) redis ## the whole suite: test-core and test-vllm side by side (about 26 min on 2 cores)
+test: $(STAMP) $(VLLM_STAMP) redis ## the whole suite: test-core and test-vllm side by side (about 19-23 min on 2 cores, environments built)
 	@log=$$(mktemp); \
 	$(MAKE) --no-print-directory test-vllm >"$$log" 2>&1 & vllm_pid=$$!; \
 	$(MAKE) --no-print-directory test-core; core=$$?; \
