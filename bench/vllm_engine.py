@@ -6,9 +6,10 @@ integration tests use too.
 every configuration gets a fresh process); the child runs ``child_main(spec)`` and prints one
 line ``RESULT <json>``. Spec keys: ``model_dir``, ``connector`` (``none``, ``example``,
 ``ours-cpu``, ``ours-daemon``), ``url`` (the daemon), ``chunk_size``, ``cpu_bytes``, ``extra``
-(more ``kv_connector_extra_config`` keys), ``prefix_caching``, ``max_model_len``,
-``kv_cache_bytes``, ``warmup``, ``max_tokens``, ``prompts`` (token lists), ``chats`` and
-``chat_max_tokens``, ``ttft_separate``, ``example_path``.
+(more ``kv_connector_extra_config`` keys), ``kv_role`` (ours; default ``kv_both``),
+``prefix_caching``, ``max_model_len``, ``kv_cache_bytes``, ``warmup``, ``max_tokens``,
+``prompts`` (token lists), ``chats`` and ``chat_max_tokens``, ``ttft_separate``,
+``example_path``.
 
 Needs vLLM (tools/make_vllm_env.sh) in the child's interpreter.
 """
@@ -58,7 +59,8 @@ def _engine(spec: dict):
             extra["cpu_bytes"] = spec.get("cpu_bytes", "512MiB")
         extra.update(spec.get("extra", {}))
         ktc = KVTransferConfig(kv_connector="KVStoreConnector",
-                               kv_connector_module_path="connectors.vllm", kv_role="kv_both",
+                               kv_connector_module_path="connectors.vllm",
+                               kv_role=spec.get("kv_role", "kv_both"),
                                kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
     return LLM(model=spec["model_dir"], dtype="float32", distributed_executor_backend="uni",
                max_model_len=spec.get("max_model_len", 4096), enforce_eager=True, seed=0,

@@ -8,31 +8,39 @@ Use (a vLLM ``KVTransferConfig``)::
                                                 "model_id": "HuggingFaceTB/SmolLM2-135M-Instruct",
                                                 "chunk_size": 256})
 
-``kv_connector_extra_config`` keys (all optional; ``connectors.vllm.options`` checks the chunk
-sizes, deadlines and queue size before a store opens, naming the key of a bad value):
+``kv_connector_extra_config`` keys (all optional; ``connectors.vllm.options`` checks every
+value before a store opens, naming the key of a bad one; an unknown key is refused, naming the
+closest known key, so a misspelt ``kvstore_ulr`` does not fall back to the in-process store):
 
 * ``kvstore_url``: a ``kvstore serve`` daemon (``kvstore.daemon.client.KVStoreClient``). Without it the
   store is an in-process ``kvstore.store.ChunkStore``, shared by the scheduler-side and
-  worker-side connectors of one process (the uni-process executor); with several worker
-  processes use the daemon.
+  worker-side connectors of one process. That needs an executor that runs the worker in the
+  scheduler's process (``distributed_executor_backend="uni"``, one worker; on vLLM's CPU
+  platform also ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, without which it turns ``"uni"`` into
+  ``"mp"``): under ``"mp"`` or ``"ray"`` the engine refuses to start
+  (``options.check_store_reach``), since the worker would fill a store the scheduler never
+  reads. With several worker processes use the daemon.
 * ``cpu_bytes`` (default ``"1GiB"``), ``disk_bytes``, ``disk_path``: in-process tiers
   (``disk_path`` alone: a disk tier of ``connectors.stores.DEFAULT_DISK_BYTES``; with
   ``kvstore_url`` they are not used, and a warning says so). Stores are
   opened by ``connectors.stores.open_store``, as the engine_min connector's are.
+  ``store_name`` (default ``"default"``) tells apart in-process stores of equal sizes in one
+  process.
 * ``remote_url``, ``remote_key_prefix``, ``remote_ttl_s``, ``remote_timeout_s``: a remote tier
   in Redis or a Redis Cluster below the in-process tiers, shared with every store on any host
   that points at it (not with ``kvstore_url``: set ``--remote-url`` on the daemon instead);
   the password from the URL or ``$KVSTORE_REMOTE_PASSWORD``. See docs/remote-tier.md.
-* ``model_id`` (default: vLLM's served model name), ``revision``, ``weights_fingerprint``
-  (``"auto"``, ``"off"`` or a given string), ``chunk_size`` (default
-  ``kvstore.defaults.DEFAULT_CHUNK_SIZE``, 256; a multiple of vLLM's block size), ``hash_algo``: the
+* ``model_id`` (default: vLLM's served model name, else the model's path), ``revision``,
+  ``weights_fingerprint`` (text: ``"auto"``, ``"off"`` or a given fingerprint),
+  ``chunk_size`` (default ``kvstore.defaults.DEFAULT_CHUNK_SIZE``, 256; a multiple of vLLM's
+  block size), ``hash_algo``: the
   chunk-key namespace (``kvstore.keys.Namespace``), which also holds everything else in vLLM's
   config that changes the KV of the same tokens (the weights' content fingerprint, dtype, RoPE,
   weight and KV-cache quantization, a request's LoRA adapter; ``connectors.vllm.identity``).
   A request's ``cache_salt`` becomes the namespace's salt.
-* ``auth_token``: the daemon's bearer token. A tenant's token (``kvstore serve --tenants-file``)
-  binds every namespace to the tenant's salt, which the connector asks the daemon for once
-  (``GET /v1/whoami``); a request's ``cache_salt`` then becomes the sub-salt
+* ``auth_token``: the daemon's bearer token (refused without ``kvstore_url``). A tenant's
+  token (``kvstore serve --tenants-file``) binds every namespace to the tenant's salt, which
+  the connector asks the daemon for once (``GET /v1/whoami``); a request's ``cache_salt`` then becomes the sub-salt
   ``<tenant salt>/<cache_salt>`` (``kvstore.daemon.tenants.bind_salt``). A token with the
   read-only role (``reader``) loads and never sends the daemon a save: with the daemon alone
   nothing is saved, in front of in-process tiers saves stay in those tiers.
@@ -59,6 +67,10 @@ sizes, deadlines and queue size before a store opens, naming the key of a bad va
   layer-wise when the KV caches are on a GPU (the copies overlap compute), whole on CPU
   (copies and the forward pass share the cores: whole loads measured faster there,
   ``bench.vllm_compare``).
+
+``KVTransferConfig.kv_role`` as vLLM defines it: ``kv_both`` (set it for a plain cache) loads
+and saves; ``kv_producer`` saves and never loads (no lookup is made: every request is
+prefilled); ``kv_consumer`` loads and never saves (lookups and pins as usual).
 
 What moves: whole chunks of ``chunk_size`` tokens, as tensors
 ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]`` (K = index 0, V = index 1), then the

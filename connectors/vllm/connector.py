@@ -17,7 +17,7 @@ from kvstore.layout import KVLayout
 from connectors.chunk_geometry import ChunkGeometry
 from connectors.stores import StoreRegistry, engine_saves
 from connectors.vllm.identity import RequestNamespaces, vllm_namespace
-from connectors.vllm.options import ConnectorOptions
+from connectors.vllm.options import ConnectorOptions, check_store_reach
 from connectors.vllm.paged_layout import PagedLayout
 from connectors.vllm.scheduler import KVStoreConnectorMetadata, SchedulerSide
 from connectors.vllm.shared import Counters, StoreCalls
@@ -37,7 +37,9 @@ class KVStoreConnector(KVConnectorBase_V1):
     """vLLM KV connector backed by a ``KVStoreBase`` (in-process tiers or a daemon).
 
     Constructed by vLLM once per role: ``(vllm_config, role, kv_cache_config)``. See
-    ``connectors.vllm`` for the configuration keys.
+    ``connectors.vllm`` for the configuration keys. ``KVTransferConfig.kv_role``:
+    ``kv_both`` loads and saves, ``kv_producer`` saves and never loads (no lookup: every
+    request is prefilled), ``kv_consumer`` loads and never saves.
 
     Attributes:
         layout: the full chunks' layout ``[num_layers, 2, chunk_size, num_kv_heads, head_dim]``.
@@ -49,7 +51,9 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     Raises:
         ValueError: a KV cache config this connector cannot serve (several KV cache groups, a
-            non-attention group), or bad configuration values.
+            non-attention group), bad configuration values (``ConnectorOptions.from_extra``),
+            or an in-process store under an executor whose workers are other processes
+            (``options.check_store_reach``).
     """
 
     #: The stores of this process, shared by its scheduler-side and worker-side connectors.
@@ -69,6 +73,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 raise ValueError(f"KV cache spec {type(spec).__name__} is not attention KV")
         layer_names = sorted(group.layer_names, key=layer_index)
         opts = ConnectorOptions.from_extra(extra, int(spec.block_size))
+        check_store_reach(opts.store, vllm_config.parallel_config.distributed_executor_backend)
         self.options = opts
         self.tail_chunk_size = opts.tail_chunk_size
         self.layout = KVLayout(len(layer_names), int(spec.num_kv_heads), int(spec.head_size),
@@ -86,10 +91,17 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.worker: WorkerSide | None = None
         geometry = ChunkGeometry(int(spec.block_size), opts.chunk_size, opts.tail_chunk_size)
         if role == KVConnectorRole.SCHEDULER:
-            # a read-only (reader) daemon token with the daemon alone: no saves planned
+            # a read-only (reader) daemon token with the daemon alone: no saves, no pins
+            writable = engine_saves(opened)
+            ktc = self._kv_transfer_config
             self.scheduler = SchedulerSide(geometry, self.namespaces, calls, self._counters,
                                            opts.pin_lease_s, self._block_table,
-                                           saves=engine_saves(opened))
+                                           saves=writable and ktc.is_kv_producer,
+                                           loads=ktc.is_kv_consumer, pins=writable)
+            log.info("kvstore kv_role %s: %s", ktc.kv_role,
+                     {(True, True): "loads and saves", (True, False): "saves only",
+                      (False, True): "loads only"}.get(
+                         (ktc.is_kv_producer, ktc.is_kv_consumer), "neither"))
         else:
             cc = vllm_config.compilation_config
             self.worker = WorkerSide(self.layout, layer_names, int(spec.block_size),

@@ -3,6 +3,7 @@
 """
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 from dataclasses import dataclass
@@ -58,8 +59,13 @@ class ConnectorOptions:
                 ``block_size``; ``timeout_s`` not a positive number; ``pin_lease_s`` negative;
                 ``save_queue_bytes`` not a byte size (``512MiB`` or an int); ``layerwise_load``
                 not a boolean (``true``/``false``, 1/0) or ``auto``; a bad remote tier setting
-                (``remote_fields``).
+                (``remote_fields``); a key that is not one of ``KNOWN_KEYS`` (a close match
+                suggested); ``auth_token`` without ``kvstore_url``; ``cpu_bytes`` or
+                ``disk_bytes`` not a byte size; ``kvstore_url``, ``auth_token``,
+                ``disk_path``, ``store_name``, ``model_id``, ``revision``, ``hash_algo`` or
+                ``weights_fingerprint`` not text.
         """
+        check_keys(extra)
         chunk_size = _int(extra, "chunk_size", DEFAULT_CHUNK_SIZE, minimum=1)
         tail = extra.get("tail_chunk_size")
         if tail is None:
@@ -151,6 +157,55 @@ def _seconds(extra: Mapping[str, Any], key: str, default: float, allow_zero: boo
 
 #: ``kv_connector_extra_config`` keys of the in-process store's remote tier (Redis).
 REMOTE_KEYS = ("remote_url", "remote_key_prefix", "remote_ttl_s", "remote_timeout_s")
+#: Keys only a ``kvstore serve`` daemon reads: refused without ``kvstore_url``.
+DAEMON_KEYS = ("auth_token",)
+#: Keys whose value must be text (a string) when given.
+TEXT_KEYS = ("kvstore_url", "auth_token", "disk_path", "store_name", "model_id", "revision",
+             "hash_algo", "weights_fingerprint")
+#: Every ``kv_connector_extra_config`` key the connector reads (``connectors.vllm``'s
+#: docstring); ``save_queue`` is the old name of ``save_queue_bytes`` (ignored, warned).
+KNOWN_KEYS = frozenset(("kvstore_url", "auth_token", "cpu_bytes", "disk_bytes", "disk_path",
+                        "store_name", *REMOTE_KEYS, "model_id", "revision",
+                        "weights_fingerprint", "hash_algo", "chunk_size", "tail_chunk_size",
+                        "timeout_s", "save_queue_bytes", "save_queue", "pin_lease_s",
+                        "layerwise_load"))
+
+
+def check_keys(extra: Mapping[str, Any]) -> None:
+    """Refuse keys the connector would not read and values of the wrong kind, before any
+    value is used: a misspelt key (``kvstore_ulr``) would otherwise fall back to a default
+    silently.
+
+    Raises:
+        ValueError: a key not in ``KNOWN_KEYS`` (naming it, the closest known key when one
+            is close, and the known keys); a ``DAEMON_KEYS`` key without ``kvstore_url``; a
+            ``TEXT_KEYS`` value that is not a string (``weights_fingerprint``: ``"auto"``,
+            ``"off"`` or a fingerprint); ``cpu_bytes`` / ``disk_bytes`` not a byte size
+            (``"cpu_bytes: not a byte size: 'lots'"``).
+    """
+    for key in extra:
+        if key not in KNOWN_KEYS:
+            close = difflib.get_close_matches(str(key), sorted(KNOWN_KEYS), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"kv_connector_extra_config: unknown key {key!r}{hint}; known "
+                             f"keys: {', '.join(sorted(KNOWN_KEYS))}")
+    if not extra.get("kvstore_url"):
+        given = [k for k in DAEMON_KEYS if extra.get(k) not in (None, "")]
+        if given:
+            raise ValueError(f"kv_connector_extra_config {', '.join(map(repr, given))} needs "
+                             f"'kvstore_url' (only a kvstore daemon reads it)")
+    for key in TEXT_KEYS:
+        value = extra.get(key)
+        if value is not None and not isinstance(value, str):
+            what = ("'auto', 'off' or a fingerprint string" if key == "weights_fingerprint"
+                    else "text")
+            raise ValueError(f"kv_connector_extra_config {key!r} must be {what}, got {value!r}")
+    for key in ("cpu_bytes", "disk_bytes"):
+        if extra.get(key) not in (None, ""):
+            try:
+                parse_size(extra[key])
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{key}: {e}") from None
 
 
 def remote_fields(extra: Mapping[str, Any]) -> dict:
@@ -215,3 +270,54 @@ def store_spec(extra: Mapping[str, Any], timeout_s: float) -> StoreSpec:
     return StoreSpec(cpu_bytes=str(extra.get("cpu_bytes", "1GiB")),
                      disk_bytes=extra.get("disk_bytes") or None, disk_path=extra.get("disk_path"),
                      name=str(extra.get("store_name", "default")), **remote)
+
+
+#: vLLM executors (``parallel_config.distributed_executor_backend``) whose worker runs in the
+#: scheduler's process, so an in-process store is one store for both sides.
+SAME_PROCESS_EXECUTORS = ("uni", "external_launcher")
+
+
+def executor_name(backend: Any) -> str:
+    """vLLM's ``distributed_executor_backend`` as text: the name given (``"mp"``, ``"ray"``,
+    ``"uni"``...), ``"uni"`` for a class derived from vLLM's ``UniProcExecutor``, else the
+    class's name."""
+    if isinstance(backend, type):
+        names = [c.__name__ for c in backend.__mro__]
+        return "uni" if "UniProcExecutor" in names else backend.__name__
+    return str(backend)
+
+
+def check_store_reach(spec: StoreSpec, backend: Any) -> None:
+    """Refuse an in-process store (no ``kvstore_url``) that the scheduler-side connector could
+    never read: vLLM builds the scheduler-side connector in the scheduler's process and the
+    worker-side one in each worker's; with an executor whose workers are other processes
+    (``"mp"``, ``"ray"``) each side would open a store of its own, the worker filling one the
+    scheduler never looks up. A remote tier (``remote_url``) is shared through Redis, so it is
+    let through (hits then come from Redis only: logged as a warning).
+
+    Args:
+        spec: the store the options name.
+        backend: ``vllm_config.parallel_config.distributed_executor_backend`` after vLLM's
+            platform has updated it (a name or an executor class).
+
+    Raises:
+        ValueError: an in-process store without a remote tier under such an executor, saying
+            what to do instead.
+    """
+    name = executor_name(backend)
+    if spec.url or name in SAME_PROCESS_EXECUTORS:
+        return
+    if spec.remote_url:
+        log.warning("vLLM executor %r runs the workers in other processes than the scheduler: "
+                    "the in-process tiers are not shared, lookups hit in the remote tier only "
+                    "(a daemon, 'kvstore_url', shares all tiers)", name)
+        return
+    raise ValueError(
+        f"kv_connector_extra_config has no 'kvstore_url', so the store is in-process, but "
+        f"vLLM's executor {name!r} runs the worker in another process than the scheduler: "
+        f"the worker would fill a store the scheduler never reads and no request would ever "
+        f"hit. Either run a kvstore daemon (kvstore serve) and set 'kvstore_url', or keep "
+        f"the worker in the scheduler's process: one worker (no tensor or pipeline "
+        f"parallelism), distributed_executor_backend='uni' (vLLM's default then), and on "
+        f"vLLM's CPU platform also the environment variable VLLM_ENABLE_V1_MULTIPROCESSING=0 "
+        f"(without it the CPU platform turns 'uni' into 'mp')")

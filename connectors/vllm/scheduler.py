@@ -63,20 +63,24 @@ class SchedulerSide:
             whose ``capabilities`` declare none).
         block_table: ``(req_id, fallback) -> block ids``: vLLM's current block table of a
             request, ``fallback`` when vLLM cannot say.
-        saves: False: the store may only be read (a daemon token whose role is reader,
-            ``connectors.stores.engine_saves``): no save is planned (no chunk is copied out
-            or sent) and no chunk is pinned (the daemon refuses a reader's pin, 403, which
-            would turn every hit into a prefill); lookups and loads as usual.
+        saves: False: no save is planned (no chunk is copied out or sent): vLLM's
+            ``kv_role="kv_consumer"``, or a store that may only be read (a daemon token whose
+            role is reader, ``connectors.stores.engine_saves``); lookups and loads as usual.
+        loads: False (vLLM's ``kv_role="kv_producer"``): no lookup is made and nothing is
+            loaded (every lookup answers 0 tokens); saves as usual.
+        pins: whether chunks a lookup found are pinned (None: as ``saves``). False for a
+            reader token: the daemon refuses a reader's pin (403), which would turn every hit
+            into a prefill.
     """
 
     def __init__(self, geometry: ChunkGeometry, namespaces: RequestNamespaces,
                  calls: StoreCalls, counters: Counters, pin_lease_s: float,
                  block_table: Callable[[str, list[int]], list[int]],
-                 saves: bool = True) -> None:
+                 saves: bool = True, loads: bool = True, pins: bool | None = None) -> None:
         self.geometry = geometry
-        self.saves = saves
+        self.saves, self.loads = saves, loads
         self.namespaces, self.calls, self.counters = namespaces, calls, counters
-        self.pin_lease_s = pin_lease_s if saves else 0.0
+        self.pin_lease_s = pin_lease_s if (saves if pins is None else pins) else 0.0
         self._block_table = block_table
         self.requests: dict[str, RequestState] = {}
         self.finish_saves: list[ChunkTransfer] = []   # of finished requests, for the next step
@@ -95,12 +99,14 @@ class SchedulerSide:
         """Prompt tokens beyond ``num_computed_tokens`` (vLLM's own hit) that the store can
         supply: the leading stored chunks past the hit, then the stored tail pieces after
         them, capped at ``prompt_len - 1``. Any store error or deadline means 0 (a failed
-        tail lookup: the chunks found still count)."""
+        tail lookup: the chunks found still count); 0 without asking the store when
+        ``loads`` is off (``kv_role="kv_producer"``)."""
         self.counters.add(local_tokens=num_computed_tokens)
         state = self._state(request)
         state.num_local = num_computed_tokens
         n, nc = len(state.tokens), num_computed_tokens
-        q = state.chunks.lookup_query(state.tokens, n, nc) if nc < n - 1 else None
+        q = (state.chunks.lookup_query(state.tokens, n, nc)
+             if nc < n - 1 and self.loads else None)
         if q is None:
             return 0
         t0 = time.perf_counter()
