@@ -11,12 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from connectors.engine_min import EngineMinConnector
-from connectors.stores import (DEFAULT_DISK_BYTES, BreakerTimes, StoreSpec,  # noqa: F401
-                               daemon_tenant_salt, engine_saves, open_store)
+from connectors.stores import (DEFAULT_DISK_BYTES, GET_TIMEOUT_S_PER_CHUNK,  # noqa: F401
+                               SAVE_TIMEOUT_S, BreakerTimes, StoreSpec, daemon_tenant_salt,
+                               engine_saves, open_store)
 from kvstore.defaults import DEFAULT_CHUNK_SIZE
-
-#: Deadline of one background save to a daemon (seconds).
-SAVE_TIMEOUT_S = 30.0
 
 
 def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None = None,
@@ -71,10 +69,8 @@ def create_connector(cpu_bytes: int | str | None = None, disk_path: str | None =
     timeout_s = max(deadline_s, 0.05)
     # Saves are background work: a long deadline, so a big save on a busy host does not
     # trip the breaker; gets get the connector's per-chunk load allowance.
-    breaker = BreakerTimes(put_timeout_s=SAVE_TIMEOUT_S,
-                           get_timeout_s_per_chunk=connector_kwargs.get("deadline_s_per_chunk",
-                                                                        0.05),
-                           get_timeout_s_base=timeout_s)
+    breaker = BreakerTimes.for_connector(
+        timeout_s, connector_kwargs.get("deadline_s_per_chunk", GET_TIMEOUT_S_PER_CHUNK))
     opened = open_store(StoreSpec(cpu_bytes=cpu_bytes, disk_path=disk_path,
                                   disk_bytes=disk_bytes, url=url, auth_token=auth_token,
                                   timeout_s=timeout_s, breaker=breaker,

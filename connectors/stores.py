@@ -45,6 +45,10 @@ log = logging.getLogger("kvstore.connectors.stores")
 DEFAULT_CPU_BYTES = "1GiB"
 #: Deadline of the one ``whoami`` call a daemon-backed connector makes at start (seconds).
 WHOAMI_TIMEOUT_S = 2.0
+#: Deadline of one background save to a daemon behind a breaker (seconds).
+SAVE_TIMEOUT_S = 30.0
+#: Extra deadline of a daemon load per chunk it reads (seconds).
+GET_TIMEOUT_S_PER_CHUNK = 0.05
 
 
 def http_url(url: str) -> str:
@@ -78,6 +82,23 @@ class BreakerTimes:
     put_timeout_s: float
     get_timeout_s_per_chunk: float
     get_timeout_s_base: float
+
+    @classmethod
+    def for_connector(cls, timeout_s: float,
+                      per_chunk_s: float = GET_TIMEOUT_S_PER_CHUNK) -> "BreakerTimes":
+        """The deadlines both connectors (engine_min's, vLLM's) give their daemon: a save
+        ``SAVE_TIMEOUT_S`` (background work: a big save on a busy host must not time out and
+        trip the breaker), a load of ``n`` chunks ``timeout_s + n * per_chunk_s``; lookups
+        and pins keep the client's ``StoreSpec.timeout_s``.
+
+        Raises:
+            ValueError: ``timeout_s`` not > 0 or ``per_chunk_s`` negative.
+        """
+        if not timeout_s > 0 or not per_chunk_s >= 0:
+            raise ValueError(f"breaker deadlines need timeout_s > 0 and per_chunk_s >= 0, got "
+                             f"{timeout_s}, {per_chunk_s}")
+        return cls(put_timeout_s=SAVE_TIMEOUT_S, get_timeout_s_per_chunk=per_chunk_s,
+                   get_timeout_s_base=timeout_s)
 
 
 @dataclass(frozen=True)

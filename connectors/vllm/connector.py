@@ -12,6 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole)
 
 from kvstore.api import KVStoreBase
+from kvstore.layered import remote_breaker
 from kvstore.layout import KVLayout
 
 from connectors.chunk_geometry import ChunkGeometry
@@ -82,7 +83,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             log.info("kvstore namespace: %s", base.describe())
         opened = self._store_handle = self.stores.acquire(opts.store)
-        self._remote = opened.remote
+        self._remote = bool(opts.store.url)   # a daemon (its client behind a breaker)
         self.namespaces = RequestNamespaces(base, opened.tenant_salt, opts.tail_chunk_size)
         self._counters = Counters()
         self.counters = self._counters.values
@@ -126,10 +127,15 @@ class KVStoreConnector(KVConnectorBase_V1):
         """Counters of this side (JSON-able): lookups, hit/local/external tokens, loads,
         loaded chunks/tokens, load errors, seconds in loads, saved/dropped chunks, chunks the
         store refused (``refused_chunks``: parent missing or no room; a daemon's or the
-        in-process store's), errors."""
+        in-process store's), errors; with a daemon its breaker's ``remote_skipped_calls``
+        (calls not sent while a failed daemon cools down), ``remote_breaker_trips`` and
+        ``remote_breaker_open``."""
         out: dict[str, Any] = self._counters.snapshot()
         out["role"] = self.role.name
         out["remote"] = self._remote
+        breaker = remote_breaker(self._calls.store)
+        if breaker is not None:
+            out.update(breaker.breaker_stats())
         paged = self.paged_layout
         if paged is not None:
             out["paged_layout"] = paged.describe()

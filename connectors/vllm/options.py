@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from connectors.chunk_geometry import ChunkGeometry
-from connectors.stores import StoreSpec
+from connectors.stores import BreakerTimes, StoreSpec
 from kvstore.defaults import DEFAULT_CHUNK_SIZE
 from kvstore.units import parse_size
 
@@ -250,8 +250,8 @@ def remote_fields(extra: Mapping[str, Any]) -> dict:
 
 
 def store_spec(extra: Mapping[str, Any], timeout_s: float) -> StoreSpec:
-    """The store ``extra`` names: the daemon at ``kvstore_url`` (the bare client, calls with
-    ``timeout_s``), else in-process tiers (``cpu_bytes`` default ``"1GiB"``, ``disk_bytes``,
+    """The store ``extra`` names: the daemon at ``kvstore_url`` (its client behind a breaker,
+    as engine_min's), else in-process tiers (``cpu_bytes`` default ``"1GiB"``, ``disk_bytes``,
     ``disk_path``; ``store_name`` tells apart equal ones) with a remote tier in Redis when
     ``remote_url`` is given (``remote_fields``). With ``kvstore_url`` the in-process keys are
     not used (logged as a warning when given).
@@ -266,7 +266,7 @@ def store_spec(extra: Mapping[str, Any], timeout_s: float) -> StoreSpec:
             log.warning("kv_connector_extra_config: %s ignored: with 'kvstore_url' the vLLM "
                         "connector uses the daemon alone", ", ".join(map(repr, local)))
         return StoreSpec(url=str(extra["kvstore_url"]), auth_token=extra.get("auth_token"),
-                         timeout_s=timeout_s)
+                         timeout_s=timeout_s, breaker=BreakerTimes.for_connector(timeout_s))
     return StoreSpec(cpu_bytes=str(extra.get("cpu_bytes", "1GiB")),
                      disk_bytes=extra.get("disk_bytes") or None, disk_path=extra.get("disk_path"),
                      name=str(extra.get("store_name", "default")), **remote)

@@ -98,8 +98,10 @@ class SchedulerSide:
     def lookup(self, request: "Request", num_computed_tokens: int) -> int:
         """Prompt tokens beyond ``num_computed_tokens`` (vLLM's own hit) that the store can
         supply: the leading stored chunks past the hit, then the stored tail pieces after
-        them, capped at ``prompt_len - 1``. Any store error or deadline means 0 (a failed
-        tail lookup: the chunks found still count); 0 without asking the store when
+        them, capped at ``prompt_len - 1``, as the store's ``lookup_keys`` answers (a
+        daemon counts it in its ``lookups``, ``requested_tokens`` and ``hit_tokens``). Any
+        store error or deadline means 0 (a failed tail lookup: the chunks found still count),
+        warned once per cause (``StoreCalls.warn``); 0 without asking the store when
         ``loads`` is off (``kv_role="kv_producer"``)."""
         self.counters.add(local_tokens=num_computed_tokens)
         state = self._state(request)
@@ -113,28 +115,30 @@ class SchedulerSide:
         store, ns = self.calls.store, state.chunks.chunks.ns
         tail_ns = state.chunks.pieces.ns if state.chunks.pieces is not None else None
         n_hit = 0
-        if q.keys:
+        if q.keys:   # the store's lookup: leading chunks held (a daemon counts it)
             try:
-                present = list(self.calls(store.exists, ns, list(q.keys)))
+                n_hit = self.calls(store.lookup_keys, ns, list(q.keys)).num_hit_chunks
             except Exception as e:  # store down or late: a miss
                 self.counters.add(lookups=1, lookup_errors=1)
-                log.warning("kvstore lookup failed (%s); prefilling", e)
+                self.calls.warn("lookup", "kvstore lookup failed (%s: %s); prefilling",
+                                type(e).__name__, e)
                 state.chunks.record(LookupHit.miss(n, nc))
                 return 0
-            while n_hit < len(present) and present[n_hit]:
-                n_hit += 1
         pieces = q.tail_range(n_hit)
         t_hit = 0
         if pieces:
             try:
-                got = list(self.calls(store.exists, tail_ns,
-                                      list(q.tail_keys[pieces.start:pieces.stop])))
+                t_hit = self.calls(store.lookup_keys, tail_ns,
+                                   list(q.tail_keys[pieces.start:pieces.stop])).num_hit_chunks
             except Exception as e:  # the full chunks still count
-                log.warning("kvstore tail lookup failed (%s)", e)
+                self.calls.warn("lookup", "kvstore tail lookup failed (%s: %s)",
+                                type(e).__name__, e)
                 self.counters.add(lookup_errors=1)
-                got = []
-            while t_hit < len(got) and got[t_hit]:
-                t_hit += 1
+                t_hit = 0
+            else:
+                self.calls.recovered("lookup")
+        elif q.keys:
+            self.calls.recovered("lookup")
         ext = state.chunks.record(q.hit(n_hit, num_hit_pieces=t_hit))
         self.counters.add(lookups=1, hit_tokens=ext)
         if ext and self.pin_lease_s > 0 and store.capabilities.pins:
@@ -146,9 +150,11 @@ class SchedulerSide:
                                list(q.tail_keys[pieces.start:pieces.start + t_hit]),
                                self.pin_lease_s)
             except Exception as e:
-                log.warning("kvstore pin failed (%s); prefilling", e)
+                self.calls.warn("pin", "kvstore pin failed (%s: %s); prefilling",
+                                type(e).__name__, e)
                 self.counters.add(lookup_errors=1)
                 return 0
+            self.calls.recovered("pin")
         log.debug("lookup %s: %.2f ms, %d local + %d external tokens", request.request_id,
                   (time.perf_counter() - t0) * 1e3, nc, ext)
         return ext

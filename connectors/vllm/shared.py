@@ -1,12 +1,25 @@
 """What the scheduler side and the worker side of the vLLM connector share: the store with its
-per-call deadline, and the counters. Importable without vLLM.
+per-call deadline, the counters, and the warnings about failing store calls. Importable without
+vLLM.
+
+Warnings (``StoreCalls.warn``, ``kvstore.cause_log.CauseLog``) are logged once per kind of
+operation (lookup, pin, load, save, demote) *and cause*, and again only after that kind worked
+(``StoreCalls.recovered``: one INFO line then); each failure is counted in the connector's
+counters (``lookup_errors``, ``load_errors``, ``save_errors``...). A call the daemon's circuit
+breaker skipped (``RemoteSkipped``) is counted, not logged: the breaker logged the failure that
+opened it.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, Callable
 
 from kvstore.api import KVStoreBase
+from kvstore.cause_log import CauseLog
+from kvstore.circuit_store import RemoteSkipped
+
+log = logging.getLogger("kvstore.connectors.vllm")
 
 #: Counters of a connector (``KVStoreConnector.stats``), all starting at 0.
 COUNTER_NAMES = (
@@ -55,6 +68,23 @@ class StoreCalls:
 
     def __init__(self, store: KVStoreBase, remote: bool, timeout_s: float) -> None:
         self.store, self.remote, self.timeout_s = store, remote, timeout_s
+        self._causes = CauseLog(log, "kvstore connector: %s works again (%d failures since "
+                                     "it last worked)")
+
+    def warn(self, kind: str, msg: str, *args: Any) -> bool:
+        """Log ``msg % args`` at WARNING unless this ``kind`` already logged the same cause
+        (the first exception in ``args``) and has not recovered since (module docstring); a
+        ``RemoteSkipped`` is only counted. Returns whether it logged."""
+        cause = next((a for a in args if isinstance(a, BaseException)), None)
+        if isinstance(cause, RemoteSkipped):   # the breaker logged why it is open
+            self._causes.failed(kind)
+            return False
+        return self._causes.warn(kind, msg, *args, cause=cause)
+
+    def recovered(self, kind: str) -> None:
+        """A ``kind`` call succeeded: its causes may be logged again (one INFO line when one
+        had been)."""
+        self._causes.recovered(kind)
 
     def __call__(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``, with the deadline when the store is remote. Raises what ``fn``

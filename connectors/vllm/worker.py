@@ -6,9 +6,9 @@ covers (``ChunkTransfer.supersedes``).
 
 A chunk larger than the daemon's ``--max-body-bytes`` (``connectors.chunk_limit``): at
 registration ``check_chunk_limit`` asks the daemon, and one WARNING names both sizes; when the
-daemon is the only store, the saves of chunks of that layout are then skipped before any
-gather, each counted in ``save_errors`` as the put's ``ChunkTooLarge`` was (a put that meets
-``ChunkTooLarge`` later does the same, from then on).
+daemon is the only store, the saves of chunks of that layout are then skipped before any gather,
+each counted in ``save_errors`` as the put's ``ChunkTooLarge`` was (as later ones, once met).
+Failed loads, saves and demotions warn once per cause (``StoreCalls.warn``).
 """
 from __future__ import annotations
 
@@ -69,10 +69,9 @@ class WorkerSide:
                  num_blocks: int, calls: StoreCalls, counters: Counters, save_queue_bytes: int,
                  forward_context: Callable[[], dict[str, Any]],
                  layerwise: bool | None = False) -> None:
-        self.layout, self.layer_names = layout, layer_names
-        self.block_size, self.num_blocks = block_size, num_blocks
-        self.calls, self.counters = calls, counters
-        self._forward_context = forward_context
+        self.layout, self.layer_names, self.block_size = layout, layer_names, block_size
+        self.num_blocks, self.calls, self.counters = num_blocks, calls, counters
+        self._forward_context, self.layerwise = forward_context, layerwise
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.paged: PagedLayout | None = None
         self._layout_error: str | None = None
@@ -80,12 +79,10 @@ class WorkerSide:
         self._fail_lock = threading.Lock()
         self._layer_pos = {n: i for i, n in enumerate(layer_names)}
         self._caches: list[torch.Tensor] = []
-        self.layerwise = layerwise
         self._loader: Loader | None = None
         self._load: LayerLoad | None = None
         self._copied: set[str] = set()    # finished requests whose last saves are copied out
-        self.saves = SaveQueue(self._put, save_queue_bytes, self._saved,
-                               name="kvstore-vllm-saver")
+        self.saves = SaveQueue(self._put, save_queue_bytes, self._saved, name="kvstore-vllm-saver")
         self._oversize: set[KVLayout] = set()   # warned: the daemon cannot take its chunk
         self._skipped: set[KVLayout] = set()    # ... and saves of chunks of it are skipped
         self._refusals_told: set[str] = set()   # in-process refusals logged (log_local_refusal)
@@ -205,7 +202,7 @@ class WorkerSide:
                 self.counters.add(load_s=time.perf_counter() - t0)
 
         def failed(e: BaseException) -> None:
-            log.warning("kvstore layer-wise load failed (%s); recomputing", e)
+            self.calls.warn("load", "kvstore layer-wise load failed (%r); recomputing", e)
             for t in loads:
                 self._fail(t, t.start)
 
@@ -253,9 +250,11 @@ class WorkerSide:
         try:
             chunks = self.calls(self.calls.store.get_chunks, t.ns, t.keys)
         except Exception as e:
-            log.warning("kvstore load of %s failed (%s); recomputing", t.request_id, e)
+            self.calls.warn("load", "kvstore load of %s failed (%r); recomputing", t.request_id,
+                            e)
             self._fail(t, t.start)
             return False
+        self.calls.recovered("load")
         n_tok, ok = 0, True
         for i, kv in enumerate(chunks):
             c0 = (t.first_chunk + i) * C
@@ -339,7 +338,7 @@ class WorkerSide:
                                   self.calls)
             self.counters.add(demoted_tail_chunks=n)
         except Exception as e:  # noqa: BLE001 - a lost demotion only costs room, later
-            log.warning("kvstore demote of %s's tail pieces failed (%s)", t.request_id, e)
+            self.calls.warn("demote", "kvstore tail demote of %s failed (%r)", t.request_id, e)
             self.counters.add(demote_errors=1)
 
     def _put(self, ns: Namespace, keys: list[ChunkKey], kvs: list[torch.Tensor],
@@ -369,9 +368,10 @@ class WorkerSide:
             self.counters.add(save_errors=1)
             self._too_large(ns, error.nbytes, error.max_body_bytes)
         elif error is not None:
-            log.warning("kvstore put failed (%s)", error)
+            self.calls.warn("save", "kvstore put failed (%r)", error)
             self.counters.add(save_errors=1)
         else:
+            self.calls.recovered("save")
             self.counters.add(save_s=seconds)
 
     def flush(self, timeout_s: float = 30.0) -> bool:

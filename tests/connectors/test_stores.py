@@ -121,7 +121,10 @@ def test_vllm_options_read_the_extra_config():
         ConnectorOptions.from_extra({"layerwise_load": "sometimes"}, block_size=16)
     remote = store_spec({"kvstore_url": "http://h:1", "auth_token": "t", "cpu_bytes": "1GiB"},
                         timeout_s=2.0)
-    assert remote == StoreSpec(url="http://h:1", auth_token="t", timeout_s=2.0)
+    # the daemon behind the same breaker as engine_min's: lookups 2 s, loads 2 s + 0.05 s a
+    # chunk, saves 30 s
+    assert remote == StoreSpec(url="http://h:1", auth_token="t", timeout_s=2.0,
+                               breaker=BreakerTimes(30.0, 0.05, 2.0))
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -153,7 +156,8 @@ def test_vllm_options_warn_about_keys_they_ignore(caplog):
         spec = store_spec({"kvstore_url": "http://h:1", "cpu_bytes": "1GiB",
                            "disk_path": "/tmp/kv"}, timeout_s=2.0)
     assert opts.save_queue_bytes == 512 << 20       # the old count is not read as bytes
-    assert spec == StoreSpec(url="http://h:1", timeout_s=2.0)
+    assert spec == StoreSpec(url="http://h:1", timeout_s=2.0,
+                             breaker=BreakerTimes.for_connector(2.0))
     text = caplog.text
     assert "'save_queue' (a count of saves) is replaced by 'save_queue_bytes'; ignored" in text
     assert "'cpu_bytes', 'disk_path' ignored: with 'kvstore_url'" in text

@@ -170,7 +170,7 @@ def test_lookup_deadline_means_prefill(engine, prompts, baseline):
     assert engine["llm"].reset_prefix_cache()
     s = engine["s"]
     real = s.store
-    s.store = Failing(real, {"exists"})
+    s.store = Failing(real, {"lookup_keys"})
     try:
         out, dw, ds = _gen(engine, prompts["P"])
     finally:
