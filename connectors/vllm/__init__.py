@@ -52,7 +52,12 @@ closest known key, so a misspelt ``kvstore_ulr`` does not fall back to the in-pr
 * ``timeout_s`` (default 2.0): deadline of each store call made before or during a forward
   pass; a late or failed lookup means a miss, a late or failed load is reported to vLLM as
   failed blocks, which vLLM recomputes when ``kv_load_failure_policy="recompute"`` (set it:
-  vLLM's default ``"fail"`` fails the request instead).
+  vLLM's default ``"fail"`` fails the request instead). A daemon's client is behind the
+  circuit breaker engine_min's uses (``kvstore.circuit_store.CircuitBreakerStore``,
+  ``connectors.stores.BreakerTimes.for_connector``): after a failed call the daemon is skipped
+  for a cool-down (2 s doubling to 30 s), then probed, so a hung daemon costs one
+  ``timeout_s``, not one per request; loads get ``timeout_s`` + 0.05 s a chunk, background
+  saves 30 s. Failures are warned once per kind and cause (``shared.StoreCalls.warn``).
 * ``save_queue_bytes`` (default 512 MiB; an int or text such as ``"1GiB"``; the old count
   ``save_queue`` is ignored, with a warning): bytes of gathered chunks waiting for the background
   writer (``connectors.save_queue.SaveQueue``, shared with the engine_min connector); a save
