@@ -1,7 +1,11 @@
 """Long-document Q&A and 2-round chats on the real vLLM engine (CPU): no connector, vLLM's own
-prefix caching, vLLM's ExampleConnector, and our KVStoreConnector (in-process CPU tier with
-layer-wise and with whole loads; ``kvstore serve`` daemon, then a second fresh engine process
-on the warm daemon), plus engine_min as a reference, in one run.
+prefix caching, vLLM's ExampleConnector, and our KVStoreConnector, plus engine_min as a
+reference, in one run. Rows (``configs`` in the output): ``none``, ``vllm-prefix-cache``,
+``example``; ``ours-cpu`` (in-process CPU tier, ``layerwise_load`` auto: whole loads before
+the forward pass on CPU); ``ours-cpu-layerwise`` (the same with ``layerwise_load: true``);
+``ours-cpu-chunk<N>`` with ``--fine-chunk-size N``; unless ``--no-daemon``, ``ours-daemon``
+(a ``kvstore serve`` daemon) and ``ours-daemon-2nd-process`` (a second fresh engine process
+on the warm daemon); with ``--engine-min``, engine_min's rows.
 
 Every configuration runs in its own fresh process (vLLM keeps global state), with vLLM's own
 prefix caching OFF so every reuse comes through the connector. Workload per document: question
@@ -223,7 +227,8 @@ def checks(table: dict) -> dict:
 
 
 _DURATION = ("Duration on the 2-core machine: 489 s for --docs 3 --doc-tokens 800 --max-tokens 4\n"
-             "--chats 2 at load average 6-8 (docs/measurements.md, 2026-12-01); the default\n"
+             "--chats 2 at load average 6-8 (docs/measurements.md, 2026-12-01); 235 s for\n"
+             "--docs 1 --doc-tokens 800 --max-tokens 4 --chats 1 at load 1.2-2.8; the default\n"
              "documents (1500 tokens) take longer: not timed.")
 
 
@@ -282,8 +287,8 @@ def main(argv: list[str] | None = None) -> int:
                 ("vllm-prefix-cache", {"connector": "none", "prefix_caching": True}),
                 ("example", {"connector": "example", "example_path": ex_dir}),
                 ("ours-cpu", {"connector": "ours-cpu"}),
-                ("ours-cpu-whole-loads", {"connector": "ours-cpu",
-                                          "extra": {"layerwise_load": False}})]
+                ("ours-cpu-layerwise", {"connector": "ours-cpu",
+                                        "extra": {"layerwise_load": True}})]
         if a.fine_chunk_size and a.fine_chunk_size != a.chunk_size:
             plan.append((f"ours-cpu-chunk{a.fine_chunk_size}",
                          {"connector": "ours-cpu", "chunk_size": a.fine_chunk_size}))
