@@ -1,8 +1,9 @@
 """KVStoreConnector on the real vLLM engine (CPU build) with a ``kvstore serve`` daemon that
 stops answering (SIGSTOP): the daemon's circuit breaker makes the first lookup cost one
-``timeout_s`` and skips the rest while it cools down, the failure is warned once, and after
-SIGCONT a half-open probe brings the daemon back and requests hit again. The daemon's own
-lookup counters move with vLLM traffic (the adapter asks the daemon's lookup).
+``timeout_s`` and skips the rest while it cools down (one probe per cool-down), the failure
+is warned once, and after SIGCONT a probe brings the daemon back and requests hit again.
+The daemon's own lookup counters move with vLLM traffic (the adapter asks the daemon's
+lookup).
 
 Skipped unless vLLM imports in the running interpreter; run it in the vLLM environment::
 
@@ -104,12 +105,16 @@ def test_hung_daemon_costs_one_timeout_then_hits_again(model_dir):
                 os.kill(d.proc.pid, signal.SIGCONT)
             assert all(len(o.outputs[0].token_ids) == 2 for o in outs)
             assert len(lookup_s) >= 4
-            # one lookup waited for its deadline; the others were skipped at once
-            assert sum(lookup_s) < 2 * TIMEOUT_S, (lookup_s, stopped_s)
-            assert max(lookup_s) >= 0.9 * TIMEOUT_S, lookup_s
-            assert sorted(lookup_s)[-2] < 0.2 * TIMEOUT_S, lookup_s
+            # the first lookup waits for its deadline, then lookups are skipped at once, but
+            # for one probe each time a cool-down (2 s, then 4 s...) ends while the batch runs
+            slow = [t for t in lookup_s if t >= 0.9 * TIMEOUT_S]
+            fast = [t for t in lookup_s if t < 0.2 * TIMEOUT_S]
+            assert len(slow) + len(fast) == len(lookup_s), lookup_s
+            assert 1 <= len(slow) <= 1 + int(stopped_s // 2.0), (lookup_s, stopped_s)
+            assert len(fast) >= 3, (lookup_s, stopped_s)
             assert s.counters["lookup_errors"] - before["lookup_errors"] >= 4
-            assert stats["remote_breaker_trips"] == 1 and stats["remote_skipped_calls"] >= 3
+            assert stats["remote_breaker_trips"] >= len(slow)
+            assert stats["remote_skipped_calls"] >= len(fast)
             # the breaker's line and the connector's one, not one per request
             lookup_lines = [m for m in warnings if "lookup" in m]
             assert 1 <= len(lookup_lines) <= 2, warnings
