@@ -65,7 +65,7 @@ vllm-venv: $(VLLM_STAMP) ## create .venv-vllm with vLLM's CPU build (tools/make_
 $(VLLM_STAMP): tools/make_vllm_env.sh pyproject.toml
 	PY=$(PY) tools/make_vllm_env.sh $(VLLM_VENV)
 
-VLLM_TESTS ?= tests/connectors/test_vllm_connector.py tests/connectors/test_vllm_daemon.py tests/connectors/test_vllm_cli.py tests/connectors/test_vllm_tenants.py tests/connectors/test_vllm_engine_min_sharing.py tests/connectors/test_vllm_reader.py
+VLLM_TESTS ?= tests/connectors/test_vllm_connector.py tests/connectors/test_vllm_daemon.py tests/connectors/test_vllm_cli.py tests/connectors/test_vllm_tenants.py tests/connectors/test_vllm_engine_min_sharing.py tests/connectors/test_vllm_reader.py tests/connectors/test_vllm_kv_role.py tests/connectors/test_vllm_hung_daemon.py
 
 test-vllm: $(VLLM_STAMP) ## the vLLM connector's integration tests in .venv-vllm (VLLM_TESTS=...)
 	$(VLLM_VENV)/bin/python -m pytest -q -ra $(VLLM_TESTS)
