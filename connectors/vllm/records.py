@@ -60,6 +60,7 @@ class RequestState:
         num_local: tokens computed by vLLM's own prefix cache at admission.
         load: what to load (granted by vLLM) until a step's metadata carries it, else None.
         block_ids: the request's block table as the scheduler last saw it.
+        pinned: ``(namespace, keys)`` of every pin its lookups took, dropped when it ends.
     """
 
     request: Any
@@ -68,6 +69,7 @@ class RequestState:
     num_local: int = 0
     load: LoadPlan | None = None
     block_ids: list[int] = field(default_factory=list)
+    pinned: list[tuple[Namespace, list[ChunkKey]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

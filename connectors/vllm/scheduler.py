@@ -143,12 +143,11 @@ class SchedulerSide:
         self.counters.add(lookups=1, hit_tokens=ext)
         if ext and self.pin_lease_s > 0 and store.capabilities.pins:
             try:
-                if n_hit:
-                    self.calls(store.pin, ns, list(q.keys[:n_hit]), self.pin_lease_s)
-                if t_hit:
-                    self.calls(store.pin, tail_ns,
-                               list(q.tail_keys[pieces.start:pieces.start + t_hit]),
-                               self.pin_lease_s)
+                for pin_ns, keys in ((ns, list(q.keys[:n_hit])), (tail_ns, list(
+                        q.tail_keys[pieces.start:pieces.start + t_hit]) if t_hit else [])):
+                    if keys:
+                        self.calls(store.pin, pin_ns, keys, self.pin_lease_s)
+                        state.pinned.append((pin_ns, keys))
             except Exception as e:
                 self.calls.warn("pin", "kvstore pin failed (%s: %s); prefilling",
                                 type(e).__name__, e)
@@ -231,6 +230,7 @@ class SchedulerSide:
         state = self.requests.pop(request.request_id, None)
         if state is None:
             return False
+        self._unpin(state)
         done = min(int(request.num_computed_tokens), len(request.all_token_ids) - 1)
         saves = self._saves(request.request_id, state, done, list(block_ids))
         if not saves:
@@ -238,3 +238,14 @@ class SchedulerSide:
         self.finish_saves += saves
         self.finish_ids.add(request.request_id)
         return True
+
+    def _unpin(self, state: RequestState) -> None:
+        """Drop the pins ``state``'s lookups took (its loads are done or will not come), so a
+        small store can evict those chunks again before their lease (``pin_lease_s``) ends;
+        a failed unpin is warned once per cause (the lease still ends them)."""
+        pinned, state.pinned = state.pinned, []
+        try:
+            for ns, keys in pinned:
+                self.calls(self.calls.store.unpin, ns, keys)
+        except Exception as e:  # noqa: BLE001 - the leases end them anyway
+            self.calls.warn("unpin", "kvstore unpin failed (%s: %s)", type(e).__name__, e)
