@@ -62,9 +62,10 @@ closest known key, so a misspelt ``kvstore_ulr`` does not fall back to the in-pr
   ``save_queue`` is ignored, with a warning): bytes of gathered chunks waiting for the background
   writer (``connectors.save_queue.SaveQueue``, shared with the engine_min connector); a save
   that does not fit is dropped (counted) instead of stalling the engine.
-* ``pin_lease_s`` (default 30): chunks found by a lookup are pinned for this long so no eviction
-  removes them before the load (0 disables pinning; a reader token with the daemon alone pins
-  nothing, as the daemon refuses a reader's pin).
+* ``pin_lease_s`` (default 30): chunks found by a lookup are pinned so no eviction removes them
+  before the load, until the request ends (then unpinned) or at most this long (0 disables
+  pinning; a reader token with the daemon alone pins nothing, as the daemon refuses a reader's
+  pin).
 * ``layerwise_load`` (default ``auto``): ``true``: a step's loads run on a background thread,
   store read then layer after layer, while the forward pass runs; vLLM's
   ``wait_for_layer_load`` in layer ``i``'s attention waits only until layer ``i`` is written.
