@@ -26,21 +26,26 @@ BLOCK, CHUNK = 4, 8
 LAYOUT = KVLayout(1, 2, 64, "float32", CHUNK)   # 8 KiB chunks: whole pages
 
 
-def test_a_finished_request_drops_its_lookups_pins_and_the_store_can_evict_again(
-        scheduler_module):
-    chunk_bytes = LAYOUT.chunk_bytes
-    opened = open_store(StoreSpec(cpu_bytes=str(3 * chunk_bytes), name="unpin"))
+def _stored(scheduler_module, cpu_bytes: int, name: str, n_chunks: int):
+    """An in-process store of ``cpu_bytes`` holding a document of ``n_chunks`` chunks, and a
+    scheduler side over it pinning for 30 s: ``(store, ns, doc, keys, side)``."""
+    opened = open_store(StoreSpec(cpu_bytes=str(cpu_bytes), name=name))
     store, base = opened.store, Namespace("m", LAYOUT)
     ns = RequestNamespaces(base, opened.tenant_salt, 0).base
-    doc = list(range(100, 124))                                   # 3 chunks: the store is full
-    store.put_chunks(ns, ns.chunk_keys(doc), [torch.ones(LAYOUT.shape())] * 3)
+    doc = list(range(100, 100 + n_chunks * CHUNK))
+    store.put_chunks(ns, ns.chunk_keys(doc), [torch.ones(LAYOUT.shape())] * n_chunks)
     side = scheduler_module.SchedulerSide(
         ChunkGeometry(BLOCK, CHUNK, 0), RequestNamespaces(base, opened.tenant_salt, 0),
         StoreCalls(store, opened.remote, 5.0), Counters(), 30.0,
         lambda rid, fallback: fallback)
-    req = _request("r", doc + [7])
+    return store, ns, doc, ns.chunk_keys(doc), side
+
+
+def test_a_finished_request_drops_its_lookups_pins_and_the_store_can_evict_again(
+        scheduler_module):
+    store, ns, doc, keys, side = _stored(scheduler_module, 3 * LAYOUT.chunk_bytes, "unpin", 3)
+    req = _request("r", doc + [7])                                 # the store is full
     assert side.lookup(req, 0) == 24                               # 3 chunks found, pinned
-    keys = ns.chunk_keys(doc)
     assert [store.pin_count(k) for k in keys] == [1, 1, 1]
     other = list(range(500, 508))                                 # a new prompt's chunk
     assert store.put_chunks(ns, ns.chunk_keys(other), [torch.ones(LAYOUT.shape())]) == 0
@@ -53,20 +58,12 @@ def test_a_finished_request_drops_its_lookups_pins_and_the_store_can_evict_again
 
 
 def test_a_request_looked_up_twice_before_admission_drops_both_pins(scheduler_module):
-    opened = open_store(StoreSpec(cpu_bytes="1MiB", name="unpin2"))
-    store, base = opened.store, Namespace("m", LAYOUT)
-    ns = RequestNamespaces(base, opened.tenant_salt, 0).base
-    doc = list(range(100, 116))
-    store.put_chunks(ns, ns.chunk_keys(doc), [torch.ones(LAYOUT.shape())] * 2)
-    side = scheduler_module.SchedulerSide(
-        ChunkGeometry(BLOCK, CHUNK, 0), RequestNamespaces(base, opened.tenant_salt, 0),
-        StoreCalls(store, opened.remote, 5.0), Counters(), 30.0,
-        lambda rid, fallback: fallback)
+    store, ns, doc, keys, side = _stored(scheduler_module, 1 << 20, "unpin2", 2)
     req = _request("r", doc + [7])
     side.lookup(req, 0)
     side.lookup(req, 0)                     # vLLM asks again while the request waits
-    assert [store.pin_count(k) for k in ns.chunk_keys(doc)] == [2, 2]
+    assert [store.pin_count(k) for k in keys] == [2, 2]
     req.all_token_ids = doc + [7]
     side.finished(req, [])                  # aborted before it ran: nothing to save
-    assert [store.pin_count(k) for k in ns.chunk_keys(doc)] == [0, 0]
+    assert [store.pin_count(k) for k in keys] == [0, 0]
     store.close()
