@@ -47,7 +47,9 @@ def engine(model_dir):
     sched = llm.llm_engine.engine_core.engine_core.scheduler.connector
     assert llm.llm_engine.vllm_config.cache_config.block_size == BLOCK
     yield {"llm": llm, "w": worker, "s": sched}
-    worker.shutdown()
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+    ensure_kv_transfer_shutdown()   # the worker, and vLLM's process-wide handle on it: a later
+    # engine in this process (test_vllm_hung_daemon's) would otherwise get this worker back
 
 
 def _gen(engine, tokens, max_tokens: int = MAX_TOKENS,

@@ -53,6 +53,11 @@ def test_hung_daemon_costs_one_timeout_then_hits_again(model_dir):
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+    # vLLM keeps one worker connector per process and builds none while it holds one: an engine
+    # made earlier in this process (test_vllm_connector's) would lend this engine its worker,
+    # whose saves then go to that engine's store, not this daemon
+    ensure_kv_transfer_shutdown()
     rec = Records()
     loggers = [logging.getLogger(n) for n in ("kvstore.connectors.vllm", "kvstore.layered")]
     levels = [lg.level for lg in loggers]
@@ -139,4 +144,4 @@ def test_hung_daemon_costs_one_timeout_then_hits_again(model_dir):
                 lg.removeHandler(rec)
                 lg.setLevel(level)
             client.close()
-            w.shutdown()
+            ensure_kv_transfer_shutdown()
