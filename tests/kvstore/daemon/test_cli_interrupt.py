@@ -86,17 +86,21 @@ def test_ctrl_c_during_serve_start_up_is_one_line_and_130_or_a_graceful_stop(tmp
         disk = tmp_path / f"disk{i}"
         disk.mkdir()
         p, lines, reader = _start_serve(disk)
-        deadline = time.monotonic() + 60
-        while not any(line.rstrip().endswith("kvstore.daemon.entry") for line in list(lines)):
-            assert time.monotonic() < deadline and p.poll() is None, "".join(lines)
-            time.sleep(0.002)
-        time.sleep(delay)
-        p.send_signal(signal.SIGINT)
         try:
-            p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            raise AssertionError(f"SIGINT at {delay} s: still running 60 s later")
+            deadline = time.monotonic() + 60
+            while not any(line.rstrip().endswith("kvstore.daemon.entry") for line in list(lines)):
+                assert time.monotonic() < deadline and p.poll() is None, "".join(lines)
+                time.sleep(0.002)
+            time.sleep(delay)
+            p.send_signal(signal.SIGINT)
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"SIGINT at {delay} s: still running 60 s later") from None
+        finally:
+            if p.poll() is None:   # (a failed wait above: no daemon outlives the test)
+                p.kill()
+                p.wait()
         out = p.stdout.read()  # (a line or two: the pipe never filled)
         reader.join(timeout=10)
         err = "".join(line for line in lines if not line.startswith("import time:"))
